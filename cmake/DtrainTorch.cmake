@@ -1,0 +1,50 @@
+# Finds LibTorch (from the pinned `torch` wheel) and papers over what its CMake
+# package needs on a machine with a CUDA toolkit but no GPU. Included by our
+# top-level CMakeLists.txt and by the installed dtrainConfig.cmake, so an
+# outside project that does find_package(dtrain) gets the same treatment.
+#
+# - TorchConfig enables CUDA when the wheel is a CUDA build; without an explicit
+#   architecture list it try_run()s a GPU probe, which fails with no GPU.
+# - CMake 3.25 does not know a CUDA20 dialect for nvcc; we compile no CUDA
+#   sources, so CUDA 17 is enough for Torch's checks.
+# - libtorch_cuda.so needs the wheel's own NCCL/CUDA libraries (nvidia/*/lib),
+#   which are newer than /usr/local/cuda's: point the linker at them
+#   (-rpath-link) and the loader too (-rpath), so a binary that links the
+#   toolkit's libcudart still loads the wheel's at run time.
+
+if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS /usr/local/cuda/bin/nvcc)
+  set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc CACHE FILEPATH "nvcc used by Torch's CMake checks")
+endif()
+if(NOT DEFINED CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
+  set(CUDAToolkit_ROOT /usr/local/cuda)
+endif()
+if(NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+  set(TORCH_CUDA_ARCH_LIST "8.0;9.0" CACHE STRING "CUDA architectures (set to skip Torch's GPU probe)")
+endif()
+if(NOT DEFINED CMAKE_CUDA_STANDARD)
+  set(CMAKE_CUDA_STANDARD 17)
+endif()
+
+find_package(Torch REQUIRED)
+
+if(NOT TARGET dtrain_torch_link)
+  add_library(dtrain_torch_link INTERFACE IMPORTED)
+  set_target_properties(dtrain_torch_link PROPERTIES INTERFACE_LINK_LIBRARIES "${TORCH_LIBRARIES}")
+  file(GLOB _dtrain_nvidia_libdirs "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
+  foreach(_dir IN LISTS _dtrain_nvidia_libdirs)
+    get_filename_component(_dir "${_dir}" REALPATH)
+    # rpath-link: resolve libtorch_cuda's NEEDED at link time; rpath (ahead of
+    # CMake's own, which lists /usr/local/cuda/lib): load the wheel's CUDA
+    # runtime, not the toolkit's older one, when a binary links libcudart.
+    set_property(TARGET dtrain_torch_link APPEND PROPERTY INTERFACE_LINK_OPTIONS
+      "LINKER:-rpath-link,${_dir}" "LINKER:-rpath,${_dir}")
+  endforeach()
+endif()
+
+# True when this LibTorch can drive CUDA devices (and so NCCL); decides which
+# backend file src/comm compiles.
+if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
+  set(DTRAIN_TORCH_HAS_CUDA ON)
+else()
+  set(DTRAIN_TORCH_HAS_CUDA OFF)
+endif()

@@ -1,0 +1,146 @@
+// Trains a small CNN on Fashion-MNIST and reports test accuracy.
+//
+//   fashion_mnist [--strategy single] [--devices cpu] [--epochs 2] [--batch-size 64]
+//                 [--lr 1e-3] [--seed 0] [--data-dir /usr/share/datasets/fashion-mnist]
+//
+// Progress goes to stderr (a bar on a terminal, periodic lines otherwise);
+// stdout gets one JSON line per epoch and a final
+//   {"event":"done","test_accuracy":...,"train_seconds":...,"samples_per_second":...}
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+#include <torch/utils.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "dtrain/dtrain.h"
+#include "model.h"
+
+namespace {
+
+struct Options {
+  std::string strategy = "single";
+  std::string devices = "all";
+  int epochs = 2;
+  int batch_size = 64;
+  double lr = 1e-3;
+  std::uint64_t seed = 0;
+  std::string data_dir = dtrain::data::kFashionMnistDefaultDir;
+  std::int64_t train_limit = 0;  // 0: the whole training set
+};
+
+double evaluate(SmallCnn& model, const dtrain::data::FashionMnist& test, const c10::Device& device) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const auto all = test.all();
+  std::int64_t correct = 0;
+  for (std::int64_t start = 0; start < test.size(); start += 1000) {
+    const auto end = std::min(start + 1000, test.size());
+    auto logits = model->forward(all.images.slice(0, start, end).to(device));
+    correct += logits.argmax(1).eq(all.labels.slice(0, start, end).to(device)).sum().item<std::int64_t>();
+  }
+  model->train();
+  return static_cast<double>(correct) / static_cast<double>(test.size());
+}
+
+int run(const Options& opt) {
+  const auto devices = dtrain::parse_devices(opt.devices);
+  DTRAIN_CHECK(
+      opt.strategy != "single" || devices.size() == 1 || opt.devices == "all", ConfigError,
+      "--strategy single trains on one device, but --devices " << opt.devices << " lists " << devices.size() << ".",
+      "pass a single device, e.g. --devices cpu or --devices cuda:0");
+  const c10::Device device = devices.front();
+  torch::manual_seed(opt.seed);
+
+  const dtrain::data::FashionMnist train(opt.data_dir, dtrain::data::Split::kTrain);
+  const dtrain::data::FashionMnist test(opt.data_dir, dtrain::data::Split::kTest);
+  const std::int64_t n = opt.train_limit > 0 ? std::min(opt.train_limit, train.size()) : train.size();
+  const std::int64_t steps_per_epoch = (n + opt.batch_size - 1) / opt.batch_size;
+
+  SmallCnn model;
+  model->to(device);
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(opt.lr));
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
+
+  DTRAIN_LOG(kInfo) << "training on " << device << ": " << n << " examples, " << opt.epochs << " epochs, batch "
+                    << opt.batch_size;
+  double train_seconds = 0;
+  double accuracy = 0;
+  for (int epoch = 1; epoch <= opt.epochs; ++epoch) {
+    const auto order = at::randperm(train.size(), generator, at::kLong).slice(0, 0, n);
+    dtrain::Progress progress(steps_per_epoch, {.label = "epoch " + std::to_string(epoch)});
+    const auto start = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    for (std::int64_t step = 0; step < steps_per_epoch; ++step) {
+      const auto batch = train.get_batch(order.slice(0, step * opt.batch_size, (step + 1) * opt.batch_size));
+      optimizer.zero_grad();
+      auto loss =
+          torch::nn::functional::cross_entropy(model->forward(batch.images.to(device)), batch.labels.to(device));
+      loss.backward();
+      optimizer.step();
+      loss_sum += loss.item<double>();
+      if (step % 20 == 0) {
+        char status[48];
+        std::snprintf(status, sizeof status, "loss %.4f", loss_sum / static_cast<double>(step + 1));
+        progress.update(step + 1, status);
+      }
+    }
+    const double mean_loss = loss_sum / static_cast<double>(steps_per_epoch);
+    progress.finish("loss " + std::to_string(mean_loss));
+    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    accuracy = evaluate(model, test, device);
+    std::cout << nlohmann::json{{"event", "epoch"},
+                                {"epoch", epoch},
+                                {"train_loss", mean_loss},
+                                {"test_accuracy", accuracy}}
+                     .dump()
+              << std::endl;
+  }
+  std::cout << nlohmann::json{{"event", "done"},
+                              {"test_accuracy", accuracy},
+                              {"train_seconds", train_seconds},
+                              {"samples_per_second", static_cast<double>(n * opt.epochs) / train_seconds}}
+                   .dump()
+            << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Train a small CNN on Fashion-MNIST with dtrain."};
+  Options opt;
+  app.add_option("--strategy", opt.strategy, "Parallelism strategy")
+      ->check(CLI::IsMember({"single"}))
+      ->capture_default_str();
+  app.add_option("--devices", opt.devices, "Devices: cpu, cuda, cuda:N, N, or all (first visible GPU, else cpu)")
+      ->capture_default_str();
+  app.add_option("--epochs", opt.epochs, "Passes over the training set")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app.add_option("--batch-size", opt.batch_size, "Examples per step")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  app.add_option("--lr", opt.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--seed", opt.seed, "Seed for initialisation and shuffling")->capture_default_str();
+  app.add_option("--data-dir", opt.data_dir, "Directory with the Fashion-MNIST IDX files")->capture_default_str();
+  app.add_option("--train-limit", opt.train_limit, "Train on the first N shuffled examples only (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return run(opt);
+  } catch (const dtrain::Error& e) {
+    std::cerr << "fashion_mnist: error: " << e.what() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "fashion_mnist: unexpected error: " << e.what() << std::endl;
+    return 2;
+  }
+}

@@ -1,0 +1,56 @@
+// The launcher/worker environment contract.
+//
+// A worker learns its place in the job from environment variables with
+// torchrun's names, so one program runs under `dtrain run`, torchrun, or a
+// hand-written script:
+//   RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT      required
+//   LOCAL_RANK, LOCAL_WORLD_SIZE                    optional; default to RANK and
+//                                                   WORLD_SIZE (one node)
+// and dtrain's own:
+//   DTRAIN_TIMEOUT_SECONDS   overrides the default timeout of blocking calls.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace dtrain::dist {
+
+struct EnvContract {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+};
+
+// Looks up one variable; std::nullopt when unset. Tests pass fakes.
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// The process environment.
+EnvLookup process_env();
+
+// Reads and validates the contract. Throws ConfigError naming the variable for
+// a missing or malformed value, RANK >= WORLD_SIZE, LOCAL_RANK >=
+// LOCAL_WORLD_SIZE, or a port outside 1..65535.
+EnvContract read_env_contract(const EnvLookup& env = process_env());
+
+// Checks an explicitly built contract the same way read_env_contract does.
+void validate(const EnvContract& contract);
+
+// True when RANK and WORLD_SIZE are both set (a launcher started us).
+bool launched_by_launcher(const EnvLookup& env = process_env());
+
+// Default timeout of blocking calls: DTRAIN_TIMEOUT_SECONDS (fractions
+// allowed) when set, else `fallback`. Throws ConfigError when malformed.
+std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallback = std::chrono::minutes(30),
+                                          const EnvLookup& env = process_env());
+
+namespace detail {
+// Parses a whole decimal integer in [min, max]; ConfigError names `what`.
+int parse_int(const std::string& what, const std::string& text, int min, int max);
+}  // namespace detail
+
+}  // namespace dtrain::dist

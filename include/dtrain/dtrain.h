@@ -1,0 +1,12 @@
+// Umbrella header: everything public in dtrain.
+#pragma once
+
+#include "dtrain/comm/device.h"
+#include "dtrain/comm/env.h"
+#include "dtrain/comm/process_group.h"
+#include "dtrain/comm/store.h"
+#include "dtrain/data/fashion_mnist.h"
+#include "dtrain/data/idx.h"
+#include "dtrain/error.h"
+#include "dtrain/log.h"
+#include "dtrain/trainer/progress.h"

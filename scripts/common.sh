@@ -1,0 +1,13 @@
+# Shared settings for scripts/*.sh; sourced, not run.
+# Everything heavy (the Python venv with the pinned torch wheel, ccache) lives
+# outside the repository so a fresh clone reuses it.
+DTRAIN_TORCH_VERSION="2.15.0"
+DTRAIN_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DTRAIN_CACHE="${DTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dtrain}"
+DTRAIN_VENV="$DTRAIN_CACHE/venv"
+DTRAIN_PYTHON="$DTRAIN_VENV/bin/python"
+DTRAIN_BUILD="${DTRAIN_BUILD:-$DTRAIN_ROOT/build}"
+export CCACHE_DIR="${CCACHE_DIR:-$DTRAIN_CACHE/ccache}"
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+
+log() { printf '[dtrain-setup] %s\n' "$*" >&2; }

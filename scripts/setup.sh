@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Idempotent machine and build-tree setup:
+#   1. Debian packages (compiler tools, test/bench libraries, the dataset),
+#   2. a virtual environment outside the repo holding the pinned torch wheel
+#      (LibTorch for C++, and the Python peer we benchmark against),
+#   3. a configured CMake build tree in ./build (Ninja, ccache).
+# Safe to run repeatedly: each step is skipped when already satisfied.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+APT_PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config
+  libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
+  libgloo-dev            # headers only: the torch wheel ships c10d's gloo headers without gloo's own
+  dataset-fashion-mnist  # IDX files under /usr/share/datasets/fashion-mnist
+  python3 python3-venv procps
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+mkdir -p "$DTRAIN_CACHE" "$CCACHE_DIR"
+have_torch() {
+  [ -x "$DTRAIN_PYTHON" ] &&
+    [ "$("$DTRAIN_PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" = "$DTRAIN_TORCH_VERSION" ]
+}
+if ! have_torch; then
+  log "creating $DTRAIN_VENV with torch==$DTRAIN_TORCH_VERSION (large download, once)"
+  [ -x "$DTRAIN_PYTHON" ] || python3 -m venv "$DTRAIN_VENV"
+  "$DTRAIN_PYTHON" -m pip install -q --progress-bar off "torch==$DTRAIN_TORCH_VERSION" numpy
+  have_torch || { log "torch==$DTRAIN_TORCH_VERSION did not install into $DTRAIN_VENV"; exit 1; }
+fi
+
+TORCH_PREFIX="$("$DTRAIN_PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+if [ ! -f "$DTRAIN_BUILD/build.ninja" ] || [ "${DTRAIN_RECONFIGURE:-0}" = 1 ]; then
+  log "configuring $DTRAIN_BUILD"
+  cmake -S "$DTRAIN_ROOT" -B "$DTRAIN_BUILD" -G Ninja \
+    -DCMAKE_BUILD_TYPE="${DTRAIN_BUILD_TYPE:-RelWithDebInfo}" \
+    -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
+    -DDTRAIN_PYTHON="$DTRAIN_PYTHON" \
+    -DDTRAIN_WARNINGS_AS_ERRORS=ON >"$DTRAIN_CACHE/configure.log" 2>&1 ||
+    { cat "$DTRAIN_CACHE/configure.log"; exit 1; }
+fi
+log "ready: build tree $DTRAIN_BUILD, python $DTRAIN_PYTHON"

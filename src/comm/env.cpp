@@ -1,0 +1,97 @@
+// Parsing and validation of the launcher/worker environment contract.
+#include "dtrain/comm/env.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+#include "dtrain/error.h"
+
+namespace dtrain::dist {
+namespace {
+constexpr const char* kLaunchHint =
+    "start workers with `dtrain run` or torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself";
+
+std::string require(const EnvLookup& env, const std::string& name) {
+  auto value = env(name);
+  DTRAIN_CHECK(value.has_value(), ConfigError, "environment variable " << name << " is not set.", kLaunchHint);
+  return *value;
+}
+}  // namespace
+
+namespace detail {
+int parse_int(const std::string& what, const std::string& text, int min, int max) {
+  errno = 0;
+  char* end = nullptr;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  const bool whole = !text.empty() && end == text.c_str() + text.size() && errno == 0;
+  DTRAIN_CHECK(whole, ConfigError, what << "='" << text << "' is not an integer.",
+               "set " << what << " to a whole number in " << min << ".." << max);
+  DTRAIN_CHECK(value >= min && value <= max, ConfigError,
+               what << "=" << value << " is out of range " << min << ".." << max << ".",
+               "set " << what << " to a whole number in " << min << ".." << max);
+  return static_cast<int>(value);
+}
+}  // namespace detail
+
+EnvLookup process_env() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* value = std::getenv(name.c_str());
+    if (value == nullptr) return std::nullopt;
+    return std::string(value);
+  };
+}
+
+void validate(const EnvContract& c) {
+  DTRAIN_CHECK(c.world_size >= 1, ConfigError, "WORLD_SIZE=" << c.world_size << " must be at least 1.", kLaunchHint);
+  DTRAIN_CHECK(c.rank >= 0 && c.rank < c.world_size, ConfigError,
+               "RANK=" << c.rank << " is not below WORLD_SIZE=" << c.world_size << ".",
+               "ranks are numbered 0.." << c.world_size - 1 << "; check the launcher's --nnodes/--nproc-per-node");
+  DTRAIN_CHECK(c.local_world_size >= 1 && c.local_world_size <= c.world_size, ConfigError,
+               "LOCAL_WORLD_SIZE=" << c.local_world_size << " must be in 1..WORLD_SIZE=" << c.world_size << ".",
+               kLaunchHint);
+  DTRAIN_CHECK(c.local_rank >= 0 && c.local_rank < c.local_world_size, ConfigError,
+               "LOCAL_RANK=" << c.local_rank << " is not below LOCAL_WORLD_SIZE=" << c.local_world_size << ".",
+               kLaunchHint);
+  DTRAIN_CHECK(!c.master_addr.empty(), ConfigError, "MASTER_ADDR is empty.",
+               "set MASTER_ADDR to the host name or address of rank 0");
+  DTRAIN_CHECK(c.master_port >= 1 && c.master_port <= 65535, ConfigError,
+               "MASTER_PORT=" << c.master_port << " is out of range 1..65535.",
+               "pick a free TCP port on rank 0's host");
+}
+
+EnvContract read_env_contract(const EnvLookup& env) {
+  constexpr int kMaxRanks = 1 << 20;
+  EnvContract c;
+  c.world_size = detail::parse_int("WORLD_SIZE", require(env, "WORLD_SIZE"), 1, kMaxRanks);
+  c.rank = detail::parse_int("RANK", require(env, "RANK"), 0, kMaxRanks);
+  c.master_addr = require(env, "MASTER_ADDR");
+  c.master_port = detail::parse_int("MASTER_PORT", require(env, "MASTER_PORT"), 1, 65535);
+  const auto local_rank = env("LOCAL_RANK");
+  const auto local_world = env("LOCAL_WORLD_SIZE");
+  c.local_rank = local_rank ? detail::parse_int("LOCAL_RANK", *local_rank, 0, kMaxRanks) : c.rank;
+  c.local_world_size = local_world ? detail::parse_int("LOCAL_WORLD_SIZE", *local_world, 1, kMaxRanks) : c.world_size;
+  validate(c);
+  return c;
+}
+
+bool launched_by_launcher(const EnvLookup& env) {
+  return env("RANK").has_value() && env("WORLD_SIZE").has_value();
+}
+
+std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallback, const EnvLookup& env) {
+  const auto raw = env("DTRAIN_TIMEOUT_SECONDS");
+  if (!raw) return fallback;
+  errno = 0;
+  char* end = nullptr;
+  const double seconds = std::strtod(raw->c_str(), &end);
+  const bool ok = !raw->empty() && end == raw->c_str() + raw->size() && errno == 0 && std::isfinite(seconds) &&
+                  seconds > 0 && seconds < 1e9;
+  DTRAIN_CHECK(ok, ConfigError, "DTRAIN_TIMEOUT_SECONDS='" << *raw << "' is not a positive number of seconds.",
+               "set it to e.g. 60 or 0.5, or unset it for the default of " << fallback.count() / 1000 << " s");
+  return std::chrono::milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
+}
+
+}  // namespace dtrain::dist

@@ -1,0 +1,278 @@
+// init_process_group, collectives, subgroups.
+#include "dtrain/comm/process_group.h"
+
+#include <algorithm>
+#include <set>
+
+#include "backends.h"
+#include "c10d_access.h"
+#include "dtrain/error.h"
+#include "dtrain/log.h"
+#include "membership.h"
+
+namespace dtrain::dist {
+
+std::string to_string(BackendKind kind) {
+  switch (kind) {
+    case BackendKind::kAuto: return "auto";
+    case BackendKind::kGloo: return "gloo";
+    case BackendKind::kNccl: return "nccl";
+  }
+  return "?";
+}
+
+BackendKind parse_backend(const std::string& name) {
+  if (name == "auto") return BackendKind::kAuto;
+  if (name == "gloo") return BackendKind::kGloo;
+  if (name == "nccl") return BackendKind::kNccl;
+  throw ConfigError("unknown backend '" + name + "'.", "use auto, gloo or nccl");
+}
+
+namespace detail {
+std::string describe(const GroupState& s) {
+  return to_string(s.kind) + " group '" + s.name + "' (rank " + std::to_string(s.rank) + " of " +
+         std::to_string(s.size) + ")";
+}
+}  // namespace detail
+
+namespace {
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
+BackendKind resolve_backend(const GroupOptions& options) {
+  BackendKind kind = options.backend;
+  if (kind == BackendKind::kAuto) kind = options.device.is_cuda() ? BackendKind::kNccl : BackendKind::kGloo;
+  if (kind == BackendKind::kNccl) detail::check_nccl_usable(options.device);
+  return kind;
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return c10d::ReduceOp::SUM;
+    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// Builds a group on `store` (this group's own key space) after the check-in.
+ProcessGroup make_group(Store store, int rank, int size, GroupOptions options, std::vector<int> world_ranks,
+                        const std::string& fingerprint) {
+  const BackendKind kind = resolve_backend(options);
+  const auto timeout = options.timeout.value_or(default_timeout());
+  options.timeout = timeout;
+
+  auto checkin_store = store.with_prefix("checkin");
+  detail::check_in(checkin_store,
+                   {.rank = rank, .size = size, .timeout = timeout, .group = options.name, .fingerprint = fingerprint});
+
+  detail::BackendRequest request{.store = c10d_store(store.with_prefix("backend")),
+                                 .rank = rank,
+                                 .size = size,
+                                 .timeout = timeout,
+                                 .gloo_host = options.gloo_host,
+                                 .device = options.device,
+                                 .group_name = options.name};
+  auto state = std::make_shared<detail::GroupState>();
+  state->backend = kind == BackendKind::kNccl ? detail::make_nccl_backend(request) : detail::make_gloo_backend(request);
+  state->rank = rank;
+  state->size = size;
+  state->kind = kind;
+  state->device = options.device;
+  state->timeout = timeout;
+  state->name = options.name;
+  state->world_ranks = std::move(world_ranks);
+  state->store = store;
+  state->options = std::move(options);
+  return ProcessGroup(std::move(state));
+}
+
+std::vector<int> iota(int n) {
+  std::vector<int> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
+  return v;
+}
+
+ProcessGroup make_world(Store store, int rank, int world_size, GroupOptions options) {
+  validate(EnvContract{.rank = rank, .world_size = world_size, .local_rank = 0, .local_world_size = 1});
+  log::set_rank(rank, world_size);
+  if (options.gloo_host.empty() && std::getenv("GLOO_SOCKET_IFNAME") == nullptr &&
+      store.impl()->where == "in-memory store") {
+    options.gloo_host = "127.0.0.1";  // ranks are threads of this process
+  }
+  auto group = make_group(store.with_prefix("dtrain/" + options.name), rank, world_size, options, iota(world_size), "");
+  DTRAIN_LOG(kDebug) << "joined " << detail::describe(*group.state());
+  return group;
+}
+
+[[noreturn]] void rethrow_collective(const detail::GroupState& s, const char* op, const c10::Error& e) {
+  const std::string what = e.what_without_backtrace();
+  const std::string message = std::string(op) + " on " + detail::describe(s) + " failed: " + what;
+  if (what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos) {
+    throw TimeoutError(message, "a peer rank may have died or stalled; its log says why");
+  }
+  throw CommunicationError(message, "a peer rank may have died; its log says why");
+}
+
+}  // namespace
+
+// ---- Work ----
+
+struct Work::Impl {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::shared_ptr<detail::GroupState> group;
+  const char* op = "";
+};
+
+void Work::wait() {
+  if (!impl_) return;
+  try {
+    impl_->work->wait(impl_->group->timeout);
+  } catch (const c10::Error& e) {
+    rethrow_collective(*impl_->group, impl_->op, e);
+  }
+}
+
+bool Work::is_completed() const {
+  return !impl_ || impl_->work->isCompleted();
+}
+
+// ---- ProcessGroup ----
+
+int ProcessGroup::rank() const {
+  return state_->rank;
+}
+int ProcessGroup::size() const {
+  return state_->size;
+}
+BackendKind ProcessGroup::backend() const {
+  return state_->kind;
+}
+c10::Device ProcessGroup::device() const {
+  return state_->device;
+}
+std::chrono::milliseconds ProcessGroup::timeout() const {
+  return state_->timeout;
+}
+const std::string& ProcessGroup::name() const {
+  return state_->name;
+}
+const std::vector<int>& ProcessGroup::world_ranks() const {
+  return state_->world_ranks;
+}
+
+void ProcessGroup::barrier() {
+  c10d::BarrierOptions options;
+  options.timeout = state_->timeout;
+  try {
+    state_->backend->barrier(options)->wait(state_->timeout);
+  } catch (const c10::Error& e) {
+    rethrow_collective(*state_, "barrier", e);
+  }
+}
+
+Work ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = to_c10d(op);
+  options.timeout = state_->timeout;
+  try {
+    return Work(
+        std::make_shared<Work::Impl>(Work::Impl{state_->backend->allreduce(tensors, options), state_, "all_reduce"}));
+  } catch (const c10::Error& e) {
+    rethrow_collective(*state_, "all_reduce", e);
+  }
+}
+
+Work ProcessGroup::broadcast(at::Tensor& tensor, int root) {
+  DTRAIN_CHECK(root >= 0 && root < state_->size, ConfigError,
+               "broadcast root " << root << " is not a rank of " << detail::describe(*state_) << ".",
+               "pass a root in 0.." << state_->size - 1);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  options.timeout = state_->timeout;
+  try {
+    return Work(
+        std::make_shared<Work::Impl>(Work::Impl{state_->backend->broadcast(tensors, options), state_, "broadcast"}));
+  } catch (const c10::Error& e) {
+    rethrow_collective(*state_, "broadcast", e);
+  }
+}
+
+std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
+  std::vector<at::Tensor> inputs{tensor.contiguous()};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < state_->size; ++r) outputs[0].push_back(at::empty_like(inputs[0]));
+  c10d::AllgatherOptions options;
+  options.timeout = state_->timeout;
+  try {
+    state_->backend->allgather(outputs, inputs, options)->wait(state_->timeout);
+  } catch (const c10::Error& e) {
+    rethrow_collective(*state_, "all_gather", e);
+  }
+  return outputs[0];
+}
+
+std::optional<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  DTRAIN_CHECK(!ranks.empty(), ConfigError, "new_group got an empty rank list.", "list at least one rank");
+  DTRAIN_CHECK(std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(), ConfigError,
+               "new_group got a rank list with duplicates.", "list each rank once");
+  DTRAIN_CHECK(ranks.front() >= 0 && ranks.back() < state_->size, ConfigError,
+               "new_group got rank " << (ranks.front() < 0 ? ranks.front() : ranks.back()) << ", which is not in "
+                                     << detail::describe(*state_) << ".",
+               "list ranks in 0.." << state_->size - 1);
+  std::string fingerprint;
+  for (int r : ranks) fingerprint += (fingerprint.empty() ? "" : ",") + std::to_string(r);
+
+  const int id = state_->subgroups_created++;
+  Store sub = state_->store.with_prefix("sub" + std::to_string(id));
+  GroupOptions options = state_->options;
+  options.name = state_->name + "/sub" + std::to_string(id);
+  // Every rank of this group (members or not) agrees on the list first, so a
+  // mismatch fails fast instead of leaving members waiting on a backend.
+  auto agree = sub.with_prefix("agree");
+  detail::check_in(agree, {.rank = state_->rank,
+                           .size = state_->size,
+                           .timeout = state_->timeout,
+                           .group = options.name,
+                           .fingerprint = fingerprint});
+  const auto it = std::find(ranks.begin(), ranks.end(), state_->rank);
+  if (it == ranks.end()) return std::nullopt;
+  std::vector<int> world;
+  for (int r : ranks) world.push_back(state_->world_ranks[static_cast<size_t>(r)]);
+  return make_group(sub.with_prefix("group"), static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()),
+                    options, std::move(world), fingerprint);
+}
+
+// ---- init ----
+
+ProcessGroup init_process_group(Store store, int rank, int world_size, const GroupOptions& options) {
+  return make_world(std::move(store), rank, world_size, options);
+}
+
+ProcessGroup init_process_group(const EnvContract& contract, const GroupOptions& options) {
+  validate(contract);
+  log::set_rank(contract.rank, contract.world_size);
+  GroupOptions resolved = options;
+  resolved.timeout = options.timeout.value_or(default_timeout());
+  resolve_backend(resolved);  // fail on e.g. nccl-without-CUDA before touching the network
+  if (resolved.gloo_host.empty() && std::getenv("GLOO_SOCKET_IFNAME") == nullptr && is_loopback(contract.master_addr)) {
+    resolved.gloo_host = "127.0.0.1";
+  }
+  Store store = Store::tcp({.host = contract.master_addr,
+                            .port = contract.master_port,
+                            .is_server = contract.rank == 0,
+                            .timeout = *resolved.timeout});
+  return make_world(std::move(store), contract.rank, contract.world_size, resolved);
+}
+
+ProcessGroup init_process_group(const GroupOptions& options) {
+  return init_process_group(read_env_contract(), options);
+}
+
+}  // namespace dtrain::dist

@@ -1,0 +1,101 @@
+// dtrain::dist::Store over c10d's TCPStore, HashStore and PrefixStore.
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+
+#include "c10d_access.h"
+#include "dtrain/error.h"
+#include "dtrain/log.h"
+
+namespace dtrain::dist {
+namespace {
+std::vector<uint8_t> bytes(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+bool mentions_address_in_use(const std::string& what) {
+  return what.find("in use") != std::string::npos || what.find("EADDRINUSE") != std::string::npos;
+}
+}  // namespace
+
+Store Store::in_memory() {
+  auto impl = std::make_shared<detail::StoreImpl>();
+  impl->store = c10::make_intrusive<c10d::HashStore>();
+  impl->where = "in-memory store";
+  return Store(std::move(impl));
+}
+
+Store Store::tcp(const TcpStoreOptions& options) {
+  DTRAIN_CHECK(options.port >= 0 && options.port <= 65535, ConfigError,
+               "store port " << options.port << " is out of range 0..65535.", "pick a free TCP port");
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(options.port);
+  opts.isServer = options.is_server;
+  opts.waitWorkers = false;  // membership is checked by init_process_group, with clear errors
+  opts.timeout = options.timeout;
+  const std::string where = options.host + ":" + std::to_string(options.port);
+  auto impl = std::make_shared<detail::StoreImpl>();
+  try {
+    auto store = c10::make_intrusive<c10d::TCPStore>(options.host, opts);
+    impl->port = store->getPort();
+    impl->store = std::move(store);
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (options.is_server) {
+      DTRAIN_CHECK(!mentions_address_in_use(what), ConfigError,
+                   "cannot host the rendezvous store on port " << options.port << ": the port is already in use.",
+                   "choose another MASTER_PORT (or --rdzv-endpoint port), or stop the process holding it");
+      throw ConfigError("cannot host the rendezvous store on " + where + ": " + what,
+                        "check that MASTER_ADDR/MASTER_PORT name this host and a free port");
+    }
+    throw TimeoutError("could not reach the rendezvous store at " + where + " within " +
+                           log::format_seconds(options.timeout) + ": " + what,
+                       "check that rank 0 is running and that MASTER_ADDR/MASTER_PORT point at it "
+                       "(and that no firewall blocks the port)");
+  }
+  impl->where = options.host + ":" + std::to_string(impl->port);
+  return Store(std::move(impl));
+}
+
+Store Store::with_prefix(const std::string& prefix) const {
+  auto impl = std::make_shared<detail::StoreImpl>(*impl_);
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
+  return Store(std::move(impl));
+}
+
+void Store::set(const std::string& key, const std::string& value) {
+  impl_->store->set(key, bytes(value));
+}
+
+std::string Store::get(const std::string& key) {
+  const auto value = impl_->store->get(key);
+  return {value.begin(), value.end()};
+}
+
+std::int64_t Store::add(const std::string& key, std::int64_t delta) {
+  return impl_->store->add(key, delta);
+}
+
+bool Store::check(const std::vector<std::string>& keys) {
+  return impl_->store->check(keys);
+}
+
+void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  try {
+    impl_->store->wait(keys, timeout);
+  } catch (const c10::Error& e) {
+    std::string names;
+    for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
+    throw TimeoutError("keys [" + names + "] did not appear in " + impl_->where + " within " +
+                           log::format_seconds(timeout) + ": " + e.what_without_backtrace(),
+                       "check that every rank of the job is running");
+  }
+}
+
+int Store::port() const {
+  return impl_->port;
+}
+
+}  // namespace dtrain::dist
