@@ -9,5 +9,8 @@ DTRAIN_PYTHON="$DTRAIN_VENV/bin/python"
 DTRAIN_BUILD="${DTRAIN_BUILD:-$DTRAIN_ROOT/build}"
 export CCACHE_DIR="${CCACHE_DIR:-$DTRAIN_CACHE/ccache}"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+# Hash paths relative to the checkout, so a fresh clone (CI) hits the cache.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$DTRAIN_ROOT}"
+export CCACHE_NOHASHDIR=1
 
 log() { printf '[dtrain-setup] %s\n' "$*" >&2; }
