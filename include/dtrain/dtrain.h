@@ -9,4 +9,6 @@
 #include "dtrain/data/idx.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "dtrain/parallel/ddp.h"
+#include "dtrain/parallel/join.h"
 #include "dtrain/trainer/progress.h"

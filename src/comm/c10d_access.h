@@ -4,6 +4,7 @@
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -25,6 +26,9 @@ struct StoreImpl {
 
 struct GroupState {
   c10::intrusive_ptr<c10d::Backend> backend;
+  // The same backend behind c10d's user-facing ProcessGroup, for c10d
+  // components that take one (the DDP Reducer, broadcast_coalesced).
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group;
   int rank = 0;
   int size = 1;
   BackendKind kind = BackendKind::kGloo;
@@ -43,11 +47,24 @@ std::string describe(const GroupState& state);
 
 }  // namespace detail
 
+struct Work::Impl {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::shared_ptr<detail::GroupState> group;
+  const char* op = "";
+};
+
 inline const c10::intrusive_ptr<c10d::Store>& c10d_store(const Store& store) {
   return store.impl()->store;
 }
 inline const c10::intrusive_ptr<c10d::Backend>& c10d_backend(const ProcessGroup& group) {
   return group.state()->backend;
+}
+// The c10d Work behind a handle (null for an empty Work).
+inline c10::intrusive_ptr<c10d::Work> c10d_work(const Work& work) {
+  return work.impl() ? work.impl()->work : c10::intrusive_ptr<c10d::Work>();
+}
+inline const c10::intrusive_ptr<c10d::ProcessGroup>& c10d_process_group(const ProcessGroup& group) {
+  return group.state()->process_group;
 }
 
 }  // namespace dtrain::dist

@@ -78,6 +78,16 @@ ProcessGroup make_group(Store store, int rank, int size, GroupOptions options, s
                                  .group_name = options.name};
   auto state = std::make_shared<detail::GroupState>();
   state->backend = kind == BackendKind::kNccl ? detail::make_nccl_backend(request) : detail::make_gloo_backend(request);
+  state->process_group = c10::make_intrusive<c10d::ProcessGroup>(c10d_store(store), rank, size);
+  if (kind == BackendKind::kNccl) {
+    state->process_group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, state->backend);
+    state->process_group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  } else {
+    // Gloo also serves CUDA tensors (staged through host memory).
+    state->process_group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, state->backend);
+    state->process_group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, state->backend);
+    state->process_group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+  }
   state->rank = rank;
   state->size = size;
   state->kind = kind;
@@ -120,12 +130,6 @@ ProcessGroup make_world(Store store, int rank, int world_size, GroupOptions opti
 }  // namespace
 
 // ---- Work ----
-
-struct Work::Impl {
-  c10::intrusive_ptr<c10d::Work> work;
-  std::shared_ptr<detail::GroupState> group;
-  const char* op = "";
-};
 
 void Work::wait() {
   if (!impl_) return;

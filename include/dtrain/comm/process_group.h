@@ -61,6 +61,7 @@ class Work {
 
   struct Impl;
   explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  const std::shared_ptr<Impl>& impl() const { return impl_; }
 
  private:
   std::shared_ptr<Impl> impl_;
