@@ -10,6 +10,7 @@
 #include <torch/utils.h>
 
 #include <functional>
+#include <mutex>
 #include <vector>
 
 namespace dtrain::testing {
@@ -35,6 +36,17 @@ struct MlpImpl : torch::nn::Module {
   torch::nn::BatchNorm1d norm{nullptr};
 };
 TORCH_MODULE(Mlp);
+
+// Builds a module from a fixed seed. LibTorch's default generator is global,
+// so rank threads building models at once would interleave its draws: a lock
+// keeps each construction deterministic.
+template <typename F>
+auto seeded(std::uint64_t seed, F&& make) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(seed);
+  return make();
+}
 
 struct Batch {
   at::Tensor x;

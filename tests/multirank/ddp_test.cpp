@@ -40,8 +40,7 @@ std::vector<at::Tensor> reference(int world, int steps, const std::function<Mlp(
 }
 
 Mlp seeded_mlp(int seed, int hidden = 16, bool extra = false, bool norm = false) {
-  torch::manual_seed(seed);
-  return Mlp(hidden, extra, norm);
+  return seeded(seed, [&] { return Mlp(hidden, extra, norm); });
 }
 
 struct Variant {
