@@ -1,7 +1,12 @@
 // Trains a small CNN on Fashion-MNIST and reports test accuracy.
 //
-//   fashion_mnist [--strategy single] [--devices cpu] [--epochs 2] [--batch-size 64]
+//   fashion_mnist [--strategy single|ddp] [--devices all] [--epochs 2] [--batch-size 64]
 //                 [--lr 1e-3] [--seed 0] [--data-dir /usr/share/datasets/fashion-mnist]
+//
+// --strategy ddp runs one process per rank under the launcher environment
+// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): each rank trains
+// on its share of every epoch with per-rank batches of --batch-size, and
+// DistributedDataParallel averages gradients. Rank 0 reports.
 //
 // Progress goes to stderr (a bar on a terminal, periodic lines otherwise);
 // stdout gets one JSON line per epoch and a final
@@ -15,6 +20,7 @@
 #include <chrono>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "dtrain/dtrain.h"
 #include "model.h"
@@ -46,39 +52,65 @@ double evaluate(SmallCnn& model, const dtrain::data::FashionMnist& test, const c
   return static_cast<double>(correct) / static_cast<double>(test.size());
 }
 
-int run(const Options& opt) {
-  const auto devices = dtrain::parse_devices(opt.devices);
-  DTRAIN_CHECK(
-      opt.strategy != "single" || devices.size() == 1 || opt.devices == "all", ConfigError,
-      "--strategy single trains on one device, but --devices " << opt.devices << " lists " << devices.size() << ".",
-      "pass a single device, e.g. --devices cpu or --devices cuda:0");
-  const c10::Device device = devices.front();
-  torch::manual_seed(opt.seed);
+// Where this process trains and which share of the data it sees.
+struct Placement {
+  c10::Device device{c10::kCPU};
+  int rank = 0;
+  int world = 1;
+  std::optional<dtrain::dist::ProcessGroup> group;  // ddp only
+};
 
+Placement place(const Options& opt) {
+  if (opt.strategy == "single") {
+    const auto devices = dtrain::parse_devices(opt.devices);
+    DTRAIN_CHECK(
+        devices.size() == 1 || opt.devices == "all", ConfigError,
+        "--strategy single trains on one device, but --devices " << opt.devices << " lists " << devices.size() << ".",
+        "pass a single device, e.g. --devices cpu or --devices cuda:0");
+    return {.device = devices.front()};
+  }
+  DTRAIN_CHECK(dtrain::dist::launched_by_launcher(), ConfigError,
+               "--strategy ddp runs one process per rank, but RANK and WORLD_SIZE are not set.",
+               "start it through a launcher: scripts/launch_local.sh 2 "
+                   << "fashion_mnist --strategy ddp (or torchrun)");
+  const auto env = dtrain::dist::read_env_contract();
+  const auto device = dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size);
+  auto group = dtrain::dist::init_process_group(env, {.device = device});
+  return {.device = device, .rank = env.rank, .world = env.world_size, .group = std::move(group)};
+}
+
+// Trains `model` through `forward` (the model itself, or its DDP wrapper).
+template <typename Forward>
+int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forward) {
   const dtrain::data::FashionMnist train(opt.data_dir, dtrain::data::Split::kTrain);
   const dtrain::data::FashionMnist test(opt.data_dir, dtrain::data::Split::kTest);
   const std::int64_t n = opt.train_limit > 0 ? std::min(opt.train_limit, train.size()) : train.size();
-  const std::int64_t steps_per_epoch = (n + opt.batch_size - 1) / opt.batch_size;
+  // Every rank draws the same permutation and takes every world-th example,
+  // all ranks the same number, so they run the same number of steps.
+  const std::int64_t per_rank = n / where.world;
+  DTRAIN_CHECK(per_rank > 0, ConfigError, n << " training examples cannot be shared by " << where.world << " ranks.",
+               "raise --train-limit or use fewer ranks");
+  const std::int64_t steps_per_epoch = (per_rank + opt.batch_size - 1) / opt.batch_size;
+  const bool lead = where.rank == 0;
 
-  SmallCnn model;
-  model->to(device);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(opt.lr));
   auto generator = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
-
-  DTRAIN_LOG(kInfo) << "training on " << device << ": " << n << " examples, " << opt.epochs << " epochs, batch "
-                    << opt.batch_size;
+  DTRAIN_LOG(kInfo) << opt.strategy << " training on " << where.device << ": " << per_rank << " examples per rank, "
+                    << opt.epochs << " epochs, batch " << opt.batch_size << " per rank";
   double train_seconds = 0;
   double accuracy = 0;
   for (int epoch = 1; epoch <= opt.epochs; ++epoch) {
-    const auto order = at::randperm(train.size(), generator, at::kLong).slice(0, 0, n);
-    dtrain::Progress progress(steps_per_epoch, {.label = "epoch " + std::to_string(epoch)});
+    const auto order = at::randperm(train.size(), generator, at::kLong)
+                           .slice(0, 0, per_rank * where.world)
+                           .slice(0, where.rank, per_rank * where.world, where.world);
+    dtrain::Progress progress(steps_per_epoch, {.label = "epoch " + std::to_string(epoch), .enabled = lead});
     const auto start = std::chrono::steady_clock::now();
     double loss_sum = 0;
     for (std::int64_t step = 0; step < steps_per_epoch; ++step) {
       const auto batch = train.get_batch(order.slice(0, step * opt.batch_size, (step + 1) * opt.batch_size));
       optimizer.zero_grad();
-      auto loss =
-          torch::nn::functional::cross_entropy(model->forward(batch.images.to(device)), batch.labels.to(device));
+      at::Tensor loss =
+          torch::nn::functional::cross_entropy(forward(batch.images.to(where.device)), batch.labels.to(where.device));
       loss.backward();
       optimizer.step();
       loss_sum += loss.item<double>();
@@ -91,7 +123,8 @@ int run(const Options& opt) {
     const double mean_loss = loss_sum / static_cast<double>(steps_per_epoch);
     progress.finish("loss " + std::to_string(mean_loss));
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    accuracy = evaluate(model, test, device);
+    if (!lead) continue;
+    accuracy = evaluate(model, test, where.device);
     std::cout << nlohmann::json{{"event", "epoch"},
                                 {"epoch", epoch},
                                 {"train_loss", mean_loss},
@@ -99,13 +132,31 @@ int run(const Options& opt) {
                      .dump()
               << std::endl;
   }
-  std::cout << nlohmann::json{{"event", "done"},
-                              {"test_accuracy", accuracy},
-                              {"train_seconds", train_seconds},
-                              {"samples_per_second", static_cast<double>(n * opt.epochs) / train_seconds}}
-                   .dump()
-            << std::endl;
+  if (where.group) where.group->barrier();
+  if (lead) {
+    std::cout << nlohmann::json{{"event", "done"},
+                                {"strategy", opt.strategy},
+                                {"world_size", where.world},
+                                {"test_accuracy", accuracy},
+                                {"train_seconds", train_seconds},
+                                {"samples_per_second",
+                                 static_cast<double>(per_rank * where.world * opt.epochs) / train_seconds}}
+                     .dump()
+              << std::endl;
+  }
   return 0;
+}
+
+int run(const Options& opt) {
+  Placement where = place(opt);
+  torch::manual_seed(opt.seed);
+  SmallCnn model;
+  model->to(where.device);
+  if (!where.group) {
+    return train(opt, where, model, [&](const at::Tensor& x) { return model->forward(x); });
+  }
+  dtrain::DistributedDataParallel ddp(model, *where.group);
+  return train(opt, where, model, [&](const at::Tensor& x) { return ddp(x); });
 }
 
 }  // namespace
@@ -114,7 +165,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Train a small CNN on Fashion-MNIST with dtrain."};
   Options opt;
   app.add_option("--strategy", opt.strategy, "Parallelism strategy")
-      ->check(CLI::IsMember({"single"}))
+      ->check(CLI::IsMember({"single", "ddp"}))
       ->capture_default_str();
   app.add_option("--devices", opt.devices, "Devices: cpu, cuda, cuda:N, N, or all (first visible GPU, else cpu)")
       ->capture_default_str();

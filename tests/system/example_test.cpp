@@ -19,10 +19,12 @@ struct Result {
 };
 
 const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/fashion_mnist";
+const std::string kLaunch = std::string(DTRAIN_SOURCE_DIR) + "/scripts/launch_local.sh";
 
-Result run(const std::string& args) {
+// Runs the example (through `launcher` when given); stderr goes to a file.
+Result run(const std::string& args, const std::string& launcher = "") {
   const auto err_file = std::filesystem::temp_directory_path() / ("dtrain-example-" + std::to_string(::getpid()));
-  const std::string cmd = kExample + " " + args + " 2>" + err_file.string();
+  const std::string cmd = launcher + (launcher.empty() ? "" : " ") + kExample + " " + args + " 2>" + err_file.string();
   Result r;
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) return r;
@@ -70,6 +72,26 @@ TEST(FashionMnistExample, TwoEpochsReach88Percent) {
   // Not a terminal: progress comes as whole lines on stderr.
   EXPECT_NE(r.stderr_text.find("epoch 2 100% 938/938"), std::string::npos) << r.stderr_text;
   EXPECT_EQ(r.stderr_text.find('\r'), std::string::npos);
+}
+
+TEST(FashionMnistExample, TwoRankDdpReaches88Percent) {
+  if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
+  const auto r = run("--strategy ddp --epochs 2 --devices cpu --seed 1", kLaunch + " 2");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const auto done = last_json_line(r.stdout_text);
+  ASSERT_EQ(done.value("event", ""), "done") << r.stdout_text;
+  EXPECT_EQ(done["world_size"], 2);
+  EXPECT_GE(done["test_accuracy"].get<double>(), 0.88) << r.stdout_text;
+  // Both ranks log, tagged; only rank 0 reports progress and results.
+  EXPECT_NE(r.stderr_text.find("[rank 1/2] ddp training on cpu: 30000 examples per rank"), std::string::npos)
+      << r.stderr_text;
+  EXPECT_EQ(r.stderr_text.find("[rank 1] epoch"), std::string::npos) << r.stderr_text;
+}
+
+TEST(FashionMnistExample, DdpWithoutLauncherFailsClearly) {
+  const auto r = run("--strategy ddp");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.stderr_text.find("RANK and WORLD_SIZE are not set"), std::string::npos) << r.stderr_text;
 }
 
 TEST(FashionMnistExample, SameSeedSameResult) {
