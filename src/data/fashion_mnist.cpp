@@ -51,11 +51,25 @@ FashionMnist::FashionMnist(const std::filesystem::path& dir, Split split) {
   labels_ = labels.to(at::kLong);
 }
 
-Example FashionMnist::get(std::int64_t index) const {
+TensorExample FashionMnist::get(std::int64_t index) const {
   DTRAIN_CHECK(index >= 0 && index < size(), ConfigError,
                "example index " << index << " is outside the dataset of " << size() << ".",
                "use an index in 0.." << size() - 1);
-  return {images_[index], labels_[index].item<std::int64_t>()};
+  return {images_[index], labels_[index]};
+}
+
+std::vector<TensorExample> FashionMnist::get_many(const std::vector<std::int64_t>& indices) const {
+  for (auto i : indices) {
+    DTRAIN_CHECK(i >= 0 && i < size(), ConfigError, "example index " << i << " is outside the dataset of " << size() << ".",
+                 "use indices in 0.." << size() - 1);
+  }
+  const at::Tensor idx = at::tensor(indices, at::kLong);
+  const auto images = images_.index_select(0, idx).unbind(0);
+  const auto labels = labels_.index_select(0, idx).unbind(0);
+  std::vector<TensorExample> out;
+  out.reserve(indices.size());
+  for (std::size_t k = 0; k < indices.size(); ++k) out.push_back({images[k], labels[k]});
+  return out;
 }
 
 Batch FashionMnist::get_batch(const at::Tensor& indices) const {

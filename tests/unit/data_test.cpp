@@ -177,11 +177,11 @@ TEST(FashionMnistFiles, LoadsAndNormalises) {
   dtrain::data::FashionMnist ds(dir.path(), dtrain::data::Split::kTrain);
   EXPECT_EQ(ds.size(), 5);
   const auto ex = ds.get(1);
-  EXPECT_EQ(ex.image.sizes(), at::IntArrayRef({1, 28, 28}));
-  EXPECT_EQ(ex.label, 1);
+  EXPECT_EQ(ex.data.sizes(), at::IntArrayRef({1, 28, 28}));
+  EXPECT_EQ(ex.target.item<int64_t>(), 1);
   const double raw = static_cast<std::uint8_t>((28 * 28 + 3) * 7);  // pixel (1, 0, 3)
   const double expected = (raw / 255.0 - dtrain::data::FashionMnist::kMean) / dtrain::data::FashionMnist::kStd;
-  EXPECT_NEAR(ex.image[0][0][3].item<double>(), expected, 1e-5);
+  EXPECT_NEAR(ex.data[0][0][3].item<double>(), expected, 1e-5);
   const auto batch = ds.get_batch(at::tensor({4, 0}, at::kLong));
   EXPECT_EQ(batch.images.sizes(), at::IntArrayRef({2, 1, 28, 28}));
   EXPECT_EQ(batch.labels[0].item<int64_t>(), 9);

@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
+
+#include "dtrain/data/dataset.h"
 
 namespace dtrain::data {
 
@@ -15,17 +18,13 @@ inline constexpr const char* kFashionMnistDefaultDir = "/usr/share/datasets/fash
 
 enum class Split { kTrain, kTest };
 
-struct Example {
-  at::Tensor image;  // float32 [1, 28, 28], normalised
-  std::int64_t label = 0;
-};
-
 struct Batch {
   at::Tensor images;  // float32 [B, 1, 28, 28]
   at::Tensor labels;  // int64 [B]
 };
 
-class FashionMnist {
+// Also a Dataset<TensorExample>: data float32 [1, 28, 28], target int64 [].
+class FashionMnist : public Dataset<TensorExample> {
  public:
   static constexpr int kClasses = 10;
   // Mean and standard deviation of the training pixels (in [0, 1]); images
@@ -38,8 +37,10 @@ class FashionMnist {
   // (images not N x 28 x 28 u8, labels not N u8 in 0..9, counts differing).
   FashionMnist(const std::filesystem::path& dir, Split split);
 
-  std::int64_t size() const { return labels_.size(0); }
-  Example get(std::int64_t index) const;
+  std::int64_t size() const override { return labels_.size(0); }
+  TensorExample get(std::int64_t index) const override;
+  // One gather for the whole batch, returned as per-example views.
+  std::vector<TensorExample> get_many(const std::vector<std::int64_t>& indices) const override;
   // Gathers the examples at `indices` (int64, any order) into one batch.
   Batch get_batch(const at::Tensor& indices) const;
   // The whole split as one batch.
