@@ -60,7 +60,8 @@ TensorExample FashionMnist::get(std::int64_t index) const {
 
 std::vector<TensorExample> FashionMnist::get_many(const std::vector<std::int64_t>& indices) const {
   for (auto i : indices) {
-    DTRAIN_CHECK(i >= 0 && i < size(), ConfigError, "example index " << i << " is outside the dataset of " << size() << ".",
+    DTRAIN_CHECK(i >= 0 && i < size(), ConfigError,
+                 "example index " << i << " is outside the dataset of " << size() << ".",
                  "use indices in 0.." << size() - 1);
   }
   const at::Tensor idx = at::tensor(indices, at::kLong);

@@ -5,6 +5,7 @@
 #include <ATen/Functions.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "dtrain/error.h"
@@ -78,7 +79,7 @@ std::vector<std::int64_t> DistributedSampler::remaining_from(const SamplerState&
 }
 
 std::vector<SamplerStep> DistributedSampler::steps_from(const SamplerState& at, std::int64_t batch_size,
-                                                       bool drop_last) const {
+                                                        bool drop_last) const {
   check_batch(batch_size);
   const auto mine = remaining_from(at);
   const std::int64_t world = options_.num_replicas;
@@ -86,24 +87,58 @@ std::vector<SamplerStep> DistributedSampler::steps_from(const SamplerState& at, 
   for (size_t start = 0; start < mine.size(); start += static_cast<size_t>(batch_size)) {
     const size_t end = std::min(mine.size(), start + static_cast<size_t>(batch_size));
     if (drop_last && end - start < static_cast<size_t>(batch_size)) break;
-    out.push_back(SamplerStep{.indices = {mine.begin() + static_cast<std::ptrdiff_t>(start),
-                                          mine.begin() + static_cast<std::ptrdiff_t>(end)},
-                              .global_end = at.consumed + world * static_cast<std::int64_t>(end)});
+    out.push_back(SamplerStep{
+        .indices = {mine.begin() + static_cast<std::ptrdiff_t>(start), mine.begin() + static_cast<std::ptrdiff_t>(end)},
+        .global_end = at.consumed + world * static_cast<std::int64_t>(end)});
   }
   return out;
 }
 
-BalancedDistributedSampler::BalancedDistributedSampler(BalancedSamplerOptions options)
-    : options_(std::move(options)) {
+BalancedDistributedSampler::BalancedDistributedSampler(BalancedSamplerOptions options) : options_(std::move(options)) {
   check_ranks(options_.num_replicas, options_.rank);
   for (size_t i = 0; i < options_.costs.size(); ++i) {
-    DTRAIN_CHECK(options_.costs[i] >= 0, ConfigError, "example " << i << " has negative cost " << options_.costs[i] << ".",
+    DTRAIN_CHECK(options_.costs[i] >= 0, ConfigError,
+                 "example " << i << " has negative cost " << options_.costs[i] << ".",
                  "costs must be non-negative (e.g. sequence lengths)");
   }
 }
 
-std::vector<std::vector<std::vector<std::int64_t>>> BalancedDistributedSampler::all_ranks_from(
-    const SamplerState& at, std::int64_t batch_size, bool drop_last) const {
+// Greedy assignment leaves the heaviest and lightest batches a few percent
+// apart on heavy-tailed costs; swapping one example between them, the pair
+// whose cost difference is closest to half the gap, narrows it. Repeat while
+// a swap helps (bounded).
+void BalancedDistributedSampler::refine(std::vector<std::vector<std::int64_t>>& batches,
+                                        std::vector<double>& totals) const {
+  const auto cost = [&](std::int64_t i) { return options_.costs[static_cast<size_t>(i)]; };
+  for (int round = 0; round < 256; ++round) {
+    const auto hi = static_cast<size_t>(std::max_element(totals.begin(), totals.end()) - totals.begin());
+    const auto lo = static_cast<size_t>(std::min_element(totals.begin(), totals.end()) - totals.begin());
+    const double gap = totals[hi] - totals[lo];
+    if (gap <= 0) return;
+    size_t best_a = 0, best_b = 0;
+    double best_after = gap;
+    for (size_t a = 0; a < batches[hi].size(); ++a) {
+      for (size_t b = 0; b < batches[lo].size(); ++b) {
+        const double d = cost(batches[hi][a]) - cost(batches[lo][b]);
+        const double after = std::abs(gap - 2 * d);
+        if (d > 0 && after < best_after) {
+          best_after = after;
+          best_a = a;
+          best_b = b;
+        }
+      }
+    }
+    if (best_after >= gap) return;
+    const double d = cost(batches[hi][best_a]) - cost(batches[lo][best_b]);
+    std::swap(batches[hi][best_a], batches[lo][best_b]);
+    totals[hi] -= d;
+    totals[lo] += d;
+  }
+}
+
+std::vector<std::vector<std::vector<std::int64_t>>> BalancedDistributedSampler::all_ranks_from(const SamplerState& at,
+                                                                                               std::int64_t batch_size,
+                                                                                               bool drop_last) const {
   check_batch(batch_size);
   const auto n = static_cast<std::int64_t>(options_.costs.size());
   const int world = options_.num_replicas;
@@ -129,13 +164,14 @@ std::vector<std::vector<std::vector<std::int64_t>>> BalancedDistributedSampler::
       batches[best].push_back(index);
       totals[best] += options_.costs[static_cast<size_t>(index)];
     }
+    refine(batches, totals);
     out.push_back(std::move(batches));
   }
   return out;
 }
 
 std::vector<SamplerStep> BalancedDistributedSampler::steps_from(const SamplerState& at, std::int64_t batch_size,
-                                                               bool drop_last) const {
+                                                                bool drop_last) const {
   const auto all = all_ranks_from(at, batch_size, drop_last);
   const auto n = static_cast<std::int64_t>(options_.costs.size());
   const std::int64_t step_size = batch_size * options_.num_replicas;

@@ -38,8 +38,8 @@ TokenFileDataset::TokenFileDataset(const std::filesystem::path& path, TokenFileO
   tokens_ = bytes / options_.token_bytes;
   if (tokens_ < options_.seq_len + 1) {
     ::close(fd);
-    throw DataError(path_ + ": " + std::to_string(tokens_) + " tokens are fewer than seq_len + 1 = " +
-                        std::to_string(options_.seq_len + 1) + ".",
+    throw DataError(path_ + ": " + std::to_string(tokens_) +
+                        " tokens are fewer than seq_len + 1 = " + std::to_string(options_.seq_len + 1) + ".",
                     "use a shorter seq_len or a larger token file");
   }
   void* map = ::mmap(nullptr, static_cast<std::size_t>(bytes), PROT_READ, MAP_PRIVATE, fd, 0);
@@ -59,8 +59,7 @@ std::int64_t TokenFileDataset::token_at(std::int64_t position) const {
   const unsigned char* p = data_ + position * options_.token_bytes;
   if (options_.token_bytes == 2) return static_cast<std::int64_t>(p[0] | (p[1] << 8));
   return static_cast<std::int64_t>(static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
-                                   (static_cast<std::uint32_t>(p[2]) << 16) |
-                                   (static_cast<std::uint32_t>(p[3]) << 24));
+                                   (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24));
 }
 
 TensorExample TokenFileDataset::get(std::int64_t index) const {

@@ -203,9 +203,8 @@ class DataLoader {
         static_cast<std::size_t>(options_.num_workers) * static_cast<std::size_t>(options_.prefetch_factor);
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
-      cv_.wait(lock, [&] {
-        return stopping_ || (next_to_load_ < plan_.size() && next_to_load_ < next_to_return_ + window);
-      });
+      cv_.wait(lock,
+               [&] { return stopping_ || (next_to_load_ < plan_.size() && next_to_load_ < next_to_return_ + window); });
       if (stopping_) return;
       const std::size_t k = next_to_load_++;
       const std::uint64_t generation = generation_;
@@ -240,8 +239,7 @@ using TensorLoader = DataLoader<TensorExample, TensorBatch>;
 inline std::unique_ptr<TensorLoader> make_tensor_loader(std::shared_ptr<const Dataset<TensorExample>> dataset,
                                                         std::shared_ptr<Sampler> sampler,
                                                         const DataLoaderOptions& options) {
-  return std::make_unique<TensorLoader>(std::move(dataset), std::move(sampler), options, collate_tensors,
-                                        pin_tensors);
+  return std::make_unique<TensorLoader>(std::move(dataset), std::move(sampler), options, collate_tensors, pin_tensors);
 }
 
 struct WorkerTuning {

@@ -97,7 +97,9 @@ struct BalancedSamplerOptions {
 // Balances cost per step: each global step takes the next num_replicas x
 // batch_size examples of the epoch's permutation and deals them to ranks by
 // longest-processing-time-first (largest cost to the rank with the least total
-// that still has room), so ranks finish their batches at about the same time.
+// that still has room), then swaps examples between the heaviest and lightest
+// batches while that narrows the gap, so ranks finish their batches at about
+// the same time.
 // The last, partial step is dropped unless drop_last is false, in which case
 // it is dealt the same way (ranks may get different counts).
 class BalancedDistributedSampler : public Sampler {
@@ -115,6 +117,7 @@ class BalancedDistributedSampler : public Sampler {
  private:
   std::vector<std::vector<std::vector<std::int64_t>>> all_ranks_from(const SamplerState& at, std::int64_t batch_size,
                                                                      bool drop_last) const;
+  void refine(std::vector<std::vector<std::int64_t>>& batches, std::vector<double>& totals) const;
   BalancedSamplerOptions options_;
 };
 
