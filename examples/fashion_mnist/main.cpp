@@ -23,6 +23,7 @@
 #include <optional>
 
 #include "dtrain/dtrain.h"
+#include <memory>
 #include "model.h"
 
 namespace {
@@ -36,6 +37,8 @@ struct Options {
   std::uint64_t seed = 0;
   std::string data_dir = dtrain::data::kFashionMnistDefaultDir;
   std::int64_t train_limit = 0;  // 0: the whole training set
+  int num_workers = 0;
+  bool tune_workers = false;
 };
 
 double evaluate(SmallCnn& model, const dtrain::data::FashionMnist& test, const c10::Device& device) {
@@ -82,35 +85,50 @@ Placement place(const Options& opt) {
 // Trains `model` through `forward` (the model itself, or its DDP wrapper).
 template <typename Forward>
 int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forward) {
-  const dtrain::data::FashionMnist train(opt.data_dir, dtrain::data::Split::kTrain);
+  auto train = std::make_shared<dtrain::data::FashionMnist>(opt.data_dir, dtrain::data::Split::kTrain);
   const dtrain::data::FashionMnist test(opt.data_dir, dtrain::data::Split::kTest);
-  const std::int64_t n = opt.train_limit > 0 ? std::min(opt.train_limit, train.size()) : train.size();
-  // Every rank draws the same permutation and takes every world-th example,
-  // all ranks the same number, so they run the same number of steps.
+  const std::int64_t n = opt.train_limit > 0 ? std::min(opt.train_limit, train->size()) : train->size();
+  // Each epoch every rank shuffles the same way (seed + epoch) and reads every
+  // world-th example; the tail that does not divide evenly is dropped so all
+  // ranks run the same number of steps.
+  auto make_loader = [&](int workers) {
+    auto sampler = std::make_shared<dtrain::data::DistributedSampler>(dtrain::data::DistributedSamplerOptions{
+        .dataset_size = n, .num_replicas = where.world, .rank = where.rank, .seed = opt.seed, .drop_last = true});
+    return dtrain::data::make_tensor_loader(train, sampler, {.batch_size = opt.batch_size, .num_workers = workers});
+  };
+  int workers = opt.num_workers;
+  if (opt.tune_workers) {
+    const auto tuning = dtrain::data::tune_num_workers(make_loader, 4, 100);
+    workers = tuning.best;
+    if (where.rank == 0) {
+      nlohmann::json rates = nlohmann::json::object();
+      for (const auto& [w, rate] : tuning.samples_per_second) rates[std::to_string(w)] = rate;
+      std::cout << nlohmann::json{{"event", "tune_workers"}, {"best", workers}, {"samples_per_second", rates}}.dump()
+                << std::endl;
+    }
+  }
+  auto loader = make_loader(workers);
   const std::int64_t per_rank = n / where.world;
   DTRAIN_CHECK(per_rank > 0, ConfigError, n << " training examples cannot be shared by " << where.world << " ranks.",
                "raise --train-limit or use fewer ranks");
-  const std::int64_t steps_per_epoch = (per_rank + opt.batch_size - 1) / opt.batch_size;
   const bool lead = where.rank == 0;
 
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(opt.lr));
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
   DTRAIN_LOG(kInfo) << opt.strategy << " training on " << where.device << ": " << per_rank << " examples per rank, "
                     << opt.epochs << " epochs, batch " << opt.batch_size << " per rank";
   double train_seconds = 0;
   double accuracy = 0;
   for (int epoch = 1; epoch <= opt.epochs; ++epoch) {
-    const auto order = at::randperm(train.size(), generator, at::kLong)
-                           .slice(0, 0, per_rank * where.world)
-                           .slice(0, where.rank, per_rank * where.world, where.world);
+    loader->start_epoch(epoch - 1);
+    const std::int64_t steps_per_epoch = loader->remaining();
     dtrain::Progress progress(steps_per_epoch, {.label = "epoch " + std::to_string(epoch), .enabled = lead});
     const auto start = std::chrono::steady_clock::now();
     double loss_sum = 0;
-    for (std::int64_t step = 0; step < steps_per_epoch; ++step) {
-      const auto batch = train.get_batch(order.slice(0, step * opt.batch_size, (step + 1) * opt.batch_size));
+    std::int64_t step = 0;
+    for (; auto batch = loader->next(); ++step) {
       optimizer.zero_grad();
       at::Tensor loss =
-          torch::nn::functional::cross_entropy(forward(batch.images.to(where.device)), batch.labels.to(where.device));
+          torch::nn::functional::cross_entropy(forward(batch->data.to(where.device)), batch->target.to(where.device));
       loss.backward();
       optimizer.step();
       loss_sum += loss.item<double>();
@@ -178,7 +196,11 @@ int main(int argc, char** argv) {
   app.add_option("--lr", opt.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seed", opt.seed, "Seed for initialisation and shuffling")->capture_default_str();
   app.add_option("--data-dir", opt.data_dir, "Directory with the Fashion-MNIST IDX files")->capture_default_str();
-  app.add_option("--train-limit", opt.train_limit, "Train on the first N shuffled examples only (0: all)")
+  app.add_option("--num-workers", opt.num_workers, "DataLoader worker threads per rank (0: load in the training thread)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app.add_flag("--tune-workers", opt.tune_workers, "Measure 0..4 workers first and use the fastest");
+  app.add_option("--train-limit", opt.train_limit, "Train on the first N examples only (0: all)")
       ->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);

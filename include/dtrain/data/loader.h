@@ -21,10 +21,16 @@
 //   naming the batch and its example indices.
 // - state() is the sampler position after the last batch next() returned:
 //   save it with a checkpoint and load_state() it to resume mid-epoch.
+// - Datasets' get()/get_many() and the collate function run with autograd's
+//   dispatch layer switched off (at::AutoDispatchBelowAutograd), which cuts the
+//   per-op overhead on small per-example tensors: batches carry no autograd
+//   history, as with torch's worker processes, and a dataset must not modify
+//   tensors that take part in an autograd graph in place.
 // - pin_memory pins batches in page-locked memory when CUDA is available
 //   (faster, asynchronous host-to-device copies); without CUDA it does nothing.
 #pragma once
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
@@ -158,6 +164,10 @@ class DataLoader {
   };
 
   Slot load(const std::vector<std::int64_t>& indices) const {
+    // Loading never needs autograd: skipping its dispatch layer saves a
+    // good part of the per-op overhead on small per-example tensors, and the
+    // results are ordinary tensors (unlike InferenceMode's).
+    at::AutoDispatchBelowAutograd below_autograd;
     Slot slot;
     try {
       std::vector<Example> examples;
