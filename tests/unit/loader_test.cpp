@@ -79,6 +79,20 @@ TEST(DataLoader, OrderIsTheSameForAnyWorkerCount) {
   }
 }
 
+TEST(DataLoader, ShuffleAndSeedWithoutASampler) {
+  auto ds = std::make_shared<Numbers>(30);
+  auto a = make_tensor_loader(ds, {.batch_size = 4, .shuffle = true, .seed = 5, .num_workers = 2});
+  auto b = make_tensor_loader(ds, {.batch_size = 4, .shuffle = true, .seed = 5, .pin_memory = true});
+  auto c = make_tensor_loader(ds, {.batch_size = 4, .shuffle = true, .seed = 6});
+  auto plain = make_tensor_loader(ds, {.batch_size = 4});
+  const auto ordered = epoch_targets(*plain, 0);
+  EXPECT_EQ(ordered.front(), (std::vector<std::int64_t>{0, 1, 4, 9}));
+  const auto shuffled = epoch_targets(*a, 0);
+  EXPECT_NE(shuffled, ordered);
+  EXPECT_EQ(shuffled, epoch_targets(*b, 0)) << "pin_memory is a no-op without CUDA and must not change data";
+  EXPECT_NE(shuffled, epoch_targets(*c, 0));
+}
+
 TEST(DataLoader, DropLastAndSequentialOrder) {
   auto ds = std::make_shared<Numbers>(10);
   auto loader = make_tensor_loader(ds, std::make_shared<DistributedSampler>(sequential_sampler(10)),

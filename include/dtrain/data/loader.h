@@ -53,6 +53,10 @@ namespace dtrain::data {
 
 struct DataLoaderOptions {
   std::int64_t batch_size = 1;
+  // Used only when no sampler is given: the loader then makes a single-rank
+  // DistributedSampler (seeded random order when shuffling, else sequential).
+  bool shuffle = false;
+  std::uint64_t seed = 0;
   bool drop_last = false;
   int num_workers = 0;      // 0: load in the consumer's thread
   int prefetch_factor = 2;  // batches loaded ahead per worker
@@ -98,6 +102,12 @@ class DataLoader {
         pin_(std::move(pin)) {
     detail::check_loader_options(options_);
   }
+  // Without a sampler: one rank, order from options.shuffle and options.seed.
+  DataLoader(std::shared_ptr<const Dataset<Example>> dataset, DataLoaderOptions options, Collate collate, Pin pin = {})
+      : DataLoader(dataset,
+                   std::make_shared<DistributedSampler>(DistributedSamplerOptions{
+                       .dataset_size = dataset->size(), .shuffle = options.shuffle, .seed = options.seed}),
+                   options, std::move(collate), std::move(pin)) {}
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
   ~DataLoader() { stop_workers(); }
@@ -250,6 +260,11 @@ inline std::unique_ptr<TensorLoader> make_tensor_loader(std::shared_ptr<const Da
                                                         std::shared_ptr<Sampler> sampler,
                                                         const DataLoaderOptions& options) {
   return std::make_unique<TensorLoader>(std::move(dataset), std::move(sampler), options, collate_tensors, pin_tensors);
+}
+
+inline std::unique_ptr<TensorLoader> make_tensor_loader(std::shared_ptr<const Dataset<TensorExample>> dataset,
+                                                        const DataLoaderOptions& options) {
+  return std::make_unique<TensorLoader>(std::move(dataset), options, collate_tensors, pin_tensors);
 }
 
 struct WorkerTuning {
