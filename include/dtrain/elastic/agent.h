@@ -1,0 +1,67 @@
+// The launcher's agent: an explicit state machine over a WorkerGroup.
+//
+//   kInit -> kRendezvous -> kRunning -> kSucceeded        all workers exited 0
+//                              |    -> kFailed           a worker failed, no restarts left
+//                              |    -> kInterrupted      SIGINT/SIGTERM to the launcher
+//                              +--> kRestarting -> kRendezvous   a worker failed or hung,
+//                                                                restarts remain: stop the
+//                                                                rest, start a new round
+//
+// Each round gets a fresh MASTER_PORT, so workers never meet a stale store.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "dtrain/elastic/worker_group.h"
+
+namespace dtrain::elastic {
+
+enum class AgentState { kInit, kRendezvous, kRunning, kRestarting, kSucceeded, kFailed, kInterrupted };
+std::string to_string(AgentState state);
+
+struct AgentOptions {
+  int nproc_per_node = 1;
+  int max_restarts = 0;
+  std::chrono::milliseconds monitor_interval{100};
+  std::chrono::milliseconds stop_grace{5000};  // between the forwarded signal and SIGKILL
+  std::string run_id = "none";
+  std::string master_addr = "127.0.0.1";
+  std::map<std::string, std::string> extra_env;  // e.g. CUDA_VISIBLE_DEVICES from --devices
+  int master_port = 0;                           // 0: a free port each round
+};
+
+struct AgentResult {
+  AgentState state = AgentState::kInit;
+  int exit_code = 0;
+  int restarts = 0;
+  std::optional<WorkerExit> root_cause;  // the failure that ended the run, or the last one
+};
+
+class Agent {
+ public:
+  Agent(AgentOptions options, WorkerGroup& workers);
+  // Runs to completion. `interrupt` is polled every monitor interval; a
+  // non-zero value is a signal number to forward to the workers.
+  AgentResult run(const std::atomic<int>& interrupt);
+  AgentState state() const { return state_; }
+  // Called on every transition (logging, tests).
+  std::function<void(AgentState from, AgentState to)> on_transition;
+  // The environment worker `local_rank` gets in round `restart_count`.
+  std::map<std::string, std::string> worker_env(int local_rank, int restart_count, int master_port) const;
+
+ private:
+  void move_to(AgentState next);
+  AgentOptions options_;
+  WorkerGroup& workers_;
+  AgentState state_ = AgentState::kInit;
+};
+
+// A TCP port on this host that was free a moment ago.
+int free_tcp_port();
+
+}  // namespace dtrain::elastic

@@ -1,0 +1,69 @@
+// dtrain: the command-line tool. `dtrain run` launches training workers like
+// torchrun: one process per rank under the env contract, per-rank logs,
+// restarts on failure, signal forwarding. See docs/launcher.md.
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "dtrain/comm/device.h"
+#include "dtrain/elastic/agent.h"
+#include "dtrain/error.h"
+#include "launch_options.h"
+
+namespace {
+std::atomic<int> g_interrupt{0};
+
+void on_signal(int sig) { g_interrupt.store(sig); }
+
+int run_command(const dtrain::tools::LaunchOptions& opt) {
+  namespace el = dtrain::elastic;
+  const auto plan = dtrain::tools::plan_launch(opt);
+  el::ProcessWorkerGroup workers({.argv = plan.argv,
+                                  .log_dir = opt.log_dir,
+                                  .tee = opt.tee,
+                                  .hang_timeout = plan.hang_timeout,
+                                  .error_file_dir = plan.error_file_dir});
+  el::Agent agent(plan.agent, workers);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  const auto result = agent.run(g_interrupt);
+  std::filesystem::remove_all(plan.error_file_dir);
+  if (result.state == el::AgentState::kSucceeded) return 0;
+  if (result.state == el::AgentState::kInterrupted) {
+    std::cerr << "dtrain run: interrupted; workers stopped" << std::endl;
+    return result.exit_code;
+  }
+  std::cerr << "dtrain run: failed after " << result.restarts << " restart" << (result.restarts == 1 ? "" : "s")
+            << " (--max-restarts " << opt.max_restarts << ")\n"
+            << "  root cause: " << (result.root_cause ? result.root_cause->describe() : "unknown") << std::endl;
+  return result.exit_code;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"dtrain: distributed training for C++ programs"};
+  app.require_subcommand(1);
+  dtrain::tools::LaunchOptions opt;
+  CLI::App* run = app.add_subcommand("run", "Launch PROGRAM as a group of training workers (like torchrun)");
+  dtrain::tools::add_launch_options(*run, opt);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    opt.program_and_args = run->remaining();
+    return run_command(opt);
+  } catch (const dtrain::Error& e) {
+    std::cerr << "dtrain run: error: " << e.what() << std::endl;
+    return 2;
+  }
+}
