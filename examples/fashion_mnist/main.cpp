@@ -39,6 +39,8 @@ struct Options {
   std::int64_t train_limit = 0;  // 0: the whole training set
   int num_workers = 0;
   bool tune_workers = false;
+  std::string checkpoint_dir;    // resume from / save to here ("" = no checkpoints)
+  std::int64_t checkpoint_every = 0;  // steps between checkpoints; 0 = at the end of each epoch
 };
 
 double evaluate(SmallCnn& model, const dtrain::data::FashionMnist& test, const c10::Device& device) {
@@ -53,6 +55,22 @@ double evaluate(SmallCnn& model, const dtrain::data::FashionMnist& test, const c
   }
   model->train();
   return static_cast<double>(correct) / static_cast<double>(test.size());
+}
+
+// FNV-1a over every parameter's bytes: equal exactly when the parameters are.
+std::string params_fingerprint(SmallCnn& model) {
+  std::uint64_t h = 1469598103934665603ULL;
+  for (const auto& p : model->parameters()) {
+    const at::Tensor t = p.detach().cpu().contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
+    for (std::size_t i = 0; i < t.nbytes(); ++i) {
+      h ^= bytes[i];
+      h *= 1099511628211ULL;
+    }
+  }
+  char text[20];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(h));
+  return text;
 }
 
 // Where this process trains and which share of the data it sees.
@@ -114,13 +132,25 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
   const bool lead = where.rank == 0;
 
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(opt.lr));
+  std::optional<dtrain::Checkpointer> checkpoints;
+  dtrain::TrainingState progress_state;
+  int first_epoch = 1;
+  if (!opt.checkpoint_dir.empty()) {
+    checkpoints.emplace(dtrain::CheckpointOptions{.dir = opt.checkpoint_dir}, where.group);
+    if (auto resumed = checkpoints->load_latest(*model, optimizer)) {
+      progress_state = *resumed;
+      loader->load_state(resumed->sampler);
+      first_epoch = static_cast<int>(resumed->sampler.epoch) + 1;
+    }
+  }
   DTRAIN_LOG(kInfo) << opt.strategy << " training on " << where.device << ": " << per_rank << " examples per rank, "
                     << opt.epochs << " epochs, batch " << opt.batch_size << " per rank";
   double train_seconds = 0;
   double accuracy = 0;
-  for (int epoch = 1; epoch <= opt.epochs; ++epoch) {
+  for (int epoch = first_epoch; epoch <= opt.epochs; ++epoch) {
     loader->start_epoch(epoch - 1);
     const std::int64_t steps_per_epoch = loader->remaining();
+    if (steps_per_epoch == 0) continue;  // resumed at the end of this epoch
     dtrain::Progress progress(steps_per_epoch, {.label = "epoch " + std::to_string(epoch), .enabled = lead});
     const auto start = std::chrono::steady_clock::now();
     double loss_sum = 0;
@@ -132,6 +162,12 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
       loss.backward();
       optimizer.step();
       loss_sum += loss.item<double>();
+      ++progress_state.step;
+      if (checkpoints && opt.checkpoint_every > 0 && progress_state.step % opt.checkpoint_every == 0) {
+        progress_state.sampler = loader->state();
+        checkpoints->save(progress_state, *model, optimizer);
+        DTRAIN_LOG(kDebug) << "checkpoint at step " << progress_state.step << ", parameters " << params_fingerprint(model);
+      }
       if (step % 20 == 0) {
         char status[48];
         std::snprintf(status, sizeof status, "loss %.4f", loss_sum / static_cast<double>(step + 1));
@@ -141,6 +177,10 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
     const double mean_loss = loss_sum / static_cast<double>(steps_per_epoch);
     progress.finish("loss " + std::to_string(mean_loss));
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (checkpoints && opt.checkpoint_every == 0) {
+      progress_state.sampler = loader->state();
+      checkpoints->save(progress_state, *model, optimizer);
+    }
     if (!lead) continue;
     accuracy = evaluate(model, test, where.device);
     std::cout << nlohmann::json{{"event", "epoch"},
@@ -155,6 +195,8 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
     std::cout << nlohmann::json{{"event", "done"},
                                 {"strategy", opt.strategy},
                                 {"world_size", where.world},
+                                {"steps", progress_state.step},
+                                {"params_fnv", params_fingerprint(model)},
                                 {"test_accuracy", accuracy},
                                 {"train_seconds", train_seconds},
                                 {"samples_per_second",
@@ -200,6 +242,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_flag("--tune-workers", opt.tune_workers, "Measure 0..4 workers first and use the fastest");
+  app.add_option("--checkpoint-dir", opt.checkpoint_dir,
+                 "Save checkpoints here and, when one exists, resume from the newest complete one");
+  app.add_option("--checkpoint-every", opt.checkpoint_every, "Steps between checkpoints (0: end of each epoch)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--train-limit", opt.train_limit, "Train on the first N examples only (0: all)")
       ->check(CLI::NonNegativeNumber);
   try {
@@ -207,13 +253,14 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  try {
-    return run(opt);
-  } catch (const dtrain::Error& e) {
-    std::cerr << "fashion_mnist: error: " << e.what() << std::endl;
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "fashion_mnist: unexpected error: " << e.what() << std::endl;
-    return 2;
-  }
+  // Uncaught errors and fatal signals reach the launcher's error file.
+  return dtrain::elastic::run_recording_errors([&] {
+    try {
+      return run(opt);
+    } catch (const dtrain::Error& e) {
+      dtrain::elastic::write_error_file(e.what());
+      std::cerr << "fashion_mnist: error: " << e.what() << std::endl;
+      return 1;
+    }
+  });
 }

@@ -15,4 +15,6 @@
 #include "dtrain/log.h"
 #include "dtrain/parallel/ddp.h"
 #include "dtrain/parallel/join.h"
+#include "dtrain/trainer/checkpoint.h"
 #include "dtrain/trainer/progress.h"
+#include "dtrain/elastic/error_file.h"

@@ -116,6 +116,8 @@ struct DDPEngine::State {
   DDPOptions options;
   c10::Device device{c10::kCPU};
   std::vector<at::Tensor> params;
+  std::vector<std::string> param_names;
+  std::vector<const void*> param_storage;  // data pointers at construction; see check_storage
   std::vector<at::Tensor> buffers;
   std::shared_ptr<c10d::Reducer> reducer;
   std::shared_ptr<c10d::Logger> logger;
@@ -170,6 +172,7 @@ DDPEngine::DDPEngine(std::shared_ptr<torch::nn::Module> module, dist::ProcessGro
   for (const auto& item : s.module->named_parameters()) {
     if (!item.value().requires_grad()) continue;
     names[s.params.size()] = item.key();
+    s.param_names.push_back(item.key());
     s.params.push_back(item.value());
     described.push_back({"parameter", item.key(), item.value()});
   }
@@ -187,6 +190,7 @@ DDPEngine::DDPEngine(std::shared_ptr<torch::nn::Module> module, dist::ProcessGro
   std::vector<at::Tensor> state_tensors = s.params;
   state_tensors.insert(state_tensors.end(), s.buffers.begin(), s.buffers.end());
   s.broadcast(state_tensors, 0);
+  for (const auto& p : s.params) s.param_storage.push_back(p.data_ptr());
 
   // See Note [First-iteration buckets] in docs/ddp.md: without unused
   // parameters the first iteration uses one bucket, then buckets are rebuilt
@@ -225,6 +229,17 @@ DDPEngine::~DDPEngine() {
 void DDPEngine::pre_forward() {
   auto& s = *state_;
   s.forward_ran = true;
+  // A parameter whose storage was swapped (Module::load does set_ on each
+  // parameter) silently stops being averaged: ranks would drift apart.
+  for (std::size_t i = 0; i < s.params.size(); ++i) {
+    DTRAIN_CHECK(s.params[i].data_ptr() == s.param_storage[i], ConfigError,
+                 "parameter '" << s.param_names[i]
+                               << "' got new storage after DistributedDataParallel wrapped the module (for example "
+                                  "from torch::nn::Module::load, which set_()s every parameter); its gradients would "
+                                  "no longer be averaged across ranks.",
+                 "load weights before wrapping, or copy into the parameters in place (param.copy_(value) under "
+                 "NoGradGuard), as dtrain::Checkpointer does");
+  }
   const bool grad = at::GradMode::is_enabled();
   if (grad && s.require_backward_grad_sync) s.reducer->prepare_for_forward();
 

@@ -310,6 +310,24 @@ TEST(Ddp, JoinCanThrowOnEarlyTermination) {
   });
 }
 
+TEST(Ddp, SwappedParameterStorageIsAClearError) {
+  run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, group_options());
+    DistributedDataParallel ddp(seeded_mlp(1), group);
+    {
+      torch::NoGradGuard no_grad;
+      ddp.module()->fc1->weight.set_(at::zeros_like(ddp.module()->fc1->weight));  // what Module::load does
+    }
+    const Batch b = batch_for(rank, 0, kBatch);
+    try {
+      ddp(b.x);
+      ADD_FAILURE() << "no error";
+    } catch (const dtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("parameter 'fc1.weight' got new storage"), std::string::npos) << e.what();
+    }
+  });
+}
+
 TEST(Ddp, BadOptionsAreRejected) {
   run_rank_threads(1, [&](int rank, dtrain::dist::Store store) {
     auto group = dtrain::dist::init_process_group(store, rank, 1, group_options());
