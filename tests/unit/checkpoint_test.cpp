@@ -1,0 +1,137 @@
+// Checkpointer: round trip, atomicity (partial and corrupt checkpoints are
+// skipped), retention, mismatched models, and resume equal to uninterrupted.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "dtrain/error.h"
+#include "dtrain/trainer/checkpoint.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(int hidden = 8) {
+    a = register_module("a", torch::nn::Linear(4, hidden));
+    b = register_module("b", torch::nn::Linear(hidden, 2));
+    register_buffer("seen", at::zeros({1}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return b(at::dropout(at::relu(a(x)), 0.3, is_training())); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Net);
+
+fs::path temp_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("dtrain-ckpt-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  return dir;
+}
+
+// Trains `steps` steps from `from` (0 = fresh), saving every 3 steps.
+void train(Net& net, torch::optim::Adam& opt, dtrain::Checkpointer* ckpt, std::int64_t from, std::int64_t steps) {
+  for (std::int64_t s = from; s < steps; ++s) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(s);
+    const auto x = at::randn({5, 4}, gen);
+    opt.zero_grad();
+    net->forward(x).pow(2).mean().backward();  // dropout draws from the default generator
+    opt.step();
+    if (ckpt && (s + 1) % 3 == 0) ckpt->save({.step = s + 1, .sampler = {.epoch = 0, .consumed = (s + 1) * 5}}, *net, opt);
+  }
+}
+
+std::vector<at::Tensor> params(Net& net) {
+  std::vector<at::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+}  // namespace
+
+TEST(Checkpoint, ResumeEqualsUninterruptedBitForBit) {
+  const auto dir = temp_dir("resume");
+  torch::manual_seed(0);
+  Net reference;
+  torch::optim::Adam ref_opt(reference->parameters(), 1e-2);
+  train(reference, ref_opt, nullptr, 0, 10);
+
+  torch::manual_seed(0);
+  Net first;
+  torch::optim::Adam first_opt(first->parameters(), 1e-2);
+  dtrain::Checkpointer ckpt({.dir = dir, .keep = 2});
+  train(first, first_opt, &ckpt, 0, 7);  // "crashes" after step 7; newest checkpoint: step 6
+  EXPECT_EQ(ckpt.complete_steps(), (std::vector<std::int64_t>{6, 3}));
+
+  torch::manual_seed(123);  // a restart starts from other weights and RNG state
+  Net second;
+  torch::optim::Adam second_opt(second->parameters(), 1e-2);
+  const auto state = ckpt.load_latest(*second, second_opt);
+  ASSERT_TRUE(state.has_value());
+  EXPECT_EQ(state->step, 6);
+  EXPECT_EQ(state->sampler, (dtrain::data::SamplerState{.epoch = 0, .consumed = 30}));
+  train(second, second_opt, nullptr, state->step, 10);
+  const auto expected = params(reference), got = params(second);
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(at::equal(expected[i], got[i])) << "parameter " << i;
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, PartialAndCorruptCheckpointsAreSkipped) {
+  const auto dir = temp_dir("corrupt");
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::Adam opt(net->parameters(), 1e-2);
+  dtrain::Checkpointer ckpt({.dir = dir, .keep = 5});
+  train(net, opt, &ckpt, 0, 9);  // checkpoints 3, 6, 9
+  // 9: a byte flipped in the model file; 6: no MANIFEST (a crash before it was written).
+  {
+    std::fstream f(dir / "step_9" / "model.pt", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x7f');
+  }
+  fs::remove(dir / "step_6" / "MANIFEST");
+  // A temporary folder left by a crash mid-save is ignored too.
+  fs::create_directories(dir / ".tmp_step_12_999");
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(ckpt.complete_steps(), (std::vector<std::int64_t>{3}));
+  const std::string warnings = testing::internal::GetCapturedStderr();
+  EXPECT_NE(warnings.find("step_9: model.pt fails its CRC"), std::string::npos) << warnings;
+  EXPECT_NE(warnings.find("step_6: no MANIFEST (incomplete)"), std::string::npos) << warnings;
+  Net other;
+  torch::optim::Adam other_opt(other->parameters(), 1e-2);
+  EXPECT_EQ(ckpt.load_latest(*other, other_opt)->step, 3);
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, KeepsTheNewestAndHandlesNone) {
+  const auto dir = temp_dir("keep");
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::Adam opt(net->parameters(), 1e-2);
+  dtrain::Checkpointer ckpt({.dir = dir, .keep = 2});
+  EXPECT_FALSE(ckpt.load_latest(*net, opt).has_value());
+  train(net, opt, &ckpt, 0, 12);
+  EXPECT_EQ(ckpt.complete_steps(), (std::vector<std::int64_t>{12, 9}));
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, ADifferentModelIsRefused) {
+  const auto dir = temp_dir("mismatch");
+  Net net;
+  torch::optim::Adam opt(net->parameters(), 1e-2);
+  dtrain::Checkpointer ckpt({.dir = dir});
+  ckpt.save({.step = 1}, *net, opt);
+  Net wider(16);
+  torch::optim::Adam wider_opt(wider->parameters(), 1e-2);
+  try {
+    ckpt.load_latest(*wider, wider_opt);
+    ADD_FAILURE() << "no error";
+  } catch (const dtrain::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("parameter/a.weight has shape [8, 4], the model [16, 4]"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(dtrain::Checkpointer({.dir = ""}), dtrain::ConfigError);
+  fs::remove_all(dir);
+}
