@@ -92,8 +92,7 @@ Placement place(const Options& opt) {
   }
   DTRAIN_CHECK(dtrain::dist::launched_by_launcher(), ConfigError,
                "--strategy ddp runs one process per rank, but RANK and WORLD_SIZE are not set.",
-               "start it through a launcher: scripts/launch_local.sh 2 "
-                   << "fashion_mnist --strategy ddp (or torchrun)");
+               "start it through a launcher: dtrain run --nproc-per-node 2 fashion_mnist --strategy ddp (or torchrun)");
   const auto env = dtrain::dist::read_env_contract();
   const auto device = dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size);
   auto group = dtrain::dist::init_process_group(env, {.device = device});
