@@ -73,6 +73,12 @@ EnvContract read_env_contract(const EnvLookup& env) {
   const auto local_world = env("LOCAL_WORLD_SIZE");
   c.local_rank = local_rank ? detail::parse_int("LOCAL_RANK", *local_rank, 0, kMaxRanks) : c.rank;
   c.local_world_size = local_world ? detail::parse_int("LOCAL_WORLD_SIZE", *local_world, 1, kMaxRanks) : c.world_size;
+  if (const auto agent = env("TORCHELASTIC_USE_AGENT_STORE")) {
+    c.agent_store = *agent == "True" || *agent == "true" || *agent == "1";
+  }
+  if (const auto restarts = env("TORCHELASTIC_RESTART_COUNT")) {
+    c.restart_count = detail::parse_int("TORCHELASTIC_RESTART_COUNT", *restarts, 0, 1 << 30);
+  }
   validate(c);
   return c;
 }

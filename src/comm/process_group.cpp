@@ -268,11 +268,14 @@ ProcessGroup init_process_group(const EnvContract& contract, const GroupOptions&
   if (resolved.gloo_host.empty() && std::getenv("GLOO_SOCKET_IFNAME") == nullptr && is_loopback(contract.master_addr)) {
     resolved.gloo_host = "127.0.0.1";
   }
+  // Under torchrun the agent hosts the store and keeps it across restarts:
+  // nobody hosts, and each round works under its own prefix (torch's layout).
   Store store = Store::tcp({.host = contract.master_addr,
                             .port = contract.master_port,
-                            .is_server = contract.rank == 0,
+                            .is_server = contract.rank == 0 && !contract.agent_store,
                             .timeout = *resolved.timeout});
-  return make_world(std::move(store), contract.rank, contract.world_size, resolved);
+  return make_world(store.with_prefix("/worker/attempt_" + std::to_string(contract.restart_count)), contract.rank,
+                    contract.world_size, resolved);
 }
 
 ProcessGroup init_process_group(const GroupOptions& options) {

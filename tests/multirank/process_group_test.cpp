@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include "dtrain/comm/process_group.h"
+
+#include <map>
+#include <optional>
 #include "dtrain/log.h"
 #include "ranks.h"
 
@@ -114,3 +117,29 @@ TEST_P(WorldSize, SubgroupsOfEvenAndOddRanks) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, WorldSize, ::testing::Values(1, 2, 3, 4));
+
+TEST(TorchrunContract, AgentHostedStoreSurvivesRestartRounds) {
+  // torchrun's agent hosts the store on MASTER_PORT for the whole job and
+  // sets TORCHELASTIC_USE_AGENT_STORE; each restart round must start cleanly
+  // on the same store. Here the test process plays the agent.
+  const bool child = std::getenv("DTRAIN_TEST_CHILD") != nullptr;
+  std::optional<dtrain::dist::Store> agent;
+  int port = 0;
+  if (!child) {
+    agent = dtrain::dist::Store::tcp({.port = 0, .is_server = true, .timeout = std::chrono::seconds(30)});
+    port = agent->port();
+  }
+  for (int round = 0; round < 2; ++round) {
+    run_rank_processes(
+        2,
+        [](int rank) {
+          auto group = dtrain::dist::init_process_group(options());
+          check_collectives(group);
+        },
+        {.env_for_rank = [&](int) {
+           return std::map<std::string, std::optional<std::string>>{{"MASTER_PORT", std::to_string(port)},
+                                                                    {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                                                    {"TORCHELASTIC_RESTART_COUNT", std::to_string(round)}};
+         }});
+  }
+}

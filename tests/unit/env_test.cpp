@@ -107,6 +107,18 @@ TEST(EnvContract, OutOfRangeValues) {
   expect_config_error(v, {"MASTER_ADDR is empty"});
 }
 
+TEST(EnvContract, TorchElasticVariables) {
+  auto v = good();
+  EXPECT_FALSE(read_env_contract(fake(v)).agent_store);
+  v["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  v["TORCHELASTIC_RESTART_COUNT"] = "3";
+  const auto c = read_env_contract(fake(v));
+  EXPECT_TRUE(c.agent_store);
+  EXPECT_EQ(c.restart_count, 3);
+  v["TORCHELASTIC_RESTART_COUNT"] = "-1";
+  expect_config_error(v, {"TORCHELASTIC_RESTART_COUNT=-1 is out of range"});
+}
+
 TEST(EnvContract, LaunchedByLauncher) {
   EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake(good())));
   EXPECT_FALSE(dtrain::dist::launched_by_launcher(fake({{"RANK", "0"}})));

@@ -6,6 +6,13 @@
 //   RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT      required
 //   LOCAL_RANK, LOCAL_WORLD_SIZE                    optional; default to RANK and
 //                                                   WORLD_SIZE (one node)
+// torch elastic's, when present:
+//   TORCHELASTIC_USE_AGENT_STORE   "True": the launcher's agent already hosts
+//                                  the store on MASTER_PORT (torchrun does), so
+//                                  rank 0 connects as a client
+//   TORCHELASTIC_RESTART_COUNT     keys of each restart round are kept apart
+//                                  (/worker/attempt_N), as torch does, because
+//                                  an agent's store outlives a round
 // and dtrain's own:
 //   DTRAIN_TIMEOUT_SECONDS   overrides the default timeout of blocking calls.
 #pragma once
@@ -24,6 +31,8 @@ struct EnvContract {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  bool agent_store = false;  // TORCHELASTIC_USE_AGENT_STORE
+  int restart_count = 0;     // TORCHELASTIC_RESTART_COUNT
 };
 
 // Looks up one variable; std::nullopt when unset. Tests pass fakes.
