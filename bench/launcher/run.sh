@@ -7,4 +7,4 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cmake --build "$DTRAIN_BUILD" --target dtrain_cli bench_launcher_worker >/dev/null
 OMP_NUM_THREADS=1 "$DTRAIN_PYTHON" "$here/run.py" --dtrain "$DTRAIN_BUILD/tools/dtrain" \
-  --worker "$DTRAIN_BUILD/bench/bench_launcher_worker" "$@"
+  --worker "$DTRAIN_BUILD/bench/bench_launcher_worker" --python-worker "$here/worker.py" "$@"

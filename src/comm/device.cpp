@@ -1,7 +1,7 @@
 // Device spec parsing and validation.
 #include "dtrain/comm/device.h"
 
-#include <torch/cuda.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cctype>
@@ -50,9 +50,27 @@ c10::Device cuda_device(const std::string& item, const std::string& index_text, 
 
 }  // namespace
 
+// Asks the CUDA driver directly (dlopen'd, so no CUDA or LibTorch link is
+// needed): the launcher uses this and must start fast. The driver honours
+// CUDA_VISIBLE_DEVICES just as the runtime does. No driver: no devices.
+int cuda_driver_device_count() {
+  static const int count = [] {
+    void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) return 0;
+    using InitFn = int (*)(unsigned int);
+    using CountFn = int (*)(int*);
+    auto init = reinterpret_cast<InitFn>(::dlsym(lib, "cuInit"));
+    auto get_count = reinterpret_cast<CountFn>(::dlsym(lib, "cuDeviceGetCount"));
+    int n = 0;
+    if (init == nullptr || get_count == nullptr || init(0) != 0 || get_count(&n) != 0) n = 0;
+    return n;  // the library stays loaded: the process may use CUDA later
+  }();
+  return count;
+}
+
 DeviceInventory DeviceInventory::current() {
   DeviceInventory inv;
-  inv.cuda_count = static_cast<int>(torch::cuda::device_count());
+  inv.cuda_count = cuda_driver_device_count();
   if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES")) inv.cuda_visible_devices = v;
   return inv;
 }
