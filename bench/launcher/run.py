@@ -103,6 +103,7 @@ def main():
     ap.add_argument("--python-worker", required=True)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--skip-python-worker", action="store_true")
     args = ap.parse_args()
     common = ["--nproc-per-node", str(args.nproc), "--max-restarts", "1", "--monitor-interval", "0.1"]
     launchers = {
@@ -113,6 +114,8 @@ def main():
         "torchrun + python worker": [sys.executable, "-m", "torch.distributed.run", "--standalone", *common,
                                      args.python_worker],
     }
+    if args.skip_python_worker:
+        del launchers["torchrun + python worker"]
     results = {}
     for name, cmd in launchers.items():
         starts, recoveries, failed = [], [], 0
@@ -127,6 +130,8 @@ def main():
         print(json.dumps({"impl": name, "start_s": [round(x, 3) for x in starts],
                           "recovery_s": [round(x, 3) for x in recoveries], "failed_recoveries": failed}), flush=True)
     for peer, case in (("torchrun", "same_cpp_worker"), ("torchrun + python worker", "native_workers")):
+        if peer not in results:
+            continue
         for metric, i in (("start_to_first_step_s", 0), ("kill_to_first_step_after_recovery_s", 1)):
             d, p = results["dtrain run"][i], results[peer][i]
             print(json.dumps({"bench": "launcher", "case": f"{args.nproc}_{case}", "metric": metric,

@@ -35,6 +35,7 @@ Store Store::tcp(const TcpStoreOptions& options) {
   opts.isServer = options.is_server;
   opts.waitWorkers = false;  // membership is checked by init_process_group, with clear errors
   opts.timeout = options.timeout;
+  if (options.is_server && options.listen_fd >= 0) opts.masterListenFd = options.listen_fd;
   const std::string where = options.host + ":" + std::to_string(options.port);
   auto impl = std::make_shared<detail::StoreImpl>();
   try {

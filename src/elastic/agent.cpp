@@ -7,7 +7,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 
 #include "dtrain/error.h"
 #include "dtrain/log.h"
@@ -38,6 +40,27 @@ int free_tcp_port() {
   if (fd >= 0) ::close(fd);
   DTRAIN_CHECK(ok, ConfigError, "cannot find a free TCP port.", "pass --master-port explicitly");
   return ntohs(addr.sin_port);
+}
+
+int listen_tcp(int& port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int yes = 1;
+  if (fd >= 0) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  socklen_t len = sizeof addr;
+  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::listen(fd, 1024) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  if (!ok) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    throw ConfigError("cannot listen on TCP port " + std::to_string(port) + ": " + std::strerror(err) + ".",
+                      "choose another port, or stop the process holding it");
+  }
+  port = ntohs(addr.sin_port);
+  return fd;
 }
 
 Agent::Agent(AgentOptions options, WorkerGroup& workers) : options_(std::move(options)), workers_(workers) {
@@ -76,12 +99,16 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
   AgentResult result;
   for (int restarts = 0;; ++restarts) {
     move_to(AgentState::kRendezvous);
-    const int port = options_.master_port != 0 ? options_.master_port : free_tcp_port();
+    int port = options_.master_port;
+    const int listen_fd = listen_tcp(port);
     std::vector<WorkerLaunch> launches;
     for (int r = 0; r < options_.nproc_per_node; ++r) {
       launches.push_back({.local_rank = r, .global_rank = r, .env = worker_env(r, restarts, port)});
     }
+    launches[0].env["DTRAIN_MASTER_LISTEN_FD"] = std::to_string(listen_fd);
+    launches[0].inherit_fd = listen_fd;
     workers_.start(launches, restarts);
+    ::close(listen_fd);  // rank 0 owns it now
     move_to(AgentState::kRunning);
     std::optional<WorkerExit> failure;
     GroupStatus status = GroupStatus::kRunning;

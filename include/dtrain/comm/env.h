@@ -15,6 +15,8 @@
 //                                  an agent's store outlives a round
 // and dtrain's own:
 //   DTRAIN_TIMEOUT_SECONDS   overrides the default timeout of blocking calls.
+//   DTRAIN_MASTER_LISTEN_FD  (rank 0, set by `dtrain run`) an inherited socket
+//                            already listening on MASTER_PORT for the store.
 #pragma once
 
 #include <chrono>
@@ -33,6 +35,7 @@ struct EnvContract {
   int master_port = 29500;
   bool agent_store = false;  // TORCHELASTIC_USE_AGENT_STORE
   int restart_count = 0;     // TORCHELASTIC_RESTART_COUNT
+  int master_listen_fd = -1;  // DTRAIN_MASTER_LISTEN_FD
 };
 
 // Looks up one variable; std::nullopt when unset. Tests pass fakes.

@@ -19,6 +19,9 @@ struct TcpStoreOptions {
   bool is_server = false;
   // How long a client keeps trying to connect, and the default wait of get/wait.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  // A server takes over this already listening socket instead of binding
+  // `port` (the launcher pre-binds it, so clients never race the server).
+  int listen_fd = -1;
 };
 
 namespace detail {

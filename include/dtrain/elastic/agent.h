@@ -8,6 +8,10 @@
 //                                                                rest, start a new round
 //
 // Each round gets a fresh MASTER_PORT, so workers never meet a stale store.
+// The agent binds and listens on it before starting the workers and hands
+// the socket to rank 0 (DTRAIN_MASTER_LISTEN_FD), whose store takes it over:
+// other ranks connect at once instead of racing rank 0's bind and backing off
+// (c10d clients retry after a second), and no other process can take the port.
 #pragma once
 
 #include <atomic>
@@ -63,5 +67,9 @@ class Agent {
 
 // A TCP port on this host that was free a moment ago.
 int free_tcp_port();
+
+// A close-on-exec socket listening on all interfaces at `port` (0: any free
+// port); returns the fd and sets `port` to the bound one.
+int listen_tcp(int& port);
 
 }  // namespace dtrain::elastic
