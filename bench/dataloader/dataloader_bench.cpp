@@ -35,7 +35,9 @@ class Augmented : public Dataset<TensorExample> {
   std::shared_ptr<FashionMnist> base_;
 };
 
-double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -48,7 +50,8 @@ int main(int argc, char** argv) {
         if (workers == 0 && persistent) continue;
         auto sampler = std::make_shared<DistributedSampler>(random_sampler(data->size(), 0));
         auto loader = make_tensor_loader(
-            data, sampler, {.batch_size = 64, .drop_last = true, .num_workers = workers, .persistent_workers = persistent});
+            data, sampler,
+            {.batch_size = 64, .drop_last = true, .num_workers = workers, .persistent_workers = persistent});
         std::int64_t samples = 0;
         double first_ms = 0, second_first_ms = 0;
         const auto start = Clock::now();
@@ -67,8 +70,8 @@ int main(int argc, char** argv) {
         std::printf(
             "{\"impl\":\"dtrain\",\"case\":\"w%d%s\",\"samples_per_second\":%.1f,\"first_batch_ms\":%.3f,"
             "\"second_epoch_first_batch_ms\":%.3f}\n",
-            workers, workers == 0 ? "" : (persistent ? "_persistent" : "_fresh"), static_cast<double>(samples) / seconds,
-            first_ms, second_first_ms);
+            workers, workers == 0 ? "" : (persistent ? "_persistent" : "_fresh"),
+            static_cast<double>(samples) / seconds, first_ms, second_first_ms);
         std::fflush(stdout);
       }
     }

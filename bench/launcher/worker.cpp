@@ -18,13 +18,13 @@ int main() {
     auto group = dtrain::dist::init_process_group();
     at::Tensor t = at::ones({1024});
     group.all_reduce(t).wait();
-    const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         std::chrono::system_clock::now().time_since_epoch())
-                         .count();
+    const auto now =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
     const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
     const std::string round = restart != nullptr ? restart : "0";
-    const std::string path = std::string(std::getenv("BENCH_DIR")) + "/step_" + round + "_" +
-                             std::to_string(group.rank());
+    const std::string path =
+        std::string(std::getenv("BENCH_DIR")) + "/step_" + round + "_" + std::to_string(group.rank());
     std::ofstream(path + ".tmp") << now << "\n";
     std::rename((path + ".tmp").c_str(), path.c_str());
     if (round == "0") std::this_thread::sleep_for(std::chrono::seconds(120));

@@ -22,8 +22,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "dtrain/dtrain.h"
 #include <memory>
+#include "dtrain/dtrain.h"
 #include "model.h"
 
 namespace {
@@ -39,7 +39,7 @@ struct Options {
   std::int64_t train_limit = 0;  // 0: the whole training set
   int num_workers = 0;
   bool tune_workers = false;
-  std::string checkpoint_dir;    // resume from / save to here ("" = no checkpoints)
+  std::string checkpoint_dir;         // resume from / save to here ("" = no checkpoints)
   std::int64_t checkpoint_every = 0;  // steps between checkpoints; 0 = at the end of each epoch
 };
 
@@ -165,7 +165,8 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
       if (checkpoints && opt.checkpoint_every > 0 && progress_state.step % opt.checkpoint_every == 0) {
         progress_state.sampler = loader->state();
         checkpoints->save(progress_state, *model, optimizer);
-        DTRAIN_LOG(kDebug) << "checkpoint at step " << progress_state.step << ", parameters " << params_fingerprint(model);
+        DTRAIN_LOG(kDebug) << "checkpoint at step " << progress_state.step << ", parameters "
+                           << params_fingerprint(model);
       }
       if (step % 20 == 0) {
         char status[48];
@@ -237,7 +238,8 @@ int main(int argc, char** argv) {
   app.add_option("--lr", opt.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seed", opt.seed, "Seed for initialisation and shuffling")->capture_default_str();
   app.add_option("--data-dir", opt.data_dir, "Directory with the Fashion-MNIST IDX files")->capture_default_str();
-  app.add_option("--num-workers", opt.num_workers, "DataLoader worker threads per rank (0: load in the training thread)")
+  app.add_option("--num-workers", opt.num_workers,
+                 "DataLoader worker threads per rank (0: load in the training thread)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_flag("--tune-workers", opt.tune_workers, "Measure 0..4 workers first and use the fastest");

@@ -114,7 +114,10 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
     GroupStatus status = GroupStatus::kRunning;
     while (status == GroupStatus::kRunning) {
       if (const int sig = interrupt.load(); sig != 0) {
-        DTRAIN_LOG(kWarning) << "received " << (sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal")
+        DTRAIN_LOG(kWarning) << "received "
+                             << (sig == SIGINT    ? "SIGINT"
+                                 : sig == SIGTERM ? "SIGTERM"
+                                                  : "a signal")
                              << "; forwarding it to the workers";
         workers_.stop(sig, options_.stop_grace);
         move_to(AgentState::kInterrupted);

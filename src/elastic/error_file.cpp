@@ -32,10 +32,13 @@ void on_fatal_signal(int sig) {
     const int fd = ::open(g_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd >= 0) {
       char buf[256];
-      const char* name = sig == SIGSEGV ? "SIGSEGV" : sig == SIGABRT ? "SIGABRT" : sig == SIGBUS ? "SIGBUS"
-                         : sig == SIGFPE ? "SIGFPE" : "SIGILL";
-      const int n = std::snprintf(buf, sizeof buf, "{\"message\":{\"message\":\"fatal signal %s\",\"extraInfo\":{}}}",
-                                  name);
+      const char* name = sig == SIGSEGV   ? "SIGSEGV"
+                         : sig == SIGABRT ? "SIGABRT"
+                         : sig == SIGBUS  ? "SIGBUS"
+                         : sig == SIGFPE  ? "SIGFPE"
+                                          : "SIGILL";
+      const int n =
+          std::snprintf(buf, sizeof buf, "{\"message\":{\"message\":\"fatal signal %s\",\"extraInfo\":{}}}", name);
       if (n > 0) (void)!::write(fd, buf, static_cast<size_t>(n));
       ::close(fd);
     }

@@ -26,6 +26,32 @@ namespace dtrain::elastic {
 namespace {
 using Clock = std::chrono::steady_clock;
 
+// SIGCHLD wakes the monitor loop at once (self-pipe), so a dead worker is
+// noticed immediately rather than at the next monitor tick.
+int g_child_pipe[2] = {-1, -1};
+void on_sigchld(int) {
+  const int saved = errno;
+  const char byte = 1;
+  (void)!::write(g_child_pipe[1], &byte, 1);
+  errno = saved;
+}
+void install_sigchld_wakeup() {
+  static const bool installed = [] {
+    if (::pipe2(g_child_pipe, O_CLOEXEC | O_NONBLOCK) != 0) return false;
+    struct sigaction sa {};
+    sa.sa_handler = on_sigchld;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    return ::sigaction(SIGCHLD, &sa, nullptr) == 0;
+  }();
+  (void)installed;
+}
+void drain_child_pipe() {
+  char buf[64];
+  while (::read(g_child_pipe[0], buf, sizeof buf) > 0) {
+  }
+}
+
 std::string signal_name(int sig) {
   const char* abbrev = sigabbrev_np(sig);
   return abbrev != nullptr ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
@@ -110,9 +136,13 @@ struct ProcessWorkerGroup::Worker {
   WorkerExit exit;
 };
 
-ProcessWorkerGroup::ProcessWorkerGroup(ProcessWorkerGroupOptions options) : options_(std::move(options)) {}
+ProcessWorkerGroup::ProcessWorkerGroup(ProcessWorkerGroupOptions options) : options_(std::move(options)) {
+  install_sigchld_wakeup();
+}
 
-ProcessWorkerGroup::~ProcessWorkerGroup() { stop(SIGKILL, std::chrono::milliseconds(0)); }
+ProcessWorkerGroup::~ProcessWorkerGroup() {
+  stop(SIGKILL, std::chrono::milliseconds(0));
+}
 
 std::vector<int> ProcessWorkerGroup::pids() const {
   std::vector<int> out;
@@ -213,6 +243,10 @@ void ProcessWorkerGroup::flush_line(Worker& w, const std::string& line) {
 void ProcessWorkerGroup::pump_output(std::chrono::milliseconds wait) {
   std::vector<pollfd> fds;
   std::vector<Worker*> owners;
+  if (g_child_pipe[0] >= 0) {
+    fds.push_back({g_child_pipe[0], POLLIN, 0});
+    owners.push_back(nullptr);
+  }
   for (auto& w : workers_) {
     if (w.out_fd >= 0) {
       fds.push_back({w.out_fd, POLLIN, 0});
@@ -226,6 +260,10 @@ void ProcessWorkerGroup::pump_output(std::chrono::milliseconds wait) {
   if (::poll(fds.data(), fds.size(), static_cast<int>(wait.count())) <= 0) return;
   char buf[65536];
   for (size_t i = 0; i < fds.size(); ++i) {
+    if (owners[i] == nullptr) {
+      if (fds[i].revents & POLLIN) drain_child_pipe();
+      continue;
+    }
     if ((fds[i].revents & (POLLIN | POLLHUP)) == 0) continue;
     Worker& w = *owners[i];
     const ssize_t n = ::read(w.out_fd, buf, sizeof buf);

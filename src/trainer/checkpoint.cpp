@@ -152,9 +152,8 @@ void Checkpointer::save(const TrainingState& state, torch::nn::Module& model, to
       archive.save_to(model_bytes);
     }
     torch::save(optimizer, optimizer_bytes);
-    const nlohmann::json meta = {{"step", state.step},
-                                 {"sampler_epoch", state.sampler.epoch},
-                                 {"sampler_consumed", state.sampler.consumed}};
+    const nlohmann::json meta = {
+        {"step", state.step}, {"sampler_epoch", state.sampler.epoch}, {"sampler_consumed", state.sampler.consumed}};
     const std::string files[] = {model_bytes.str(), optimizer_bytes.str(), meta.dump()};
     nlohmann::json manifest;
     for (size_t i = 0; i < 3; ++i) {

@@ -130,16 +130,16 @@ TEST(TorchrunContract, AgentHostedStoreSurvivesRestartRounds) {
     port = agent->port();
   }
   for (int round = 0; round < 2; ++round) {
-    run_rank_processes(
-        2,
-        [](int rank) {
-          auto group = dtrain::dist::init_process_group(options());
-          check_collectives(group);
-        },
-        {.env_for_rank = [&](int) {
-           return std::map<std::string, std::optional<std::string>>{{"MASTER_PORT", std::to_string(port)},
-                                                                    {"TORCHELASTIC_USE_AGENT_STORE", "True"},
-                                                                    {"TORCHELASTIC_RESTART_COUNT", std::to_string(round)}};
-         }});
+    run_rank_processes(2,
+                       [](int rank) {
+                         auto group = dtrain::dist::init_process_group(options());
+                         check_collectives(group);
+                       },
+                       {.env_for_rank = [&](int) {
+                         return std::map<std::string, std::optional<std::string>>{
+                             {"MASTER_PORT", std::to_string(port)},
+                             {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                             {"TORCHELASTIC_RESTART_COUNT", std::to_string(round)}};
+                       }});
   }
 }

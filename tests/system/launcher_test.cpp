@@ -32,8 +32,8 @@ std::string slurp(const fs::path& p) {
 class Scratch {
  public:
   Scratch() {
-    dir_ = fs::temp_directory_path() / ("dtrain-launcher-test-" + std::to_string(::getpid()) + "-" +
-                                        std::to_string(counter_++));
+    dir_ = fs::temp_directory_path() /
+           ("dtrain-launcher-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -55,7 +55,8 @@ class Scratch {
 // A launcher running in the background, output to files.
 class Launch {
  public:
-  Launch(const std::vector<std::string>& args, const Scratch& scratch) : out_(scratch.path() / "out"), err_(scratch.path() / "err") {
+  Launch(const std::vector<std::string>& args, const Scratch& scratch)
+      : out_(scratch.path() / "out"), err_(scratch.path() / "err") {
     std::vector<std::string> argv_s{kDtrain, "run"};
     argv_s.insert(argv_s.end(), args.begin(), args.end());
     std::vector<char*> argv;
@@ -124,14 +125,17 @@ bool wait_for(const std::function<bool()>& ready, std::chrono::seconds timeout =
   return false;
 }
 
-bool alive(int pid) { return ::kill(pid, 0) == 0; }
+bool alive(int pid) {
+  return ::kill(pid, 0) == 0;
+}
 }  // namespace
 
 TEST(Launcher, SetsTheEnvContractAndTeesWithRankPrefixes) {
   Scratch s;
-  const auto worker = s.script("w.sh", "echo \"env $RANK $LOCAL_RANK $GROUP_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE "
-                                       "$MASTER_ADDR $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS "
-                                       "$TORCHELASTIC_RUN_ID $OMP_NUM_THREADS port=$MASTER_PORT\"\n");
+  const auto worker = s.script("w.sh",
+                               "echo \"env $RANK $LOCAL_RANK $GROUP_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE "
+                               "$MASTER_ADDR $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS "
+                               "$TORCHELASTIC_RUN_ID $OMP_NUM_THREADS port=$MASTER_PORT\"\n");
   Launch l({"--nproc-per-node", "3", "--tee", "--log-dir", (s.path() / "logs").string(), "--rdzv-id", "job7", worker},
            s);
   ASSERT_EQ(l.wait(), 0) << l.err();
@@ -148,18 +152,20 @@ TEST(Launcher, SetsTheEnvContractAndTeesWithRankPrefixes) {
 
 TEST(Launcher, ExhaustedRestartsGiveTheWorkersExitCodeAndRootCause) {
   Scratch s;
-  const auto worker = s.script(
-      "w.sh",
-      "if [ \"$RANK\" = 1 ]; then\n"
-      "  echo '{\"message\":{\"message\":\"ValueError: bad batch 7\",\"extraInfo\":{}}}' > \"$TORCHELASTIC_ERROR_FILE\"\n"
-      "  exit 3\nfi\nsleep 30\n");
+  const auto worker = s.script("w.sh",
+                               "if [ \"$RANK\" = 1 ]; then\n"
+                               "  echo '{\"message\":{\"message\":\"ValueError: bad batch 7\",\"extraInfo\":{}}}' > "
+                               "\"$TORCHELASTIC_ERROR_FILE\"\n"
+                               "  exit 3\nfi\nsleep 30\n");
   const auto start = Clock::now();
-  Launch l({"--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.05", "--stop-grace", "1", worker}, s);
+  Launch l({"--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.05", "--stop-grace", "1", worker},
+           s);
   EXPECT_EQ(l.wait(), 3);
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 20.0) << "the sleeping rank was not stopped";
   const std::string err = l.err();
   EXPECT_NE(err.find("failed after 2 restarts (--max-restarts 2)"), std::string::npos) << err;
-  EXPECT_NE(err.find("root cause: rank 1 (local rank 1) exited with code 3: ValueError: bad batch 7"), std::string::npos)
+  EXPECT_NE(err.find("root cause: rank 1 (local rank 1) exited with code 3: ValueError: bad batch 7"),
+            std::string::npos)
       << err;
 }
 
@@ -173,9 +179,10 @@ TEST(Launcher, KilledWorkerIsReportedWithItsSignal) {
 
 TEST(Launcher, StoppedWorkerCountsAsHungAndTheGroupRestarts) {
   Scratch s;
-  const auto worker = s.script("w.sh",
-                               "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then kill -STOP $$; fi\n"
-                               "echo \"done $RANK restart $TORCHELASTIC_RESTART_COUNT\"\n");
+  const auto worker =
+      s.script("w.sh",
+               "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then kill -STOP $$; fi\n"
+               "echo \"done $RANK restart $TORCHELASTIC_RESTART_COUNT\"\n");
   Launch l({"--nproc-per-node", "2", "--max-restarts", "1", "--hang-timeout", "1", "--monitor-interval", "0.05",
             "--tee", worker},
            s);
@@ -188,9 +195,12 @@ TEST(Launcher, StoppedWorkerCountsAsHungAndTheGroupRestarts) {
 TEST(Launcher, SigtermIsForwardedAndWorkersGetAGracePeriod) {
   Scratch s;
   const auto marker = s.path() / "got_term";
-  const auto worker = s.script("w.sh", "trap 'touch " + marker.string() + "_$RANK; exit 0' TERM\n"
-                                       "touch " + (s.path() / "ready_").string() + "$RANK\n"
-                                       "while true; do sleep 0.05; done\n");
+  const auto worker = s.script("w.sh", "trap 'touch " + marker.string() +
+                                           "_$RANK; exit 0' TERM\n"
+                                           "touch " +
+                                           (s.path() / "ready_").string() +
+                                           "$RANK\n"
+                                           "while true; do sleep 0.05; done\n");
   Launch l({"--nproc-per-node", "2", "--stop-grace", "5", worker}, s);
   ASSERT_TRUE(wait_for([&] { return fs::exists(s.path() / "ready_0") && fs::exists(s.path() / "ready_1"); }));
   const auto workers = l.workers();
@@ -241,11 +251,11 @@ TEST(Launcher, BadInputFailsClearly) {
 TEST(Launcher, KilledDdpWorkerRecoversToTheSameFinalModel) {
   if (!fs::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no Fashion-MNIST";
   Scratch s;
-  const std::vector<std::string> train = {kExample,     "--strategy",         "ddp", "--epochs", "2", "--train-limit",
-                                          "2048",       "--batch-size",       "32",  "--devices", "cpu",
-                                          "--checkpoint-every", "8"};
+  const std::vector<std::string> train = {kExample, "--strategy",   "ddp", "--epochs",  "2",   "--train-limit",
+                                          "2048",   "--batch-size", "32",  "--devices", "cpu", "--checkpoint-every",
+                                          "8"};
   auto run_args = [&](const std::string& ckpt, int restarts) {
-    std::vector<std::string> args{"--nproc-per-node", "2", "--max-restarts", std::to_string(restarts),
+    std::vector<std::string> args{"--nproc-per-node",   "2",   "--max-restarts", std::to_string(restarts),
                                   "--monitor-interval", "0.05"};
     args.insert(args.end(), train.begin(), train.end());
     args.push_back("--checkpoint-dir");

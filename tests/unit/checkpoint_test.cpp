@@ -40,7 +40,8 @@ void train(Net& net, torch::optim::Adam& opt, dtrain::Checkpointer* ckpt, std::i
     opt.zero_grad();
     net->forward(x).pow(2).mean().backward();  // dropout draws from the default generator
     opt.step();
-    if (ckpt && (s + 1) % 3 == 0) ckpt->save({.step = s + 1, .sampler = {.epoch = 0, .consumed = (s + 1) * 5}}, *net, opt);
+    if (ckpt && (s + 1) % 3 == 0)
+      ckpt->save({.step = s + 1, .sampler = {.epoch = 0, .consumed = (s + 1) * 5}}, *net, opt);
   }
 }
 

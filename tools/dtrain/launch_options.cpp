@@ -4,8 +4,8 @@
 #include <unistd.h>
 
 #include <cmath>
-#include <sstream>
 #include <filesystem>
+#include <sstream>
 #include <thread>
 
 #include "dtrain/comm/device.h"
@@ -126,7 +126,8 @@ LaunchPlan plan_launch(const LaunchOptions& o) {
 
   plan.argv = o.program_and_args;
   plan.argv[0] = elastic::resolve_program(plan.argv[0]);
-  plan.error_file_dir = (std::filesystem::temp_directory_path() / ("dtrain-run-" + std::to_string(::getpid()))).string();
+  plan.error_file_dir =
+      (std::filesystem::temp_directory_path() / ("dtrain-run-" + std::to_string(::getpid()))).string();
   return plan;
 }
 

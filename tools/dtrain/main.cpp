@@ -18,7 +18,9 @@
 namespace {
 std::atomic<int> g_interrupt{0};
 
-void on_signal(int sig) { g_interrupt.store(sig); }
+void on_signal(int sig) {
+  g_interrupt.store(sig);
+}
 
 int run_command(const dtrain::tools::LaunchOptions& opt) {
   namespace el = dtrain::elastic;

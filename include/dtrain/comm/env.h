@@ -33,8 +33,8 @@ struct EnvContract {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  bool agent_store = false;  // TORCHELASTIC_USE_AGENT_STORE
-  int restart_count = 0;     // TORCHELASTIC_RESTART_COUNT
+  bool agent_store = false;   // TORCHELASTIC_USE_AGENT_STORE
+  int restart_count = 0;      // TORCHELASTIC_RESTART_COUNT
   int master_listen_fd = -1;  // DTRAIN_MASTER_LISTEN_FD
 };
 
