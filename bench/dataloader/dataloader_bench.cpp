@@ -43,7 +43,7 @@ double ms_since(Clock::time_point t) {
 int main(int argc, char** argv) {
   try {
     at::set_num_threads(1);
-    const int batches = argc > 1 ? std::atoi(argv[1]) : 200;
+    const int batches = argc > 1 ? std::atoi(argv[1]) : 450;
     auto data = std::make_shared<Augmented>(std::make_shared<FashionMnist>(kFashionMnistDefaultDir, Split::kTrain));
     for (int workers : {0, 1, 2}) {
       for (bool persistent : {false, true}) {

@@ -42,7 +42,7 @@ class Augmented(Dataset):
 
 def main():
     torch.set_num_threads(1)
-    batches = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    batches = int(sys.argv[1]) if len(sys.argv) > 1 else 450
     data = Augmented()
     for workers in (0, 1, 2):
         for persistent in (False, True):

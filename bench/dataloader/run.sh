@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # dtrain's DataLoader against torch.utils.data.DataLoader (same torch version):
 # Fashion-MNIST, per-example flip + padded crop, batch 64, 0/1/2 workers,
-# persistent workers on/off, two epochs of up to N batches each (default 200).
+# persistent workers on/off, two epochs of up to N batches each (default 450).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-batches="${1:-200}"
+batches="${1:-450}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 OMP_NUM_THREADS=1 "$DTRAIN_BUILD/bench/bench_dataloader" "$batches" >"$tmp/dtrain.jsonl"
