@@ -36,7 +36,7 @@ struct AgentOptions {
   std::string run_id = "none";
   std::string master_addr = "127.0.0.1";
   std::map<std::string, std::string> extra_env;  // e.g. CUDA_VISIBLE_DEVICES from --devices
-  int master_port = 0;                           // 0: a free port each round
+  int master_port = 0;                           // 0: a free port each round (pre-bound, see above)
 };
 
 struct AgentResult {
@@ -64,9 +64,6 @@ class Agent {
   WorkerGroup& workers_;
   AgentState state_ = AgentState::kInit;
 };
-
-// A TCP port on this host that was free a moment ago.
-int free_tcp_port();
 
 // A close-on-exec socket listening on all interfaces at `port` (0: any free
 // port); returns the fd and sets `port` to the bound one.
