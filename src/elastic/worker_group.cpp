@@ -144,14 +144,6 @@ ProcessWorkerGroup::~ProcessWorkerGroup() {
   stop(SIGKILL, std::chrono::milliseconds(0));
 }
 
-std::vector<int> ProcessWorkerGroup::pids() const {
-  std::vector<int> out;
-  for (const auto& w : workers_) {
-    if (!w.done) out.push_back(w.pid);
-  }
-  return out;
-}
-
 void ProcessWorkerGroup::start(const std::vector<WorkerLaunch>& launches, int attempt) {
   stop(SIGKILL, std::chrono::milliseconds(0));
   workers_.clear();

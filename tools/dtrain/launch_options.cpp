@@ -86,7 +86,6 @@ LaunchPlan plan_launch(const LaunchOptions& o) {
 
   const auto inventory = DeviceInventory::current();
   int nproc = 0;
-  const bool nproc_given = o.nproc_per_node != "1" || o.devices.empty();
   if (o.nproc_per_node == "auto") {
     nproc = inventory.cuda_count > 0 ? inventory.cuda_count : 1;
   } else if (o.nproc_per_node == "cpu") {
@@ -114,7 +113,8 @@ LaunchPlan plan_launch(const LaunchOptions& o) {
       visible += (visible.empty() ? "" : ",") + (index < physical.size() ? physical[index] : std::to_string(index));
     }
     plan.agent.extra_env["CUDA_VISIBLE_DEVICES"] = cuda ? visible : "";
-    if (!nproc_given || o.nproc_per_node == "1") nproc = static_cast<int>(devices.size());
+    // --nproc-per-node left at its default of 1: one worker per listed device.
+    if (o.nproc_per_node == "1") nproc = static_cast<int>(devices.size());
   }
   plan.agent.nproc_per_node = nproc;
   plan.agent.max_restarts = o.max_restarts;

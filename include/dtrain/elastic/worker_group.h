@@ -64,8 +64,6 @@ class ProcessWorkerGroup : public WorkerGroup {
   void start(const std::vector<WorkerLaunch>& workers, int attempt) override;
   GroupStatus poll(std::chrono::milliseconds interval, std::optional<WorkerExit>& failure) override;
   void stop(int signal, std::chrono::milliseconds grace) override;
-  // Live worker pids (for tests).
-  std::vector<int> pids() const;
 
  private:
   struct Worker;
