@@ -113,6 +113,23 @@ std::vector<c10::Device> parse_devices(const std::string& spec, const DeviceInve
   return out;
 }
 
+void check_devices(const std::vector<c10::Device>& devices, const DeviceInventory& inv) {
+  DTRAIN_CHECK(!devices.empty(), DeviceError, "the device list is empty.", "pass e.g. cpu, cuda, cuda:0 or 0,2");
+  for (const auto& d : devices) {
+    DTRAIN_CHECK(d.is_cpu() || d.is_cuda(), DeviceError, "device '" << d.str() << "' is not supported.",
+                 "use cpu or cuda:N");
+    DTRAIN_CHECK(!d.is_cpu() || !d.has_index() || d.index() == 0, DeviceError,
+                 "device '" << d.str() << "' does not exist: there is one CPU device.",
+                 "write cpu (repeat it, cpu,cpu, for several CPU replicas)");
+    if (d.is_cuda()) {
+      const std::string text = d.has_index() ? std::to_string(d.index()) : "";
+      cuda_device(d.str(), text, inv);
+    }
+  }
+  // Duplicates are checked on the formatted list, with the same message as specs.
+  parse_devices(format_devices(devices), inv);
+}
+
 c10::Device device_for_local_rank(const std::string& spec, int local_rank, int local_world_size,
                                   const DeviceInventory& inv) {
   const auto devices = parse_devices(spec, inv);

@@ -30,6 +30,12 @@ struct DeviceInventory {
 std::vector<c10::Device> parse_devices(const std::string& spec,
                                        const DeviceInventory& inventory = DeviceInventory::current());
 
+// Checks devices given as values (not a spec): each is cpu or a visible CUDA
+// device, and no CUDA device appears twice. Throws DeviceError naming the bad
+// one and what is visible.
+void check_devices(const std::vector<c10::Device>& devices,
+                   const DeviceInventory& inventory = DeviceInventory::current());
+
 // The device of local rank `local_rank` when each process drives one device
 // of `spec`: devices[local_rank % devices.size()] for CPU, and for CUDA an
 // error when there are fewer devices than local ranks.
