@@ -1,12 +1,20 @@
 // Trains a small CNN on Fashion-MNIST and reports test accuracy.
 //
-//   fashion_mnist [--strategy single|ddp] [--devices all] [--epochs 2] [--batch-size 64]
-//                 [--lr 1e-3] [--seed 0] [--data-dir /usr/share/datasets/fashion-mnist]
+//   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel]
+//                 [--devices all] [--epochs 2] [--batch-size 64] [--lr 1e-3] [--seed 0]
+//                 [--data-dir /usr/share/datasets/fashion-mnist]
 //
-// --strategy ddp runs one process per rank under the launcher environment
-// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): each rank trains
-// on its share of every epoch with per-rank batches of --batch-size, and
-// DistributedDataParallel averages gradients. Rank 0 reports.
+// Strategies (--devices picks the devices; on CPU repeat cpu, e.g. cpu,cpu):
+//   single              one device
+//   dp                  DataParallel: each batch of --batch-size is split over the devices
+//   model-parallel      the layers placed over the devices (balanced parameter memory)
+//   ddp                 one process per rank under a launcher (RANK, WORLD_SIZE, MASTER_ADDR,
+//                       MASTER_PORT, LOCAL_RANK): each rank trains on its share of every epoch
+//                       with per-rank batches of --batch-size; DistributedDataParallel averages
+//                       gradients. Rank 0 reports.
+//   ddp-model-parallel  the hybrid: ddp, with each rank's model placed over its share of the
+//                       devices (CUDA devices are divided among a node's ranks; CPU lists are
+//                       used whole by every rank)
 //
 // Progress goes to stderr (a bar on a terminal, periodic lines otherwise);
 // stdout gets one JSON line per epoch and a final
@@ -20,6 +28,7 @@
 #include <chrono>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <functional>
 #include <optional>
 
 #include <memory>
@@ -43,24 +52,33 @@ struct Options {
   std::int64_t checkpoint_every = 0;  // steps between checkpoints; 0 = at the end of each epoch
 };
 
-double evaluate(SmallCnn& model, const dtrain::data::FashionMnist& test, const c10::Device& device) {
+// What the training loop drives: the module (parameters, checkpoints, mode)
+// and the strategy's forward, plus where inputs go and outputs come out.
+struct Trainee {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  c10::Device input_device{c10::kCPU};
+  c10::Device output_device{c10::kCPU};
+};
+
+double evaluate(Trainee& model, const dtrain::data::FashionMnist& test) {
   torch::NoGradGuard no_grad;
-  model->eval();
+  model.module->eval();
   const auto all = test.all();
   std::int64_t correct = 0;
   for (std::int64_t start = 0; start < test.size(); start += 1000) {
     const auto end = std::min(start + 1000, test.size());
-    auto logits = model->forward(all.images.slice(0, start, end).to(device));
-    correct += logits.argmax(1).eq(all.labels.slice(0, start, end).to(device)).sum().item<std::int64_t>();
+    auto logits = model.forward(all.images.slice(0, start, end).to(model.input_device));
+    correct += logits.argmax(1).eq(all.labels.slice(0, start, end).to(model.output_device)).sum().item<std::int64_t>();
   }
-  model->train();
+  model.module->train();
   return static_cast<double>(correct) / static_cast<double>(test.size());
 }
 
 // FNV-1a over every parameter's bytes: equal exactly when the parameters are.
-std::string params_fingerprint(SmallCnn& model) {
+std::string params_fingerprint(torch::nn::Module& model) {
   std::uint64_t h = 1469598103934665603ULL;
-  for (const auto& p : model->parameters()) {
+  for (const auto& p : model.parameters()) {
     const at::Tensor t = p.detach().cpu().contiguous();
     const auto* bytes = static_cast<const unsigned char*>(t.data_ptr());
     for (std::size_t i = 0; i < t.nbytes(); ++i) {
@@ -73,35 +91,53 @@ std::string params_fingerprint(SmallCnn& model) {
   return text;
 }
 
+bool distributed(const std::string& strategy) { return strategy == "ddp" || strategy == "ddp-model-parallel"; }
+
 // Where this process trains and which share of the data it sees.
 struct Placement {
-  c10::Device device{c10::kCPU};
+  std::vector<c10::Device> devices;  // this process's devices
   int rank = 0;
   int world = 1;
   std::optional<dtrain::dist::ProcessGroup> group;  // ddp only
 };
 
 Placement place(const Options& opt) {
-  if (opt.strategy == "single") {
-    const auto devices = dtrain::parse_devices(opt.devices);
-    DTRAIN_CHECK(
-        devices.size() == 1 || opt.devices == "all", ConfigError,
-        "--strategy single trains on one device, but --devices " << opt.devices << " lists " << devices.size() << ".",
-        "pass a single device, e.g. --devices cpu or --devices cuda:0");
-    return {.device = devices.front()};
+  if (!distributed(opt.strategy)) {
+    auto devices = dtrain::parse_devices(opt.devices);
+    if (opt.strategy == "single") {
+      DTRAIN_CHECK(devices.size() == 1 || opt.devices == "all", ConfigError,
+                   "--strategy single trains on one device, but --devices " << opt.devices << " lists "
+                                                                            << devices.size() << ".",
+                   "pass a single device, e.g. --devices cpu or --devices cuda:0, or use --strategy dp");
+      devices.erase(devices.begin() + 1, devices.end());
+    }
+    return {.devices = devices};
   }
   DTRAIN_CHECK(dtrain::dist::launched_by_launcher(), ConfigError,
-               "--strategy ddp runs one process per rank, but RANK and WORLD_SIZE are not set.",
-               "start it through a launcher: dtrain run --nproc-per-node 2 fashion_mnist --strategy ddp (or torchrun)");
+               "--strategy " << opt.strategy << " runs one process per rank, but RANK and WORLD_SIZE are not set.",
+               "start it through a launcher: dtrain run --nproc-per-node 2 fashion_mnist --strategy "
+                   << opt.strategy << " (or torchrun)");
   const auto env = dtrain::dist::read_env_contract();
-  const auto device = dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size);
-  auto group = dtrain::dist::init_process_group(env, {.device = device});
-  return {.device = device, .rank = env.rank, .world = env.world_size, .group = std::move(group)};
+  std::vector<c10::Device> devices;
+  if (opt.strategy == "ddp") {
+    devices = {dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size)};
+  } else {
+    devices = dtrain::parse_devices(opt.devices);
+    if (devices.front().is_cuda()) {
+      const auto per_rank = devices.size() / static_cast<std::size_t>(env.local_world_size);
+      DTRAIN_CHECK(per_rank >= 1, DeviceError,
+                   env.local_world_size << " ranks on this node cannot share the " << devices.size()
+                                        << " devices of --devices " << opt.devices << ".",
+                   "list at least one device per rank, or lower --nproc-per-node");
+      const auto first = devices.begin() + static_cast<std::ptrdiff_t>(per_rank) * env.local_rank;
+      devices = std::vector<c10::Device>(first, first + static_cast<std::ptrdiff_t>(per_rank));
+    }
+  }
+  auto group = dtrain::dist::init_process_group(env, {.device = devices.front()});
+  return {.devices = devices, .rank = env.rank, .world = env.world_size, .group = std::move(group)};
 }
 
-// Trains `model` through `forward` (the model itself, or its DDP wrapper).
-template <typename Forward>
-int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forward) {
+int train(const Options& opt, Placement& where, Trainee& model) {
   auto train = std::make_shared<dtrain::data::FashionMnist>(opt.data_dir, dtrain::data::Split::kTrain);
   const dtrain::data::FashionMnist test(opt.data_dir, dtrain::data::Split::kTest);
   const std::int64_t n = opt.train_limit > 0 ? std::min(opt.train_limit, train->size()) : train->size();
@@ -130,19 +166,19 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
                "raise --train-limit or use fewer ranks");
   const bool lead = where.rank == 0;
 
-  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(opt.lr));
+  torch::optim::Adam optimizer(model.module->parameters(), torch::optim::AdamOptions(opt.lr));
   std::optional<dtrain::Checkpointer> checkpoints;
   dtrain::TrainingState progress_state;
   int first_epoch = 1;
   if (!opt.checkpoint_dir.empty()) {
     checkpoints.emplace(dtrain::CheckpointOptions{.dir = opt.checkpoint_dir}, where.group);
-    if (auto resumed = checkpoints->load_latest(*model, optimizer)) {
+    if (auto resumed = checkpoints->load_latest(*model.module, optimizer)) {
       progress_state = *resumed;
       loader->load_state(resumed->sampler);
       first_epoch = static_cast<int>(resumed->sampler.epoch) + 1;
     }
   }
-  DTRAIN_LOG(kInfo) << opt.strategy << " training on " << where.device << ": " << per_rank << " examples per rank, "
+  DTRAIN_LOG(kInfo) << opt.strategy << " training on " << dtrain::format_devices(where.devices) << ": " << per_rank << " examples per rank, "
                     << opt.epochs << " epochs, batch " << opt.batch_size << " per rank";
   double train_seconds = 0;
   double accuracy = 0;
@@ -157,16 +193,17 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
     for (; auto batch = loader->next(); ++step) {
       optimizer.zero_grad();
       at::Tensor loss =
-          torch::nn::functional::cross_entropy(forward(batch->data.to(where.device)), batch->target.to(where.device));
+          torch::nn::functional::cross_entropy(model.forward(batch->data.to(model.input_device)),
+                                              batch->target.to(model.output_device));
       loss.backward();
       optimizer.step();
       loss_sum += loss.item<double>();
       ++progress_state.step;
       if (checkpoints && opt.checkpoint_every > 0 && progress_state.step % opt.checkpoint_every == 0) {
         progress_state.sampler = loader->state();
-        checkpoints->save(progress_state, *model, optimizer);
+        checkpoints->save(progress_state, *model.module, optimizer);
         DTRAIN_LOG(kDebug) << "checkpoint at step " << progress_state.step << ", parameters "
-                           << params_fingerprint(model);
+                           << params_fingerprint(*model.module);
       }
       if (step % 20 == 0) {
         char status[48];
@@ -179,10 +216,10 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (checkpoints && opt.checkpoint_every == 0) {
       progress_state.sampler = loader->state();
-      checkpoints->save(progress_state, *model, optimizer);
+      checkpoints->save(progress_state, *model.module, optimizer);
     }
     if (!lead) continue;
-    accuracy = evaluate(model, test, where.device);
+    accuracy = evaluate(model, test);
     std::cout << nlohmann::json{{"event", "epoch"},
                                 {"epoch", epoch},
                                 {"train_loss", mean_loss},
@@ -196,7 +233,7 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
                                 {"strategy", opt.strategy},
                                 {"world_size", where.world},
                                 {"steps", progress_state.step},
-                                {"params_fnv", params_fingerprint(model)},
+                                {"params_fnv", params_fingerprint(*model.module)},
                                 {"test_accuracy", accuracy},
                                 {"train_seconds", train_seconds},
                                 {"samples_per_second",
@@ -210,13 +247,38 @@ int train(const Options& opt, Placement& where, SmallCnn& model, Forward&& forwa
 int run(const Options& opt) {
   Placement where = place(opt);
   torch::manual_seed(opt.seed);
-  SmallCnn model;
-  model->to(where.device);
-  if (!where.group) {
-    return train(opt, where, model, [&](const at::Tensor& x) { return model->forward(x); });
+  const c10::Device first = where.devices.front();
+  if (opt.strategy == "model-parallel" || opt.strategy == "ddp-model-parallel") {
+    dtrain::ModelParallel split(small_cnn_layers(), dtrain::ModelParallelOptions{.devices = where.devices});
+    if (where.rank == 0) {
+      std::string map;
+      for (const auto& d : split->device_of_layer()) map += (map.empty() ? "" : ",") + d.str();
+      DTRAIN_LOG(kInfo) << "layers placed on " << map;
+    }
+    Trainee model{split.ptr(), nullptr, first, split->output_device()};
+    if (!where.group) {
+      model.forward = [&](const at::Tensor& x) { return split(x); };
+      return train(opt, where, model);
+    }
+    dtrain::DistributedDataParallel ddp(split, *where.group);
+    model.forward = [&](const at::Tensor& x) { return split->is_training() ? ddp(x) : split(x); };
+    return train(opt, where, model);
   }
-  dtrain::DistributedDataParallel ddp(model, *where.group);
-  return train(opt, where, model, [&](const at::Tensor& x) { return ddp(x); });
+  SmallCnn net;
+  net->to(first);
+  Trainee model{net.ptr(), nullptr, first, first};
+  if (opt.strategy == "dp") {
+    dtrain::DataParallel dp(net, {.devices = where.devices});
+    model.forward = [&](const at::Tensor& x) { return dp(x); };
+    return train(opt, where, model);
+  }
+  if (!where.group) {
+    model.forward = [&](const at::Tensor& x) { return net(x); };
+    return train(opt, where, model);
+  }
+  dtrain::DistributedDataParallel ddp(net, *where.group);
+  model.forward = [&](const at::Tensor& x) { return net->is_training() ? ddp(x) : net(x); };
+  return train(opt, where, model);
 }
 
 }  // namespace
@@ -225,9 +287,9 @@ int main(int argc, char** argv) {
   CLI::App app{"Train a small CNN on Fashion-MNIST with dtrain."};
   Options opt;
   app.add_option("--strategy", opt.strategy, "Parallelism strategy")
-      ->check(CLI::IsMember({"single", "ddp"}))
+      ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel"}))
       ->capture_default_str();
-  app.add_option("--devices", opt.devices, "Devices: cpu, cuda, cuda:N, N, or all (first visible GPU, else cpu)")
+  app.add_option("--devices", opt.devices, "Devices: cpu, cuda, cuda:N, N, or all, comma-separated (cpu,cpu gives two CPU replicas or stages)")
       ->capture_default_str();
   app.add_option("--epochs", opt.epochs, "Passes over the training set")
       ->check(CLI::Range(1, 1000))
