@@ -25,6 +25,19 @@ ReplicaThreads::~ReplicaThreads() {
 void ReplicaThreads::run(std::size_t count, const std::function<void(std::size_t)>& task) {
   DTRAIN_INTERNAL_ASSERT(count >= 1 && count <= threads_.size() + 1,
                          "ReplicaThreads::run(" << count << ") with " << threads_.size() << " workers");
+  bool expected = false;
+  if (!busy_.compare_exchange_strong(expected, true)) {
+    std::exception_ptr first;
+    for (std::size_t i = 0; i < count; ++i) {
+      try {
+        task(i);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+    return;
+  }
   // Captured here, installed in each worker for the duration of its task.
   at::ThreadLocalState caller_state;
   const std::function<void(std::size_t)> wrapped = [&](std::size_t i) {
@@ -48,6 +61,7 @@ void ReplicaThreads::run(std::size_t count, const std::function<void(std::size_t
   std::unique_lock<std::mutex> lock(mutex_);
   done_cv_.wait(lock, [&] { return active_ == 0; });
   task_ = nullptr;
+  busy_ = false;
   for (auto& e : errors_) {
     if (e) std::rethrow_exception(e);
   }

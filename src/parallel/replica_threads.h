@@ -6,6 +6,7 @@
 // a forward under torch::NoGradGuard records no graph on any replica.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
@@ -27,12 +28,14 @@ class ReplicaThreads {
   // Runs task(i) for i in [0, count): task 0 on the calling thread, task i on
   // worker i-1, concurrently. Returns when all have finished; if any threw,
   // rethrows the exception of the lowest index. count <= workers + 1.
-  // Not reentrant: one run() at a time.
+  // While another run() is in progress (a reentrant call, e.g. from inside a
+  // task), the tasks run one after another on the calling thread instead.
   void run(std::size_t count, const std::function<void(std::size_t)>& task);
 
  private:
   void worker_loop(std::size_t index);
 
+  std::atomic<bool> busy_{false};  // set for the duration of a parallel run()
   std::mutex mutex_;
   std::condition_variable start_cv_;
   std::condition_variable done_cv_;

@@ -126,7 +126,35 @@ TEST(DataParallel, EveryReplicaComputesItsChunk) {
     for (auto& p : net->parameters()) p.mul_(0.5);
   }
   EXPECT_TRUE(at::allclose(dp(x), net(x), 1e-6, 1e-7));
-  for (auto& p : dp.replica(2)->parameters()) EXPECT_FALSE(p.is_leaf());  // gradients route to the primary
+}
+
+TEST(DataParallel, InputGradientsAndAccumulationMatchTheModule) {
+  Net net = make_net();
+  Net alone = make_net();
+  dtrain::DataParallel dp(net, {.devices = cpus(3)});
+  const at::Tensor x = batch_x(1, 7);
+  const at::Tensor x_dp = x.clone().requires_grad_(true);
+  const at::Tensor x_alone = x.clone().requires_grad_(true);
+  // Two backward passes without zeroing: gradients accumulate as usual.
+  for (int t = 0; t < 2; ++t) {
+    dp(x_dp).pow(2).sum().backward();
+    alone(x_alone).pow(2).sum().backward();
+  }
+  EXPECT_TRUE(at::allclose(x_dp.grad(), x_alone.grad(), 1e-5, 1e-6));
+  auto mine = net->parameters();
+  auto theirs = alone->parameters();
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    EXPECT_TRUE(at::allclose(mine[i].grad(), theirs[i].grad(), 1e-5, 1e-6)) << "parameter " << i;
+  }
+  // Replica parameters never hold gradients: the sum goes to the primary.
+  for (auto& p : dp.replica(2)->parameters()) EXPECT_FALSE(p.grad().defined());
+}
+
+TEST(DataParallel, RunsAreBitIdentical) {
+  // Replica gradients are summed in replica order, not in the order threads finish.
+  const auto a = data_parallel(4, 13, true);
+  const auto b = data_parallel(4, 13, true);
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "parameter " << i;
 }
 
 TEST(DataParallel, GradModeOfTheCallerAppliesToEveryReplica) {
