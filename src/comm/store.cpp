@@ -79,6 +79,11 @@ std::int64_t Store::add(const std::string& key, std::int64_t delta) {
   return impl_->store->add(key, delta);
 }
 
+std::string Store::compare_set(const std::string& key, const std::string& expected, const std::string& desired) {
+  const auto out = impl_->store->compareSet(key, bytes(expected), bytes(desired));
+  return {out.begin(), out.end()};
+}
+
 bool Store::check(const std::vector<std::string>& keys) {
   return impl_->store->check(keys);
 }

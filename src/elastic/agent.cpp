@@ -1,4 +1,4 @@
-// The launcher agent's state machine (single node).
+// The launcher agent's state machine.
 #include "dtrain/elastic/agent.h"
 
 #include <arpa/inet.h>
@@ -50,7 +50,21 @@ int listen_tcp(int& port) {
   return fd;
 }
 
-Agent::Agent(AgentOptions options, WorkerGroup& workers) : options_(std::move(options)), workers_(workers) {
+Agent::Agent(AgentOptions options, WorkerGroup& workers)
+    : options_(std::move(options)),
+      workers_(workers),
+      owned_rendezvous_(std::make_unique<StandaloneRendezvous>(options_.nproc_per_node, options_.max_restarts,
+                                                               options_.master_addr, options_.master_port)),
+      rendezvous_(owned_rendezvous_.get()) {
+  check_options();
+}
+
+Agent::Agent(AgentOptions options, WorkerGroup& workers, Rendezvous& rendezvous)
+    : options_(std::move(options)), workers_(workers), rendezvous_(&rendezvous) {
+  check_options();
+}
+
+void Agent::check_options() const {
   DTRAIN_CHECK(options_.nproc_per_node >= 1, ConfigError,
                "--nproc-per-node " << options_.nproc_per_node << " must be at least 1.", "pass N >= 1");
   DTRAIN_CHECK(options_.max_restarts >= 0, ConfigError, "--max-restarts " << options_.max_restarts << " is negative.",
@@ -63,43 +77,54 @@ void Agent::move_to(AgentState next) {
   if (on_transition) on_transition(from, next);
 }
 
-std::map<std::string, std::string> Agent::worker_env(int local_rank, int restart_count, int master_port) const {
+std::map<std::string, std::string> Agent::worker_env(int local_rank, const RoundPlan& plan) const {
   std::map<std::string, std::string> env = options_.extra_env;
-  const int world = options_.nproc_per_node;  // one node
-  env["RANK"] = std::to_string(local_rank);
+  const std::string rank = std::to_string(plan.rank_base + local_rank);
+  env["RANK"] = rank;
   env["LOCAL_RANK"] = std::to_string(local_rank);
-  env["GROUP_RANK"] = "0";
-  env["ROLE_RANK"] = std::to_string(local_rank);
-  env["WORLD_SIZE"] = std::to_string(world);
+  env["GROUP_RANK"] = std::to_string(plan.node_rank);
+  env["ROLE_RANK"] = rank;
+  env["WORLD_SIZE"] = std::to_string(plan.world_size);
   env["LOCAL_WORLD_SIZE"] = std::to_string(options_.nproc_per_node);
-  env["ROLE_WORLD_SIZE"] = std::to_string(world);
-  env["MASTER_ADDR"] = options_.master_addr;
-  env["MASTER_PORT"] = std::to_string(master_port);
-  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_count);
+  env["ROLE_WORLD_SIZE"] = std::to_string(plan.world_size);
+  env["MASTER_ADDR"] = plan.master_addr;
+  env["MASTER_PORT"] = std::to_string(plan.master_port);
+  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(plan.restart_count);
   env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options_.max_restarts);
   env["TORCHELASTIC_RUN_ID"] = options_.run_id;
+  env["DTRAIN_RDZV_ROUND"] = std::to_string(plan.round);
   if (std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   return env;
 }
 
 AgentResult Agent::run(const std::atomic<int>& interrupt) {
   AgentResult result;
-  for (int restarts = 0;; ++restarts) {
+  auto finish = [&](AgentState state, int exit_code) {
+    move_to(state);
+    result.state = state;
+    result.exit_code = exit_code;
+    return result;
+  };
+  for (;;) {
     move_to(AgentState::kRendezvous);
-    int port = options_.master_port;
-    const int listen_fd = listen_tcp(port);
+    const RoundPlan plan = rendezvous_->next_round();
+    result.restarts = plan.restart_count;
+    ++result.rounds;
     std::vector<WorkerLaunch> launches;
     for (int r = 0; r < options_.nproc_per_node; ++r) {
-      launches.push_back({.local_rank = r, .global_rank = r, .env = worker_env(r, restarts, port)});
+      launches.push_back({.local_rank = r, .global_rank = plan.rank_base + r, .env = worker_env(r, plan)});
     }
-    launches[0].env["DTRAIN_MASTER_LISTEN_FD"] = std::to_string(listen_fd);
-    launches[0].inherit_fd = listen_fd;
-    workers_.start(launches, restarts);
-    ::close(listen_fd);  // rank 0 owns it now
+    if (plan.master_listen_fd >= 0) {
+      launches[0].env["DTRAIN_MASTER_LISTEN_FD"] = std::to_string(plan.master_listen_fd);
+      launches[0].inherit_fd = plan.master_listen_fd;
+    }
+    workers_.start(launches, plan.round);
+    if (plan.master_listen_fd >= 0) ::close(plan.master_listen_fd);  // rank 0 owns it now
     move_to(AgentState::kRunning);
     std::optional<WorkerExit> failure;
+    std::optional<RoundEnding> ending;
     GroupStatus status = GroupStatus::kRunning;
-    while (status == GroupStatus::kRunning) {
+    while (status == GroupStatus::kRunning && !ending) {
       if (const int sig = interrupt.load(); sig != 0) {
         DTRAIN_LOG(kWarning) << "received "
                              << (sig == SIGINT    ? "SIGINT"
@@ -107,32 +132,32 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
                                                   : "a signal")
                              << "; forwarding it to the workers";
         workers_.stop(sig, options_.stop_grace);
-        move_to(AgentState::kInterrupted);
-        result.state = state_;
-        result.exit_code = 128 + sig;
-        result.restarts = restarts;
-        return result;
+        return finish(AgentState::kInterrupted, 128 + sig);
       }
       status = workers_.poll(options_.monitor_interval, failure);
+      if (status == GroupStatus::kRunning) ending = rendezvous_->poll();
     }
     if (status == GroupStatus::kSucceeded) {
-      move_to(AgentState::kSucceeded);
-      result.state = state_;
-      result.exit_code = 0;
-      result.restarts = restarts;
-      return result;
+      rendezvous_->report_success();
+      return finish(AgentState::kSucceeded, 0);
     }
-    result.root_cause = failure;
+    if (!ending) {
+      result.root_cause = failure;
+      ending = rendezvous_->report_failure(*failure);
+    }
     workers_.stop(SIGTERM, options_.stop_grace);
-    if (restarts >= options_.max_restarts) {
-      move_to(AgentState::kFailed);
-      result.state = state_;
-      result.exit_code = failure ? failure->launcher_exit_code() : 1;
-      result.restarts = restarts;
-      return result;
+    if (ending->kind == RoundEnding::Kind::kFailure) result.root_cause_text = ending->reason;
+    if (ending->give_up) {
+      result.restarts = plan.restart_count;
+      return finish(AgentState::kFailed, ending->exit_code);
     }
-    DTRAIN_LOG(kWarning) << failure->describe() << "; restarting the workers (restart " << restarts + 1 << " of "
-                         << options_.max_restarts << ")";
+    if (ending->kind == RoundEnding::Kind::kFailure) {
+      DTRAIN_LOG(kWarning) << ending->reason << "; restarting the workers (restart " << plan.restart_count + 1
+                           << " of " << options_.max_restarts << ")";
+    } else {
+      DTRAIN_LOG(kWarning) << "membership changed: " << ending->reason
+                           << "; re-forming the group (no restart used)";
+    }
     move_to(AgentState::kRestarting);
   }
 }

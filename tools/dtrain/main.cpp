@@ -45,7 +45,7 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
   }
   std::cerr << "dtrain run: failed after " << result.restarts << " restart" << (result.restarts == 1 ? "" : "s")
             << " (--max-restarts " << opt.max_restarts << ")\n"
-            << "  root cause: " << (result.root_cause ? result.root_cause->describe() : "unknown") << std::endl;
+            << "  root cause: " << (result.root_cause_text.empty() ? "unknown" : result.root_cause_text) << std::endl;
   return result.exit_code;
 }
 }  // namespace

@@ -44,6 +44,9 @@ class Store {
   // Blocks until `key` exists (up to the store's timeout).
   std::string get(const std::string& key);
   std::int64_t add(const std::string& key, std::int64_t delta);
+  // Sets `key` to `desired` if its value is `expected` ("" = the key is
+  // absent); returns the value afterwards (`desired` when it was set).
+  std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired);
   bool check(const std::vector<std::string>& keys);
   // Blocks until all keys exist; TimeoutError naming the keys otherwise.
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);

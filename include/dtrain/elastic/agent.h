@@ -1,11 +1,15 @@
-// The launcher's agent: an explicit state machine over a WorkerGroup.
+// The launcher's agent: an explicit state machine over a WorkerGroup and a
+// Rendezvous.
 //
 //   kInit -> kRendezvous -> kRunning -> kSucceeded        all workers exited 0
-//                              |    -> kFailed           a worker failed, no restarts left
+//                              |    -> kFailed           a worker failed (here or on another
+//                              |                         node) and no restarts are left
 //                              |    -> kInterrupted      SIGINT/SIGTERM to the launcher
-//                              +--> kRestarting -> kRendezvous   a worker failed or hung,
-//                                                                restarts remain: stop the
-//                                                                rest, start a new round
+//                              +--> kRestarting -> kRendezvous   the round ended: a worker
+//                                                    failed or hung with restarts left, or
+//                                                    membership changed (a node was lost or
+//                                                    joined: no restart used); stop the
+//                                                    workers, start a new round
 //
 // Each round gets a fresh MASTER_PORT, so workers never meet a stale store.
 // The agent binds and listens on it before starting the workers and hands
@@ -18,9 +22,11 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
+#include "dtrain/elastic/rendezvous.h"
 #include "dtrain/elastic/worker_group.h"
 
 namespace dtrain::elastic {
@@ -42,26 +48,34 @@ struct AgentOptions {
 struct AgentResult {
   AgentState state = AgentState::kInit;
   int exit_code = 0;
-  int restarts = 0;
-  std::optional<WorkerExit> root_cause;  // the failure that ended the run, or the last one
+  int restarts = 0;        // rounds restarted after failures
+  int rounds = 0;          // rounds started (restarts and membership changes)
+  std::optional<WorkerExit> root_cause;  // this node's failure that ended the run, or the last one
+  std::string root_cause_text;           // the failure that ended the run (maybe another node's)
 };
 
 class Agent {
  public:
+  // One node: a StandaloneRendezvous from the options.
   Agent(AgentOptions options, WorkerGroup& workers);
+  // Any rendezvous (several nodes: a StoreRendezvous); not owned.
+  Agent(AgentOptions options, WorkerGroup& workers, Rendezvous& rendezvous);
   // Runs to completion. `interrupt` is polled every monitor interval; a
   // non-zero value is a signal number to forward to the workers.
   AgentResult run(const std::atomic<int>& interrupt);
   AgentState state() const { return state_; }
   // Called on every transition (logging, tests).
   std::function<void(AgentState from, AgentState to)> on_transition;
-  // The environment worker `local_rank` gets in round `restart_count`.
-  std::map<std::string, std::string> worker_env(int local_rank, int restart_count, int master_port) const;
+  // The environment worker `local_rank` gets in the round `plan` describes.
+  std::map<std::string, std::string> worker_env(int local_rank, const RoundPlan& plan) const;
 
  private:
   void move_to(AgentState next);
+  void check_options() const;
   AgentOptions options_;
   WorkerGroup& workers_;
+  std::unique_ptr<Rendezvous> owned_rendezvous_;
+  Rendezvous* rendezvous_;
   AgentState state_ = AgentState::kInit;
 };
 

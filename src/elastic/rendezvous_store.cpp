@@ -1,0 +1,103 @@
+// The rendezvous stores: c10d's TCPStore (hosted by the node whose address
+// the endpoint names, when its port is free) and an in-memory one for tests.
+// `dtrain run` links no LibTorch; it loads libdtrain for this file only when
+// a multi-node rendezvous is asked for (tools/dtrain/rendezvous_loader.cpp).
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "dtrain/comm/store.h"
+#include "dtrain/elastic/rendezvous.h"
+#include "dtrain/error.h"
+#include "dtrain/log.h"
+
+namespace dtrain::elastic {
+namespace {
+
+class DistRendezvousStore : public RendezvousStore {
+ public:
+  DistRendezvousStore(dist::Store store, bool hosts) : store_(std::move(store)), hosts_(hosts) {}
+  void set(const std::string& key, const std::string& value) override { store_.set(key, value); }
+  std::optional<std::string> try_get(const std::string& key) override {
+    if (!store_.check({key})) return std::nullopt;
+    return store_.get(key);
+  }
+  std::int64_t add(const std::string& key, std::int64_t delta) override { return store_.add(key, delta); }
+  std::string create_if_absent(const std::string& key, const std::string& desired) override {
+    return store_.compare_set(key, "", desired);
+  }
+  bool hosts_store() const override { return hosts_; }
+
+ private:
+  dist::Store store_;
+  bool hosts_;
+};
+
+bool same_address(const sockaddr* a, const sockaddr* b) {
+  if (a->sa_family != b->sa_family) return false;
+  if (a->sa_family == AF_INET) {
+    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
+           reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
+  }
+  if (a->sa_family == AF_INET6) {
+    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
+                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr, sizeof(in6_addr)) == 0;
+  }
+  return false;
+}
+
+// Whether `host` resolves to an address of this machine.
+bool names_this_machine(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* resolved = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &resolved) != 0) return false;
+  ifaddrs* interfaces = nullptr;
+  ::getifaddrs(&interfaces);
+  bool local = false;
+  for (addrinfo* a = resolved; a != nullptr && !local; a = a->ai_next) {
+    if (a->ai_family == AF_INET &&
+        (ntohl(reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr) >> 24) == 127) {
+      local = true;
+    }
+    for (ifaddrs* i = interfaces; i != nullptr && !local; i = i->ifa_next) {
+      if (i->ifa_addr != nullptr && same_address(i->ifa_addr, a->ai_addr)) local = true;
+    }
+  }
+  if (interfaces != nullptr) ::freeifaddrs(interfaces);
+  ::freeaddrinfo(resolved);
+  return local;
+}
+
+}  // namespace
+
+std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string& host, int port,
+                                                              std::chrono::milliseconds timeout) {
+  if (names_this_machine(host)) {
+    try {
+      auto store = dist::Store::tcp({.host = host, .port = port, .is_server = true, .timeout = timeout});
+      DTRAIN_LOG(kInfo) << "hosting the rendezvous store on port " << port;
+      return std::make_shared<DistRendezvousStore>(std::move(store), true);
+    } catch (const ConfigError&) {
+      // The port is taken, normally by the node that hosts the store: join it as a client.
+    }
+  }
+  return std::make_shared<DistRendezvousStore>(
+      dist::Store::tcp({.host = host, .port = port, .is_server = false, .timeout = timeout}), false);
+}
+
+std::shared_ptr<RendezvousStore> make_memory_rendezvous_store() {
+  return std::make_shared<DistRendezvousStore>(dist::Store::in_memory(), true);
+}
+
+}  // namespace dtrain::elastic
+
+// The entry point `dtrain run` looks up with dlsym (C linkage: an unmangled name).
+extern "C" __attribute__((visibility("default"))) void dtrain_connect_tcp_rendezvous_store(
+    const std::string* host, int port, long long timeout_ms,
+    std::shared_ptr<dtrain::elastic::RendezvousStore>* out) {
+  *out = dtrain::elastic::connect_tcp_rendezvous_store(*host, port, std::chrono::milliseconds(timeout_ms));
+}
