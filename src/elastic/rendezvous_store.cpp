@@ -7,7 +7,11 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <c10/util/Logging.h>
+
 #include <cstring>
+#include <future>
+#include <thread>
 
 #include "dtrain/comm/store.h"
 #include "dtrain/elastic/rendezvous.h"
@@ -85,8 +89,32 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
       // The port is taken, normally by the node that hosts the store: join it as a client.
     }
   }
-  return std::make_shared<DistRendezvousStore>(
-      dist::Store::tcp({.host = host, .port = port, .is_server = false, .timeout = timeout}), false);
+  // c10d's client does not bound its handshake by the timeout: a port held by
+  // another program that accepts but never answers would block forever. The
+  // connection therefore runs on a thread of its own, under our deadline.
+  const std::string where = host + ":" + std::to_string(port);
+  auto promise = std::make_shared<std::promise<dist::Store>>();
+  auto future = promise->get_future();
+  std::thread([promise, host, port, timeout] {
+    try {
+      promise->set_value(dist::Store::tcp({.host = host, .port = port, .is_server = false, .timeout = timeout}));
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  }).detach();
+  const auto seconds = std::to_string(static_cast<double>(timeout.count()) / 1000.0).substr(0, 5);
+  if (future.wait_for(timeout + std::chrono::seconds(2)) == std::future_status::timeout) {
+    throw TimeoutError("the rendezvous endpoint " + where + " accepted a connection but did not answer as a store within " +
+                           seconds + " s.",
+                       "another program may be using that port: choose another --rdzv-endpoint port");
+  }
+  try {
+    return std::make_shared<DistRendezvousStore>(future.get(), false);
+  } catch (const Error& e) {
+    throw TimeoutError(e.message(),
+                       "start the node whose address --rdzv-endpoint names first (it hosts the store), check the "
+                       "address and port, or raise --rdzv-timeout");
+  }
 }
 
 std::shared_ptr<RendezvousStore> make_memory_rendezvous_store() {
@@ -99,5 +127,8 @@ std::shared_ptr<RendezvousStore> make_memory_rendezvous_store() {
 extern "C" __attribute__((visibility("default"))) void dtrain_connect_tcp_rendezvous_store(
     const std::string* host, int port, long long timeout_ms,
     std::shared_ptr<dtrain::elastic::RendezvousStore>* out) {
+  // The launcher explains connection problems itself; c10d's warnings with
+  // stack traces would bury that (workers keep their own log level).
+  FLAGS_caffe2_log_level = 3;  // fatal only
   *out = dtrain::elastic::connect_tcp_rendezvous_store(*host, port, std::chrono::milliseconds(timeout_ms));
 }

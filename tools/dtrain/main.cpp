@@ -14,6 +14,7 @@
 #include "dtrain/elastic/agent.h"
 #include "dtrain/error.h"
 #include "launch_options.h"
+#include "rendezvous_loader.h"
 
 namespace {
 std::atomic<int> g_interrupt{0};
@@ -30,7 +31,14 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
                                   .tee = opt.tee,
                                   .hang_timeout = plan.hang_timeout,
                                   .error_file_dir = plan.error_file_dir});
-  el::Agent agent(plan.agent, workers);
+  std::unique_ptr<el::StoreRendezvous> rendezvous;
+  if (plan.rendezvous.multi_node) {
+    auto r = plan.rendezvous.options;
+    r.local_addr = dtrain::tools::local_address_towards(plan.rendezvous.host, plan.rendezvous.port);
+    auto store = dtrain::tools::load_tcp_rendezvous_store(plan.rendezvous.host, plan.rendezvous.port, r.timeout);
+    rendezvous = std::make_unique<el::StoreRendezvous>(std::move(store), r);
+  }
+  el::Agent agent = rendezvous ? el::Agent(plan.agent, workers, *rendezvous) : el::Agent(plan.agent, workers);
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
