@@ -135,10 +135,17 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
         return finish(AgentState::kInterrupted, 128 + sig);
       }
       status = workers_.poll(options_.monitor_interval, failure);
-      if (status == GroupStatus::kRunning) ending = rendezvous_->poll();
+      if (status == GroupStatus::kRunning) {
+        try {
+          ending = rendezvous_->poll();
+        } catch (...) {  // e.g. the rendezvous store went away: no orphans, then report
+          workers_.stop(SIGTERM, options_.stop_grace);
+          throw;
+        }
+      }
     }
     if (status == GroupStatus::kSucceeded) {
-      rendezvous_->report_success();
+      rendezvous_->finish();
       return finish(AgentState::kSucceeded, 0);
     }
     if (!ending) {
@@ -149,6 +156,7 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
     if (ending->kind == RoundEnding::Kind::kFailure) result.root_cause_text = ending->reason;
     if (ending->give_up) {
       result.restarts = plan.restart_count;
+      rendezvous_->finish();
       return finish(AgentState::kFailed, ending->exit_code);
     }
     if (ending->kind == RoundEnding::Kind::kFailure) {

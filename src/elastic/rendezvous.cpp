@@ -8,7 +8,7 @@
 //   r<r>/closed        N: the first N arrivals are the round's members
 //   r<r>/master        MASTER_ADDR:MASTER_PORT, published by node rank 0
 //   r<r>/end           why the round ended (first writer wins): membership change or failure
-//   r<r>/done<i>       arrival i's workers all succeeded
+//   r<r>/left<i>       arrival i is finished with the job (succeeded, or gave up)
 // and hb/<node id> is each node's heartbeat counter.
 // - Joining: a new node joins the newest round, or the one after it if the
 //   newest is closed (then it waits there, and its arrival tells the running
@@ -146,7 +146,7 @@ struct StoreRendezvous::State {
   enum class Peer { kAlive, kDone, kLost };
   Peer peer_status(std::size_t j) {
     if (members[j].id == node_id) return Peer::kAlive;
-    if (exists(round_key(round, "done" + std::to_string(members[j].index)))) return Peer::kDone;
+    if (exists(round_key(round, "left" + std::to_string(members[j].index)))) return Peer::kDone;
     const auto v = store->try_get(key("hb/" + members[j].id));
     const std::int64_t beat = v ? std::stoll(*v) : 0;
     const auto now = Clock::now();
@@ -376,11 +376,12 @@ RoundEnding StoreRendezvous::report_failure(const WorkerExit& failure) {
                       .exit_code = failure.launcher_exit_code()});
 }
 
-void StoreRendezvous::report_success() {
+void StoreRendezvous::finish() {
   auto& s = *state_;
-  s.store->set(round_key(s.round, "done" + std::to_string(s.my_index)), "1");
+  if (s.round < 0) return;
+  s.store->set(round_key(s.round, "left" + std::to_string(s.my_index)), "1");
   if (!s.store->hosts_store()) return;
-  // This node hosts the store: keep it up until every member is done or lost.
+  // This node hosts the store: keep it up until every other member is finished or lost.
   const auto deadline = Clock::now() + s.opt.timeout;
   while (Clock::now() < deadline) {
     s.heartbeat();
@@ -388,7 +389,7 @@ void StoreRendezvous::report_success() {
     for (std::size_t j = 0; j < s.members.size(); ++j) {
       if (s.members[j].id != s.node_id && s.peer_status(j) == State::Peer::kAlive) waiting = true;
     }
-    if (!waiting || s.ended()) return;
+    if (!waiting) return;
     std::this_thread::sleep_for(kPollSleep);
   }
 }

@@ -21,23 +21,51 @@
 namespace dtrain::elastic {
 namespace {
 
+// Store errors (the node hosting the store went away, a timeout) become
+// CommunicationErrors naming the endpoint.
 class DistRendezvousStore : public RendezvousStore {
  public:
-  DistRendezvousStore(dist::Store store, bool hosts) : store_(std::move(store)), hosts_(hosts) {}
-  void set(const std::string& key, const std::string& value) override { store_.set(key, value); }
-  std::optional<std::string> try_get(const std::string& key) override {
-    if (!store_.check({key})) return std::nullopt;
-    return store_.get(key);
+  DistRendezvousStore(dist::Store store, bool hosts, std::string where)
+      : store_(std::move(store)), hosts_(hosts), where_(std::move(where)) {}
+  void set(const std::string& key, const std::string& value) override {
+    guarded([&] { store_.set(key, value); });
   }
-  std::int64_t add(const std::string& key, std::int64_t delta) override { return store_.add(key, delta); }
+  std::optional<std::string> try_get(const std::string& key) override {
+    std::optional<std::string> out;
+    guarded([&] {
+      if (store_.check({key})) out = store_.get(key);
+    });
+    return out;
+  }
+  std::int64_t add(const std::string& key, std::int64_t delta) override {
+    std::int64_t out = 0;
+    guarded([&] { out = store_.add(key, delta); });
+    return out;
+  }
   std::string create_if_absent(const std::string& key, const std::string& desired) override {
-    return store_.compare_set(key, "", desired);
+    std::string out;
+    guarded([&] { out = store_.compare_set(key, "", desired); });
+    return out;
   }
   bool hosts_store() const override { return hosts_; }
 
  private:
+  template <typename F>
+  void guarded(F&& f) {
+    try {
+      f();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      what = what.substr(0, what.find('\n'));
+      throw CommunicationError("lost the rendezvous store at " + where_ + ": " + what,
+                               "the node hosting it (the one --rdzv-endpoint names) stopped; restart the job");
+    }
+  }
   dist::Store store_;
   bool hosts_;
+  std::string where_;
 };
 
 bool same_address(const sockaddr* a, const sockaddr* b) {
@@ -84,7 +112,7 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
     try {
       auto store = dist::Store::tcp({.host = host, .port = port, .is_server = true, .timeout = timeout});
       DTRAIN_LOG(kInfo) << "hosting the rendezvous store on port " << port;
-      return std::make_shared<DistRendezvousStore>(std::move(store), true);
+      return std::make_shared<DistRendezvousStore>(std::move(store), true, host + ":" + std::to_string(port));
     } catch (const ConfigError&) {
       // The port is taken, normally by the node that hosts the store: join it as a client.
     }
@@ -109,7 +137,7 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
                        "another program may be using that port: choose another --rdzv-endpoint port");
   }
   try {
-    return std::make_shared<DistRendezvousStore>(future.get(), false);
+    return std::make_shared<DistRendezvousStore>(future.get(), false, where);
   } catch (const Error& e) {
     throw TimeoutError(e.message(),
                        "start the node whose address --rdzv-endpoint names first (it hosts the store), check the "
@@ -118,7 +146,7 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
 }
 
 std::shared_ptr<RendezvousStore> make_memory_rendezvous_store() {
-  return std::make_shared<DistRendezvousStore>(dist::Store::in_memory(), true);
+  return std::make_shared<DistRendezvousStore>(dist::Store::in_memory(), true, "memory");
 }
 
 }  // namespace dtrain::elastic

@@ -75,5 +75,9 @@ int main(int argc, char** argv) {
   } catch (const dtrain::Error& e) {
     std::cerr << "dtrain run: error: " << e.what() << std::endl;
     return 2;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    std::cerr << "dtrain run: error: " << what.substr(0, what.find('\n')) << std::endl;
+    return 2;
   }
 }

@@ -69,8 +69,10 @@ class Rendezvous {
   // (a restart, or giving up) or a membership change (a peer node was lost
   // and took the workers down with it).
   virtual RoundEnding report_failure(const WorkerExit& failure) = 0;
-  // This node's workers all exited 0.
-  virtual void report_success() = 0;
+  // This node is done with the job (its workers succeeded, or the run gave
+  // up). The node hosting the store keeps it up until every other member has
+  // finished too (or is lost), so that they can learn how the run ended.
+  virtual void finish() = 0;
 };
 
 // One node, no store: the agent binds a fresh MASTER_PORT each round.
@@ -80,7 +82,7 @@ class StandaloneRendezvous : public Rendezvous {
   RoundPlan next_round() override;
   std::optional<RoundEnding> poll() override { return std::nullopt; }
   RoundEnding report_failure(const WorkerExit& failure) override;
-  void report_success() override {}
+  void finish() override {}
 
  private:
   int nproc_;
@@ -117,7 +119,7 @@ class StoreRendezvous : public Rendezvous {
   RoundPlan next_round() override;
   std::optional<RoundEnding> poll() override;
   RoundEnding report_failure(const WorkerExit& failure) override;
-  void report_success() override;
+  void finish() override;
   const std::string& node_id() const;
 
  private:

@@ -1,0 +1,204 @@
+// Several `dtrain run` instances ("nodes") on loopback forming one group
+// through the rendezvous: a 4-rank group from two nodes; a killed node shrinks
+// the group and training continues; a new node grows it; none of this uses a
+// restart (--max-restarts 0). Bad input: rdzv-id and --nnodes mismatches, an
+// unreachable endpoint, a port held by another program, too few nodes.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <regex>
+#include <set>
+
+#include "launch_helpers.h"
+#include "ranks.h"
+
+using namespace dtrain::testing;
+
+namespace {
+const std::string kWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_elastic_worker";
+
+// Fast failure detection for tests; the defaults suit real clusters better.
+const std::string kConf = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=1.5";
+
+std::vector<std::string> node_args(int port, const std::string& nnodes, const std::string& id = "elastic") {
+  return {"--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port),
+          "--rdzv-id", id, "--rdzv-conf", kConf, "--rdzv-timeout", "60", "--max-restarts", "0",
+          "--stop-grace", "2"};
+}
+
+std::vector<std::string> with_program(std::vector<std::string> args, const std::vector<std::string>& program) {
+  args.insert(args.end(), program.begin(), program.end());
+  return args;
+}
+
+// World sizes seen in steps.log, in order of first appearance per round.
+struct Progress {
+  std::vector<std::pair<int, int>> rounds;  // (round, world), in order
+  int last_step = -1;
+};
+
+Progress read_progress(const fs::path& dir) {
+  Progress p;
+  std::istringstream in(slurp(dir / "steps.log"));
+  std::string line;
+  std::set<int> seen;
+  const std::regex re("round (\\d+) world (\\d+) rank \\d+ step (\\d+)");
+  std::smatch m;
+  while (std::getline(in, line)) {
+    if (!std::regex_match(line, m, re)) continue;
+    const int round = std::stoi(m[1]), world = std::stoi(m[2]), step = std::stoi(m[3]);
+    if (seen.insert(round).second) p.rounds.emplace_back(round, world);
+    p.last_step = std::max(p.last_step, step);
+  }
+  return p;
+}
+
+bool has_round_with_world(const fs::path& dir, int world, int after_round = -1) {
+  for (const auto& [round, w] : read_progress(dir).rounds) {
+    if (w == world && round > after_round) return true;
+  }
+  return false;
+}
+
+int last_round(const fs::path& dir) {
+  const auto p = read_progress(dir);
+  return p.rounds.empty() ? -1 : p.rounds.back().first;
+}
+}  // namespace
+
+TEST(Elastic, TwoNodesFormAGroupThatShrinksAndGrowsWithoutRestarts) {
+  Scratch s;
+  const int port = free_port();
+  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
+  ::setenv("ELASTIC_STEPS", "160", 1);
+  ::setenv("ELASTIC_STEP_MS", "40", 1);
+  ::setenv("DTRAIN_TIMEOUT_SECONDS", "20", 1);
+  const auto args = with_program(node_args(port, "1:2"), {kWorker});
+
+  Launch a(args, s, "a");  // hosts the store (first to bind the endpoint's port)
+  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; }))
+      << a.err();
+  Launch b(args, s, "b");
+  // Two nodes x two workers: one 4-rank group.
+  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 4); })) << a.err() << b.err();
+  const int formed = last_round(s.path());
+
+  ::kill(b.pid(), SIGKILL);  // node b and (PDEATHSIG) its workers
+  b.wait();
+  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 2, formed); })) << a.err();
+  const int shrunk = last_round(s.path());
+  const int step_at_shrink = read_progress(s.path()).last_step;
+  EXPECT_GT(step_at_shrink, 0);
+
+  Launch c(args, s, "c");  // a new node: the group grows back to 4 ranks
+  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 4, shrunk); })) << a.err() << c.err();
+
+  EXPECT_EQ(a.wait(), 0) << a.err();
+  EXPECT_EQ(c.wait(), 0) << c.err();
+  const auto progress = read_progress(s.path());
+  EXPECT_EQ(progress.last_step, 159);  // every step done, resumed across regroupings
+  EXPECT_NE(a.err().find("membership changed: node"), std::string::npos) << a.err();
+  EXPECT_NE(a.err().find("was lost"), std::string::npos) << a.err();
+  EXPECT_NE(a.err().find("a new node is waiting to join"), std::string::npos) << a.err();
+  EXPECT_EQ(a.err().find("restarting the workers"), std::string::npos) << a.err();
+  // World sizes in order: 4, then 2, then 4 again.
+  std::vector<int> worlds;
+  for (const auto& [round, world] : progress.rounds) {
+    if (worlds.empty() || worlds.back() != world) worlds.push_back(world);
+  }
+  EXPECT_EQ(worlds, (std::vector<int>{4, 2, 4})) << slurp(s.path() / "steps.log").substr(0, 2000);
+}
+
+TEST(Elastic, StaticGroupOrdersNodesByNodeRank) {
+  Scratch s;
+  const int port = free_port();
+  const auto worker = s.script("w.sh", "echo \"rank $RANK group $GROUP_RANK world $WORLD_SIZE\"\n");
+  auto args0 = node_args(port, "2");
+  auto args1 = args0;
+  args0.insert(args0.end(), {"--node-rank", "1", "--tee", worker});
+  args1.insert(args1.end(), {"--node-rank", "0", "--tee", worker});
+  Launch first(args0, s, "0");  // arrives first, but asks for node rank 1
+  ASSERT_TRUE(wait_for([&] { return first.err().find("joined rendezvous round 0") != std::string::npos; }));
+  Launch second(args1, s, "1");
+  EXPECT_EQ(first.wait(), 0) << first.err();
+  EXPECT_EQ(second.wait(), 0) << second.err();
+  EXPECT_NE(first.out().find("rank 2 group 1 world 4"), std::string::npos) << first.out();
+  EXPECT_NE(first.out().find("rank 3 group 1 world 4"), std::string::npos) << first.out();
+  EXPECT_NE(second.out().find("rank 0 group 0 world 4"), std::string::npos) << second.out();
+}
+
+TEST(Elastic, WorkerFailureUsesARestartAndExhaustedRestartsStopEveryNode) {
+  Scratch s;
+  const int port = free_port();
+  // Rank 3 (on the second node) fails in every round.
+  const auto worker = s.script("w.sh", "if [ \"$RANK\" = 3 ]; then echo boom >&2; exit 7; fi\nsleep 30\n");
+  auto args = node_args(port, "2");
+  args[args.size() - 3] = "1";  // --max-restarts 1
+  args.push_back(worker);
+  Launch a(args, s, "a");
+  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; }));
+  Launch b(args, s, "b");
+  EXPECT_EQ(a.wait(), 7) << a.err();
+  EXPECT_EQ(b.wait(), 7) << b.err();
+  EXPECT_NE(b.err().find("restarting the workers (restart 1 of 1)"), std::string::npos) << b.err();
+  for (const auto* l : {&a, &b}) {
+    EXPECT_NE(l->err().find("root cause: rank 3 (local rank 1) exited with code 7"), std::string::npos) << l->err();
+  }
+}
+
+TEST(Elastic, BadInputFailsClearly) {
+  Scratch s;
+  const auto ok = s.script("ok.sh", "sleep 1\n");
+  {
+    // A node of another run is refused; so is another --nnodes.
+    const int port = free_port();
+    auto host_args = node_args(port, "2", "job-a");
+    host_args[host_args.size() - 5] = "4";  // --rdzv-timeout 4: it then times out waiting for its peer
+    host_args.push_back(ok);
+    Launch host(host_args, s, "host");
+    ASSERT_TRUE(wait_for([&] { return host.err().find("joined rendezvous round 0") != std::string::npos; }));
+    Launch other(with_program(node_args(port, "2", "job-b"), {ok}), s, "other");
+    EXPECT_EQ(other.wait(), 2);
+    EXPECT_NE(other.err().find("belongs to run 'job-a', but this node has --rdzv-id 'job-b'; refusing to join"),
+              std::string::npos)
+        << other.err();
+    Launch sizes(with_program(node_args(port, "1:3", "job-a"), {ok}), s, "sizes");
+    EXPECT_EQ(sizes.wait(), 2);
+    EXPECT_NE(sizes.err().find("was started with --nnodes 2:2, but this node has --nnodes 1:3"), std::string::npos)
+        << sizes.err();
+    // Too few nodes: the host gives up after --rdzv-timeout.
+    EXPECT_EQ(host.wait(), 2);
+    EXPECT_NE(host.err().find("round 0 has 1 of at least 2 nodes within"), std::string::npos) << host.err();
+  }
+  {
+    // Nothing routes to TEST-NET-1: the connection times out with a message.
+    Launch l({"--nnodes", "2", "--rdzv-endpoint", "192.0.2.1:29400", "--rdzv-timeout", "1", ok}, s, "unreachable");
+    EXPECT_EQ(l.wait(std::chrono::seconds(30)), 2);
+    EXPECT_NE(l.err().find("could not reach the rendezvous store at 192.0.2.1:29400"), std::string::npos) << l.err();
+  }
+  {
+    // The endpoint's port is held by a program that is not a store.
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    ASSERT_EQ(::listen(fd, 8), 0);
+    socklen_t len = sizeof addr;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    const std::string endpoint = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+    Launch l({"--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "1", ok}, s, "busy");
+    EXPECT_EQ(l.wait(std::chrono::seconds(30)), 2);
+    EXPECT_NE(l.err().find("the rendezvous endpoint " + endpoint + " accepted a connection but did not answer"),
+              std::string::npos)
+        << l.err();
+    ::close(fd);
+  }
+  {
+    Launch l({"--nnodes", "2", ok}, s, "noendpoint");
+    EXPECT_EQ(l.wait(), 2);
+    EXPECT_NE(l.err().find("--nnodes 2 needs a rendezvous endpoint"), std::string::npos) << l.err();
+  }
+}
