@@ -13,7 +13,7 @@ APT_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
   libgloo-dev            # headers only: the torch wheel ships c10d's gloo headers without gloo's own
   dataset-fashion-mnist  # IDX files under /usr/share/datasets/fashion-mnist
-  python3 python3-venv procps
+  python3 python3-venv procps iproute2
 )
 
 missing=()

@@ -202,3 +202,64 @@ TEST(Elastic, BadInputFailsClearly) {
     EXPECT_NE(l.err().find("--nnodes 2 needs a rendezvous endpoint"), std::string::npos) << l.err();
   }
 }
+
+namespace {
+// Two network namespaces joined by a veth pair (10.77.0.1 and 10.77.0.2, the
+// interface named dteth0 in both): two "machines" with their own addresses.
+// Needs root and iproute2; usable() is false where namespaces cannot be made.
+class NamespacePair {
+ public:
+  NamespacePair() {
+    const std::string id = std::to_string(::getpid() % 100000);
+    a_ = "dtrain_a" + id;
+    b_ = "dtrain_b" + id;
+    const std::string va = "dta" + id, vb = "dtb" + id;
+    ok_ = sh("ip netns add " + a_) && sh("ip netns add " + b_) &&
+          sh("ip link add " + va + " type veth peer name " + vb) && sh("ip link set " + va + " netns " + a_) &&
+          sh("ip link set " + vb + " netns " + b_) && sh("ip -n " + a_ + " link set " + va + " name dteth0") &&
+          sh("ip -n " + b_ + " link set " + vb + " name dteth0") &&
+          sh("ip -n " + a_ + " addr add 10.77.0.1/24 dev dteth0") &&
+          sh("ip -n " + b_ + " addr add 10.77.0.2/24 dev dteth0") && sh("ip -n " + a_ + " link set dteth0 up") &&
+          sh("ip -n " + b_ + " link set dteth0 up") && sh("ip -n " + a_ + " link set lo up") &&
+          sh("ip -n " + b_ + " link set lo up");
+  }
+  ~NamespacePair() {
+    sh("ip netns del " + a_);
+    sh("ip netns del " + b_);
+  }
+  bool usable() const { return ok_; }
+  std::vector<std::string> in_a() const { return {"ip", "netns", "exec", a_}; }
+  std::vector<std::string> in_b() const { return {"ip", "netns", "exec", b_}; }
+
+ private:
+  static bool sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()) == 0; }
+  std::string a_, b_;
+  bool ok_ = false;
+};
+}  // namespace
+
+TEST(Elastic, NodesOnTwoNetworkNamespacesTrainTogether) {
+  NamespacePair net;
+  if (!net.usable()) GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
+  Scratch s;
+  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
+  ::setenv("ELASTIC_STEPS", "20", 1);
+  ::setenv("ELASTIC_STEP_MS", "10", 1);
+  ::setenv("GLOO_SOCKET_IFNAME", "dteth0", 1);  // the workers' Gloo transport
+  const std::vector<std::string> args = {"--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+                                         "10.77.0.1:29400", "--rdzv-id", "netns", "--rdzv-timeout", "30",
+                                         "--tee", kWorker};
+  Launch a(args, s, "a", net.in_a());
+  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; }))
+      << a.err();
+  Launch b(args, s, "b", net.in_b());
+  EXPECT_EQ(a.wait(), 0) << a.err();
+  EXPECT_EQ(b.wait(), 0) << b.err();
+  ::unsetenv("GLOO_SOCKET_IFNAME");
+  const auto progress = read_progress(s.path());
+  EXPECT_EQ(progress.last_step, 19);
+  ASSERT_FALSE(progress.rounds.empty());
+  EXPECT_EQ(progress.rounds.front().second, 2);
+  // b reached a's store over the veth link, not loopback.
+  EXPECT_NE(b.err().find("joined rendezvous round 0 at 10.77.0.1:29400"), std::string::npos) << b.err();
+}

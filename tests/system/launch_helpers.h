@@ -58,9 +58,12 @@ class Scratch {
 class Launch {
  public:
   // `name` tells apart the output files of several launchers in one scratch folder.
-  Launch(const std::vector<std::string>& args, const Scratch& scratch, const std::string& name = "")
+  // `wrapper` runs the launcher through another program (e.g. ip netns exec NS).
+  Launch(const std::vector<std::string>& args, const Scratch& scratch, const std::string& name = "",
+         const std::vector<std::string>& wrapper = {})
       : out_(scratch.path() / ("out" + name)), err_(scratch.path() / ("err" + name)) {
-    std::vector<std::string> argv_s{kDtrain, "run"};
+    std::vector<std::string> argv_s = wrapper;
+    argv_s.insert(argv_s.end(), {kDtrain, "run"});
     argv_s.insert(argv_s.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : argv_s) argv.push_back(a.data());
@@ -69,7 +72,7 @@ class Launch {
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_addopen(&fa, 1, out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_addopen(&fa, 2, err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn(&pid_, kDtrain.c_str(), &fa, nullptr, argv.data(), environ);
+    posix_spawnp(&pid_, argv_s.front().c_str(), &fa, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&fa);
   }
   ~Launch() {
