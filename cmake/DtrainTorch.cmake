@@ -43,6 +43,18 @@ endif()
 
 # True when this LibTorch can drive CUDA devices (and so NCCL); decides which
 # backend file src/comm compiles.
+# LibTorch's CPU part only (torch_cpu and c10, no CUDA libraries): what
+# libdtrain links. A CPU-only process then does not load libtorch_cuda and the
+# CUDA runtime, which took 0.16 of 0.4 s at every process start here. Programs
+# that put tensors on CUDA devices link dtrain_torch_link (all of LibTorch) too;
+# the NCCL backend is a module, libdtrain_nccl, loaded when first used.
+if(NOT TARGET dtrain_torch_cpu_link)
+  add_library(dtrain_torch_cpu_link INTERFACE IMPORTED)
+  set_target_properties(dtrain_torch_cpu_link PROPERTIES
+    INTERFACE_LINK_LIBRARIES "torch_cpu_library"
+    INTERFACE_INCLUDE_DIRECTORIES "${TORCH_INCLUDE_DIRS}")
+endif()
+
 if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
   set(DTRAIN_TORCH_HAS_CUDA ON)
 else()

@@ -1,4 +1,7 @@
-// The NCCL backend (CUDA tensors). Compiled only when LibTorch has CUDA.
+// The NCCL backend (CUDA tensors): the libdtrain_nccl module, built only when
+// LibTorch has CUDA and loaded by backend_nccl_loader.cpp on first use. Its
+// two entry points have C names; everything else is internal, so nothing here
+// can be confused with libdtrain's own symbols.
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <c10/cuda/CUDAFunctions.h>
@@ -7,12 +10,9 @@
 #include "dtrain/error.h"
 
 namespace dtrain::dist::detail {
+namespace {
 
-bool nccl_compiled_in() {
-  return true;
-}
-
-void check_nccl_usable(const c10::Device& device) {
+void check_usable(const c10::Device& device) {
   const auto count = static_cast<int>(c10::cuda::device_count());
   DTRAIN_CHECK(count > 0, ConfigError, "the nccl backend needs CUDA, but no CUDA device is visible.",
                "use --backend gloo (or device cpu), or run on a machine with a GPU; check CUDA_VISIBLE_DEVICES");
@@ -23,8 +23,8 @@ void check_nccl_usable(const c10::Device& device) {
                "use a device index below " << count);
 }
 
-c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const BackendRequest& request) {
-  check_nccl_usable(request.device);
+c10::intrusive_ptr<c10d::Backend> make_backend(const BackendRequest& request) {
+  check_usable(request.device);
   const int index = request.device.has_index() ? request.device.index() : 0;
   // NCCL communicators are bound to the current device when first used.
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
@@ -41,4 +41,14 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const BackendRequest& reques
   }
 }
 
+}  // namespace
 }  // namespace dtrain::dist::detail
+
+extern "C" __attribute__((visibility("default"))) void dtrain_nccl_check_usable(const c10::Device* device) {
+  dtrain::dist::detail::check_usable(*device);
+}
+
+extern "C" __attribute__((visibility("default"))) void dtrain_nccl_make_backend(
+    const dtrain::dist::detail::BackendRequest* request, c10::intrusive_ptr<c10d::Backend>* out) {
+  *out = dtrain::dist::detail::make_backend(*request);
+}
