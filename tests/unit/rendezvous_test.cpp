@@ -147,3 +147,21 @@ TEST(Rendezvous, FullGroupKeepsRunningWhileANodeWaits) {
   a.report_failure(failed(0));
   EXPECT_EQ(waiting.wait_for(5s), std::future_status::ready);
 }
+
+TEST(Rendezvous, NeverBelowMinNodes) {
+  auto store = make_memory_rendezvous_store();
+  auto o = options(2, 2);
+  StoreRendezvous a(store, o), b(store, o);
+  auto fa = std::async(std::launch::async, [&] { return join(a); });
+  auto fb = std::async(std::launch::async, [&] { return join(b); });
+  ASSERT_EQ(fa.get().nnodes, 2);
+  ASSERT_EQ(fb.get().nnodes, 2);
+  // b is lost: a's round ends, but one node is below MIN 2, so a waits and,
+  // with nobody joining, times out instead of training alone.
+  EXPECT_EQ(a.report_failure(failed(0)).kind, RoundEnding::Kind::kMembershipChange);
+  auto short_wait = options(2, 2);
+  short_wait.timeout = 600ms;
+  // A fresh handle with a short timeout stands in for a: same store, same round logic.
+  StoreRendezvous survivor(store, short_wait);
+  EXPECT_THROW(survivor.next_round(), dtrain::TimeoutError);
+}
