@@ -61,6 +61,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup);
   app.add_option("--batch", batch);
   app.add_flag("--bucket-view", bucket_view, "gradient_as_bucket_view");
+  bool gloo_only = false;
+  app.add_flag("--gloo", gloo_only, "all-reduce through Gloo, not the intra-host shared memory (dtrain's default)");
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
@@ -69,7 +71,9 @@ int main(int argc, char** argv) {
     std::int64_t in_features = 0;
     auto model = make_model(model_name, in_features);
     dtrain::DistributedDataParallel ddp(model, group,
-                                        {.bucket_cap_mb = bucket_cap_mb, .gradient_as_bucket_view = bucket_view});
+                                        {.bucket_cap_mb = bucket_cap_mb,
+                                         .gradient_as_bucket_view = bucket_view,
+                                         .intra_host_shared_memory = !gloo_only});
     torch::optim::SGD opt(model->parameters(), 0.01);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(group.rank());
     const at::Tensor x = at::randn({batch, in_features}, gen);
@@ -117,9 +121,10 @@ int main(int argc, char** argv) {
                    ddp_bwd = percentile(backward_ms, 0.5);
       const double hidden = std::clamp((local + comm - ddp_bwd) / comm, 0.0, 1.0);
       std::printf(
-          "{\"impl\":\"dtrain\",\"case\":\"%s_mlp_cap%gMB%s\",\"params\":%lld,\"p50_ms\":%.3f,\"p95_ms\":%.3f,"
+          "{\"impl\":\"dtrain\",\"case\":\"%s_mlp_cap%gMB%s%s\",\"params\":%lld,\"p50_ms\":%.3f,\"p95_ms\":%.3f,"
           "\"backward_local_ms\":%.3f,\"allreduce_ms\":%.3f,\"backward_ddp_ms\":%.3f,\"hidden_fraction\":%.3f}\n",
-          model_name.c_str(), bucket_cap_mb, bucket_view ? "_view" : "", static_cast<long long>(numel),
+          model_name.c_str(), bucket_cap_mb, bucket_view ? "_view" : "", gloo_only ? "_gloo" : "",
+          static_cast<long long>(numel),
           percentile(step_ms, 0.5), percentile(step_ms, 0.95), local, comm, ddp_bwd, hidden);
     }
     return 0;

@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--bucket-view", action="store_true")
+    # Names the case in which dtrain also all-reduces through Gloo (torch always does).
+    ap.add_argument("--gloo", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -80,7 +82,7 @@ def main():
     if rank == 0:
         local, comm, ddp_bwd = percentile(local_ms, 0.5), percentile(allreduce_ms, 0.5), percentile(backward_ms, 0.5)
         hidden = min(1.0, max(0.0, (local + comm - ddp_bwd) / comm))
-        print(json.dumps({"impl": "torch DDP", "case": f"{args.model}_mlp_cap{args.bucket_cap_mb:g}MB{'_view' if args.bucket_view else ''}",
+        print(json.dumps({"impl": "torch DDP", "case": f"{args.model}_mlp_cap{args.bucket_cap_mb:g}MB{'_view' if args.bucket_view else ''}{'_gloo' if args.gloo else ''}",
                           "params": numel, "p50_ms": round(percentile(step_ms, 0.5), 3),
                           "p95_ms": round(percentile(step_ms, 0.95), 3), "backward_local_ms": round(local, 3),
                           "allreduce_ms": round(comm, 3), "backward_ddp_ms": round(ddp_bwd, 3),

@@ -4,6 +4,9 @@
 #   (a) small MLP (~0.1 M parameters, per-op overhead dominates), 25 MB buckets;
 #   (b) large MLP (~21 M parameters, communication dominates), bucket sweep 1/5/25/100 MB,
 #       and 25 MB with gradient_as_bucket_view (both sides).
+# dtrain runs with its defaults, so its ranks on this one host all-reduce through
+# shared memory; the *_gloo cases repeat (a) and (b) at 25 MB with dtrain on
+# Gloo as well (the same c10d Reducer and transport as torch).
 # Set DTRAIN_BENCH_QUICK=1 for fewer steps.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -23,6 +26,8 @@ run_case() {  # model steps batch cap [--bucket-view]
 run_case small "$small_steps" 32 25
 for cap in 1 5 25 100; do run_case large "$large_steps" 8 "$cap"; done
 run_case large "$large_steps" 8 25 --bucket-view
+run_case small "$small_steps" 32 25 --gloo
+run_case large "$large_steps" 8 25 --gloo
 echo "# raw results (rank 0 of $ranks)"
 cat "$tmp/dtrain.jsonl" "$tmp/peer.jsonl"
 echo "# comparisons: step time (lower is better) and hidden all-reduce fraction (higher is better)"

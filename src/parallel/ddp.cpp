@@ -14,6 +14,7 @@
 
 #include "../comm/c10d_access.h"
 #include "comm_hooks.h"
+#include "shm_allreduce.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/parallel/ddp.h"
@@ -127,6 +128,15 @@ struct DDPEngine::State {
   bool require_forward_param_sync = true;
   bool divide_by_initial_world_size = true;
   bool comm_hook_set = false;
+  bool shared_memory = false;  // buckets are all-reduced through shared memory (see shm_allreduce.h)
+  std::unique_ptr<SharedMemoryAllReduce> pending_shm;
+
+  void use_shared_memory_if_pending() {
+    if (!pending_shm || comm_hook_set) return;
+    reducer->register_comm_hook(make_shared_memory_hook(std::move(pending_shm), group.size()));
+    shared_memory = true;
+    comm_hook_set = true;
+  }
   bool forward_ran = false;
 
   void broadcast(std::vector<at::Tensor> tensors, int root) {
@@ -219,7 +229,14 @@ DDPEngine::DDPEngine(std::shared_ptr<torch::nn::Module> module, dist::ProcessGro
   if (options.static_graph) s.reducer->set_static_graph();
   s.sink = std::make_shared<SinkState>(SinkState{.reducer = s.reducer, .static_graph = options.static_graph});
   s.sink_id = SinkRegistry::add(s.sink);
-  if (options.comm_hook.kind != CommHookKind::kAllReduce) set_comm_hook(options.comm_hook);
+  if (options.comm_hook.kind != CommHookKind::kAllReduce) {
+    set_comm_hook(options.comm_hook);
+  } else if (options.intra_host_shared_memory && s.device.is_cpu()) {
+    // Made here, where every rank takes part (create() is collective); the
+    // hook is registered at the first forward or join, unless the user
+    // registered a hook of their own by then (c10d takes one hook only).
+    s.pending_shm = SharedMemoryAllReduce::create(s.group, s.group.timeout());
+  }
 }
 
 DDPEngine::~DDPEngine() {
@@ -228,6 +245,7 @@ DDPEngine::~DDPEngine() {
 
 void DDPEngine::pre_forward() {
   auto& s = *state_;
+  s.use_shared_memory_if_pending();
   s.forward_ran = true;
   // A parameter whose storage was swapped (Module::load does set_ on each
   // parameter) silently stops being averaged: ranks would drift apart.
@@ -325,6 +343,11 @@ void DDPEngine::set_comm_hook(const CommHook& hook) {
   }
   s.options.comm_hook = hook;
   s.comm_hook_set = true;
+  s.pending_shm.reset();
+}
+
+bool DDPEngine::uses_shared_memory() const {
+  return state_->shared_memory;
 }
 
 std::vector<std::size_t> DDPEngine::bucket_sizes() const {
@@ -339,6 +362,7 @@ std::vector<std::size_t> DDPEngine::bucket_sizes() const {
 
 void DDPEngine::join_main_hook() {
   auto& s = *state_;
+  s.use_shared_memory_if_pending();
   s.reducer->rebuild_buckets();
   if (s.will_sync_buffers()) s.broadcast(s.buffers, s.find_common_rank(false));
   const bool sync = s.global_requires_sync(/*joined=*/true);

@@ -3,6 +3,9 @@
 // parameters, buffers, uneven inputs (Join), model mismatch, comm hooks.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <iostream>
+
 #include "ddp_helpers.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
@@ -85,12 +88,18 @@ INSTANTIATE_TEST_SUITE_P(WorldsAndOptions, DdpSweep,
                                   kVariants[std::get<1>(info.param)].name;
                          });
 
-TEST(Ddp, ProcessRanksEqualSingleProcess) {
-  const int world = 2;
+class DdpProcesses : public ::testing::TestWithParam<bool> {};
+
+// Real processes, with the intra-host shared-memory all-reduce (the default
+// on one host) and with Gloo.
+TEST_P(DdpProcesses, EqualSingleProcess) {
+  const bool shared_memory = GetParam();
+  const int world = 3;
   const auto expected = reference(world, kSteps, [] { return seeded_mlp(1); });
   run_rank_processes(world, [&](int rank) {
     auto group = dtrain::dist::init_process_group(group_options());
-    DistributedDataParallel ddp(seeded_mlp(rank == 0 ? 1 : 55), group);
+    DistributedDataParallel ddp(seeded_mlp(rank == 0 ? 1 : 55), group,
+                                {.bucket_cap_mb = 0.0005, .intra_host_shared_memory = shared_memory});
     torch::optim::SGD opt(ddp.module()->parameters(), kLr);
     for (int t = 0; t < kSteps; ++t) {
       const Batch b = batch_for(rank, t, kBatch);
@@ -98,8 +107,38 @@ TEST(Ddp, ProcessRanksEqualSingleProcess) {
       loss_of(ddp(b.x), b.y).backward();
       opt.step();
     }
+    EXPECT_EQ(ddp.engine().uses_shared_memory(), shared_memory);
     EXPECT_TRUE(params_close(snapshot(*ddp.module()), expected));
+    // Every rank holds bitwise the same parameters.
+    for (const auto& p : ddp.module()->parameters()) {
+      const auto all = group.all_gather(p.detach().contiguous());
+      for (const auto& other : all) EXPECT_TRUE(at::equal(other, all.front()));
+    }
   });
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DdpProcesses, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "shared_memory" : "gloo"; });
+
+TEST(Ddp, SharedMemoryAllReduceFailsInsteadOfHangingWhenAPeerDies) {
+  const auto outcomes = run_rank_processes(
+      2,
+      [](int rank) {
+        auto group = dtrain::dist::init_process_group({.timeout = std::chrono::seconds(3)});
+        DistributedDataParallel ddp(seeded_mlp(1), group);
+        const Batch b = batch_for(rank, 0, kBatch);
+        at::Tensor loss = loss_of(ddp(b.x), b.y);
+        if (rank == 1) std::_Exit(0);  // gone before its share of the all-reduce
+        try {
+          loss.backward();
+          ADD_FAILURE() << "backward completed without its peer";
+        } catch (const std::exception& e) {
+          std::cerr << "rank 0 error: " << e.what() << std::endl;
+        }
+      },
+      {.expect_success = false});
+  EXPECT_NE(outcomes[0].output.find("did not arrive within"), std::string::npos) << outcomes[0].output;
+  EXPECT_FALSE(outcomes[0].timed_out);
 }
 
 TEST(Ddp, BucketsFollowCapsAfterRebuild) {

@@ -72,6 +72,11 @@ struct DDPOptions {
   // The set of used parameters and the graph do not change between iterations.
   bool static_graph = false;
   CommHook comm_hook;
+  // When every rank runs on this host and gradients are CPU tensors, the
+  // default all-reduce (CommHookKind::kAllReduce) goes through shared memory
+  // instead of Gloo's loopback TCP: same averages (bitwise equal on all
+  // ranks), less copying. Off, or on other hosts or devices: the process group.
+  bool intra_host_shared_memory = true;
 };
 
 namespace detail {
@@ -90,6 +95,9 @@ class DDPEngine : public Joinable {
   void set_comm_hook(const CommHook& hook);
   const DDPOptions& options() const;
   void zero_grad(bool set_to_none);
+  // Whether buckets go through the intra-host shared-memory all-reduce
+  // (decided at the first forward; see DDPOptions::intra_host_shared_memory).
+  bool uses_shared_memory() const;
   // Sizes in bytes of the current gradient buckets, in communication order.
   std::vector<std::size_t> bucket_sizes() const;
 
