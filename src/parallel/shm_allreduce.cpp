@@ -85,7 +85,10 @@ std::unique_ptr<SharedMemoryAllReduce> SharedMemoryAllReduce::create(dist::Proce
     const std::int64_t id = (static_cast<std::int64_t>(rd()) << 20) ^ rd() ^ ::getpid();
     path = "/dev/shm/dtrain-allreduce-" + std::to_string(id);
     fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    const bool ok = fd >= 0 && ::ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+    // fallocate, not only ftruncate: a full /dev/shm (64 MB in a default
+    // container) must fail here, not raise SIGBUS at the first write.
+    const bool ok = fd >= 0 && ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
+                    ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
     name_id.fill_(ok ? id : -1);
     if (!ok && fd >= 0) {
       ::close(fd);
@@ -94,7 +97,11 @@ std::unique_ptr<SharedMemoryAllReduce> SharedMemoryAllReduce::create(dist::Proce
   }
   group.broadcast(name_id, 0).wait();
   const std::int64_t id = name_id.item<std::int64_t>();
-  if (id < 0) return nullptr;
+  if (id < 0) {
+    DTRAIN_LOG(kInfo) << "DDP: no room for a " << bytes / (1 << 20)
+                      << " MiB shared-memory region in /dev/shm; all-reducing through the process group";
+    return nullptr;
+  }
   if (group.rank() != 0) {
     path = "/dev/shm/dtrain-allreduce-" + std::to_string(id);
     fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
