@@ -263,3 +263,20 @@ TEST(Elastic, NodesOnTwoNetworkNamespacesTrainTogether) {
   // b reached a's store over the veth link, not loopback.
   EXPECT_NE(b.err().find("joined rendezvous round 0 at 10.77.0.1:29400"), std::string::npos) << b.err();
 }
+
+TEST(Elastic, LosingTheNodeThatHostsTheStoreIsAClearError) {
+  Scratch s;
+  const int port = free_port();
+  const auto worker = s.script("w.sh", "sleep 30\n");
+  const auto args = with_program(node_args(port, "1:2"), {worker});
+  Launch host(args, s, "host");
+  ASSERT_TRUE(wait_for([&] { return host.err().find("hosting the rendezvous store") != std::string::npos; }));
+  Launch other(args, s, "other");
+  ASSERT_TRUE(wait_for([&] { return other.err().find("round 0: node rank") != std::string::npos; })) << other.err();
+  ::kill(host.pid(), SIGKILL);
+  host.wait();
+  // The survivor cannot re-form without the store: it says so and stops its workers.
+  EXPECT_EQ(other.wait(std::chrono::seconds(60)), 2) << other.err();
+  EXPECT_NE(other.err().find("lost the rendezvous store at 127.0.0.1:" + std::to_string(port)), std::string::npos)
+      << other.err();
+}
