@@ -20,7 +20,7 @@ namespace {
 const std::string kWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_elastic_worker";
 
 // Fast failure detection for tests; the defaults suit real clusters better.
-const std::string kConf = "last_call_timeout=1,heartbeat_interval=0.2,heartbeat_timeout=1.5";
+const std::string kConf = "last_call_timeout=1,heartbeat_interval=0.25,heartbeat_timeout=3";
 
 std::vector<std::string> node_args(int port, const std::string& nnodes, const std::string& id = "elastic") {
   return {"--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port),
