@@ -9,6 +9,10 @@
 
 #include <c10/util/Logging.h>
 
+#include <poll.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <future>
 #include <thread>
@@ -104,6 +108,40 @@ bool names_this_machine(const std::string& host) {
   return local;
 }
 
+// Retries a plain TCP connection to host:port until one succeeds (true) or
+// the deadline passes (false): the node hosting the store may start later.
+bool wait_until_reachable(const std::string& host, int port, std::chrono::steady_clock::time_point deadline) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  const std::string service = std::to_string(port);
+  while (std::chrono::steady_clock::now() < deadline) {
+    addrinfo* resolved = nullptr;
+    if (::getaddrinfo(host.c_str(), service.c_str(), &hints, &resolved) == 0) {
+      for (addrinfo* a = resolved; a != nullptr; a = a->ai_next) {
+        const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        bool ok = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        if (!ok && errno == EINPROGRESS) {
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+          pollfd p{fd, POLLOUT, 0};
+          int err = 0;
+          socklen_t len = sizeof err;
+          ok = ::poll(&p, 1, static_cast<int>(std::clamp<long long>(left.count(), 0, 1000))) == 1 &&
+               ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+        }
+        ::close(fd);
+        if (ok) {
+          ::freeaddrinfo(resolved);
+          return true;
+        }
+      }
+      ::freeaddrinfo(resolved);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
 }  // namespace
 
 std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string& host, int port,
@@ -121,6 +159,13 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
   // another program that accepts but never answers would block forever. The
   // connection therefore runs on a thread of its own, under our deadline.
   const std::string where = host + ":" + std::to_string(port);
+  const auto seconds = std::to_string(static_cast<double>(timeout.count()) / 1000.0).substr(0, 5);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (!wait_until_reachable(host, port, deadline)) {
+    throw TimeoutError("could not reach the rendezvous store at " + where + " within " + seconds + " s.",
+                       "start the node whose address --rdzv-endpoint names first (it hosts the store), check the "
+                       "address and port, or raise --rdzv-timeout");
+  }
   auto promise = std::make_shared<std::promise<dist::Store>>();
   auto future = promise->get_future();
   std::thread([promise, host, port, timeout] {
@@ -130,8 +175,8 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
       promise->set_exception(std::current_exception());
     }
   }).detach();
-  const auto seconds = std::to_string(static_cast<double>(timeout.count()) / 1000.0).substr(0, 5);
-  if (future.wait_for(timeout + std::chrono::seconds(2)) == std::future_status::timeout) {
+  // Something accepts connections there; c10d's handshake gets the whole timeout again, plus slack for its retries.
+  if (future.wait_for(2 * timeout + std::chrono::seconds(5)) == std::future_status::timeout) {
     throw TimeoutError("the rendezvous endpoint " + where + " accepted a connection but did not answer as a store within " +
                            seconds + " s.",
                        "another program may be using that port: choose another --rdzv-endpoint port");
