@@ -13,16 +13,14 @@
 // worker completes; the Reducer waits on it when backward finalises.
 #include "comm_hooks.h"
 
+#include "bucket_worker.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <condition_variable>
-#include <deque>
 #include <map>
-#include <mutex>
-#include <thread>
 
 #include "dtrain/error.h"
 #include "dtrain/log.h"
@@ -59,16 +57,7 @@ void orthogonalize(at::Tensor& m) {
 class PowerSgdHook : public c10d::CommHookInterface {
  public:
   PowerSgdHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSgdOptions options)
-      : group_(std::move(group)), options_(options), worker_([this] { run(); }) {}
-
-  ~PowerSgdHook() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
+      : group_(std::move(group)), options_(options) {}
 
   FuturePtr runHook(c10d::GradBucket& bucket) override {
     if (iteration_ < options_.start_iteration) {
@@ -79,14 +68,9 @@ class PowerSgdHook : public c10d::CommHookInterface {
       at::Tensor out = bucket.getBufferRef();
       return reduced->then([out](c10::ivalue::Future&) { return c10::IValue(out); }, c10::TensorType::get());
     }
-    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      jobs_.push_back(Job{bucket.getIndex(), bucket.getBufferRef(), bucket.getGradients(), future});
-    }
-    cv_.notify_all();
+    Job job{bucket.getIndex(), bucket.getBufferRef(), bucket.getGradients()};
     if (bucket.isLast()) ++iteration_;
-    return future;
+    return worker_.post(job.buffer, [this, job]() mutable { compress_and_reduce(job); });
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
@@ -96,32 +80,12 @@ class PowerSgdHook : public c10d::CommHookInterface {
     std::size_t index;
     at::Tensor buffer;
     std::vector<at::Tensor> gradients;  // views into buffer
-    FuturePtr done;
   };
   struct Memory {
     at::Tensor error;
     at::Tensor p;
     at::Tensor q;
   };
-
-  void run() {
-    while (true) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      try {
-        compress_and_reduce(job);
-        job.done->markCompleted(c10::IValue(job.buffer));
-      } catch (...) {
-        job.done->setError(std::current_exception());
-      }
-    }
-  }
 
   void all_reduce(at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
@@ -221,11 +185,7 @@ class PowerSgdHook : public c10d::CommHookInterface {
   std::uint64_t random_draws_ = 0;
   std::map<std::size_t, Memory> memory_;  // by bucket index; touched by the worker only
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool stopping_ = false;
-  std::thread worker_;  // last: starts after everything it uses exists
+  BucketWorker worker_;  // last: destroyed (drained, joined) before what its jobs use
 };
 
 }  // namespace

@@ -15,6 +15,8 @@
 // Measured on 2 cores, 2 ranks, 84 MB: 38 ms against Gloo's 63 ms (loopback TCP).
 #include "shm_allreduce.h"
 
+#include "bucket_worker.h"
+
 #include <ATen/ops/add.h>
 #include <ATen/ops/from_blob.h>
 #include <fcntl.h>
@@ -22,12 +24,9 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <fstream>
 #include <functional>
-#include <mutex>
 #include <random>
 #include <thread>
 
@@ -187,62 +186,21 @@ using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 class SharedMemoryHook : public c10d::CommHookInterface {
  public:
-  SharedMemoryHook(std::unique_ptr<SharedMemoryAllReduce> shm, int world)
-      : shm_(std::move(shm)), world_(world), worker_([this] { run(); }) {}
-  ~SharedMemoryHook() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
+  SharedMemoryHook(std::unique_ptr<SharedMemoryAllReduce> shm, int world) : shm_(std::move(shm)), world_(world) {}
 
   FuturePtr runHook(c10d::GradBucket& bucket) override {
-    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      jobs_.push_back({bucket.getBufferRef(), future});
-    }
-    cv_.notify_all();
-    return future;
+    at::Tensor buffer = bucket.getBufferRef();
+    return worker_.post(buffer, [this, buffer]() mutable {
+      shm_->sum(buffer);
+      buffer.div_(world_);
+    });
   }
   at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
 
  private:
-  struct Job {
-    at::Tensor buffer;
-    FuturePtr done;
-  };
-  // Jobs run in arrival order: the Reducer hands buckets over in the same
-  // order on every rank, so the collectives match.
-  void run() {
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      try {
-        shm_->sum(job.buffer);
-        job.buffer.div_(world_);
-        job.done->markCompleted(c10::IValue(job.buffer));
-      } catch (...) {
-        job.done->setError(std::current_exception());
-      }
-    }
-  }
-
   std::unique_ptr<SharedMemoryAllReduce> shm_;
   int world_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool stopping_ = false;
-  std::thread worker_;  // last: starts after the members it uses
+  BucketWorker worker_;  // last: destroyed (drained, joined) before shm_
 };
 
 }  // namespace
