@@ -68,6 +68,13 @@ inline Batch concat(const std::vector<Batch>& parts) {
   return {at::cat(xs), at::cat(ys)};
 }
 
+// Every rank's batch of step t, concatenated: what one process trains on in the references.
+inline Batch global_batch(int world, int step, int size) {
+  std::vector<Batch> parts;
+  for (int r = 0; r < world; ++r) parts.push_back(batch_for(r, step, size));
+  return concat(parts);
+}
+
 inline at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(logits, y);
 }

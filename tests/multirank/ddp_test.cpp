@@ -32,9 +32,7 @@ std::vector<at::Tensor> reference(int world, int steps, const std::function<Mlp(
   Mlp model = make();
   torch::optim::SGD opt(model->parameters(), kLr);
   for (int t = 0; t < steps; ++t) {
-    std::vector<Batch> parts;
-    for (int r = 0; r < world; ++r) parts.push_back(batch_for(r, t, kBatch));
-    const Batch all = concat(parts);
+    const Batch all = global_batch(world, t, kBatch);
     opt.zero_grad();
     loss_of(model->forward(all.x), all.y).backward();
     opt.step();
@@ -204,9 +202,7 @@ TEST(Ddp, UnusedParametersWithFindUnused) {
   Mlp ref = seeded_mlp(3, 16, true);
   torch::optim::SGD ref_opt(ref->parameters(), kLr);
   for (int t = 0; t < kSteps; ++t) {
-    std::vector<Batch> parts;
-    for (int r = 0; r < world; ++r) parts.push_back(batch_for(r, t, kBatch));
-    const Batch all = concat(parts);
+    const Batch all = global_batch(world, t, kBatch);
     ref_opt.zero_grad();
     loss_of(ref->forward(all.x, t % 2 == 1), all.y).backward();
     ref_opt.step();

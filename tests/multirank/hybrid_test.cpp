@@ -30,9 +30,7 @@ std::vector<at::Tensor> reference(int world) {
   auto model = make_layers(1);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
   for (int t = 0; t < kSteps; ++t) {
-    std::vector<Batch> parts;
-    for (int r = 0; r < world; ++r) parts.push_back(batch_for(r, t, kBatch));
-    const Batch all = concat(parts);
+    const Batch all = global_batch(world, t, kBatch);
     opt.zero_grad();
     loss_of(model->forward(all.x), all.y).backward();
     opt.step();
