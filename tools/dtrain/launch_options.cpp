@@ -200,7 +200,6 @@ LaunchPlan plan_launch(const LaunchOptions& o) {
     r.max_restarts = o.max_restarts;
     r.endpoint = plan.rendezvous.host + ":" + std::to_string(plan.rendezvous.port);
     r.timeout = rdzv_timeout;
-    r.last_call = std::chrono::seconds(2);
     parse_rdzv_conf(o.rdzv_conf, r);
   } else {
     DTRAIN_CHECK(o.rdzv_conf.empty(), ConfigError, "--rdzv-conf applies to multi-node rendezvous only.",

@@ -103,7 +103,7 @@ struct StoreRendezvousOptions {
   std::string local_addr = "127.0.0.1";  // how other nodes reach this one (MASTER_ADDR when node 0)
   std::string endpoint;                  // "host:port", for messages
   // After MIN nodes have joined, wait this long without a new arrival before closing the round.
-  std::chrono::milliseconds last_call{1000};
+  std::chrono::milliseconds last_call{2000};
   std::chrono::milliseconds timeout{std::chrono::seconds(900)};  // --rdzv-timeout
   std::chrono::milliseconds heartbeat_interval{500};
   // A node whose heartbeat has not changed for this long is lost.
