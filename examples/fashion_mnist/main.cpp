@@ -244,6 +244,19 @@ int train(const Options& opt, Placement& where, Trainee& model) {
   return 0;
 }
 
+// Trains `module` as it is, or wrapped in DDP when this process is a rank of a
+// group (evaluation bypasses DDP: it runs only on rank 0).
+template <typename Holder>
+int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Holder& module) {
+  if (!where.group) {
+    model.forward = [&](const at::Tensor& x) { return module(x); };
+    return train(opt, where, model);
+  }
+  dtrain::DistributedDataParallel ddp(module, *where.group);
+  model.forward = [&](const at::Tensor& x) { return module->is_training() ? ddp(x) : module(x); };
+  return train(opt, where, model);
+}
+
 int run(const Options& opt) {
   Placement where = place(opt);
   torch::manual_seed(opt.seed);
@@ -251,18 +264,10 @@ int run(const Options& opt) {
   if (opt.strategy == "model-parallel" || opt.strategy == "ddp-model-parallel") {
     dtrain::ModelParallel split(small_cnn_layers(), dtrain::ModelParallelOptions{.devices = where.devices});
     if (where.rank == 0) {
-      std::string map;
-      for (const auto& d : split->device_of_layer()) map += (map.empty() ? "" : ",") + d.str();
-      DTRAIN_LOG(kInfo) << "layers placed on " << map;
+      DTRAIN_LOG(kInfo) << "layers placed on " << dtrain::format_devices(split->device_of_layer());
     }
     Trainee model{split.ptr(), nullptr, first, split->output_device()};
-    if (!where.group) {
-      model.forward = [&](const at::Tensor& x) { return split(x); };
-      return train(opt, where, model);
-    }
-    dtrain::DistributedDataParallel ddp(split, *where.group);
-    model.forward = [&](const at::Tensor& x) { return split->is_training() ? ddp(x) : split(x); };
-    return train(opt, where, model);
+    return train_plain_or_ddp(opt, where, model, split);
   }
   SmallCnn net;
   net->to(first);
@@ -272,13 +277,7 @@ int run(const Options& opt) {
     model.forward = [&](const at::Tensor& x) { return dp(x); };
     return train(opt, where, model);
   }
-  if (!where.group) {
-    model.forward = [&](const at::Tensor& x) { return net(x); };
-    return train(opt, where, model);
-  }
-  dtrain::DistributedDataParallel ddp(net, *where.group);
-  model.forward = [&](const at::Tensor& x) { return net->is_training() ? ddp(x) : net(x); };
-  return train(opt, where, model);
+  return train_plain_or_ddp(opt, where, model, net);
 }
 
 }  // namespace
