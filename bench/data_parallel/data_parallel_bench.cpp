@@ -24,7 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/comm/device.h"
-#include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/data_parallel/data_parallel.h"
 
 namespace F = torch::nn::functional;
 

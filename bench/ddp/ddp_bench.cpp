@@ -66,14 +66,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
-    auto group = dtrain::dist::init_process_group();
+    auto group = dtrain::dist::init_process_group({.intra_host_shared_memory = !gloo_only});
     torch::manual_seed(0);
     std::int64_t in_features = 0;
     auto model = make_model(model_name, in_features);
     dtrain::DistributedDataParallel ddp(model, group,
-                                        {.bucket_cap_mb = bucket_cap_mb,
-                                         .gradient_as_bucket_view = bucket_view,
-                                         .intra_host_shared_memory = !gloo_only});
+                                        {.bucket_cap_mb = bucket_cap_mb, .gradient_as_bucket_view = bucket_view});
     torch::optim::SGD opt(model->parameters(), 0.01);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(group.rank());
     const at::Tensor x = at::randn({batch, in_features}, gen);

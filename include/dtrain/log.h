@@ -24,11 +24,29 @@ enum class Level { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 void set_rank(int rank, int world_size);
 // "[rank R/W]", or "" when the calling thread has no rank identity.
 std::string rank_tag();
-// The calling thread's rank, or -1 when it has none.
-int current_rank();
+
+// A thread's rank identity, to hand to the helper threads it starts (loader
+// workers, replica threads, communication workers), so their logs and errors
+// carry the same "[rank R/W]".
+struct Identity {
+  int rank = -1;
+  int world_size = 0;  // 0: none
+};
+Identity identity();
+// Takes `identity` for the calling thread while alive; restores the previous one.
+class ScopedIdentity {
+ public:
+  explicit ScopedIdentity(Identity identity);
+  ~ScopedIdentity();
+  ScopedIdentity(const ScopedIdentity&) = delete;
+  ScopedIdentity& operator=(const ScopedIdentity&) = delete;
+
+ private:
+  Identity previous_;
+};
 
 bool enabled(Level level);
-// "1.5 s", "30 s": a duration for messages.
+// "1.5 s", "30 s": a duration for messages (the one seconds formatter).
 std::string format_seconds(std::chrono::milliseconds duration);
 void write(Level level, std::string_view message);
 

@@ -1,11 +1,11 @@
-// init_process_group, collectives, subgroups.
+// init_process_group and subgroups; the operations are in collectives.cpp and p2p.cpp.
 #include "dtrain/comm/process_group.h"
 
 #include <algorithm>
 #include <set>
 
 #include "backends.h"
-#include "c10d_access.h"
+#include "group_state.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "membership.h"
@@ -48,16 +48,6 @@ BackendKind resolve_backend(const GroupOptions& options) {
   return kind;
 }
 
-c10d::ReduceOp to_c10d(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return c10d::ReduceOp::SUM;
-    case ReduceOp::kProduct: return c10d::ReduceOp::PRODUCT;
-    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
-    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
-  }
-  return c10d::ReduceOp::SUM;
-}
-
 // Builds a group on `store` (this group's own key space) after the check-in.
 ProcessGroup make_group(Store store, int rank, int size, GroupOptions options, std::vector<int> world_ranks,
                         const std::string& fingerprint) {
@@ -78,16 +68,6 @@ ProcessGroup make_group(Store store, int rank, int size, GroupOptions options, s
                                  .group_name = options.name};
   auto state = std::make_shared<detail::GroupState>();
   state->backend = kind == BackendKind::kNccl ? detail::make_nccl_backend(request) : detail::make_gloo_backend(request);
-  state->process_group = c10::make_intrusive<c10d::ProcessGroup>(c10d_store(store), rank, size);
-  if (kind == BackendKind::kNccl) {
-    state->process_group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, state->backend);
-    state->process_group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-  } else {
-    // Gloo also serves CUDA tensors (staged through host memory).
-    state->process_group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, state->backend);
-    state->process_group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::GLOO, state->backend);
-    state->process_group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  }
   state->rank = rank;
   state->size = size;
   state->kind = kind;
@@ -96,6 +76,7 @@ ProcessGroup make_group(Store store, int rank, int size, GroupOptions options, s
   state->name = options.name;
   state->world_ranks = std::move(world_ranks);
   state->store = store;
+  state->identity = log::identity();
   state->options = std::move(options);
   return ProcessGroup(std::move(state));
 }
@@ -118,31 +99,7 @@ ProcessGroup make_world(Store store, int rank, int world_size, GroupOptions opti
   return group;
 }
 
-[[noreturn]] void rethrow_collective(const detail::GroupState& s, const char* op, const c10::Error& e) {
-  const std::string what = e.what_without_backtrace();
-  const std::string message = std::string(op) + " on " + detail::describe(s) + " failed: " + what;
-  if (what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos) {
-    throw TimeoutError(message, "a peer rank may have died or stalled; its log says why");
-  }
-  throw CommunicationError(message, "a peer rank may have died; its log says why");
-}
-
 }  // namespace
-
-// ---- Work ----
-
-void Work::wait() {
-  if (!impl_) return;
-  try {
-    impl_->work->wait(impl_->group->timeout);
-  } catch (const c10::Error& e) {
-    rethrow_collective(*impl_->group, impl_->op, e);
-  }
-}
-
-bool Work::is_completed() const {
-  return !impl_ || impl_->work->isCompleted();
-}
 
 // ---- ProcessGroup ----
 
@@ -166,59 +123,6 @@ const std::string& ProcessGroup::name() const {
 }
 const std::vector<int>& ProcessGroup::world_ranks() const {
   return state_->world_ranks;
-}
-
-void ProcessGroup::barrier() {
-  c10d::BarrierOptions options;
-  options.timeout = state_->timeout;
-  try {
-    state_->backend->barrier(options)->wait(state_->timeout);
-  } catch (const c10::Error& e) {
-    rethrow_collective(*state_, "barrier", e);
-  }
-}
-
-Work ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::AllreduceOptions options;
-  options.reduceOp = to_c10d(op);
-  options.timeout = state_->timeout;
-  try {
-    return Work(
-        std::make_shared<Work::Impl>(Work::Impl{state_->backend->allreduce(tensors, options), state_, "all_reduce"}));
-  } catch (const c10::Error& e) {
-    rethrow_collective(*state_, "all_reduce", e);
-  }
-}
-
-Work ProcessGroup::broadcast(at::Tensor& tensor, int root) {
-  DTRAIN_CHECK(root >= 0 && root < state_->size, ConfigError,
-               "broadcast root " << root << " is not a rank of " << detail::describe(*state_) << ".",
-               "pass a root in 0.." << state_->size - 1);
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::BroadcastOptions options;
-  options.rootRank = root;
-  options.timeout = state_->timeout;
-  try {
-    return Work(
-        std::make_shared<Work::Impl>(Work::Impl{state_->backend->broadcast(tensors, options), state_, "broadcast"}));
-  } catch (const c10::Error& e) {
-    rethrow_collective(*state_, "broadcast", e);
-  }
-}
-
-std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
-  std::vector<at::Tensor> inputs{tensor.contiguous()};
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < state_->size; ++r) outputs[0].push_back(at::empty_like(inputs[0]));
-  c10d::AllgatherOptions options;
-  options.timeout = state_->timeout;
-  try {
-    state_->backend->allgather(outputs, inputs, options)->wait(state_->timeout);
-  } catch (const c10::Error& e) {
-    rethrow_collective(*state_, "all_gather", e);
-  }
-  return outputs[0];
 }
 
 std::optional<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "c10d_access.h"
+#include "group_state.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 

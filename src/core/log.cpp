@@ -38,8 +38,15 @@ void set_rank(int rank, int world_size) {
   tls_world = world_size;
 }
 
-int current_rank() {
-  return tls_rank;
+Identity identity() {
+  return {.rank = tls_rank, .world_size = tls_world};
+}
+
+ScopedIdentity::ScopedIdentity(Identity identity) : previous_(log::identity()) {
+  set_rank(identity.rank, identity.world_size);
+}
+ScopedIdentity::~ScopedIdentity() {
+  set_rank(previous_.rank, previous_.world_size);
 }
 
 std::string rank_tag() {

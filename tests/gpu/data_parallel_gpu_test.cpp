@@ -14,8 +14,8 @@
 #include <torch/utils.h>
 
 #include "dtrain/comm/device.h"
-#include "dtrain/parallel/data_parallel.h"
-#include "dtrain/parallel/model_parallel.h"
+#include "dtrain/parallel/data_parallel/data_parallel.h"
+#include "dtrain/parallel/model_parallel/model_parallel.h"
 
 #define DTRAIN_REQUIRE_GPU() \
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"

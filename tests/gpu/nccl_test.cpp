@@ -8,7 +8,7 @@
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
-#include "dtrain/parallel/ddp.h"
+#include "dtrain/parallel/ddp/ddp.h"
 #include "ranks.h"
 
 // GTEST_SKIP returns from the enclosing function, so this must be a macro.

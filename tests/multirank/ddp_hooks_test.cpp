@@ -9,25 +9,40 @@
 #include "ddp_helpers.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/data/fashion_mnist.h"
-#include "dtrain/parallel/ddp.h"
+#include "dtrain/parallel/ddp/ddp.h"
 #include "ranks.h"
 
 using dtrain::CommHook;
-using dtrain::CommHookKind;
 using dtrain::DistributedDataParallel;
+namespace hooks = dtrain::hooks;
 using namespace dtrain::testing;
 
 namespace {
 dtrain::dist::GroupOptions group_options() { return {.timeout = std::chrono::seconds(60)}; }
 
+// Hooks keep per-model state: each rank's DDP gets its own from the factory
+// (null factory: DDP's default).
+using HookFactory = std::function<std::shared_ptr<CommHook>()>;
+std::shared_ptr<CommHook> make(const HookFactory& factory) { return factory ? factory() : nullptr; }
+
+// A user-written hook: sums instead of averaging.
+class SumHook : public CommHook {
+ public:
+  dtrain::dist::Future run(dtrain::dist::ProcessGroup& group, dtrain::GradBucket& bucket) override {
+    ++calls;
+    return group.all_reduce(bucket.buffer).future();
+  }
+  int calls = 0;
+};
+
 // Trains with `hook` for `steps` steps of per-rank batches; returns rank 0's parameters.
-std::vector<at::Tensor> train_mlp(int world, const CommHook& hook, int steps) {
+std::vector<at::Tensor> train_mlp(int world, const HookFactory& hook, int steps, double lr = 0.1) {
   std::vector<at::Tensor> result;
   std::mutex mutex;
   run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
     auto group = dtrain::dist::init_process_group(store, rank, world, group_options());
-    DistributedDataParallel ddp(seeded(4, [] { return Mlp(32); }), group, {.comm_hook = hook});
-    torch::optim::SGD opt(ddp.module()->parameters(), 0.1);
+    DistributedDataParallel ddp(seeded(4, [] { return Mlp(32); }), group, {.comm_hook = make(hook)});
+    torch::optim::SGD opt(ddp.module()->parameters(), lr);
     for (int t = 0; t < steps; ++t) {
       const Batch b = batch_for(rank, t, 8);
       opt.zero_grad();
@@ -53,13 +68,13 @@ struct MnistMlpImpl : torch::nn::Module {
 TORCH_MODULE(MnistMlp);
 
 // Two ranks over the training set; test accuracy.
-double mnist_accuracy(const CommHook& hook) {
+double mnist_accuracy(const HookFactory& hook) {
   static const dtrain::data::FashionMnist train(dtrain::data::kFashionMnistDefaultDir, dtrain::data::Split::kTrain);
   static const dtrain::data::FashionMnist test(dtrain::data::kFashionMnistDefaultDir, dtrain::data::Split::kTest);
   double accuracy = 0;
   run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
     auto group = dtrain::dist::init_process_group(store, rank, 2, group_options());
-    DistributedDataParallel ddp(seeded(11, [] { return MnistMlp(); }), group, {.comm_hook = hook});
+    DistributedDataParallel ddp(seeded(11, [] { return MnistMlp(); }), group, {.comm_hook = make(hook)});
     torch::optim::SGD opt(ddp.module()->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     // Two epochs over all 60k examples (30k per rank); the learning rate
     // decays so the runs end converged, where one point is a real difference.
@@ -91,25 +106,25 @@ double mnist_accuracy(const CommHook& hook) {
 
 TEST(DdpHooks, Fp16AndBf16StayCloseToPlainAllReduce) {
   const auto plain = train_mlp(2, {}, 4);
-  const auto fp16 = train_mlp(2, {.kind = CommHookKind::kFp16}, 4);
-  const auto bf16 = train_mlp(2, {.kind = CommHookKind::kBf16}, 4);
+  const auto fp16 = train_mlp(2, hooks::fp16_compress, 4);
+  const auto bf16 = train_mlp(2, hooks::bf16_compress, 4);
   EXPECT_TRUE(params_close(fp16, plain, 1e-3, 1e-4));
   EXPECT_TRUE(params_close(bf16, plain, 2e-2, 2e-3));
   EXPECT_FALSE(params_close(bf16, plain, 1e-7, 0)) << "bf16 hook did not change anything: is it running?";
 }
 
 TEST(DdpHooks, PowerSgdWarmUpIsPlainAllReduce) {
-  const CommHook powersgd{.kind = CommHookKind::kPowerSgd, .powersgd = {.start_iteration = 3}};
+  const HookFactory powersgd = [] { return hooks::powersgd({.start_iteration = 3}); };
   EXPECT_TRUE(params_close(train_mlp(2, powersgd, 3), train_mlp(2, {}, 3), 1e-6, 1e-7));
   // After warm-up the updates are compressed, so they differ.
   EXPECT_FALSE(params_close(train_mlp(2, powersgd, 6), train_mlp(2, {}, 6), 1e-5, 1e-6));
 }
 
 TEST(DdpHooks, PowerSgdRanksStayIdentical) {
-  const CommHook powersgd{.kind = CommHookKind::kPowerSgd, .powersgd = {.matrix_approximation_rank = 2, .start_iteration = 2}};
+  const HookFactory powersgd = [] { return hooks::powersgd({.matrix_approximation_rank = 2, .start_iteration = 2}); };
   run_rank_threads(3, [&](int rank, dtrain::dist::Store store) {
     auto group = dtrain::dist::init_process_group(store, rank, 3, group_options());
-    DistributedDataParallel ddp(seeded(4, [] { return Mlp(32); }), group, {.comm_hook = powersgd});
+    DistributedDataParallel ddp(seeded(4, [] { return Mlp(32); }), group, {.comm_hook = powersgd()});
     torch::optim::SGD opt(ddp.module()->parameters(), 0.1);
     for (int t = 0; t < 6; ++t) {
       const Batch b = batch_for(rank, t, 8);
@@ -128,12 +143,32 @@ TEST(DdpHooks, CompressedHooksTrainFashionMnistWithinOnePoint) {
   if (!std::filesystem::exists(dtrain::data::kFashionMnistDefaultDir)) GTEST_SKIP() << "no Fashion-MNIST";
   const double plain = mnist_accuracy({});
   EXPECT_GT(plain, 0.85);
-  for (const auto& [name, hook] : std::vector<std::pair<std::string, CommHook>>{
-           {"fp16", {.kind = CommHookKind::kFp16}},
-           {"bf16", {.kind = CommHookKind::kBf16}},
-           {"powersgd", {.kind = CommHookKind::kPowerSgd, .powersgd = {.matrix_approximation_rank = 2}}}}) {
+  for (const auto& [name, hook] : std::vector<std::pair<std::string, HookFactory>>{
+           {"fp16", hooks::fp16_compress},
+           {"bf16", hooks::bf16_compress},
+           {"powersgd", [] { return hooks::powersgd({.matrix_approximation_rank = 2}); }}}) {
     const double accuracy = mnist_accuracy(hook);
     std::printf("hook %s: test accuracy %.4f (plain all-reduce %.4f)\n", name.c_str(), accuracy, plain);
     EXPECT_NEAR(accuracy, plain, 0.01) << name;
+  }
+}
+
+TEST(DdpHooks, UserHookRunsForEveryBucketAndDecidesTheReduction) {
+  // Summing with lr / world is plain averaging with lr.
+  for (int world : {1, 2, 3}) {
+    const auto plain = train_mlp(world, {}, 3, 0.1);
+    std::vector<std::shared_ptr<SumHook>> made;
+    std::mutex mutex;
+    const auto summed = train_mlp(
+        world,
+        [&] {
+          auto hook = std::make_shared<SumHook>();
+          std::lock_guard<std::mutex> lock(mutex);
+          made.push_back(hook);
+          return hook;
+        },
+        3, 0.1 / world);
+    EXPECT_TRUE(params_close(summed, plain, 1e-5, 1e-6)) << "world " << world;
+    for (const auto& hook : made) EXPECT_GE(hook->calls, 3) << "one call per bucket per step at least";
   }
 }

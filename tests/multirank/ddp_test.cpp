@@ -9,8 +9,8 @@
 #include "ddp_helpers.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
-#include "dtrain/parallel/ddp.h"
-#include "dtrain/parallel/join.h"
+#include "dtrain/parallel/ddp/ddp.h"
+#include "dtrain/parallel/ddp/join.h"
 #include "ranks.h"
 
 using dtrain::DDPOptions;
@@ -95,9 +95,10 @@ TEST_P(DdpProcesses, EqualSingleProcess) {
   const int world = 3;
   const auto expected = reference(world, kSteps, [] { return seeded_mlp(1); });
   run_rank_processes(world, [&](int rank) {
-    auto group = dtrain::dist::init_process_group(group_options());
-    DistributedDataParallel ddp(seeded_mlp(rank == 0 ? 1 : 55), group,
-                                {.bucket_cap_mb = 0.0005, .intra_host_shared_memory = shared_memory});
+    auto options = group_options();
+    options.intra_host_shared_memory = shared_memory;
+    auto group = dtrain::dist::init_process_group(options);
+    DistributedDataParallel ddp(seeded_mlp(rank == 0 ? 1 : 55), group, {.bucket_cap_mb = 0.0005});
     torch::optim::SGD opt(ddp.module()->parameters(), kLr);
     for (int t = 0; t < kSteps; ++t) {
       const Batch b = batch_for(rank, t, kBatch);
@@ -105,7 +106,7 @@ TEST_P(DdpProcesses, EqualSingleProcess) {
       loss_of(ddp(b.x), b.y).backward();
       opt.step();
     }
-    EXPECT_EQ(ddp.engine().uses_shared_memory(), shared_memory);
+    EXPECT_EQ(group.uses_shared_memory(), shared_memory);
     EXPECT_TRUE(params_close(snapshot(*ddp.module()), expected));
     // Every rank holds bitwise the same parameters.
     for (const auto& p : ddp.module()->parameters()) {
@@ -130,13 +131,18 @@ TEST(Ddp, SharedMemoryAllReduceFailsInsteadOfHangingWhenAPeerDies) {
         try {
           loss.backward();
           ADD_FAILURE() << "backward completed without its peer";
-        } catch (const std::exception& e) {
+        } catch (const dtrain::CommunicationError& e) {
           std::cerr << "rank 0 error: " << e.what() << std::endl;
         }
       },
       {.expect_success = false});
-  EXPECT_NE(outcomes[0].output.find("did not arrive within"), std::string::npos) << outcomes[0].output;
+  // The error names this rank, the operation, the group and the peer.
+  EXPECT_NE(outcomes[0].output.find("rank 0 error: [rank 0/2] all_reduce(sum) on gloo group 'world'"),
+            std::string::npos)
+      << outcomes[0].output;
+  EXPECT_NE(outcomes[0].output.find("peer rank 1 (pid"), std::string::npos) << outcomes[0].output;
   EXPECT_FALSE(outcomes[0].timed_out);
+  EXPECT_EQ(outcomes[0].exit_code, 0) << "signal " << outcomes[0].signal;
 }
 
 TEST(Ddp, BucketsFollowCapsAfterRebuild) {
@@ -370,10 +376,7 @@ TEST(Ddp, BadOptionsAreRejected) {
     DistributedDataParallel ddp(seeded_mlp(1), group);
     const Batch b = batch_for(0, 0, kBatch);
     loss_of(ddp(b.x), b.y).backward();
-    EXPECT_THROW(ddp.register_comm_hook({.kind = dtrain::CommHookKind::kFp16}), dtrain::ConfigError);
-    EXPECT_THROW(DistributedDataParallel(
-                     seeded_mlp(1), group,
-                     {.comm_hook = {.kind = dtrain::CommHookKind::kPowerSgd, .powersgd = {.start_iteration = 0}}}),
-                 dtrain::ConfigError);
+    EXPECT_THROW(ddp.register_comm_hook(dtrain::hooks::fp16_compress()), dtrain::ConfigError);
+    EXPECT_THROW(dtrain::hooks::powersgd({.start_iteration = 0}), dtrain::ConfigError);
   });
 }

@@ -9,8 +9,8 @@
 
 #include "ddp_helpers.h"
 #include "dtrain/comm/process_group.h"
-#include "dtrain/parallel/ddp.h"
-#include "dtrain/parallel/model_parallel.h"
+#include "dtrain/parallel/ddp/ddp.h"
+#include "dtrain/parallel/model_parallel/model_parallel.h"
 #include "ranks.h"
 
 using namespace dtrain::testing;

@@ -14,7 +14,7 @@
 
 #include "dtrain/comm/device.h"
 #include "dtrain/error.h"
-#include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/data_parallel/data_parallel.h"
 
 namespace {
 

@@ -12,8 +12,8 @@
 
 #include "dtrain/comm/device.h"
 #include "dtrain/error.h"
-#include "dtrain/parallel/model_parallel.h"
-#include "dtrain/parallel/placement.h"
+#include "dtrain/parallel/model_parallel/model_parallel.h"
+#include "dtrain/parallel/model_parallel/placement.h"
 
 namespace {
 

@@ -53,7 +53,7 @@ class Store {
   // The port a TCP store listens on or connects to; 0 for in-memory stores.
   int port() const;
 
-  // For dtrain's own comm internals (src/comm/c10d_access.h).
+  // For dtrain's own comm internals (src/comm/group_state.h).
   const std::shared_ptr<detail::StoreImpl>& impl() const { return impl_; }
   explicit Store(std::shared_ptr<detail::StoreImpl> impl) : impl_(std::move(impl)) {}
 

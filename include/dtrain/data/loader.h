@@ -48,6 +48,7 @@
 
 #include "dtrain/data/dataset.h"
 #include "dtrain/data/sampler.h"
+#include "dtrain/log.h"
 
 namespace dtrain::data {
 
@@ -205,7 +206,10 @@ class DataLoader {
 
   void start_workers() {
     stopping_ = false;
-    for (int w = 0; w < options_.num_workers; ++w) workers_.emplace_back([this] { work(); });
+    for (int w = 0; w < options_.num_workers; ++w) workers_.emplace_back([this, identity = log::identity()] {
+      log::ScopedIdentity scoped(identity);  // workers' errors carry the rank that started them
+      work();
+    });
   }
 
   void stop_workers() {

@@ -12,9 +12,10 @@
 //   torch::optim::SGD opt(ddp.module()->parameters(), 0.1);
 //   for (...) { opt.zero_grad(); loss_fn(ddp(x), y).backward(); opt.step(); }
 //
-// Gradient reduction is c10d's Reducer (the engine behind torch DDP); this
-// wrapper drives it the way torch.nn.parallel.DistributedDataParallel does.
-// See docs/ddp.md.
+// Bucketing is c10d's Reducer (the engine behind torch DDP), driven the way
+// torch.nn.parallel.DistributedDataParallel drives it; every bucket is
+// reduced by a communication hook (comm_hook.h) over dtrain's ProcessGroup,
+// so failures surface as dtrain::CommunicationError. See docs/ddp.md.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,34 +28,10 @@
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
-#include "dtrain/parallel/join.h"
+#include "dtrain/parallel/ddp/comm_hook.h"
+#include "dtrain/parallel/ddp/join.h"
 
 namespace dtrain {
-
-// How gradient buckets are communicated.
-enum class CommHookKind {
-  kAllReduce,  // fp32 all-reduce, then divide (the default)
-  kFp16,       // compress to float16, all-reduce, decompress
-  kBf16,       // compress to bfloat16, all-reduce, decompress
-  kPowerSgd,   // low-rank PowerSGD compression (Vogels et al., 2019)
-};
-
-struct PowerSgdOptions {
-  int matrix_approximation_rank = 1;
-  // Plain all-reduce for this many iterations first (warm-up).
-  int start_iteration = 10;
-  bool use_error_feedback = true;
-  // Reuse the last iteration's Q as the starting point (warm start).
-  bool warm_start = true;
-  // Tensors whose compression would save less than this factor are all-reduced uncompressed.
-  double min_compression_rate = 2.0;
-  std::uint64_t seed = 0;
-};
-
-struct CommHook {
-  CommHookKind kind = CommHookKind::kAllReduce;
-  PowerSgdOptions powersgd;
-};
 
 struct DDPOptions {
   // Size cap of gradient buckets (MiB), and of the first bucket, which holds
@@ -71,12 +48,10 @@ struct DDPOptions {
   bool broadcast_buffers = true;
   // The set of used parameters and the graph do not change between iterations.
   bool static_graph = false;
-  CommHook comm_hook;
-  // When every rank runs on this host and gradients are CPU tensors, the
-  // default all-reduce (CommHookKind::kAllReduce) goes through shared memory
-  // instead of Gloo's loopback TCP: same averages (bitwise equal on all
-  // ranks), less copying. Off, or on other hosts or devices: the process group.
-  bool intra_host_shared_memory = true;
+  // How each gradient bucket is reduced (see comm_hook.h); null: average
+  // through the group (hooks::all_reduce(), which takes shared memory for
+  // CPU ranks on one host: GroupOptions::intra_host_shared_memory).
+  std::shared_ptr<CommHook> comm_hook;
 };
 
 namespace detail {
@@ -92,12 +67,9 @@ class DDPEngine : public Joinable {
 
   bool require_backward_grad_sync() const;
   void set_require_backward_grad_sync(bool sync);
-  void set_comm_hook(const CommHook& hook);
+  void set_comm_hook(std::shared_ptr<CommHook> hook);
   const DDPOptions& options() const;
   void zero_grad(bool set_to_none);
-  // Whether buckets go through the intra-host shared-memory all-reduce
-  // (decided at the first forward; see DDPOptions::intra_host_shared_memory).
-  bool uses_shared_memory() const;
   // Sizes in bytes of the current gradient buckets, in communication order.
   std::vector<std::size_t> bucket_sizes() const;
 
@@ -105,7 +77,6 @@ class DDPEngine : public Joinable {
   void join_post_hook(bool is_last_joiner) override;
   dist::ProcessGroup& join_group() override;
   c10::Device join_device() const override;
-  void set_divide_by_initial_world_size(bool divide);
 
  private:
   struct State;
@@ -166,8 +137,9 @@ class DistributedDataParallel {
   void zero_grad(bool set_to_none = true) { engine_->zero_grad(set_to_none); }
   // Gradient accumulation: `{ auto guard = ddp.no_sync(); ...backward()...; }`.
   [[nodiscard]] NoSync no_sync() { return NoSync(*engine_); }
-  // Replaces the communication hook; call before the first forward, on every rank.
-  void register_comm_hook(const CommHook& hook) { engine_->set_comm_hook(hook); }
+  // Replaces the communication hook (the default averages); call before the
+  // first forward, on every rank.
+  void register_comm_hook(std::shared_ptr<CommHook> hook) { engine_->set_comm_hook(std::move(hook)); }
   // For Join: `dtrain::Join join({&ddp.joinable()})`.
   Joinable& joinable() { return *engine_; }
   detail::DDPEngine& engine() { return *engine_; }

@@ -1,51 +1,60 @@
-// DDP communication hooks that c10d ships only in Python: bf16 compression
-// and PowerSGD. (fp16 compression and plain all-reduce are c10d built-ins.)
+// DDP's built-in communication hooks (dtrain::hooks): plain averaging, fp16
+// and bf16 compression, and PowerSGD, all on the public CommHook interface
+// and talking only through dtrain's ProcessGroup.
 //
 // Note [PowerSGD worker]
 // PowerSGD needs three dependent all-reduces per bucket (uncompressed
 // tensors, P, Q) with local math between them. torch's Python hook chains
 // them through future callbacks that block inside the backend's worker
 // threads; with several buckets in flight that can exhaust Gloo's two
-// threads. Here each bucket becomes a job for one dedicated worker thread,
-// which runs the jobs in arrival order (the Reducer hands buckets over in the
-// same order on every rank, so collectives match across ranks) while the
-// autograd thread carries on with backward. The hook returns a future the
-// worker completes; the Reducer waits on it when backward finalises.
-#include "comm_hooks.h"
-
-#include "bucket_worker.h"
-
+// threads. Here each bucket becomes a job for one dedicated worker thread
+// (a SerialExecutor), which runs the jobs in arrival order (DDP hands buckets
+// over in the same order on every rank, so collectives match across ranks)
+// while the backward thread carries on. The hook returns the job's future;
+// DDP waits on it when backward finalises.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/core/ivalue.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <map>
 
+#include "../../core/serial_executor.h"
 #include "dtrain/error.h"
-#include "dtrain/log.h"
+#include "dtrain/parallel/ddp/comm_hook.h"
 
-namespace dtrain::detail {
+namespace dtrain {
 namespace {
 
-using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+// Divides, then sums (as torch's allreduce_hook): the same rounding as torch DDP.
+dist::Future average(dist::ProcessGroup& group, at::Tensor& buffer) {
+  buffer.div_(group.size());
+  return group.all_reduce(buffer).future();
+}
 
-class Bf16CompressHook : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+class AllReduceHook : public CommHook {
  public:
-  using CppCommHookInterface::CppCommHookInterface;
+  dist::Future run(dist::ProcessGroup& group, GradBucket& bucket) override { return average(group, bucket.buffer); }
+};
 
-  FuturePtr runHook(c10d::GradBucket& bucket) override {
-    at::Tensor compressed = bucket.getBufferRef().to(at::kBFloat16).div_(state_->getSize());
-    std::vector<at::Tensor> tensors{compressed};
-    auto reduced = state_->allreduce(tensors)->getFuture();
-    at::Tensor out = bucket.getBufferRef();
-    return reduced->then(
-        [out](c10::ivalue::Future& f) {
-          out.copy_(f.value().toTensorVector().at(0));
+// Averages a copy of the bucket in `dtype`, then writes it back.
+class CompressHook : public CommHook {
+ public:
+  explicit CompressHook(at::ScalarType dtype) : dtype_(dtype) {}
+
+  dist::Future run(dist::ProcessGroup& group, GradBucket& bucket) override {
+    // Divide before reducing, so the sum cannot overflow the narrow type.
+    at::Tensor compressed = bucket.buffer.to(dtype_).div_(group.size());
+    at::Tensor out = bucket.buffer;
+    return group.all_reduce(compressed).future()->then(
+        [out, compressed](c10::ivalue::Future&) {
+          out.copy_(compressed);
           return c10::IValue(out);
         },
         c10::TensorType::get());
   }
+
+ private:
+  at::ScalarType dtype_;
 };
 
 // Orthonormalises the columns of `m` (n x r) in place.
@@ -54,47 +63,31 @@ void orthogonalize(at::Tensor& m) {
   m.copy_(q);
 }
 
-class PowerSgdHook : public c10d::CommHookInterface {
+class PowerSgdHook : public CommHook {
  public:
-  PowerSgdHook(c10::intrusive_ptr<c10d::ProcessGroup> group, PowerSgdOptions options)
-      : group_(std::move(group)), options_(options) {}
+  explicit PowerSgdHook(PowerSgdOptions options) : options_(options) {}
 
-  FuturePtr runHook(c10d::GradBucket& bucket) override {
+  dist::Future run(dist::ProcessGroup& group, GradBucket& bucket) override {
     if (iteration_ < options_.start_iteration) {
       // Warm-up: plain averaged all-reduce.
-      if (bucket.isLast()) ++iteration_;
-      std::vector<at::Tensor> tensors{bucket.getBufferRef().div_(group_->getSize())};
-      auto reduced = group_->allreduce(tensors)->getFuture();
-      at::Tensor out = bucket.getBufferRef();
-      return reduced->then([out](c10::ivalue::Future&) { return c10::IValue(out); }, c10::TensorType::get());
+      if (bucket.is_last) ++iteration_;
+      return average(group, bucket.buffer);
     }
-    Job job{bucket.getIndex(), bucket.getBufferRef(), bucket.getGradients()};
-    if (bucket.isLast()) ++iteration_;
-    return worker_.post(job.buffer, [this, job]() mutable { compress_and_reduce(job); });
+    if (bucket.is_last) ++iteration_;
+    return worker_.post(c10::IValue(bucket.buffer),
+                        [this, group, job = bucket]() mutable { compress_and_reduce(group, job); });
   }
 
-  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
-
  private:
-  struct Job {
-    std::size_t index;
-    at::Tensor buffer;
-    std::vector<at::Tensor> gradients;  // views into buffer
-  };
   struct Memory {
     at::Tensor error;
     at::Tensor p;
     at::Tensor q;
   };
 
-  void all_reduce(at::Tensor& t) {
-    std::vector<at::Tensor> tensors{t};
-    group_->allreduce(tensors)->wait();
-  }
-
   // torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook, one bucket.
-  void compress_and_reduce(Job& job) {
-    const int world = group_->getSize();
+  void compress_and_reduce(dist::ProcessGroup& group, GradBucket& job) {
+    const int world = group.size();
     Memory& mem = memory_[job.index];
     at::Tensor& input = job.buffer;
     at::Tensor input_copy;
@@ -131,7 +124,7 @@ class PowerSgdHook : public c10d::CommHookInterface {
       std::vector<at::Tensor> flat_parts;
       for (const auto& t : uncompressed) flat_parts.push_back(t.reshape(-1));
       at::Tensor flat = at::cat(flat_parts).div_(world);
-      all_reduce(flat);
+      group.all_reduce(flat).wait();
       std::int64_t offset = 0;
       for (auto& t : uncompressed) {
         t.copy_(flat.slice(0, offset, offset + t.numel()).view_as(t));
@@ -164,38 +157,44 @@ class PowerSgdHook : public c10d::CommHookInterface {
         }
       }
       for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(ps[i], matrices[i], qs[i]);
-      all_reduce(mem.p);
+      group.all_reduce(mem.p).wait();
       for (auto& p : ps) orthogonalize(p);
       for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(qs[i], matrices[i].t(), ps[i]);
-      all_reduce(mem.q);
+      group.all_reduce(mem.q).wait();
       mem.q.div_(world);
       for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(matrices[i], ps[i], qs[i].t());
     }
 
-    if (options_.use_error_feedback) mem.error = input_copy - input;
+    if (options_.use_error_feedback) mem.error = at::sub(input_copy, input);
     if (!options_.warm_start) {
       mem.p = at::Tensor();
       mem.q = at::Tensor();
     }
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
   PowerSgdOptions options_;
   int iteration_ = 0;
   std::uint64_t random_draws_ = 0;
   std::map<std::size_t, Memory> memory_;  // by bucket index; touched by the worker only
 
-  BucketWorker worker_;  // last: destroyed (drained, joined) before what its jobs use
+  SerialExecutor worker_;  // last: destroyed (drained, joined) before what its jobs use
 };
 
 }  // namespace
 
-std::unique_ptr<c10d::CommHookInterface> make_bf16_hook(c10::intrusive_ptr<c10d::ProcessGroup> group) {
-  return std::make_unique<Bf16CompressHook>(std::move(group));
+namespace hooks {
+
+std::shared_ptr<CommHook> all_reduce() {
+  return std::make_shared<AllReduceHook>();
+}
+std::shared_ptr<CommHook> fp16_compress() {
+  return std::make_shared<CompressHook>(at::kHalf);
+}
+std::shared_ptr<CommHook> bf16_compress() {
+  return std::make_shared<CompressHook>(at::kBFloat16);
 }
 
-std::unique_ptr<c10d::CommHookInterface> make_powersgd_hook(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                                            const PowerSgdOptions& options) {
+std::shared_ptr<CommHook> powersgd(const PowerSgdOptions& options) {
   DTRAIN_CHECK(options.matrix_approximation_rank >= 1, ConfigError,
                "PowerSGD matrix_approximation_rank=" << options.matrix_approximation_rank << " must be at least 1.",
                "use 1 to 4 for most models");
@@ -205,7 +204,8 @@ std::unique_ptr<c10d::CommHookInterface> make_powersgd_hook(c10::intrusive_ptr<c
   DTRAIN_CHECK(options.min_compression_rate >= 1.0, ConfigError,
                "PowerSGD min_compression_rate=" << options.min_compression_rate << " must be at least 1.",
                "the default 2 compresses only tensors that at least halve");
-  return std::make_unique<PowerSgdHook>(std::move(group), options);
+  return std::make_shared<PowerSgdHook>(options);
 }
 
-}  // namespace dtrain::detail
+}  // namespace hooks
+}  // namespace dtrain

@@ -4,7 +4,6 @@
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
-#include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/logger.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
@@ -12,18 +11,14 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "../comm/c10d_access.h"
-#include "comm_hooks.h"
-#include "shm_allreduce.h"
+#include "../../comm/reducer_group.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
-#include "dtrain/parallel/ddp.h"
+#include "dtrain/parallel/ddp/ddp.h"
 #include "model_check.h"
 
 namespace dtrain::detail {
 namespace {
-
-constexpr std::size_t kBroadcastBucketBytes = 250u * 1024 * 1024;
 
 std::int64_t mib_to_bytes(double mib, const char* what) {
   DTRAIN_CHECK(mib > 0 && mib < 1e6, ConfigError, "DDPOptions::" << what << "=" << mib << " is not a positive size.",
@@ -108,12 +103,40 @@ struct DDPSink : public torch::autograd::Function<DDPSink> {
   }
 };
 
+// The Reducer's hook slot, filled with a dtrain::CommHook.
+class HookAdapter : public c10d::CommHookInterface {
+ public:
+  HookAdapter(std::shared_ptr<CommHook> hook, dist::ProcessGroup group)
+      : hook_(std::move(hook)), group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& b) override {
+    GradBucket bucket{.index = b.getIndex(),
+                      .is_last = b.isLast(),
+                      .buffer = b.getBufferRef(),
+                      .gradients = b.getGradients(),
+                      .parameters = b.getParameters()};
+    auto future = hook_->run(group_, bucket);
+    DTRAIN_CHECK(future, ConfigError, "a DDP communication hook returned no future for bucket " << bucket.index << ".",
+                 "return the future of the bucket's reduction, e.g. group.all_reduce(bucket.buffer).future()");
+    return future;
+  }
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    DTRAIN_CHECK(result.isTensor(), ConfigError,
+                 "a DDP communication hook's future completed with a " << result.tagKind() << ", not a tensor.",
+                 "complete it with the reduced bucket buffer");
+    return result.toTensor();
+  }
+
+ private:
+  std::shared_ptr<CommHook> hook_;
+  dist::ProcessGroup group_;
+};
+
 }  // namespace
 
 struct DDPEngine::State {
   std::shared_ptr<torch::nn::Module> module;
   dist::ProcessGroup group;
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;
   DDPOptions options;
   c10::Device device{c10::kCPU};
   std::vector<at::Tensor> params;
@@ -126,23 +149,24 @@ struct DDPEngine::State {
   std::int64_t sink_id = -1;
   bool require_backward_grad_sync = true;
   bool require_forward_param_sync = true;
-  bool divide_by_initial_world_size = true;
-  bool comm_hook_set = false;
-  bool shared_memory = false;  // buckets are all-reduced through shared memory (see shm_allreduce.h)
-  std::unique_ptr<SharedMemoryAllReduce> pending_shm;
-
-  void use_shared_memory_if_pending() {
-    if (!pending_shm || comm_hook_set) return;
-    reducer->register_comm_hook(make_shared_memory_hook(std::move(pending_shm), group.size()));
-    shared_memory = true;
-    comm_hook_set = true;
-  }
+  std::shared_ptr<CommHook> hook;  // installed at the first forward or join
+  bool hook_installed = false;
   bool forward_ran = false;
+  // The join context's all-reduce of this iteration (waited on at the next forward).
+  dist::Work join_notice;
+
+  // Every bucket goes through a dtrain hook, so everything the Reducer sends
+  // takes the group's transport and error reporting.
+  void install_hook() {
+    if (hook_installed) return;
+    reducer->register_comm_hook(std::make_unique<HookAdapter>(hook ? hook : hooks::all_reduce(), group));
+    hook_installed = true;
+  }
 
   void broadcast(std::vector<at::Tensor> tensors, int root) {
     if (tensors.empty() || group.size() == 1) return;
     torch::NoGradGuard no_grad;
-    c10d::broadcast_coalesced(pg, tensors, kBroadcastBucketBytes, root);
+    group.broadcast_coalesced(tensors, root).wait();
   }
 
   bool will_sync_buffers() const {
@@ -173,7 +197,7 @@ DDPEngine::DDPEngine(std::shared_ptr<torch::nn::Module> module, dist::ProcessGro
     : state_(std::make_unique<State>(State{.module = std::move(module), .group = std::move(group)})) {
   auto& s = *state_;
   s.options = options;
-  s.pg = dist::c10d_process_group(s.group);
+  s.hook = options.comm_hook;
   const std::int64_t bucket_bytes = mib_to_bytes(options.bucket_cap_mb, "bucket_cap_mb");
   const std::int64_t first_bucket_bytes = mib_to_bytes(options.first_bucket_cap_mb, "first_bucket_cap_mb");
 
@@ -218,7 +242,7 @@ DDPEngine::DDPEngine(std::shared_ptr<torch::nn::Module> module, dist::ProcessGro
   std::reverse(bucket_indices.begin(), bucket_indices.end());
 
   s.reducer = std::make_shared<c10d::Reducer>(
-      s.params, std::move(bucket_indices), s.pg, std::vector<bool>(s.params.size(), false), bucket_bytes,
+      s.params, std::move(bucket_indices), dist::detail::process_group_for_reducer(s.group), std::vector<bool>(s.params.size(), false), bucket_bytes,
       options.find_unused_parameters, options.gradient_as_bucket_view, std::move(names), first_bucket_bytes,
       /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
       /*bucket_bytes_cap_list=*/std::vector<std::int64_t>{});
@@ -229,14 +253,6 @@ DDPEngine::DDPEngine(std::shared_ptr<torch::nn::Module> module, dist::ProcessGro
   if (options.static_graph) s.reducer->set_static_graph();
   s.sink = std::make_shared<SinkState>(SinkState{.reducer = s.reducer, .static_graph = options.static_graph});
   s.sink_id = SinkRegistry::add(s.sink);
-  if (options.comm_hook.kind != CommHookKind::kAllReduce) {
-    set_comm_hook(options.comm_hook);
-  } else if (options.intra_host_shared_memory && s.device.is_cpu()) {
-    // Made here, where every rank takes part (create() is collective); the
-    // hook is registered at the first forward or join, unless the user
-    // registered a hook of their own by then (c10d takes one hook only).
-    s.pending_shm = SharedMemoryAllReduce::create(s.group, s.group.timeout());
-  }
 }
 
 DDPEngine::~DDPEngine() {
@@ -245,8 +261,9 @@ DDPEngine::~DDPEngine() {
 
 void DDPEngine::pre_forward() {
   auto& s = *state_;
-  s.use_shared_memory_if_pending();
+  s.install_hook();
   s.forward_ran = true;
+  s.join_notice.wait();
   // A parameter whose storage was swapped (Module::load does set_ on each
   // parameter) silently stops being averaged: ranks would drift apart.
   for (std::size_t i = 0; i < s.params.size(); ++i) {
@@ -261,9 +278,9 @@ void DDPEngine::pre_forward() {
   const bool grad = at::GradMode::is_enabled();
   if (grad && s.require_backward_grad_sync) s.reducer->prepare_for_forward();
 
-  if (auto work = notify_join_context(); work.impl()) {
-    s.reducer->set_forward_pass_work_handle(dist::c10d_work(work), s.divide_by_initial_world_size);
-  }
+  // Hooks average over the whole group: a rank that has joined contributes
+  // zeros (see join.h), so the notice's count is not needed for dividing.
+  s.join_notice = notify_join_context();
   if (grad && s.reducer->rebuild_buckets()) {
     DTRAIN_LOG(kDebug) << "DDP gradient buckets rebuilt in backward order";
   }
@@ -329,25 +346,15 @@ void DDPEngine::zero_grad(bool set_to_none) {
   }
 }
 
-void DDPEngine::set_comm_hook(const CommHook& hook) {
+void DDPEngine::set_comm_hook(std::shared_ptr<CommHook> hook) {
   auto& s = *state_;
-  DTRAIN_CHECK(!s.forward_ran, ConfigError, "a DDP communication hook must be set before the first forward.",
+  DTRAIN_CHECK(hook, ConfigError, "register_comm_hook got a null hook.", "pass e.g. dtrain::hooks::bf16_compress()");
+  DTRAIN_CHECK(!s.forward_ran && !s.hook_installed, ConfigError,
+               "a DDP communication hook must be set before the first forward.",
                "register the hook right after constructing DistributedDataParallel, on every rank");
-  DTRAIN_CHECK(!s.comm_hook_set, ConfigError, "this DDP already has a communication hook.",
+  DTRAIN_CHECK(!s.hook, ConfigError, "this DDP already has a communication hook.",
                "register one hook per DistributedDataParallel");
-  switch (hook.kind) {
-    case CommHookKind::kAllReduce: return;
-    case CommHookKind::kFp16: s.reducer->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS); break;
-    case CommHookKind::kBf16: s.reducer->register_comm_hook(make_bf16_hook(s.pg)); break;
-    case CommHookKind::kPowerSgd: s.reducer->register_comm_hook(make_powersgd_hook(s.pg, hook.powersgd)); break;
-  }
-  s.options.comm_hook = hook;
-  s.comm_hook_set = true;
-  s.pending_shm.reset();
-}
-
-bool DDPEngine::uses_shared_memory() const {
-  return state_->shared_memory;
+  s.hook = std::move(hook);
 }
 
 std::vector<std::size_t> DDPEngine::bucket_sizes() const {
@@ -362,7 +369,7 @@ std::vector<std::size_t> DDPEngine::bucket_sizes() const {
 
 void DDPEngine::join_main_hook() {
   auto& s = *state_;
-  s.use_shared_memory_if_pending();
+  s.install_hook();
   s.reducer->rebuild_buckets();
   if (s.will_sync_buffers()) s.broadcast(s.buffers, s.find_common_rank(false));
   const bool sync = s.global_requires_sync(/*joined=*/true);
@@ -374,7 +381,7 @@ void DDPEngine::join_main_hook() {
   for (auto& bucket : s.reducer->get_grad_buckets(/*return_zero_tensors=*/true)) {
     pending.push_back(s.reducer->run_comm_hook(bucket));
   }
-  for (auto& f : pending) f->wait();
+  for (auto& f : pending) f->waitAndThrow();
   if (s.options.find_unused_parameters) {
     at::Tensor used = s.reducer->get_local_used_map_on_device();
     s.group.all_reduce(used).wait();
@@ -396,8 +403,4 @@ dist::ProcessGroup& DDPEngine::join_group() {
 c10::Device DDPEngine::join_device() const {
   return state_->device;
 }
-void DDPEngine::set_divide_by_initial_world_size(bool divide) {
-  state_->divide_by_initial_world_size = divide;
-}
-
 }  // namespace dtrain::detail

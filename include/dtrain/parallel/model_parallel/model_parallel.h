@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/parallel/placement.h"
+#include "dtrain/parallel/model_parallel/placement.h"
 
 namespace dtrain {
 

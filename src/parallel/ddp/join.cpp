@@ -1,5 +1,5 @@
 // The join context for uneven inputs (torch.distributed.algorithms.Join).
-#include "dtrain/parallel/join.h"
+#include "dtrain/parallel/ddp/join.h"
 
 #include <ATen/Functions.h>
 

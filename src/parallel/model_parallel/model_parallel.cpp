@@ -1,5 +1,5 @@
 // ModelParallel: placing a Sequential's layers, and running across devices.
-#include "dtrain/parallel/model_parallel.h"
+#include "dtrain/parallel/model_parallel/model_parallel.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 

@@ -1,15 +1,16 @@
 // Training with uneven inputs: ranks that run out of batches early keep
 // shadowing the collectives of the ranks still training, so nobody hangs.
 //
-//   dtrain::Join join({&ddp});
+//   dtrain::Join join({&ddp.joinable()});
 //   for (auto& batch : my_batches) { ...ddp(batch)...; loss.backward(); opt.step(); }
 //   join.finish();  // returns once every rank has run out of batches
 //
-// Semantics follow torch.distributed.algorithms.Join: while a rank is joined,
-// it contributes zero gradients, and gradients are averaged over the ranks
-// still training (or over the whole world with
-// divide_by_initial_world_size). finish() then makes the final model the
-// same on every rank, copying it from the last rank to join.
+// Semantics follow torch.distributed.algorithms.Join with DDP's default
+// divide_by_initial_world_size: while a rank is joined it contributes zero
+// gradients, and each bucket is divided by the group's (initial) size, so a
+// step's gradient is the sum over the ranks still training divided by the
+// whole world size. finish() then makes the final model the same on every
+// rank, copying it from the last rank to join.
 #pragma once
 
 #include <c10/core/Device.h>

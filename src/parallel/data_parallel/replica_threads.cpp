@@ -3,13 +3,18 @@
 #include <ATen/ThreadLocalState.h>
 
 #include "dtrain/error.h"
+#include "dtrain/log.h"
 
 namespace dtrain::detail {
 
 ReplicaThreads::ReplicaThreads(std::size_t workers) {
   threads_.reserve(workers);
   for (std::size_t i = 0; i < workers; ++i) {
-    threads_.emplace_back([this, i] { worker_loop(i); });
+    // Replica threads speak for the rank that made them.
+    threads_.emplace_back([this, i, identity = log::identity()] {
+      log::ScopedIdentity scoped(identity);
+      worker_loop(i);
+    });
   }
 }
 

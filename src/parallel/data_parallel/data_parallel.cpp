@@ -19,7 +19,7 @@
 // LibTorch's data_parallel instead gives every replica parameter a ReduceAdd
 // edge to the primary, rebuilt with a fresh clone of the module on every call;
 // its Scatter/Gather accept only CUDA tensors.
-#include "dtrain/parallel/data_parallel.h"
+#include "dtrain/parallel/data_parallel/data_parallel.h"
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>

@@ -1,5 +1,5 @@
 // Contiguous min-max partitioning of layers onto devices under memory budgets.
-#include "dtrain/parallel/placement.h"
+#include "dtrain/parallel/model_parallel/placement.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,0 +1,242 @@
+// Note [Shared-memory transport]
+// Ranks on one host share a region (a /dev/shm file, unlinked as soon as all
+// have mapped it, so nothing is left behind by a crash): a control block with
+// one phase counter and one pid per rank, then one slot per rank of
+// kSlotBytes. Operations go stripe by stripe, in steps separated by barriers:
+//   all_reduce:     every rank copies its stripe into its slot | rank r sums
+//                   partition r over all slots, in rank order, into its own
+//                   slot | every rank copies partition j from slot j | (slots free)
+//   reduce_scatter: every rank copies, for each destination d, its stripe of
+//                   slice d into part d of its slot | rank r sums part r over
+//                   all slots, in rank order, into its output | (slots free)
+//   all_gather:     every rank copies its stripe into its slot | every rank
+//                   copies slot j's stripe into block j of its output | (slots free)
+// Each sum is done once, in a fixed order, so all ranks get bitwise the same
+// values; the arithmetic is ATen's (add, copy_) on tensors over the shared
+// memory. reduce_scatter and all_gather move each byte once each way, where
+// Gloo's reduce_scatter is an all-reduce plus a chunk (twice the traffic) and
+// both go through loopback TCP. Barriers spin briefly, then sleep; a peer
+// whose process is gone (checked through /proc by pid) fails the operation
+// at once, a peer that does not arrive fails it after the timeout: an error
+// naming the rank, never a hang.
+#include "shm_transport.h"
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/from_blob.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "dtrain/error.h"
+#include "dtrain/log.h"
+
+namespace dtrain::dist::detail {
+namespace {
+
+constexpr std::size_t kSlotBytes = 8u << 20;
+constexpr std::size_t kCacheLine = 64;
+
+struct alignas(kCacheLine) Control {
+  std::atomic<std::uint64_t> phase;
+  std::atomic<std::int64_t> pid;
+};
+
+std::uint64_t host_identity() {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  struct stat ns {};
+  ::stat("/proc/self/ns/pid", &ns);  // pids are compared only within one pid namespace
+  return std::hash<std::string>{}(std::string(host) + "/" + boot_id + "/" + std::to_string(ns.st_ino));
+}
+
+// A process that exited (gone, or a zombie not yet reaped) will never arrive.
+bool process_gone(std::int64_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;
+  std::string line;
+  std::getline(stat, line);
+  const auto close = line.rfind(')');
+  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] == 'Z' || line[close + 2] == 'X';
+}
+
+}  // namespace
+
+struct SharedMemoryTransport::Region {
+  void* base = nullptr;
+  std::size_t bytes = 0;
+  Control* control = nullptr;
+  char* slots = nullptr;
+  ~Region() {
+    if (base != nullptr) ::munmap(base, bytes);
+  }
+  char* slot(int r) const { return slots + static_cast<std::size_t>(r) * kSlotBytes; }
+};
+
+std::unique_ptr<SharedMemoryTransport> SharedMemoryTransport::create(const ShmBootstrap& b) {
+  if (b.size < 2) return nullptr;
+  const std::uint64_t me = host_identity();
+  for (std::uint64_t other : b.all_gather_u64(me)) {
+    if (other != me) return nullptr;
+  }
+  const std::size_t control = ((static_cast<std::size_t>(b.size) * sizeof(Control) + 4095) / 4096) * 4096;
+  const std::size_t bytes = control + static_cast<std::size_t>(b.size) * kSlotBytes;
+  // Rank 0 creates the file under a random name and broadcasts the name.
+  std::int64_t id = -1;
+  std::string path;
+  int fd = -1;
+  if (b.rank == 0) {
+    std::random_device rd;
+    const std::int64_t candidate = ((static_cast<std::int64_t>(rd()) << 20) ^ rd() ^ ::getpid()) & INT64_MAX;
+    path = "/dev/shm/dtrain-comm-" + std::to_string(candidate);
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    // fallocate, not only ftruncate: a full /dev/shm (64 MB in a default
+    // container) must fail here, not raise SIGBUS at the first write.
+    const bool ok = fd >= 0 && ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
+                    ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
+    if (ok) {
+      id = candidate;
+    } else if (fd >= 0) {
+      ::close(fd);
+      fd = -1;
+      ::unlink(path.c_str());
+    }
+  }
+  id = b.broadcast_i64(id);
+  if (id < 0) {
+    DTRAIN_LOG(kInfo) << "no room for a " << bytes / (1 << 20)
+                      << " MiB shared-memory region in /dev/shm; CPU collectives go through Gloo";
+    return nullptr;
+  }
+  if (b.rank != 0) {
+    path = "/dev/shm/dtrain-comm-" + std::to_string(id);
+    fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  }
+  void* base = fd >= 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  if (fd >= 0) ::close(fd);
+  if (base != MAP_FAILED) static_cast<Control*>(base)[b.rank].pid.store(::getpid());
+  // Everyone mapped (or failed): agree, then the name is no longer needed.
+  const bool all_mapped = b.all_min(base != MAP_FAILED ? 1 : 0) == 1;
+  if (b.rank == 0) ::unlink(path.c_str());
+  if (!all_mapped) {
+    if (base != MAP_FAILED) ::munmap(base, bytes);
+    return nullptr;
+  }
+  std::unique_ptr<SharedMemoryTransport> out(new SharedMemoryTransport());
+  out->region_ = std::make_unique<Region>();
+  out->region_->base = base;
+  out->region_->bytes = bytes;
+  out->region_->control = static_cast<Control*>(base);  // zero-filled by ftruncate
+  out->region_->slots = static_cast<char*>(base) + control;
+  out->rank_ = b.rank;
+  out->size_ = b.size;
+  out->timeout_ = b.timeout;
+  return out;
+}
+
+SharedMemoryTransport::~SharedMemoryTransport() = default;
+
+void SharedMemoryTransport::barrier() {
+  ++phase_;
+  region_->control[rank_].phase.store(phase_, std::memory_order_release);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (int r = 0; r < size_; ++r) {
+    for (int spins = 0; region_->control[r].phase.load(std::memory_order_acquire) < phase_; ++spins) {
+      if (spins < 2000) continue;
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      if ((spins & 1023) != 0) continue;
+      if (process_gone(region_->control[r].pid.load())) {
+        // Plain exceptions: the group wraps them into a CommunicationError naming the operation.
+        throw std::runtime_error("shared-memory transport: peer rank " + std::to_string(r) + " (pid " +
+                                 std::to_string(region_->control[r].pid.load()) + ") exited");
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw std::runtime_error("shared-memory transport: peer rank " + std::to_string(r) +
+                                 " did not arrive within " + log::format_seconds(timeout_) +
+                                 " (timed out; it hung or issued different collectives)");
+      }
+    }
+  }
+}
+
+namespace {
+// [lo, lo + len) of `count` elements split over `size` parts: part r.
+std::pair<std::int64_t, std::int64_t> part(std::int64_t count, int r, int size) {
+  const std::int64_t lo = count * r / size, hi = count * (r + 1) / size;
+  return {lo, hi - lo};
+}
+}  // namespace
+
+void SharedMemoryTransport::all_reduce_sum(at::Tensor& tensor) {
+  const auto element = static_cast<std::int64_t>(tensor.element_size());
+  const std::int64_t per_stripe = static_cast<std::int64_t>(kSlotBytes) / element;
+  const std::int64_t n = tensor.numel();
+  at::Tensor flat = tensor.view(-1);
+  auto slot = [&](int r, std::int64_t count) { return at::from_blob(region_->slot(r), {count}, tensor.options()); };
+  for (std::int64_t start = 0; start < n; start += per_stripe) {
+    const std::int64_t count = std::min(per_stripe, n - start);
+    at::Tensor mine = flat.narrow(0, start, count);
+    slot(rank_, count).copy_(mine);
+    barrier();
+    const auto [lo, len] = part(count, rank_, size_);
+    if (len > 0) {
+      at::Tensor result = at::add(slot(0, count).narrow(0, lo, len), slot(1, count).narrow(0, lo, len));
+      for (int r = 2; r < size_; ++r) result.add_(slot(r, count).narrow(0, lo, len));
+      slot(rank_, count).narrow(0, lo, len).copy_(result);
+    }
+    barrier();
+    for (int r = 0; r < size_; ++r) {
+      const auto [rlo, rlen] = part(count, r, size_);
+      if (rlen > 0) mine.narrow(0, rlo, rlen).copy_(slot(r, count).narrow(0, rlo, rlen));
+    }
+    barrier();
+  }
+}
+
+void SharedMemoryTransport::reduce_scatter_sum(at::Tensor& output, const at::Tensor& input) {
+  const auto element = static_cast<std::int64_t>(input.element_size());
+  // A stripe holds `per` elements of each of the size_ slices.
+  const std::int64_t per = static_cast<std::int64_t>(kSlotBytes) / element / size_;
+  const std::int64_t n = output.numel();
+  at::Tensor in = input.view({size_, n});
+  at::Tensor out = output.view(-1);
+  auto slot = [&](int r, std::int64_t len) {
+    return at::from_blob(region_->slot(r), {size_, len}, input.options());
+  };
+  for (std::int64_t start = 0; start < n; start += per) {
+    const std::int64_t len = std::min(per, n - start);
+    slot(rank_, len).copy_(in.narrow(1, start, len));
+    barrier();
+    at::Tensor result = out.narrow(0, start, len);
+    at::add_out(result, slot(0, len)[rank_], slot(1, len)[rank_]);  // size_ >= 2 (see create)
+    for (int r = 2; r < size_; ++r) result.add_(slot(r, len)[rank_]);
+    barrier();
+  }
+}
+
+void SharedMemoryTransport::all_gather(at::Tensor& output, const at::Tensor& input) {
+  const auto element = static_cast<std::int64_t>(input.element_size());
+  const std::int64_t per = static_cast<std::int64_t>(kSlotBytes) / element;
+  const std::int64_t n = input.numel();
+  at::Tensor in = input.view(-1);
+  at::Tensor out = output.view({size_, n});
+  for (std::int64_t start = 0; start < n; start += per) {
+    const std::int64_t len = std::min(per, n - start);
+    at::from_blob(region_->slot(rank_), {len}, input.options()).copy_(in.narrow(0, start, len));
+    barrier();
+    for (int r = 0; r < size_; ++r) {
+      out[r].narrow(0, start, len).copy_(at::from_blob(region_->slot(r), {len}, input.options()));
+    }
+    barrier();
+  }
+}
+
+}  // namespace dtrain::dist::detail

@@ -1,0 +1,170 @@
+// Work handles and the one place where communication failures become
+// dtrain::CommunicationError (Note [Communication errors]).
+//
+// Note [Communication errors]
+// Whatever fails under an operation — Gloo's "Connection closed by peer", a
+// timeout, NCCL's errors, our shared-memory transport, a size mismatch — is
+// rethrown once, here, as a CommunicationError whose message names the
+// operation, the group, this rank (the group's rank identity, also on Gloo's
+// and executor threads), the peer of a point-to-point operation and the
+// sizes. Wait paths and future paths translate alike, so a failure reaches
+// user code the same way whether it waited on a Work, on a DDP bucket, or
+// inside backward.
+#include <ATen/core/ivalue.h>
+
+#include "dtrain/error.h"
+#include "group_state.h"
+
+namespace dtrain::dist {
+namespace detail {
+
+std::string describe_tensor(const at::Tensor& tensor) {
+  if (!tensor.defined()) return "undefined";
+  std::string out = c10::toString(tensor.scalar_type());
+  out += "[";
+  for (std::int64_t d = 0; d < tensor.dim(); ++d) out += (d ? "," : "") + std::to_string(tensor.size(d));
+  out += "]";
+  if (!tensor.device().is_cpu()) out += " on " + tensor.device().str();
+  return out;
+}
+
+std::exception_ptr communication_error(const OpInfo& info, const std::string& cause, const std::string& hint_text) {
+  log::ScopedIdentity scoped(info.identity);
+  std::string message = info.op + " on " + info.group;
+  if (info.peer >= 0) message += " with peer rank " + std::to_string(info.peer);
+  if (!info.sizes.empty()) message += " (" + info.sizes + ")";
+  message += " failed: " + cause;
+  const bool timeout = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
+  std::string hint = !hint_text.empty() ? hint_text
+                     : info.peer >= 0    ? "rank " + std::to_string(info.peer) +
+                                          " may have died, stalled or posted a different size; its log says why"
+                                    : "a peer rank may have died or stalled; its log says why";
+  if (timeout) hint += " (the group timeout is " + log::format_seconds(info.timeout) + ", DTRAIN_TIMEOUT_SECONDS)";
+  return std::make_exception_ptr(CommunicationError(message, hint));
+}
+
+namespace {
+OpInfo with_group(const GroupState& group, OpInfo info) {
+  info.group = describe(group);
+  info.identity = group.identity;
+  info.timeout = group.timeout;
+  return info;
+}
+}  // namespace
+
+std::exception_ptr communication_error(const GroupState& group, OpInfo info, const std::string& cause,
+                                       const std::string& hint) {
+  return communication_error(with_group(group, std::move(info)), cause, hint);
+}
+
+std::exception_ptr translate(const OpInfo& info, std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const CommunicationError&) {
+    return error;  // already names its operation
+  } catch (const c10::Error& e) {
+    return communication_error(info, e.what_without_backtrace());
+  } catch (const dtrain::Error& e) {
+    return communication_error(info, e.message());
+  } catch (const std::exception& e) {
+    return communication_error(info, e.what());
+  } catch (...) {
+    return communication_error(info, "unknown error");
+  }
+}
+
+void Outcome::settle(std::exception_ptr failure) {
+  if (done) return;
+  if (!failure && finish) {
+    try {
+      finish();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  finish = nullptr;  // drops what it holds
+  done = true;
+  error = failure ? translate(info, failure) : nullptr;
+}
+
+namespace {
+std::shared_ptr<Work::Impl> new_impl(const GroupState& group, OpInfo info, c10::IValue result,
+                                     std::function<void()> finish) {
+  auto impl = std::make_shared<Work::Impl>();
+  impl->outcome = std::make_shared<Outcome>();
+  impl->outcome->info = with_group(group, std::move(info));
+  impl->outcome->result = std::move(result);
+  impl->outcome->finish = std::move(finish);
+  return impl;
+}
+}  // namespace
+
+Work make_work(const std::shared_ptr<GroupState>& group, OpInfo info, c10::IValue result,
+               const std::function<c10::intrusive_ptr<c10d::Work>()>& issue, std::function<void()> finish) {
+  auto impl = new_impl(*group, std::move(info), std::move(result), std::move(finish));
+  try {
+    impl->work = issue();
+  } catch (...) {
+    std::rethrow_exception(translate(impl->outcome->info, std::current_exception()));
+  }
+  return Work(std::move(impl));
+}
+
+Work make_future_work(const std::shared_ptr<GroupState>& group, OpInfo info, Future future,
+                      std::function<void()> finish) {
+  auto impl = new_impl(*group, std::move(info), c10::IValue(), std::move(finish));
+  impl->future = std::move(future);
+  return Work(std::move(impl));
+}
+
+}  // namespace detail
+
+void Work::wait() {
+  if (!impl_) return;
+  detail::Outcome& outcome = *impl_->outcome;
+  std::lock_guard<std::mutex> lock(outcome.mutex);
+  if (!outcome.done) {
+    std::exception_ptr error;
+    try {
+      if (impl_->work) {
+        impl_->work->wait(outcome.info.timeout);
+      } else {
+        impl_->future->wait();
+        if (impl_->future->hasError()) error = impl_->future->exception_ptr();
+        if (!error && outcome.result.isNone()) outcome.result = impl_->future->value();
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    outcome.settle(error);
+  }
+  if (outcome.error) std::rethrow_exception(outcome.error);
+}
+
+Future Work::future() {
+  if (!impl_) {
+    auto ready = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+    ready->markCompleted(c10::IValue());
+    return ready;
+  }
+  std::shared_ptr<detail::Outcome> outcome = impl_->outcome;
+  Future source = impl_->work ? impl_->work->getFuture() : impl_->future;
+  const c10::TypePtr type = outcome->result.isNone() ? c10::AnyType::get() : outcome->result.type();
+  return source->then(
+      [outcome](c10::ivalue::Future& parent) -> c10::IValue {
+        std::lock_guard<std::mutex> lock(outcome->mutex);
+        if (!outcome->done) {
+          if (parent.hasError()) {
+            outcome->settle(parent.exception_ptr());
+          } else {
+            if (outcome->result.isNone()) outcome->result = parent.value();
+            outcome->settle(nullptr);
+          }
+        }
+        if (outcome->error) std::rethrow_exception(outcome->error);
+        return outcome->result;
+      },
+      type);
+}
+
+}  // namespace dtrain::dist
