@@ -46,7 +46,7 @@ struct RoundPlan {
   int world_size = 1;
   std::string master_addr;
   int master_port = 0;
-  int master_listen_fd = -1;  // node 0: the pre-bound MASTER_PORT socket, for local rank 0
+  int master_listen_fd = -1;  // node rank 0: MASTER_PORT, bound and listening, for the workers' store
 };
 
 struct RoundEnding {
