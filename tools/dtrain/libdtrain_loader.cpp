@@ -1,3 +1,5 @@
+// The one place `dtrain run` loads libdtrain (dlopen), and the workers' store
+// it hosts through it on a background thread.
 #include "libdtrain_loader.h"
 
 #include <arpa/inet.h>
@@ -9,7 +11,6 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <vector>
 
 #include "dtrain/error.h"
 
@@ -41,19 +42,22 @@ const std::string& libdtrain_path() {
   return path;
 }
 
-// The function `name` from libdtrain, loaded once (thread-safe).
+// libdtrain, loaded once (thread-safe).
+void* libdtrain_handle() {
+  static void* const handle = [] {
+    void* h = ::dlopen(libdtrain_path().c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) throw ConfigError("cannot load libdtrain from " + libdtrain_path() + ": " + ::dlerror(), kHint);
+    return h;
+  }();
+  return handle;
+}
+
+// The function `name` from libdtrain.
 template <typename Fn>
 Fn libdtrain_function(const char* name) {
-  static void* const lib = [] {
-    void* handle = ::dlopen(libdtrain_path().c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (handle == nullptr) {
-      throw ConfigError("cannot load libdtrain from " + libdtrain_path() + ": " + ::dlerror(), kHint);
-    }
-    return handle;
-  }();
-  auto fn = reinterpret_cast<Fn>(::dlsym(lib, name));
-  DTRAIN_CHECK(fn != nullptr, ConfigError, libdtrain_path() << " lacks " << name << "; it belongs to another "
-                                                             "version of dtrain.", kHint);
+  auto fn = reinterpret_cast<Fn>(::dlsym(libdtrain_handle(), name));
+  DTRAIN_CHECK(fn != nullptr, ConfigError,
+               libdtrain_path() << " lacks " << name << "; it belongs to another version of dtrain.", kHint);
   return fn;
 }
 

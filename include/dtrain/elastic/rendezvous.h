@@ -71,7 +71,8 @@ class Rendezvous {
   virtual RoundEnding report_failure(const WorkerExit& failure) = 0;
   // This node is done with the job (its workers succeeded, or the run gave
   // up). The node hosting the store keeps it up until every other member has
-  // finished too (or is lost), so that they can learn how the run ended.
+  // finished too (or is lost), so that they can learn how the run ended; so
+  // does the last round's node rank 0, for the workers' store its agent hosts.
   virtual void finish() = 0;
 };
 
