@@ -20,7 +20,7 @@ namespace {
 constexpr const char* kHint = "set DTRAIN_LIBRARY to the path of libdtrain.so";
 
 // Where libdtrain is: $DTRAIN_LIBRARY when set (and nowhere else then), else
-// the build tree or the install prefix next to this program.
+// the install prefix this program is in, else the build tree it came from.
 const std::string& libdtrain_path() {
   static const std::string path = [] {
     if (const char* env = std::getenv("DTRAIN_LIBRARY")) {
@@ -32,11 +32,11 @@ const std::string& libdtrain_path() {
     }
     const auto exe = std::filesystem::read_symlink("/proc/self/exe").parent_path();
     const std::string installed = (exe.parent_path() / "lib" / DTRAIN_LIBRARY_FILE_NAME).string();
-    for (const std::string& candidate : {std::string(DTRAIN_LIBRARY_BUILD_PATH), installed}) {
+    for (const std::string& candidate : {installed, std::string(DTRAIN_LIBRARY_BUILD_PATH)}) {
       if (std::filesystem::exists(candidate)) return candidate;
     }
     throw ConfigError("dtrain run needs libdtrain (c10d's TCPStore) to host the workers' store, and found it "
-                      "neither at " + std::string(DTRAIN_LIBRARY_BUILD_PATH) + " nor at " + installed + ".",
+                      "neither at " + installed + " nor at " + std::string(DTRAIN_LIBRARY_BUILD_PATH) + ".",
                       kHint);
   }();
   return path;
