@@ -10,7 +10,7 @@
 // The entry point `dtrain run` looks up with dlsym (C linkage: an unmangled
 // name). Takes over `listen_fd`; the server runs until *out is released.
 extern "C" __attribute__((visibility("default"))) void dtrain_host_worker_store(int listen_fd, int port,
-                                                                               std::shared_ptr<void>* out) {
+                                                                                std::shared_ptr<void>* out) {
   // Workers come and go (restarts, kills); c10d's warnings about dropped
   // connections would bury the launcher's own messages.
   FLAGS_caffe2_log_level = 3;  // fatal only

@@ -65,9 +65,22 @@ TEST_F(PlainTorch, DdpScriptSucceedsAfterARestart) {
 TEST_F(PlainTorch, DdpScriptRunsOnTwoNodes) {
   const int port = free_port();
   auto node = [&](const std::string& rank) {
-    return std::vector<std::string>{"--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
-                                    "127.0.0.1:" + std::to_string(port), "--rdzv-id", "plain", "--node-rank", rank,
-                                    "--rdzv-timeout", "120", "--rdzv-conf", "last_call_timeout=1", kPython, kScript};
+    return std::vector<std::string>{"--nnodes",
+                                    "2",
+                                    "--nproc-per-node",
+                                    "2",
+                                    "--rdzv-endpoint",
+                                    "127.0.0.1:" + std::to_string(port),
+                                    "--rdzv-id",
+                                    "plain",
+                                    "--node-rank",
+                                    rank,
+                                    "--rdzv-timeout",
+                                    "120",
+                                    "--rdzv-conf",
+                                    "last_call_timeout=1",
+                                    kPython,
+                                    kScript};
   };
   Launch a(node("0"), scratch_, "a");
   Launch b(node("1"), scratch_, "b");

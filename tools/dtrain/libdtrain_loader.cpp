@@ -25,8 +25,9 @@ const std::string& libdtrain_path() {
   static const std::string path = [] {
     if (const char* env = std::getenv("DTRAIN_LIBRARY")) {
       DTRAIN_CHECK(std::filesystem::exists(env), ConfigError,
-                   "DTRAIN_LIBRARY=" << env << " does not exist; dtrain run needs libdtrain (c10d's TCPStore) "
-                                            "to host the workers' store.",
+                   "DTRAIN_LIBRARY=" << env
+                                     << " does not exist; dtrain run needs libdtrain (c10d's TCPStore) "
+                                        "to host the workers' store.",
                    kHint);
       return std::string(env);
     }
@@ -35,9 +36,11 @@ const std::string& libdtrain_path() {
     for (const std::string& candidate : {installed, std::string(DTRAIN_LIBRARY_BUILD_PATH)}) {
       if (std::filesystem::exists(candidate)) return candidate;
     }
-    throw ConfigError("dtrain run needs libdtrain (c10d's TCPStore) to host the workers' store, and found it "
-                      "neither at " + installed + " nor at " + std::string(DTRAIN_LIBRARY_BUILD_PATH) + ".",
-                      kHint);
+    throw ConfigError(
+        "dtrain run needs libdtrain (c10d's TCPStore) to host the workers' store, and found it "
+        "neither at " +
+            installed + " nor at " + std::string(DTRAIN_LIBRARY_BUILD_PATH) + ".",
+        kHint);
   }();
   return path;
 }
