@@ -64,23 +64,12 @@ TEST_F(PlainTorch, DdpScriptSucceedsAfterARestart) {
 
 TEST_F(PlainTorch, DdpScriptRunsOnTwoNodes) {
   const int port = free_port();
+  const std::string endpoint = "127.0.0.1:" + std::to_string(port);
   auto node = [&](const std::string& rank) {
-    return std::vector<std::string>{"--nnodes",
-                                    "2",
-                                    "--nproc-per-node",
-                                    "2",
-                                    "--rdzv-endpoint",
-                                    "127.0.0.1:" + std::to_string(port),
-                                    "--rdzv-id",
-                                    "plain",
-                                    "--node-rank",
-                                    rank,
-                                    "--rdzv-timeout",
-                                    "120",
-                                    "--rdzv-conf",
-                                    "last_call_timeout=1",
-                                    kPython,
-                                    kScript};
+    std::vector<std::string> args = {"--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", endpoint};
+    args.insert(args.end(), {"--rdzv-id", "plain", "--node-rank", rank, "--rdzv-timeout", "120"});
+    args.insert(args.end(), {"--rdzv-conf", "last_call_timeout=1", kPython, kScript});
+    return args;
   };
   Launch a(node("0"), scratch_, "a");
   Launch b(node("1"), scratch_, "b");
