@@ -5,7 +5,13 @@ parameters and writes them to $PLAIN_DDP_DIR/result_<rank>.json.
 
 Fault injection: with PLAIN_DDP_FAIL_RANK=R, rank R exits with code 1 in the
 first attempt (TORCHELASTIC_RESTART_COUNT=0), after joining the group, so the
-launcher must restart the whole group."""
+launcher must restart the whole group.
+
+No dist.destroy_process_group() at the end: with torch 2.15 a rank then
+sometimes aborted at interpreter exit ("terminate called without an active
+exception", no Python frame) after writing its result: 4 of 29 runs under
+`dtrain run`, 0 of 10 under torchrun, 0 of 12 under `dtrain run` without the
+call. Not understood yet; it is not what this test is about."""
 import json
 import os
 import sys
@@ -47,7 +53,6 @@ def main():
     with open(out + ".tmp", "w") as f:
         json.dump({"rank": rank, "world": world, "attempt": attempt, "params": flat.tolist()}, f)
     os.rename(out + ".tmp", out)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
