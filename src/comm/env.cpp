@@ -79,9 +79,6 @@ EnvContract read_env_contract(const EnvLookup& env) {
   if (const auto restarts = env("TORCHELASTIC_RESTART_COUNT")) {
     c.restart_count = detail::parse_int("TORCHELASTIC_RESTART_COUNT", *restarts, 0, 1 << 30);
   }
-  if (const auto fd = env("DTRAIN_MASTER_LISTEN_FD")) {
-    c.master_listen_fd = detail::parse_int("DTRAIN_MASTER_LISTEN_FD", *fd, 0, 1 << 20);
-  }
   validate(c);
   return c;
 }

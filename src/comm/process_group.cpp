@@ -177,8 +177,7 @@ ProcessGroup init_process_group(const EnvContract& contract, const GroupOptions&
   Store store = Store::tcp({.host = contract.master_addr,
                             .port = contract.master_port,
                             .is_server = contract.rank == 0 && !contract.agent_store,
-                            .timeout = *resolved.timeout,
-                            .listen_fd = contract.rank == 0 ? contract.master_listen_fd : -1});
+                            .timeout = *resolved.timeout});
   return make_world(store.with_prefix("/worker/attempt_" + std::to_string(contract.restart_count)), contract.rank,
                     contract.world_size, resolved);
 }

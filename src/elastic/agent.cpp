@@ -1,4 +1,27 @@
 // The launcher agent's state machine.
+//
+// Note [Worker store]
+// Workers meet through a c10d store on MASTER_ADDR:MASTER_PORT. The agent of
+// node rank 0 hosts it (WorkerStoreHost) and every worker gets
+// TORCHELASTIC_USE_AGENT_STORE=True, as under torchrun, so all ranks only
+// connect: torch's env:// rendezvous, dtrain's init_process_group and any
+// program on plain c10d that honours the variable work unchanged. (Before,
+// the agent handed its pre-bound socket to rank 0, which only dtrain's own
+// workers knew to take over; a plain PyTorch rank 0 failed with EADDRINUSE.)
+// - One store per round, on the round's fresh port, not one for the job as
+//   torchrun keeps: programs that know nothing of the launcher key their
+//   groups the same way in every attempt (torch: "default_pg/0/..."), so a
+//   store kept across a restart still holds the dead attempt's keys, and a
+//   restarted rank that starts before its peer reads gloo addresses of dead
+//   processes (a plain gloo program then timed out in connectFullMesh after
+//   100 s, with one store kept across two attempts). A fresh store rules
+//   that out, and node rank 0 may be another node in the next round anyway.
+//   Starting a server costs milliseconds once libdtrain is loaded.
+// - Start time: the port is bound and listening before any worker starts,
+//   so workers' connections queue on it while the store starts; the
+//   launcher (no LibTorch) loads libdtrain for it on a background thread
+//   while the workers start (tools/dtrain/libdtrain_loader.cpp). The
+//   listening socket also keeps any other process off the port.
 #include "dtrain/elastic/agent.h"
 
 #include <arpa/inet.h>
@@ -50,17 +73,18 @@ int listen_tcp(int& port) {
   return fd;
 }
 
-Agent::Agent(AgentOptions options, WorkerGroup& workers)
+Agent::Agent(AgentOptions options, WorkerGroup& workers, WorkerStoreHost& store_host)
     : options_(std::move(options)),
       workers_(workers),
+      store_host_(store_host),
       owned_rendezvous_(std::make_unique<StandaloneRendezvous>(options_.nproc_per_node, options_.max_restarts,
                                                                options_.master_addr, options_.master_port)),
       rendezvous_(owned_rendezvous_.get()) {
   check_options();
 }
 
-Agent::Agent(AgentOptions options, WorkerGroup& workers, Rendezvous& rendezvous)
-    : options_(std::move(options)), workers_(workers), rendezvous_(&rendezvous) {
+Agent::Agent(AgentOptions options, WorkerGroup& workers, WorkerStoreHost& store_host, Rendezvous& rendezvous)
+    : options_(std::move(options)), workers_(workers), store_host_(store_host), rendezvous_(&rendezvous) {
   check_options();
 }
 
@@ -92,12 +116,17 @@ std::map<std::string, std::string> Agent::worker_env(int local_rank, const Round
   env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(plan.restart_count);
   env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options_.max_restarts);
   env["TORCHELASTIC_RUN_ID"] = options_.run_id;
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";  // node rank 0's agent hosts it: Note [Worker store]
   env["DTRAIN_RDZV_ROUND"] = std::to_string(plan.round);
   if (std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   return env;
 }
 
 AgentResult Agent::run(const std::atomic<int>& interrupt) {
+  struct StopStoreOnExit {
+    WorkerStoreHost& host;
+    ~StopStoreOnExit() { host.stop(); }
+  } stop_store{store_host_};
   AgentResult result;
   auto finish = [&](AgentState state, int exit_code) {
     move_to(state);
@@ -114,12 +143,9 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
     for (int r = 0; r < options_.nproc_per_node; ++r) {
       launches.push_back({.local_rank = r, .global_rank = plan.rank_base + r, .env = worker_env(r, plan)});
     }
-    if (plan.master_listen_fd >= 0) {
-      launches[0].env["DTRAIN_MASTER_LISTEN_FD"] = std::to_string(plan.master_listen_fd);
-      launches[0].inherit_fd = plan.master_listen_fd;
-    }
+    // Node rank 0: the store starts (in the background) before the workers do.
+    if (plan.master_listen_fd >= 0) store_host_.serve(plan.master_listen_fd, plan.master_port);
     workers_.start(launches, plan.round);
-    if (plan.master_listen_fd >= 0) ::close(plan.master_listen_fd);  // rank 0 owns it now
     move_to(AgentState::kRunning);
     std::optional<WorkerExit> failure;
     std::optional<RoundEnding> ending;
@@ -137,8 +163,9 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
       status = workers_.poll(options_.monitor_interval, failure);
       if (status == GroupStatus::kRunning) {
         try {
+          store_host_.check();
           ending = rendezvous_->poll();
-        } catch (...) {  // e.g. the rendezvous store went away: no orphans, then report
+        } catch (...) {  // e.g. a store went away or never started: no orphans, then report
           workers_.stop(SIGTERM, options_.stop_grace);
           throw;
         }
@@ -153,6 +180,7 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
       ending = rendezvous_->report_failure(*failure);
     }
     workers_.stop(SIGTERM, options_.stop_grace);
+    store_host_.stop();  // the next round has its own: Note [Worker store]
     if (ending->kind == RoundEnding::Kind::kFailure) result.root_cause_text = ending->reason;
     if (ending->give_up) {
       result.restarts = plan.restart_count;

@@ -8,7 +8,8 @@
 //   r<r>/closed        N: the first N arrivals are the round's members
 //   r<r>/master        MASTER_ADDR:MASTER_PORT, published by node rank 0
 //   r<r>/end           why the round ended (first writer wins): membership change or failure
-//   r<r>/left<i>       arrival i is finished with the job (succeeded, or gave up)
+//   r<r>/left<i>       arrival i is finished with the job (succeeded, or gave up);
+//                      the store's host and node rank 0 (the workers' store) wait for these
 // and hb/<node id> is each node's heartbeat counter.
 // - Joining: a new node joins the newest round, or the one after it if the
 //   newest is closed (then it waits there, and its arrival tells the running
@@ -380,14 +381,22 @@ void StoreRendezvous::finish() {
   auto& s = *state_;
   if (s.round < 0) return;
   s.store->set(round_key(s.round, "left" + std::to_string(s.my_index)), "1");
-  if (!s.store->hosts_store()) return;
-  // This node hosts the store: keep it up until every other member is finished or lost.
+  // Keep up what other members may still use until each is finished or lost:
+  // the rendezvous store when this node hosts it, and the workers' store of
+  // the last round when this node was its node rank 0 (Note [Worker store]
+  // in agent.cpp; members are in node-rank order).
+  const bool hosts_worker_store = s.members.front().index == s.my_index;
+  if (!s.store->hosts_store() && !hosts_worker_store) return;
   const auto deadline = Clock::now() + s.opt.timeout;
   while (Clock::now() < deadline) {
-    s.heartbeat();
     bool waiting = false;
-    for (std::size_t j = 0; j < s.members.size(); ++j) {
-      if (s.members[j].id != s.node_id && s.peer_status(j) == State::Peer::kAlive) waiting = true;
+    try {
+      s.heartbeat();
+      for (std::size_t j = 0; j < s.members.size(); ++j) {
+        if (s.members[j].id != s.node_id && s.peer_status(j) == State::Peer::kAlive) waiting = true;
+      }
+    } catch (const Error&) {
+      return;  // the rendezvous store is gone: its host leaves once all members did (or died)
     }
     if (!waiting) return;
     std::this_thread::sleep_for(kPollSleep);

@@ -198,7 +198,6 @@ void ProcessWorkerGroup::start(const std::vector<WorkerLaunch>& launches, int at
       DTRAIN_CHECK(log_fd >= 0, ConfigError, "cannot write log " << log_path << ": " << std::strerror(errno),
                    "check --log-dir");
     }
-    const int inherit_fd = w.launch.inherit_fd;
     const pid_t launcher = ::getpid();
     const pid_t pid = ::fork();
     DTRAIN_CHECK(pid >= 0, InternalError, "fork failed: " << std::strerror(errno), "");
@@ -211,7 +210,6 @@ void ProcessWorkerGroup::start(const std::vector<WorkerLaunch>& launches, int at
         ::dup2(out, 1);
         ::dup2(out, 2);
       }
-      if (inherit_fd >= 0) ::fcntl(inherit_fd, F_SETFD, 0);  // survive exec (opened CLOEXEC)
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
       ::execve(argv[0], argv.data(), envp.data());

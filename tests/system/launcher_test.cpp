@@ -25,14 +25,15 @@ TEST(Launcher, SetsTheEnvContractAndTeesWithRankPrefixes) {
   const auto worker = s.script("w.sh",
                                "echo \"env $RANK $LOCAL_RANK $GROUP_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE "
                                "$MASTER_ADDR $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS "
-                               "$TORCHELASTIC_RUN_ID $OMP_NUM_THREADS port=$MASTER_PORT\"\n");
+                               "$TORCHELASTIC_RUN_ID $OMP_NUM_THREADS $TORCHELASTIC_USE_AGENT_STORE "
+                               "port=$MASTER_PORT\"\n");
   Launch l({"--nproc-per-node", "3", "--tee", "--log-dir", (s.path() / "logs").string(), "--rdzv-id", "job7", worker},
            s);
   ASSERT_EQ(l.wait(), 0) << l.err();
   const std::string out = l.out();
   for (int r = 0; r < 3; ++r) {
     EXPECT_NE(out.find("[rank " + std::to_string(r) + "]:env " + std::to_string(r) + " " + std::to_string(r) +
-                       " 0 3 3 127.0.0.1 0 0 job7 1 port="),
+                       " 0 3 3 127.0.0.1 0 0 job7 1 True port="),
               std::string::npos)
         << out;
     const auto log = slurp(s.path() / "logs" / "attempt_0" / ("rank_" + std::to_string(r) + ".log"));
@@ -136,6 +137,29 @@ TEST(Launcher, BadInputFailsClearly) {
     EXPECT_EQ(l.wait(), 2) << c.needle;
     EXPECT_NE(l.err().find(c.needle), std::string::npos) << l.err();
   }
+}
+
+TEST(Launcher, LibdtrainThatCannotBeLoadedIsReportedClearly) {
+  // The agent hosts the workers' store through libdtrain (docs/launcher.md).
+  Scratch s;
+  const auto marker = s.path() / "started";
+  const auto worker = s.script("w.sh", "touch " + marker.string() + "\nsleep 30\n");
+  ::setenv("DTRAIN_LIBRARY", "/no/such/libdtrain.so", 1);
+  Launch missing({worker}, s, "missing");
+  std::ofstream(s.path() / "not_a_library.so") << "text\n";
+  ::setenv("DTRAIN_LIBRARY", (s.path() / "not_a_library.so").c_str(), 1);
+  Launch broken({"--stop-grace", "1", worker}, s, "broken");
+  ::unsetenv("DTRAIN_LIBRARY");
+  // Not there: found out before any worker starts.
+  EXPECT_EQ(missing.wait(), 2);
+  EXPECT_NE(missing.err().find("DTRAIN_LIBRARY=/no/such/libdtrain.so does not exist"), std::string::npos)
+      << missing.err();
+  EXPECT_NE(missing.err().find("Hint: set DTRAIN_LIBRARY"), std::string::npos) << missing.err();
+  // There but not loadable: found out while the workers start; they are stopped.
+  EXPECT_EQ(broken.wait(std::chrono::seconds(20)), 2);
+  EXPECT_NE(broken.err().find("cannot load libdtrain from " + (s.path() / "not_a_library.so").string()),
+            std::string::npos)
+      << broken.err();
 }
 
 TEST(Launcher, KilledDdpWorkerRecoversToTheSameFinalModel) {

@@ -1,11 +1,15 @@
-// The launcher agent's state machine, driven by a scripted fake WorkerGroup.
+// The launcher agent's state machine, driven by a scripted fake WorkerGroup
+// and a fake host of the workers' store.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <deque>
 #include <set>
 
 #include "dtrain/elastic/agent.h"
+#include "dtrain/error.h"
 
 using namespace dtrain::elastic;
 
@@ -39,6 +43,39 @@ class FakeWorkers : public WorkerGroup {
   Round current_;
 };
 
+// Records what it is asked to serve; closes the sockets it is given on stop().
+class FakeStoreHost : public WorkerStoreHost {
+ public:
+  struct Served {
+    int port = 0;
+    bool listening = false;  // the socket was listening when handed over
+  };
+  std::vector<Served> served;
+  int stops_while_serving = 0;
+  std::optional<std::string> fail_with;  // check() throws this
+
+  ~FakeStoreHost() override { stop(); }
+  void serve(int listen_fd, int port) override {
+    int accepting = 0;
+    socklen_t len = sizeof accepting;
+    ::getsockopt(listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len);
+    served.push_back({.port = port, .listening = accepting != 0});
+    fd_ = listen_fd;
+  }
+  void stop() override {
+    if (fd_ < 0) return;
+    ::close(fd_);
+    fd_ = -1;
+    ++stops_while_serving;
+  }
+  void check() override {
+    if (fail_with) throw dtrain::ConfigError(*fail_with, "fix it");
+  }
+
+ private:
+  int fd_ = -1;
+};
+
 WorkerExit failed_rank(int rank, int code, int signal = 0) {
   return WorkerExit{.local_rank = rank, .global_rank = rank, .exit_code = code, .signal = signal};
 }
@@ -48,7 +85,9 @@ WorkerExit failed_rank(int rank, int code, int signal = 0) {
 TEST(Agent, RestartsAfterFailuresThenSucceeds) {
   FakeWorkers workers;
   workers.rounds = {{GroupStatus::kFailed, failed_rank(1, 3)}, {GroupStatus::kFailed, failed_rank(0, 0, SIGKILL)}, {}};
-  Agent agent({.nproc_per_node = 2, .max_restarts = 2, .monitor_interval = std::chrono::milliseconds(1)}, workers);
+  FakeStoreHost store;
+  Agent agent({.nproc_per_node = 2, .max_restarts = 2, .monitor_interval = std::chrono::milliseconds(1)}, workers,
+              store);
   std::vector<AgentState> states;
   agent.on_transition = [&](AgentState, AgentState to) { states.push_back(to); };
   std::atomic<int> interrupt{0};
@@ -60,7 +99,10 @@ TEST(Agent, RestartsAfterFailuresThenSucceeds) {
                                              AgentState::kRendezvous, AgentState::kRunning, AgentState::kRestarting,
                                              AgentState::kRendezvous, AgentState::kRunning, AgentState::kSucceeded}));
   ASSERT_EQ(workers.started.size(), 3u);
-  // Each round: the contract, the restart count, a fresh port handed to rank 0 only.
+  // Each round: the contract, the restart count, a fresh port on which the
+  // agent serves the store, and every worker told so.
+  ASSERT_EQ(store.served.size(), 3u);
+  EXPECT_EQ(store.stops_while_serving, 3);  // after each round, the last one at the end of the run
   std::set<std::string> ports;
   for (size_t round = 0; round < 3; ++round) {
     const auto& launch = workers.started[round];
@@ -69,11 +111,10 @@ TEST(Agent, RestartsAfterFailuresThenSucceeds) {
     EXPECT_EQ(launch[1].env.at("WORLD_SIZE"), "2");
     EXPECT_EQ(launch[1].env.at("TORCHELASTIC_RESTART_COUNT"), std::to_string(round));
     EXPECT_EQ(launch[1].env.at("TORCHELASTIC_MAX_RESTARTS"), "2");
-    EXPECT_TRUE(launch[0].env.count("DTRAIN_MASTER_LISTEN_FD"));
-    EXPECT_FALSE(launch[1].env.count("DTRAIN_MASTER_LISTEN_FD"));
-    EXPECT_GE(launch[0].inherit_fd, 0);
-    EXPECT_EQ(launch[1].inherit_fd, -1);
+    for (const auto& w : launch) EXPECT_EQ(w.env.at("TORCHELASTIC_USE_AGENT_STORE"), "True");
     EXPECT_EQ(launch[0].env.at("MASTER_PORT"), launch[1].env.at("MASTER_PORT"));
+    EXPECT_EQ(launch[0].env.at("MASTER_PORT"), std::to_string(store.served[round].port));
+    EXPECT_TRUE(store.served[round].listening) << "workers may connect before the store accepts";
     ports.insert(launch[0].env.at("MASTER_PORT"));
   }
   EXPECT_EQ(ports.size(), 3u) << "rounds must not reuse a port";
@@ -83,7 +124,9 @@ TEST(Agent, RestartsAfterFailuresThenSucceeds) {
 TEST(Agent, NoRestartsLeftReportsTheRootCause) {
   FakeWorkers workers;
   workers.rounds = {{GroupStatus::kFailed, failed_rank(1, 3)}, {GroupStatus::kFailed, failed_rank(0, 0, SIGSEGV)}};
-  Agent agent({.nproc_per_node = 2, .max_restarts = 1, .monitor_interval = std::chrono::milliseconds(1)}, workers);
+  FakeStoreHost store;
+  Agent agent({.nproc_per_node = 2, .max_restarts = 1, .monitor_interval = std::chrono::milliseconds(1)}, workers,
+              store);
   std::atomic<int> interrupt{0};
   const auto result = agent.run(interrupt);
   EXPECT_EQ(result.state, AgentState::kFailed);
@@ -96,12 +139,31 @@ TEST(Agent, NoRestartsLeftReportsTheRootCause) {
 TEST(Agent, InterruptIsForwardedAndEndsTheRun) {
   FakeWorkers workers;
   workers.rounds = {{.polls_before_end = 1000000}};
-  Agent agent({.nproc_per_node = 1, .monitor_interval = std::chrono::milliseconds(1)}, workers);
+  FakeStoreHost store;
+  Agent agent({.nproc_per_node = 1, .monitor_interval = std::chrono::milliseconds(1)}, workers, store);
   std::atomic<int> interrupt{SIGINT};
   const auto result = agent.run(interrupt);
   EXPECT_EQ(result.state, AgentState::kInterrupted);
   EXPECT_EQ(result.exit_code, 128 + SIGINT);
   EXPECT_EQ(workers.stop_signals, std::vector<int>{SIGINT});
+  EXPECT_EQ(store.stops_while_serving, 1);
+}
+
+TEST(Agent, StoreThatCannotServeStopsTheWorkersWithItsError) {
+  FakeWorkers workers;
+  workers.rounds = {{.polls_before_end = 1000000}};
+  FakeStoreHost store;
+  store.fail_with = "cannot load libdtrain";
+  Agent agent({.nproc_per_node = 2, .monitor_interval = std::chrono::milliseconds(1)}, workers, store);
+  std::atomic<int> interrupt{0};
+  try {
+    agent.run(interrupt);
+    ADD_FAILURE() << "expected the store's error";
+  } catch (const dtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot load libdtrain"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(workers.stop_signals, std::vector<int>{SIGTERM});
+  EXPECT_EQ(store.stops_while_serving, 1);
 }
 
 TEST(Agent, HungWorkerExitCodeAndDescription) {

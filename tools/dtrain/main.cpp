@@ -14,7 +14,7 @@
 #include "dtrain/elastic/agent.h"
 #include "dtrain/error.h"
 #include "launch_options.h"
-#include "rendezvous_loader.h"
+#include "libdtrain_loader.h"
 
 namespace {
 std::atomic<int> g_interrupt{0};
@@ -31,6 +31,7 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
                                   .tee = opt.tee,
                                   .hang_timeout = plan.hang_timeout,
                                   .error_file_dir = plan.error_file_dir});
+  dtrain::tools::BackgroundWorkerStore worker_store;  // node rank 0 hosts it: see agent.h
   std::unique_ptr<el::StoreRendezvous> rendezvous;
   if (plan.rendezvous.multi_node) {
     auto r = plan.rendezvous.options;
@@ -38,7 +39,8 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
     auto store = dtrain::tools::load_tcp_rendezvous_store(plan.rendezvous.host, plan.rendezvous.port, r.timeout);
     rendezvous = std::make_unique<el::StoreRendezvous>(std::move(store), r);
   }
-  el::Agent agent = rendezvous ? el::Agent(plan.agent, workers, *rendezvous) : el::Agent(plan.agent, workers);
+  el::Agent agent = rendezvous ? el::Agent(plan.agent, workers, worker_store, *rendezvous)
+                               : el::Agent(plan.agent, workers, worker_store);
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);

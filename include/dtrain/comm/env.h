@@ -8,15 +8,13 @@
 //                                                   WORLD_SIZE (one node)
 // torch elastic's, when present:
 //   TORCHELASTIC_USE_AGENT_STORE   "True": the launcher's agent already hosts
-//                                  the store on MASTER_PORT (torchrun does), so
-//                                  rank 0 connects as a client
+//                                  the store on MASTER_PORT (torchrun and
+//                                  `dtrain run` do), so rank 0 connects as a client
 //   TORCHELASTIC_RESTART_COUNT     keys of each restart round are kept apart
-//                                  (/worker/attempt_N), as torch does, because
-//                                  an agent's store outlives a round
+//                                  (/worker/attempt_N), because torchrun's
+//                                  agent store outlives a round
 // and dtrain's own:
 //   DTRAIN_TIMEOUT_SECONDS   overrides the default timeout of blocking calls.
-//   DTRAIN_MASTER_LISTEN_FD  (rank 0, set by `dtrain run`) an inherited socket
-//                            already listening on MASTER_PORT for the store.
 #pragma once
 
 #include <chrono>
@@ -35,7 +33,6 @@ struct EnvContract {
   int master_port = 29500;
   bool agent_store = false;   // TORCHELASTIC_USE_AGENT_STORE
   int restart_count = 0;      // TORCHELASTIC_RESTART_COUNT
-  int master_listen_fd = -1;  // DTRAIN_MASTER_LISTEN_FD
 };
 
 // Looks up one variable; std::nullopt when unset. Tests pass fakes.

@@ -11,11 +11,10 @@
 //                                                    joined: no restart used); stop the
 //                                                    workers, start a new round
 //
-// Each round gets a fresh MASTER_PORT, so workers never meet a stale store.
-// The agent binds and listens on it before starting the workers and hands
-// the socket to rank 0 (DTRAIN_MASTER_LISTEN_FD), whose store takes it over:
-// other ranks connect at once instead of racing rank 0's bind and backing off
-// (c10d clients retry after a second), and no other process can take the port.
+// Each round gets a fresh MASTER_PORT, on which the agent of node rank 0
+// hosts the workers' store for that round (WorkerStoreHost); every worker is
+// told so with TORCHELASTIC_USE_AGENT_STORE=True and only connects. See Note
+// [Worker store] in src/elastic/agent.cpp.
 #pragma once
 
 #include <atomic>
@@ -28,6 +27,7 @@
 
 #include "dtrain/elastic/rendezvous.h"
 #include "dtrain/elastic/worker_group.h"
+#include "dtrain/elastic/worker_store.h"
 
 namespace dtrain::elastic {
 
@@ -42,7 +42,7 @@ struct AgentOptions {
   std::string run_id = "none";
   std::string master_addr = "127.0.0.1";
   std::map<std::string, std::string> extra_env;  // e.g. CUDA_VISIBLE_DEVICES from --devices
-  int master_port = 0;                           // 0: a free port each round (pre-bound, see above)
+  int master_port = 0;                           // 0: a free port each round
 };
 
 struct AgentResult {
@@ -56,10 +56,11 @@ struct AgentResult {
 
 class Agent {
  public:
-  // One node: a StandaloneRendezvous from the options.
-  Agent(AgentOptions options, WorkerGroup& workers);
+  // One node: a StandaloneRendezvous from the options. `store_host` serves
+  // the workers' store whenever this node is node rank 0; not owned.
+  Agent(AgentOptions options, WorkerGroup& workers, WorkerStoreHost& store_host);
   // Any rendezvous (several nodes: a StoreRendezvous); not owned.
-  Agent(AgentOptions options, WorkerGroup& workers, Rendezvous& rendezvous);
+  Agent(AgentOptions options, WorkerGroup& workers, WorkerStoreHost& store_host, Rendezvous& rendezvous);
   // Runs to completion. `interrupt` is polled every monitor interval; a
   // non-zero value is a signal number to forward to the workers.
   AgentResult run(const std::atomic<int>& interrupt);
@@ -74,6 +75,7 @@ class Agent {
   void check_options() const;
   AgentOptions options_;
   WorkerGroup& workers_;
+  WorkerStoreHost& store_host_;
   std::unique_ptr<Rendezvous> owned_rendezvous_;
   Rendezvous* rendezvous_;
   AgentState state_ = AgentState::kInit;

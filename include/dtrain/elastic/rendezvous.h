@@ -46,7 +46,7 @@ struct RoundPlan {
   int world_size = 1;
   std::string master_addr;
   int master_port = 0;
-  int master_listen_fd = -1;  // node 0: the pre-bound MASTER_PORT socket, for local rank 0
+  int master_listen_fd = -1;  // node rank 0: MASTER_PORT, bound and listening, for the workers' store
 };
 
 struct RoundEnding {
@@ -71,7 +71,8 @@ class Rendezvous {
   virtual RoundEnding report_failure(const WorkerExit& failure) = 0;
   // This node is done with the job (its workers succeeded, or the run gave
   // up). The node hosting the store keeps it up until every other member has
-  // finished too (or is lost), so that they can learn how the run ended.
+  // finished too (or is lost), so that they can learn how the run ended; so
+  // does the last round's node rank 0, for the workers' store its agent hosts.
   virtual void finish() = 0;
 };
 

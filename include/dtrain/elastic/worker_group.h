@@ -14,7 +14,6 @@ struct WorkerLaunch {
   int local_rank = 0;
   int global_rank = 0;
   std::map<std::string, std::string> env;  // added to the launcher's environment
-  int inherit_fd = -1;                     // a descriptor this worker keeps across exec
 };
 
 struct WorkerExit {

@@ -1,0 +1,155 @@
+// The one place `dtrain run` loads libdtrain (dlopen), and the workers' store
+// it hosts through it on a background thread.
+#include "libdtrain_loader.h"
+
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "dtrain/error.h"
+
+namespace dtrain::tools {
+namespace {
+
+constexpr const char* kHint = "set DTRAIN_LIBRARY to the path of libdtrain.so";
+
+// Where libdtrain is: $DTRAIN_LIBRARY when set (and nowhere else then), else
+// the install prefix this program is in, else the build tree it came from.
+const std::string& libdtrain_path() {
+  static const std::string path = [] {
+    if (const char* env = std::getenv("DTRAIN_LIBRARY")) {
+      DTRAIN_CHECK(std::filesystem::exists(env), ConfigError,
+                   "DTRAIN_LIBRARY=" << env
+                                     << " does not exist; dtrain run needs libdtrain (c10d's TCPStore) "
+                                        "to host the workers' store.",
+                   kHint);
+      return std::string(env);
+    }
+    const auto exe = std::filesystem::read_symlink("/proc/self/exe").parent_path();
+    const std::string installed = (exe.parent_path() / "lib" / DTRAIN_LIBRARY_FILE_NAME).string();
+    for (const std::string& candidate : {installed, std::string(DTRAIN_LIBRARY_BUILD_PATH)}) {
+      if (std::filesystem::exists(candidate)) return candidate;
+    }
+    throw ConfigError(
+        "dtrain run needs libdtrain (c10d's TCPStore) to host the workers' store, and found it "
+        "neither at " +
+            installed + " nor at " + std::string(DTRAIN_LIBRARY_BUILD_PATH) + ".",
+        kHint);
+  }();
+  return path;
+}
+
+// libdtrain, loaded once (thread-safe). RTLD_LAZY: resolving all of
+// LibTorch's function symbols up front made loading ~20% slower here, and
+// the store is on the workers' path to their first step.
+void* libdtrain_handle() {
+  static void* const handle = [] {
+    void* h = ::dlopen(libdtrain_path().c_str(), RTLD_LAZY | RTLD_LOCAL);
+    if (h == nullptr) throw ConfigError("cannot load libdtrain from " + libdtrain_path() + ": " + ::dlerror(), kHint);
+    return h;
+  }();
+  return handle;
+}
+
+// The function `name` from libdtrain.
+template <typename Fn>
+Fn libdtrain_function(const char* name) {
+  auto fn = reinterpret_cast<Fn>(::dlsym(libdtrain_handle(), name));
+  DTRAIN_CHECK(fn != nullptr, ConfigError,
+               libdtrain_path() << " lacks " << name << "; it belongs to another version of dtrain.", kHint);
+  return fn;
+}
+
+using ConnectFn = void (*)(const std::string*, int, long long, std::shared_ptr<elastic::RendezvousStore>*);
+using HostFn = void (*)(int, int, std::shared_ptr<void>*);
+
+}  // namespace
+
+std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(const std::string& host, int port,
+                                                                    std::chrono::milliseconds timeout) {
+  static const auto connect = libdtrain_function<ConnectFn>("dtrain_connect_tcp_rendezvous_store");
+  std::shared_ptr<elastic::RendezvousStore> store;
+  connect(&host, port, static_cast<long long>(timeout.count()), &store);
+  return store;
+}
+
+BackgroundWorkerStore::~BackgroundWorkerStore() {
+  stop();
+}
+
+void BackgroundWorkerStore::serve(int listen_fd, int port) {
+  stop();
+  try {
+    libdtrain_path();
+  } catch (...) {
+    ::close(listen_fd);
+    throw;
+  }
+  starter_ = std::thread([this, listen_fd, port] {
+    std::shared_ptr<void> store;
+    std::exception_ptr error;
+    HostFn host = nullptr;
+    try {
+      host = libdtrain_function<HostFn>("dtrain_host_worker_store");
+    } catch (...) {
+      ::close(listen_fd);  // workers' connections fail at once instead of waiting for their timeout
+      error = std::current_exception();
+    }
+    if (host != nullptr) {
+      try {
+        host(listen_fd, port, &store);  // owns listen_fd from here on, even when it throws
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    const std::lock_guard lock(mutex_);
+    store_ = std::move(store);
+    error_ = error;
+  });
+}
+
+void BackgroundWorkerStore::stop() {
+  if (starter_.joinable()) starter_.join();
+  const std::lock_guard lock(mutex_);
+  store_.reset();
+  error_ = nullptr;
+}
+
+void BackgroundWorkerStore::check() {
+  const std::lock_guard lock(mutex_);
+  if (error_) std::rethrow_exception(error_);
+}
+
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* resolved = nullptr;
+  const std::string service = std::to_string(port);
+  if (::getaddrinfo(host.c_str(), service.c_str(), &hints, &resolved) != 0 || resolved == nullptr) {
+    char name[256] = {};
+    ::gethostname(name, sizeof name - 1);
+    return name;  // resolution fails later, with a clear error from the store
+  }
+  std::string out = "127.0.0.1";
+  // connect() on a UDP socket sends nothing; it only picks the route and source address.
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in local{};
+  socklen_t len = sizeof local;
+  if (fd >= 0 && ::connect(fd, resolved->ai_addr, resolved->ai_addrlen) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+    char text[INET_ADDRSTRLEN] = {};
+    if (::inet_ntop(AF_INET, &local.sin_addr, text, sizeof text) != nullptr) out = text;
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(resolved);
+  return out;
+}
+
+}  // namespace dtrain::tools

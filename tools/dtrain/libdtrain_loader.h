@@ -1,0 +1,48 @@
+// What `dtrain run` needs from libdtrain: c10d's TCPStore, for the workers'
+// store (include/dtrain/elastic/worker_store.h) and the multi-node rendezvous.
+// libdtrain is loaded on first use, so the launcher itself links no LibTorch
+// and starts in milliseconds.
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "dtrain/elastic/rendezvous.h"
+#include "dtrain/elastic/worker_store.h"
+
+namespace dtrain::tools {
+
+// Connects to (or hosts) the rendezvous store at host:port through libdtrain.
+std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(const std::string& host, int port,
+                                                                    std::chrono::milliseconds timeout);
+
+// Hosts the workers' store through libdtrain. serve() finds libdtrain at once
+// (ConfigError when there is none, before any worker starts) and then loads
+// it and starts the store on a background thread, while the agent starts the
+// workers: loading LibTorch takes longer than starting a process.
+class BackgroundWorkerStore : public elastic::WorkerStoreHost {
+ public:
+  BackgroundWorkerStore() = default;
+  BackgroundWorkerStore(const BackgroundWorkerStore&) = delete;
+  BackgroundWorkerStore& operator=(const BackgroundWorkerStore&) = delete;
+  ~BackgroundWorkerStore() override;
+  void serve(int listen_fd, int port) override;
+  void stop() override;
+  void check() override;
+
+ private:
+  std::thread starter_;
+  std::mutex mutex_;
+  std::shared_ptr<void> store_;  // the running server; guarded by mutex_
+  std::exception_ptr error_;     // why it is not running; guarded by mutex_
+};
+
+// The address other nodes reach this one by when it talks to `host`: the
+// local address of a route to it (127.0.0.1 for loopback endpoints).
+std::string local_address_towards(const std::string& host, int port);
+
+}  // namespace dtrain::tools
