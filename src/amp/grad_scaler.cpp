@@ -8,6 +8,7 @@
 #include <ATen/ops/_amp_update_scale.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
+#include <torch/optim/optimizer.h>
 
 #include <algorithm>
 #include <iterator>

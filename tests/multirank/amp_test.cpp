@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <ostream>
 
 #include "ddp_helpers.h"
 #include "dtrain/amp/grad_scaler.h"
@@ -115,6 +116,10 @@ struct AccumulationCase {
   int world;
   bool with_scaler;
 };
+
+void PrintTo(const AccumulationCase& c, std::ostream* os) {
+  *os << "world " << c.world << (c.with_scaler ? " with GradScaler" : " fp32");
+}
 
 class Accumulation : public ::testing::TestWithParam<AccumulationCase> {};
 

@@ -32,7 +32,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <memory>
@@ -42,6 +41,10 @@
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
+
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
 
 namespace dtrain::amp {
 
