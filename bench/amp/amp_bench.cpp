@@ -1,12 +1,13 @@
 // Training-step time in fp32 and under bf16 autocast + GradScaler on the CPU,
-// for a matmul-heavy MLP, in one process. bench/amp/peer.py runs the same
+// for a matmul-heavy MLP, in one process, the two loops alternating in blocks
+// of steps. bench/amp/peer.py runs the same
 // loop in Python (torch.autocast + torch.amp.GradScaler). Prints one JSON line
 // per case:
 //   {"impl":"dtrain","case":"mlp_fp32"|"mlp_bf16","params":..,"p50_ms":..,"p95_ms":..,"final_loss":..}
 // and, for the explanation of the figures, the forward matmul alone:
 //   {"impl":"dtrain","case":"mm_fp32"|"mm_bf16","p50_ms":..,"gflops":..}
 //
-//   amp_bench --steps 30 --batch 256 --threads 1
+//   amp_bench --steps 30 --batch 128 --threads 1 --block 5
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/nn/functional/loss.h>
@@ -46,19 +47,17 @@ torch::nn::Sequential make_model() {
                                torch::nn::Linear(kIn, kClasses));
 }
 
-void train_case(bool bf16, int steps, int warmup, int batch) {
+torch::nn::Sequential seeded_model() {
   torch::manual_seed(0);
-  auto model = make_model();
-  torch::optim::SGD opt(model->parameters(), 0.01);
-  dtrain::amp::GradScaler scaler({.enabled = bf16});
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-  const at::Tensor x = at::randn({batch, kIn}, gen);
-  const at::Tensor y = at::randint(0, kClasses, {batch}, gen, at::kLong);
-  std::int64_t numel = 0;
-  for (const auto& p : model->parameters()) numel += p.numel();
-  std::vector<double> step_ms;
-  double loss_value = 0;
-  for (int i = 0; i < warmup + steps; ++i) {
+  return make_model();
+}
+
+// One training loop, fp32 or bf16 autocast + GradScaler.
+struct Loop {
+  explicit Loop(bool bf16_)
+      : bf16(bf16_), model(seeded_model()), opt(model->parameters(), 0.01), scaler({.enabled = bf16_}) {}
+  // One step; returns its duration in ms.
+  double step(const at::Tensor& x, const at::Tensor& y) {
     const auto start = Clock::now();
     opt.zero_grad();
     at::Tensor loss;
@@ -69,54 +68,81 @@ void train_case(bool bf16, int steps, int warmup, int batch) {
     scaler.scale(loss).backward();
     scaler.step(opt);
     scaler.update();
-    if (i >= warmup) step_ms.push_back(ms_since(start));
-    loss_value = loss.item<double>();
+    const double ms = ms_since(start);
+    last_loss = loss.item<double>();
+    return ms;
   }
-  std::printf(
-      "{\"impl\":\"dtrain\",\"case\":\"mlp_%s\",\"params\":%lld,\"batch\":%d,\"p50_ms\":%.3f,\"p95_ms\":%.3f,"
-      "\"final_loss\":%.4f}\n",
-      bf16 ? "bf16" : "fp32", static_cast<long long>(numel), batch, percentile(step_ms, 0.5), percentile(step_ms, 0.95),
-      loss_value);
+  bool bf16;
+  torch::nn::Sequential model;
+  torch::optim::SGD opt;
+  dtrain::amp::GradScaler scaler;
+  double last_loss = 0;
+  std::vector<double> ms;
+};
+
+// The two loops in alternating blocks of steps, so that both see the same
+// machine (this one is shared and its speed drifts).
+void train_cases(int steps, int warmup, int batch, int block) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  const at::Tensor x = at::randn({batch, kIn}, gen);
+  const at::Tensor y = at::randint(0, kClasses, {batch}, gen, at::kLong);
+  Loop loops[] = {Loop(false), Loop(true)};
+  for (auto& loop : loops) {
+    for (int i = 0; i < warmup; ++i) loop.step(x, y);
+  }
+  for (int done = 0; done < steps; done += block) {
+    for (auto& loop : loops) {
+      for (int i = done; i < std::min(steps, done + block); ++i) loop.ms.push_back(loop.step(x, y));
+    }
+  }
+  std::int64_t numel = 0;
+  for (const auto& p : loops[0].model->parameters()) numel += p.numel();
+  for (const auto& loop : loops) {
+    std::printf(
+        "{\"impl\":\"dtrain\",\"case\":\"mlp_%s\",\"params\":%lld,\"batch\":%d,\"p50_ms\":%.3f,"
+        "\"p95_ms\":%.3f,\"final_loss\":%.4f}\n",
+        loop.bf16 ? "bf16" : "fp32", static_cast<long long>(numel), batch, percentile(loop.ms, 0.5),
+        percentile(loop.ms, 0.95), loop.last_loss);
+  }
   std::fflush(stdout);
 }
 
-// The hidden layer's forward matmul alone, in each dtype.
-void mm_case(bool bf16, int steps, int batch) {
+// The hidden layer's forward matmul alone, fp32 and bf16 alternating.
+void mm_cases(int steps, int batch) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
-  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
-  const at::Tensor a = at::randn({batch, kHidden}, gen).to(dtype), b = at::randn({kHidden, kHidden}, gen).to(dtype);
-  std::vector<double> ms;
+  const at::Tensor a = at::randn({batch, kHidden}, gen), b = at::randn({kHidden, kHidden}, gen);
+  const at::Tensor a16 = a.to(at::kBFloat16), b16 = b.to(at::kBFloat16);
+  std::vector<double> ms[2];
   for (int i = 0; i < steps + 3; ++i) {
-    const auto start = Clock::now();
-    const at::Tensor c = at::mm(a, b);
-    if (i >= 3) ms.push_back(ms_since(start));
+    for (int bf16 = 0; bf16 < 2; ++bf16) {
+      const auto start = Clock::now();
+      const at::Tensor c = bf16 ? at::mm(a16, b16) : at::mm(a, b);
+      if (i >= 3) ms[bf16].push_back(ms_since(start));
+    }
   }
-  const double p50 = percentile(ms, 0.5);
-  const double gflops = 2.0 * static_cast<double>(batch) * kHidden * kHidden / (p50 * 1e6);
-  std::printf("{\"impl\":\"dtrain\",\"case\":\"mm_%s\",\"p50_ms\":%.3f,\"gflops\":%.1f}\n", bf16 ? "bf16" : "fp32", p50,
-              gflops);
+  for (int bf16 = 0; bf16 < 2; ++bf16) {
+    const double p50 = percentile(ms[bf16], 0.5);
+    const double gflops = 2.0 * static_cast<double>(batch) * kHidden * kHidden / (p50 * 1e6);
+    std::printf("{\"impl\":\"dtrain\",\"case\":\"mm_%s\",\"p50_ms\":%.3f,\"gflops\":%.1f}\n", bf16 ? "bf16" : "fp32",
+                p50, gflops);
+  }
   std::fflush(stdout);
 }
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"dtrain AMP step-time benchmark (fp32 vs bf16 autocast, CPU)"};
-  int steps = 30, warmup = 5, batch = 256, threads = 1;
-  std::string mode = "all";
+  int steps = 30, warmup = 3, batch = 128, threads = 1, block = 5;
   app.add_option("--steps", steps);
   app.add_option("--warmup", warmup);
   app.add_option("--batch", batch);
   app.add_option("--threads", threads);
-  app.add_option("--mode", mode)->check(CLI::IsMember({"all", "fp32", "bf16", "mm"}));
+  app.add_option("--block", block, "steps of one loop before switching to the other");
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(threads);
-    if (mode == "all" || mode == "mm") {
-      mm_case(false, steps, batch);
-      mm_case(true, steps, batch);
-    }
-    if (mode == "all" || mode == "fp32") train_case(false, steps, warmup, batch);
-    if (mode == "all" || mode == "bf16") train_case(true, steps, warmup, batch);
+    mm_cases(steps, batch);
+    train_cases(steps, warmup, batch, std::max(1, block));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "amp_bench: error: %s\n", e.what());
