@@ -15,6 +15,7 @@
 #include "ddp_helpers.h"
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/error.h"
 #include "dtrain/parallel/ddp.h"
 #include "dtrain/trainer/accumulate.h"
 #include "dtrain/trainer/clip.h"
@@ -180,6 +181,25 @@ INSTANTIATE_TEST_SUITE_P(Worlds, Accumulation,
                            return "world" + std::to_string(info.param.world) +
                                   (info.param.with_scaler ? "_scaler" : "_fp32");
                          });
+
+// A model without no_sync (a plain module) just runs the micro-steps.
+TEST(Accumulation, PlainModuleEqualsOneBigBatch) {
+  Mlp big = seeded_mlp(1), accumulated = seeded_mlp(1);
+  std::vector<Batch> parts;
+  for (int i = 0; i < kMicro; ++i) parts.push_back(micro_batch(0, 0, i));
+  const Batch all = concat(parts);
+  loss_of(big->forward(all.x), all.y).backward();
+  int calls = 0;
+  dtrain::accumulate_gradients(accumulated, kMicro, [&](int i) {
+    ++calls;
+    loss_of(accumulated->forward(parts[static_cast<size_t>(i)].x), parts[static_cast<size_t>(i)].y)
+        .div(kMicro)
+        .backward();
+  });
+  EXPECT_EQ(calls, kMicro);
+  EXPECT_TRUE(at::allclose(accumulated->fc1->weight.grad(), big->fc1->weight.grad(), 1e-5, 1e-7));
+  EXPECT_THROW(dtrain::accumulate_gradients(accumulated, 0, [](int) {}), dtrain::ConfigError);
+}
 
 // Gradients sharded across ranks (parameter j on rank j % world): the global
 // norm and the clipped gradients equal single-process clipping of them all.
