@@ -1,6 +1,8 @@
 // Umbrella header: everything public in dtrain.
 #pragma once
 
+#include "dtrain/amp/autocast.h"
+#include "dtrain/amp/grad_scaler.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"
 #include "dtrain/comm/process_group.h"
@@ -19,6 +21,8 @@
 #include "dtrain/parallel/ddp/join.h"
 #include "dtrain/parallel/model_parallel/model_parallel.h"
 #include "dtrain/parallel/model_parallel/placement.h"
+#include "dtrain/trainer/accumulate.h"
 #include "dtrain/trainer/checkpoint.h"
+#include "dtrain/trainer/clip.h"
 #include "dtrain/trainer/progress.h"
 #include "dtrain/elastic/error_file.h"

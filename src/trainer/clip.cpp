@@ -1,0 +1,101 @@
+// Global-norm gradient clipping over a GradientSet (see include/dtrain/trainer/clip.h).
+#include "dtrain/trainer/clip.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <limits>
+
+#include "dtrain/error.h"
+
+namespace dtrain {
+
+namespace {
+
+bool is_inf_norm(double p) {
+  return p == std::numeric_limits<double>::infinity();
+}
+
+std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& parameters) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters) {
+    // Empty gradients add nothing (and have no max).
+    if (p.grad().defined() && p.grad().numel() > 0) grads.push_back(p.grad());
+  }
+  return grads;
+}
+
+// The global norm of `grads` (this rank's part of `gradients`).
+at::Tensor total_norm(const GradientSet& gradients, const std::vector<at::Tensor>& grads, double p) {
+  DTRAIN_CHECK(is_inf_norm(p) || (std::isfinite(p) && p > 0), ConfigError,
+               "gradient norm of order " << p << " is not supported",
+               "use norm_type 2 (the usual), any p > 0, or std::numeric_limits<double>::infinity() (max norm)");
+  // Norms in fp32 at least (bf16/fp16 gradients would lose the sum), fp64 when any gradient is fp64.
+  c10::ScalarType acc = at::kFloat;
+  for (const auto& g : grads) {
+    if (g.scalar_type() == at::kDouble) acc = at::kDouble;
+  }
+  at::Tensor partial;
+  if (grads.empty()) {
+    partial = at::zeros({}, at::TensorOptions().dtype(acc));
+  } else {
+    const c10::Device device = grads.front().device();
+    std::vector<at::Tensor> norms;
+    norms.reserve(grads.size());
+    for (const auto& g : grads) {
+      const at::Tensor values = g.is_sparse() ? g._values() : g;
+      norms.push_back(at::linalg_vector_norm(values, p, std::nullopt, false, acc).to(device));
+    }
+    const at::Tensor stacked = at::stack(norms);
+    partial = is_inf_norm(p) ? stacked.max() : stacked.pow(p).sum();
+  }
+  gradients.combine(partial, is_inf_norm(p));
+  return is_inf_norm(p) ? partial : partial.pow(1.0 / p);
+}
+
+}  // namespace
+
+void ShardedGradients::combine(at::Tensor& partial, bool max) const {
+  at::Tensor on_group_device = partial.to(group_.device());
+  group_.all_reduce(on_group_device, max ? dist::ReduceOp::kMax : dist::ReduceOp::kSum).wait();
+  partial = on_group_device.to(partial.device());
+}
+
+at::Tensor grad_norm(const GradientSet& gradients, const ClipGradNormOptions& options) {
+  at::NoGradGuard no_grad;
+  return total_norm(gradients, grads_of(gradients.local_parameters()), options.norm_type);
+}
+
+at::Tensor clip_grad_norm_(const GradientSet& gradients, double max_norm, const ClipGradNormOptions& options) {
+  at::NoGradGuard no_grad;
+  const std::vector<at::Tensor> grads = grads_of(gradients.local_parameters());
+  const at::Tensor norm = total_norm(gradients, grads, options.norm_type);
+  if (options.error_if_nonfinite) {
+    const double value = norm.item<double>();
+    DTRAIN_CHECK(std::isfinite(value), Error,
+                 "the total norm of order " << options.norm_type << " of the gradients is " << value
+                                            << ", so they cannot be clipped",
+                 "look for the inf/NaN source (a GradScaler skips such steps: unscale_ before clipping), or pass "
+                 "error_if_nonfinite = false to scale by the non-finite factor anyway");
+  }
+  // Multiplying by a clamped coefficient (1 when within bounds) instead of
+  // testing the norm avoids a device synchronization, as torch does. The
+  // coefficient is max_norm / (norm + 1e-6), spelled as ATen's operator/ does.
+  const at::Tensor coef = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
+  for (const auto& g : grads) {
+    at::Tensor values = g.is_sparse() ? g._values() : g;
+    values.mul_(coef.to(values.device()));
+  }
+  return norm;
+}
+
+at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
+                           const ClipGradNormOptions& options) {
+  return clip_grad_norm_(ReplicatedGradients(parameters), max_norm, options);
+}
+
+}  // namespace dtrain
