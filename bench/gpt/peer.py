@@ -255,7 +255,7 @@ def main():
         total = 0.0
         with torch.no_grad():
             for k in range(rank, args.eval_iters, world):
-                x, y = val.batch(val.draw(args.batch_size, val_batch_seed(args.seed, k)))
+                x, y = val.batch(val.draw(args.batch_size * world, val_batch_seed(args.seed, k)))
                 total += lm_loss(model(x), y).item()
         model.train()
         if distributed:

@@ -158,13 +158,15 @@ struct Trainee {
   c10::Device input_device{c10::kCPU};
 };
 
-// Mean val loss over the fixed val batches; under DDP the ranks share them.
+// Mean val loss over the fixed val batches (of batch x world sequences, so
+// every strategy of one global batch evaluates the same); under DDP the ranks
+// share them.
 double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where, Trainee& model) {
   torch::NoGradGuard no_grad;
   model.module->eval();
   double sum = 0;
   for (std::int64_t k = where.rank; k < opt.eval_iters; k += where.world) {
-    const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size, gpt::val_batch_seed(opt.seed, k));
+    const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world, gpt::val_batch_seed(opt.seed, k));
     const auto batch = gpt::make_batch(*corpus.val, offsets);
     CpuAutocast autocast(opt.amp == "bf16");
     sum += gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
@@ -328,6 +330,7 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
                               {"steps", state.step},
                               {"val_loss", val_loss},
                               {"val_unigram_entropy", corpus.val_unigram_entropy},
+                              {"val_bigram_entropy", corpus.val_bigram_entropy},
                               {"tokens_per_second", static_cast<double>(tokens_per_step * steps_trained) / train_seconds},
                               {"train_seconds", train_seconds},
                               {"step_ms", {{"forward", times.forward / n},
