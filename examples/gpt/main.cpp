@@ -68,6 +68,7 @@ struct Options {
   std::int64_t sample_tokens = 500;
   double temperature = 0.8;
   std::int64_t top_k = 200;
+  bool ddp_shared_memory = true;  // DDP's intra-host shared-memory all-reduce (else Gloo)
   std::string save_params;  // write the final parameters here (raw float32, in order) for tests
 };
 
@@ -207,19 +208,78 @@ struct Breakdown {
   std::int64_t steps = 0;
 };
 
-int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpus& corpus) {
-  const bool lead = where.rank == 0;
-  // Weight decay on matrices and embeddings only (nanoGPT's two groups).
+// AdamW with weight decay on matrices and embeddings only (nanoGPT's two groups).
+std::unique_ptr<torch::optim::AdamW> make_optimizer(const Options& opt, const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> decay, no_decay;
-  for (const auto& p : model.module->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  for (const auto& p : params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
   const auto adamw = torch::optim::AdamWOptions(opt.lr).betas({0.9, opt.beta2}).eps(1e-8);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(adamw).weight_decay(opt.weight_decay)));
-  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
-  std::unique_ptr<torch::optim::AdamW> optimizer =
-      opt.optimizer == "fused" ? std::make_unique<gpt::FusedAdamW>(groups, adamw)
-                               : std::make_unique<torch::optim::AdamW>(groups, adamw);
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(adamw).weight_decay(opt.weight_decay)));
+  groups.emplace_back(no_decay,
+                      std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
+  if (opt.optimizer == "fused") return std::make_unique<gpt::FusedAdamW>(groups, adamw);
+  return std::make_unique<torch::optim::AdamW>(groups, adamw);
+}
+
+// One optimizer step: --accumulate micro-steps of this rank's share of the
+// step's global batch, then clipping and AdamW. Times in milliseconds.
+struct StepResult {
+  double loss = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0;
+};
+
+StepResult train_step(const Options& opt, const Placement& where, Trainee& model, const gpt::Corpus& corpus,
+                      torch::optim::AdamW& optimizer, std::int64_t step) {
+  using Clock = std::chrono::steady_clock;
+  auto ms_since = [](Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); };
+  const std::int64_t per_micro = opt.batch_size * where.world;
+  const auto offsets =
+      gpt::draw_windows(corpus.train->size(), per_micro * opt.accumulate, gpt::train_batch_seed(opt.seed, step));
+  StepResult r;
+  for (int micro = 0; micro < opt.accumulate; ++micro) {
+    const std::int64_t first = micro * per_micro + where.rank * opt.batch_size;
+    const auto batch = gpt::make_batch(*corpus.train, offsets.slice(0, first, first + opt.batch_size));
+    auto forward_backward = [&] {
+      auto t = Clock::now();
+      at::Tensor loss;
+      {
+        CpuAutocast autocast(opt.amp == "bf16");
+        loss = gpt::lm_loss(model.forward(batch.data.to(model.input_device)), batch.target) / opt.accumulate;
+      }
+      r.forward_ms += ms_since(t);
+      t = Clock::now();
+      loss.backward();
+      r.backward_ms += ms_since(t);
+      r.loss += loss.item<double>();
+    };
+    // Gradients are synchronised on the last micro-step only.
+    if (micro + 1 < opt.accumulate && model.without_sync) {
+      model.without_sync(forward_backward);
+    } else {
+      forward_backward();
+    }
+  }
+  const auto t = Clock::now();
+  if (opt.grad_clip > 0) gpt::clip_grad_norm(model.module->parameters(), opt.grad_clip);
+  optimizer.step();
+  optimizer.zero_grad();
+  r.optimizer_ms = ms_since(t);
+  return r;
+}
+
+// Raw float32 parameters in order (tests compare strategies with it).
+void write_params(const std::string& path, torch::nn::Module& module) {
+  std::ofstream out(path, std::ios::binary);
+  for (const auto& p : module.parameters()) {
+    const at::Tensor t = p.detach().to(at::kCPU, at::kFloat).contiguous();
+    out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+  }
+}
+
+int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpus& corpus) {
+  const bool lead = where.rank == 0;
   const auto params = model.module->parameters();
+  auto optimizer = make_optimizer(opt, params);
 
   std::optional<dtrain::Checkpointer> checkpoints;
   dtrain::TrainingState state;
@@ -230,9 +290,7 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
       DTRAIN_LOG(kInfo) << "resumed at step " << state.step;
     }
   }
-  const std::int64_t per_micro = opt.batch_size * where.world;
-  const std::int64_t global = per_micro * opt.accumulate;
-  const std::int64_t tokens_per_step = global * opt.model.block_size;
+  const std::int64_t global = opt.batch_size * where.world * opt.accumulate;  // sequences per step
   DTRAIN_LOG(kInfo) << opt.strategy << " training on " << dtrain::format_devices(where.devices) << ": "
                     << std::accumulate(params.begin(), params.end(), std::int64_t{0},
                                        [](std::int64_t n, const at::Tensor& p) { return n + p.numel(); })
@@ -244,8 +302,6 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
   const std::int64_t skip = std::min<std::int64_t>(10, opt.max_iters / 10);  // warm-up steps left out of the breakdown
   double train_seconds = 0, loss_sum = 0, val_loss = NAN;
   std::int64_t loss_count = 0, steps_trained = 0;
-  using Clock = std::chrono::steady_clock;
-  auto ms_since = [](Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); };
   auto report_eval = [&](std::int64_t step) {
     val_loss = evaluate(opt, corpus, where, model);
     if (!lead) return;
@@ -258,71 +314,39 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
   };
   for (std::int64_t step = state.step; step < opt.max_iters; ++step) {
     if (step % opt.eval_interval == 0) report_eval(step);
-    const auto start = Clock::now();
+    const auto start = std::chrono::steady_clock::now();
     const double lr = learning_rate(opt, step);
     for (auto& group : optimizer->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-    const auto offsets = gpt::draw_windows(corpus.train->size(), global, gpt::train_batch_seed(opt.seed, step));
-    double fwd = 0, bwd = 0, step_loss = 0;
-    for (int micro = 0; micro < opt.accumulate; ++micro) {
-      const std::int64_t first = micro * per_micro + where.rank * opt.batch_size;
-      const auto batch = gpt::make_batch(*corpus.train, offsets.slice(0, first, first + opt.batch_size));
-      auto forward_backward = [&] {
-        auto t = Clock::now();
-        at::Tensor loss;
-        {
-          CpuAutocast autocast(opt.amp == "bf16");
-          loss = gpt::lm_loss(model.forward(batch.data.to(model.input_device)), batch.target) / opt.accumulate;
-        }
-        fwd += ms_since(t);
-        t = Clock::now();
-        loss.backward();
-        bwd += ms_since(t);
-        step_loss += loss.item<double>();
-      };
-      // Gradients are synchronised on the last micro-step only.
-      if (micro + 1 < opt.accumulate && model.without_sync) {
-        model.without_sync(forward_backward);
-      } else {
-        forward_backward();
-      }
-    }
-    auto t = Clock::now();
-    if (opt.grad_clip > 0) gpt::clip_grad_norm(params, opt.grad_clip);
-    optimizer->step();
-    optimizer->zero_grad();
-    const double opt_ms = ms_since(t);
-    train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    const StepResult r = train_step(opt, where, model, corpus, *optimizer, step);
+    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (step >= skip) {
-      times.forward += fwd;
-      times.backward += bwd;
-      times.optimizer += opt_ms;
+      times.forward += r.forward_ms;
+      times.backward += r.backward_ms;
+      times.optimizer += r.optimizer_ms;
       ++times.steps;
     }
     ++steps_trained;
-    loss_sum += step_loss;
+    loss_sum += r.loss;
     ++loss_count;
     state.step = step + 1;
     char status[64];
-    std::snprintf(status, sizeof status, "loss %.4f lr %.2e", step_loss, lr);
+    std::snprintf(status, sizeof status, "loss %.4f lr %.2e", r.loss, lr);
     progress.update(step + 1, status);
     if (checkpoints && state.step % opt.eval_interval == 0) checkpoints->save(state, *model.module, *optimizer);
   }
   progress.finish();
   report_eval(opt.max_iters);
   if (checkpoints && opt.max_iters % opt.eval_interval != 0) checkpoints->save(state, *model.module, *optimizer);
-  if (!opt.save_params.empty() && lead) {
-    std::ofstream out(opt.save_params, std::ios::binary);
-    for (const auto& p : params) {
-      const at::Tensor t = p.detach().to(at::kCPU, at::kFloat).contiguous();
-      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-    }
-  }
+  if (!opt.save_params.empty() && lead) write_params(opt.save_params, *model.module);
   std::string sample;
   if (lead && opt.sample_tokens > 0) sample = generate(opt, corpus, model);
   if (where.group) where.group->barrier();
   if (!lead) return 0;
-  if (!sample.empty()) std::cout << "--- sample (temperature " << opt.temperature << ", top-k " << opt.top_k
-                                 << ", seed " << opt.seed << ") ---\n" << sample << "\n--- end of sample ---" << std::endl;
+  if (!sample.empty()) {
+    std::cout << "--- sample (temperature " << opt.temperature << ", top-k " << opt.top_k << ", seed " << opt.seed
+              << ") ---\n"
+              << sample << "\n--- end of sample ---" << std::endl;
+  }
   const double n = times.steps > 0 ? static_cast<double>(times.steps) : 1.0;
   std::cout << nlohmann::json{{"event", "done"},
                               {"strategy", opt.strategy},
@@ -331,7 +355,8 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
                               {"val_loss", val_loss},
                               {"val_unigram_entropy", corpus.val_unigram_entropy},
                               {"val_bigram_entropy", corpus.val_bigram_entropy},
-                              {"tokens_per_second", static_cast<double>(tokens_per_step * steps_trained) / train_seconds},
+                              {"tokens_per_second",
+                               static_cast<double>(global * opt.model.block_size * steps_trained) / train_seconds},
                               {"train_seconds", train_seconds},
                               {"step_ms", {{"forward", times.forward / n},
                                            {"backward", times.backward / n},
@@ -349,7 +374,7 @@ int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Hol
     model.forward = model.plain;
     return train(opt, where, model, corpus);
   }
-  dtrain::DistributedDataParallel ddp(module, *where.group);
+  dtrain::DistributedDataParallel ddp(module, *where.group, {.intra_host_shared_memory = opt.ddp_shared_memory});
   model.forward = [&](const at::Tensor& x) { return ddp(x); };
   model.without_sync = [&](const std::function<void()>& body) {
     auto guard = ddp.no_sync();
@@ -392,6 +417,7 @@ int run(Options opt) {
 int main(int argc, char** argv) {
   CLI::App app{"Train a character-level GPT on Shakespeare with dtrain (nanoGPT's shakespeare_char)."};
   Options opt;
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // scripts add defaults, users override
   app.add_option("--strategy", opt.strategy, "Parallelism strategy")
       ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel"}))
       ->capture_default_str();
@@ -434,6 +460,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--temperature", opt.temperature, "Sampling temperature")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--top-k", opt.top_k, "Sample among the k likeliest characters (0: all)")->capture_default_str();
+  app.add_flag("--ddp-shared-memory,!--ddp-gloo", opt.ddp_shared_memory,
+               "DDP all-reduce between this host's ranks: shared memory (default) or Gloo");
   app.add_option("--save-params", opt.save_params, "Write the final parameters (raw float32, in order) to this file");
   try {
     app.parse(argc, argv);

@@ -150,6 +150,42 @@ TEST(GptExample, ShortRunBeatsBigramModel) {
   EXPECT_NE(r.stdout_text.find("\"step\":0"), std::string::npos) << r.stdout_text;
 }
 
+// A run stopped at step 3 and resumed from its checkpoint ends where an
+// uninterrupted 6-step run does (the schedule fixed by --lr-decay-iters):
+// weights, AdamW state, RNG and the batch sequence all carry over.
+TEST(GptExample, ResumedRunEqualsUninterrupted) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-resume-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string common =
+      "--n-layer 1 --n-head 2 --n-embd 16 --block-size 8 --batch-size 4 --eval-interval 3 --eval-iters 1 "
+      "--warmup-iters 2 --lr-decay-iters 6 --sample-tokens 0 --devices cpu ";
+  const auto whole = run(common + "--max-iters 6 --save-params " + (dir / "whole.f32").string());
+  ASSERT_EQ(whole.exit_code, 0) << whole.stderr_text;
+  const std::string ckpt = "--checkpoint-dir " + (dir / "ckpt").string() + " ";
+  const auto first = run(common + ckpt + "--max-iters 3");
+  ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
+  const auto second = run(common + ckpt + "--max-iters 6 --save-params " + (dir / "resumed.f32").string());
+  ASSERT_EQ(second.exit_code, 0) << second.stderr_text;
+  EXPECT_NE(second.stderr_text.find("resumed at step 3"), std::string::npos) << second.stderr_text;
+  const auto a = read_floats(dir / "whole.f32");
+  ASSERT_FALSE(a.empty());
+  EXPECT_EQ(a, read_floats(dir / "resumed.f32"));
+  fs::remove_all(dir);
+}
+
+// bf16 autocast (forward and loss): a short run still learns.
+TEST(GptExample, AmpBf16Trains) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto r = run(
+      "--amp bf16 --n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 8 --max-iters 60 "
+      "--eval-interval 60 --lr 3e-3 --warmup-iters 10 --sample-tokens 20 --devices cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const auto done = last_json_line(r.stdout_text);
+  EXPECT_LT(done["val_loss"].get<double>(), 3.6) << r.stdout_text;  // from ln(84) = 4.43
+}
+
 TEST(GptExample, MissingCorpusFailsClearly) {
   const auto r = run("--data-dir /nonexistent/shakespeare_char --max-iters 1");
   EXPECT_EQ(r.exit_code, 1);
