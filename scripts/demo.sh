@@ -14,4 +14,4 @@ cmake --build "$DTRAIN_BUILD" --target gpt dtrain_cli
 # One intra-op thread per rank: the ranks share the machine's cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node "${DTRAIN_DEMO_RANKS:-2}" \
-  "$DTRAIN_BUILD/examples/gpt" --strategy ddp --devices cpu --max-iters 1500 --eval-interval 250 "$@"
+  "$DTRAIN_BUILD/examples/gpt" --strategy ddp --devices cpu --max-iters 2000 --eval-interval 250 "$@"
