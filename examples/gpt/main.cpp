@@ -23,7 +23,6 @@
 // the mean step-time breakdown (forward, backward, optimizer; under DDP also
 // the backward's exposed communication).
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <torch/utils.h>
 
 #include <CLI/CLI.hpp>
@@ -38,6 +37,7 @@
 #include <optional>
 
 #include "corpus.h"
+#include "cpu_autocast.h"
 #include "dtrain/dtrain.h"
 #include "fused_adamw.h"
 #include "model.h"
@@ -80,33 +80,6 @@ double learning_rate(const Options& o, std::int64_t it) {
   const double ratio = static_cast<double>(it - o.warmup_iters) / static_cast<double>(decay_iters - o.warmup_iters);
   return o.min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (o.lr - o.min_lr);
 }
-
-// bf16 autocast on the CPU for a scope (forward and loss). Kept in one place
-// so it can become dtrain::amp::Autocast when that lands.
-class CpuAutocast {
- public:
-  explicit CpuAutocast(bool enabled) : enabled_(enabled) {
-    if (!enabled_) return;
-    prev_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
-    prev_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-    at::autocast::increment_nesting();
-  }
-  ~CpuAutocast() {
-    if (!enabled_) return;
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(at::kCPU, prev_enabled_);
-    at::autocast::set_autocast_dtype(at::kCPU, prev_dtype_);
-  }
-  CpuAutocast(const CpuAutocast&) = delete;
-  CpuAutocast& operator=(const CpuAutocast&) = delete;
-
- private:
-  bool enabled_;
-  bool prev_enabled_ = false;
-  at::ScalarType prev_dtype_ = at::kBFloat16;
-};
 
 bool distributed(const std::string& s) { return s == "ddp" || s == "ddp-model-parallel"; }
 
@@ -169,7 +142,7 @@ double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where,
   for (std::int64_t k = where.rank; k < opt.eval_iters; k += where.world) {
     const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world, gpt::val_batch_seed(opt.seed, k));
     const auto batch = gpt::make_batch(*corpus.val, offsets);
-    CpuAutocast autocast(opt.amp == "bf16");
+    gpt::CpuAutocast autocast(opt.amp == "bf16");
     sum += gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
   }
   model.module->train();
@@ -243,7 +216,7 @@ StepResult train_step(const Options& opt, const Placement& where, Trainee& model
       auto t = Clock::now();
       at::Tensor loss;
       {
-        CpuAutocast autocast(opt.amp == "bf16");
+        gpt::CpuAutocast autocast(opt.amp == "bf16");
         loss = gpt::lm_loss(model.forward(batch.data.to(model.input_device)), batch.target) / opt.accumulate;
       }
       r.forward_ms += ms_since(t);
