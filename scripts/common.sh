@@ -6,6 +6,8 @@ DTRAIN_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DTRAIN_CACHE="${DTRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dtrain}"
 DTRAIN_VENV="$DTRAIN_CACHE/venv"
 DTRAIN_PYTHON="$DTRAIN_VENV/bin/python"
+# examples/gpt's corpus (scripts/setup.sh builds it; the example's default --data-dir).
+DTRAIN_SHAKESPEARE_DIR="$DTRAIN_CACHE/shakespeare_char"
 DTRAIN_BUILD="${DTRAIN_BUILD:-$DTRAIN_ROOT/build}"
 export CCACHE_DIR="${CCACHE_DIR:-$DTRAIN_CACHE/ccache}"
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"

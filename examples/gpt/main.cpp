@@ -1,0 +1,456 @@
+// Trains a character-level GPT (nanoGPT's shakespeare_char) on the complete
+// works of Shakespeare and prints a generated sample and the val loss.
+//
+//   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel] [--devices all]
+//       [--max-iters 2000] [--eval-interval 250] [--eval-iters 20] [--batch-size 12]
+//       [--block-size 64] [--n-layer 4] [--n-head 4] [--n-embd 128] [--dropout 0]
+//       [--lr 1e-3] [--min-lr 1e-4] [--warmup-iters 100] [--weight-decay 0.1]
+//       [--grad-clip 1] [--accumulate 1] [--amp none|bf16] [--seed 1337]
+//       [--checkpoint-dir D] [--data-dir ~/.cache/dtrain/shakespeare_char]
+//
+// Defaults are nanoGPT's CPU run of shakespeare_char (README: 4 layers, 4
+// heads, width 128, context 64, batch 12, 2000 iterations, dropout 0). AdamW
+// (betas 0.9/0.99, decay on matrices and embeddings only), linear warm-up then
+// cosine decay to --min-lr, gradients clipped to norm --grad-clip.
+// --batch-size is per rank and per micro-step: a step trains on
+// batch x accumulate x world sequences (see corpus.h, Note [GPT batches]).
+// Strategies as in examples/fashion_mnist: single; dp (each batch split over
+// --devices); model-parallel (the blocks placed over --devices); ddp and
+// ddp-model-parallel (one process per rank under `dtrain run`/torchrun).
+//
+// Progress goes to stderr; stdout gets a JSON line per evaluation, the sample,
+// and last {"event":"done","val_loss":...,"tokens_per_second":...,...} with
+// the mean step-time breakdown (forward, backward, optimizer; under DDP also
+// the backward's exposed communication).
+#include <ATen/ATen.h>
+#include <torch/utils.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <iostream>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "corpus.h"
+#include "cpu_autocast.h"
+#include "dtrain/dtrain.h"
+#include "fused_adamw.h"
+#include "model.h"
+
+namespace {
+
+struct Options {
+  std::string strategy = "single";
+  std::string devices = "all";
+  std::int64_t max_iters = 2000;
+  std::int64_t eval_interval = 250;
+  std::int64_t eval_iters = 20;
+  std::int64_t batch_size = 12;
+  int accumulate = 1;
+  gpt::GptConfig model{.block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128, .dropout = 0.0};
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  std::int64_t warmup_iters = 100;
+  std::int64_t lr_decay_iters = 0;  // 0: max_iters
+  double weight_decay = 0.1;
+  double beta2 = 0.99;
+  double grad_clip = 1.0;
+  std::string amp = "none";
+  std::string optimizer = "fused";  // fused | torch (torch::optim::AdamW)
+  std::uint64_t seed = 1337;
+  std::string data_dir = gpt::default_data_dir();
+  std::string checkpoint_dir;
+  std::int64_t sample_tokens = 500;
+  double temperature = 0.8;
+  std::int64_t top_k = 200;
+  bool ddp_shared_memory = true;  // DDP's intra-host shared-memory all-reduce (else Gloo)
+  std::string save_params;  // write the final parameters here (raw float32, in order) for tests
+};
+
+// nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
+double learning_rate(const Options& o, std::int64_t it) {
+  const std::int64_t decay_iters = o.lr_decay_iters > 0 ? o.lr_decay_iters : o.max_iters;
+  if (it < o.warmup_iters) return o.lr * static_cast<double>(it + 1) / static_cast<double>(o.warmup_iters + 1);
+  if (it > decay_iters) return o.min_lr;
+  const double ratio = static_cast<double>(it - o.warmup_iters) / static_cast<double>(decay_iters - o.warmup_iters);
+  return o.min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (o.lr - o.min_lr);
+}
+
+bool distributed(const std::string& s) { return s == "ddp" || s == "ddp-model-parallel"; }
+
+// Where this process trains and which ranks it trains with.
+struct Placement {
+  std::vector<c10::Device> devices;
+  int rank = 0;
+  int world = 1;
+  std::optional<dtrain::dist::ProcessGroup> group;
+};
+
+Placement place(const Options& opt) {
+  if (!distributed(opt.strategy)) {
+    auto devices = dtrain::parse_devices(opt.devices);
+    if (opt.strategy == "single") devices.erase(devices.begin() + 1, devices.end());
+    return {.devices = devices};
+  }
+  DTRAIN_CHECK(dtrain::dist::launched_by_launcher(), ConfigError,
+               "--strategy " << opt.strategy << " runs one process per rank, but RANK and WORLD_SIZE are not set.",
+               "start it through a launcher: dtrain run --nproc-per-node 2 gpt --strategy " << opt.strategy);
+  const auto env = dtrain::dist::read_env_contract();
+  std::vector<c10::Device> devices;
+  if (opt.strategy == "ddp") {
+    devices = {dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size)};
+  } else {
+    devices = dtrain::parse_devices(opt.devices);
+    if (devices.front().is_cuda()) {  // a node's GPUs are shared out among its ranks
+      const auto per_rank = devices.size() / static_cast<std::size_t>(env.local_world_size);
+      DTRAIN_CHECK(per_rank >= 1, DeviceError,
+                   env.local_world_size << " ranks cannot share the " << devices.size() << " devices of --devices "
+                                        << opt.devices << ".",
+                   "list at least one device per rank");
+      const auto first = devices.begin() + static_cast<std::ptrdiff_t>(per_rank) * env.local_rank;
+      devices = std::vector<c10::Device>(first, first + static_cast<std::ptrdiff_t>(per_rank));
+    }
+  }
+  auto group = dtrain::dist::init_process_group(env, {.device = devices.front()});
+  return {.devices = devices, .rank = env.rank, .world = env.world_size, .group = std::move(group)};
+}
+
+// What the loop drives: the module (parameters, mode, checkpoints), the
+// strategy's forward, and the strategy's way to skip gradient sync.
+struct Trainee {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<at::Tensor(const at::Tensor&)> forward;  // training forward (through DDP/DP)
+  std::function<at::Tensor(const at::Tensor&)> plain;    // evaluation and sampling (no DDP)
+  // Runs a micro-step's forward and backward without gradient sync (DDP's
+  // no_sync); empty where there is nothing to skip.
+  std::function<void(const std::function<void()>&)> without_sync;
+  c10::Device input_device{c10::kCPU};
+};
+
+// Mean val loss over the fixed val batches (of batch x world sequences, so
+// every strategy of one global batch evaluates the same); under DDP the ranks
+// share them.
+double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where, Trainee& model) {
+  torch::NoGradGuard no_grad;
+  model.module->eval();
+  double sum = 0;
+  for (std::int64_t k = where.rank; k < opt.eval_iters; k += where.world) {
+    const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world, gpt::val_batch_seed(opt.seed, k));
+    const auto batch = gpt::make_batch(*corpus.val, offsets);
+    gpt::CpuAutocast autocast(opt.amp == "bf16");
+    sum += gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
+  }
+  model.module->train();
+  if (where.group) {
+    at::Tensor total = at::full({1}, sum, at::kDouble);
+    where.group->all_reduce(total).wait();
+    sum = total.item<double>();
+  }
+  return sum / static_cast<double>(opt.eval_iters);
+}
+
+// Samples `n` tokens after a newline: temperature, top-k, a fixed seed.
+std::string generate(const Options& opt, const gpt::Corpus& corpus, Trainee& model) {
+  torch::NoGradGuard no_grad;
+  model.module->eval();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
+  const auto newline = static_cast<std::int64_t>(corpus.vocab.find('\n'));
+  at::Tensor idx = at::full({1, 1}, newline, at::kLong);
+  for (std::int64_t i = 0; i < opt.sample_tokens; ++i) {
+    const at::Tensor context = idx.slice(1, std::max<std::int64_t>(0, idx.size(1) - opt.model.block_size));
+    at::Tensor logits = model.plain(context.to(model.input_device)).select(1, -1).to(at::kCPU, at::kFloat);
+    logits = logits / opt.temperature;
+    if (opt.top_k > 0 && opt.top_k < logits.size(-1)) {
+      const at::Tensor kth = std::get<0>(logits.topk(opt.top_k)).select(1, -1).unsqueeze(1);
+      logits = logits.masked_fill(logits < kth, -INFINITY);
+    }
+    idx = at::cat({idx, at::multinomial(at::softmax(logits, -1), 1, false, gen)}, 1);
+  }
+  model.module->train();
+  return corpus.decode(idx.slice(1, 1));
+}
+
+// Mean milliseconds per step of each phase, from step `skip` on.
+struct Breakdown {
+  double forward = 0, backward = 0, optimizer = 0;
+  std::int64_t steps = 0;
+};
+
+// AdamW with weight decay on matrices and embeddings only (nanoGPT's two groups).
+std::unique_ptr<torch::optim::AdamW> make_optimizer(const Options& opt, const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> decay, no_decay;
+  for (const auto& p : params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  const auto adamw = torch::optim::AdamWOptions(opt.lr).betas({0.9, opt.beta2}).eps(1e-8);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(adamw).weight_decay(opt.weight_decay)));
+  groups.emplace_back(no_decay,
+                      std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
+  if (opt.optimizer == "fused") return std::make_unique<gpt::FusedAdamW>(groups, adamw);
+  return std::make_unique<torch::optim::AdamW>(groups, adamw);
+}
+
+// One optimizer step: --accumulate micro-steps of this rank's share of the
+// step's global batch, then clipping and AdamW. Times in milliseconds.
+struct StepResult {
+  double loss = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0;
+};
+
+StepResult train_step(const Options& opt, const Placement& where, Trainee& model, const gpt::Corpus& corpus,
+                      torch::optim::AdamW& optimizer, std::int64_t step) {
+  using Clock = std::chrono::steady_clock;
+  auto ms_since = [](Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); };
+  const std::int64_t per_micro = opt.batch_size * where.world;
+  const auto offsets =
+      gpt::draw_windows(corpus.train->size(), per_micro * opt.accumulate, gpt::train_batch_seed(opt.seed, step));
+  StepResult r;
+  for (int micro = 0; micro < opt.accumulate; ++micro) {
+    const std::int64_t first = micro * per_micro + where.rank * opt.batch_size;
+    const auto batch = gpt::make_batch(*corpus.train, offsets.slice(0, first, first + opt.batch_size));
+    auto forward_backward = [&] {
+      auto t = Clock::now();
+      at::Tensor loss;
+      {
+        gpt::CpuAutocast autocast(opt.amp == "bf16");
+        loss = gpt::lm_loss(model.forward(batch.data.to(model.input_device)), batch.target) / opt.accumulate;
+      }
+      r.forward_ms += ms_since(t);
+      t = Clock::now();
+      loss.backward();
+      r.backward_ms += ms_since(t);
+      r.loss += loss.item<double>();
+    };
+    // Gradients are synchronised on the last micro-step only.
+    if (micro + 1 < opt.accumulate && model.without_sync) {
+      model.without_sync(forward_backward);
+    } else {
+      forward_backward();
+    }
+  }
+  const auto t = Clock::now();
+  if (opt.grad_clip > 0) gpt::clip_grad_norm(model.module->parameters(), opt.grad_clip);
+  optimizer.step();
+  optimizer.zero_grad();
+  r.optimizer_ms = ms_since(t);
+  return r;
+}
+
+// Raw float32 parameters in order (tests compare strategies with it).
+void write_params(const std::string& path, torch::nn::Module& module) {
+  std::ofstream out(path, std::ios::binary);
+  for (const auto& p : module.parameters()) {
+    const at::Tensor t = p.detach().to(at::kCPU, at::kFloat).contiguous();
+    out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+  }
+}
+
+int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpus& corpus) {
+  const bool lead = where.rank == 0;
+  const auto params = model.module->parameters();
+  auto optimizer = make_optimizer(opt, params);
+
+  std::optional<dtrain::Checkpointer> checkpoints;
+  dtrain::TrainingState state;
+  if (!opt.checkpoint_dir.empty()) {
+    checkpoints.emplace(dtrain::CheckpointOptions{.dir = opt.checkpoint_dir}, where.group);
+    if (auto resumed = checkpoints->load_latest(*model.module, *optimizer)) {
+      state = *resumed;
+      DTRAIN_LOG(kInfo) << "resumed at step " << state.step;
+    }
+  }
+  const std::int64_t global = opt.batch_size * where.world * opt.accumulate;  // sequences per step
+  DTRAIN_LOG(kInfo) << opt.strategy << " training on " << dtrain::format_devices(where.devices) << ": "
+                    << std::accumulate(params.begin(), params.end(), std::int64_t{0},
+                                       [](std::int64_t n, const at::Tensor& p) { return n + p.numel(); })
+                    << " parameters, " << global << " sequences of " << opt.model.block_size << " per step, "
+                    << opt.max_iters << " steps";
+
+  dtrain::Progress progress(opt.max_iters, {.label = "train", .enabled = lead});
+  Breakdown times;
+  const std::int64_t skip = std::min<std::int64_t>(10, opt.max_iters / 10);  // warm-up steps left out of the breakdown
+  double train_seconds = 0, loss_sum = 0, val_loss = NAN;
+  std::int64_t loss_count = 0, steps_trained = 0;
+  auto report_eval = [&](std::int64_t step) {
+    val_loss = evaluate(opt, corpus, where, model);
+    if (!lead) return;
+    const double train_loss = loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : NAN;
+    std::cout << nlohmann::json{{"event", "eval"}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss}}
+                     .dump()
+              << std::endl;
+    loss_sum = 0;
+    loss_count = 0;
+  };
+  for (std::int64_t step = state.step; step < opt.max_iters; ++step) {
+    if (step % opt.eval_interval == 0) report_eval(step);
+    const auto start = std::chrono::steady_clock::now();
+    const double lr = learning_rate(opt, step);
+    for (auto& group : optimizer->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    const StepResult r = train_step(opt, where, model, corpus, *optimizer, step);
+    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (step >= skip) {
+      times.forward += r.forward_ms;
+      times.backward += r.backward_ms;
+      times.optimizer += r.optimizer_ms;
+      ++times.steps;
+    }
+    ++steps_trained;
+    loss_sum += r.loss;
+    ++loss_count;
+    state.step = step + 1;
+    char status[64];
+    std::snprintf(status, sizeof status, "loss %.4f lr %.2e", r.loss, lr);
+    progress.update(step + 1, status);
+    if (checkpoints && state.step % opt.eval_interval == 0) checkpoints->save(state, *model.module, *optimizer);
+  }
+  progress.finish();
+  report_eval(opt.max_iters);
+  if (checkpoints && opt.max_iters % opt.eval_interval != 0) checkpoints->save(state, *model.module, *optimizer);
+  if (!opt.save_params.empty() && lead) write_params(opt.save_params, *model.module);
+  std::string sample;
+  if (lead && opt.sample_tokens > 0) sample = generate(opt, corpus, model);
+  if (where.group) where.group->barrier();
+  if (!lead) return 0;
+  if (!sample.empty()) {
+    std::cout << "--- sample (temperature " << opt.temperature << ", top-k " << opt.top_k << ", seed " << opt.seed
+              << ") ---\n"
+              << sample << "\n--- end of sample ---" << std::endl;
+  }
+  const double n = times.steps > 0 ? static_cast<double>(times.steps) : 1.0;
+  std::cout << nlohmann::json{{"event", "done"},
+                              {"strategy", opt.strategy},
+                              {"world_size", where.world},
+                              {"steps", state.step},
+                              {"val_loss", val_loss},
+                              {"val_unigram_entropy", corpus.val_unigram_entropy},
+                              {"val_bigram_entropy", corpus.val_bigram_entropy},
+                              {"tokens_per_second",
+                               static_cast<double>(global * opt.model.block_size * steps_trained) / train_seconds},
+                              {"train_seconds", train_seconds},
+                              {"step_ms", {{"forward", times.forward / n},
+                                           {"backward", times.backward / n},
+                                           {"optimizer", times.optimizer / n}}}}
+                   .dump()
+            << std::endl;
+  return 0;
+}
+
+// Trains `module` as it is, or through DDP when this process is a rank.
+template <typename Holder>
+int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Holder& module, const gpt::Corpus& corpus) {
+  model.plain = [&](const at::Tensor& x) { return module(x); };
+  if (!where.group) {
+    model.forward = model.plain;
+    return train(opt, where, model, corpus);
+  }
+  dtrain::DistributedDataParallel ddp(module, *where.group, {.intra_host_shared_memory = opt.ddp_shared_memory});
+  model.forward = [&](const at::Tensor& x) { return ddp(x); };
+  model.without_sync = [&](const std::function<void()>& body) {
+    auto guard = ddp.no_sync();
+    body();
+  };
+  return train(opt, where, model, corpus);
+}
+
+int run(Options opt) {
+  Placement where = place(opt);
+  at::set_num_threads(distributed(opt.strategy) ? 1 : at::get_num_threads());
+  torch::manual_seed(opt.seed + static_cast<std::uint64_t>(where.rank));  // dropout masks
+  const gpt::Corpus corpus = gpt::load_corpus(opt.data_dir, opt.model.block_size);
+  opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
+  const c10::Device first = where.devices.front();
+  if (opt.strategy == "model-parallel" || opt.strategy == "ddp-model-parallel") {
+    dtrain::ModelParallel split(gpt::gpt_layers(opt.model), dtrain::ModelParallelOptions{.devices = where.devices});
+    gpt::init_weights(*split, opt.model.n_layer, opt.seed);
+    if (where.rank == 0) {
+      DTRAIN_LOG(kInfo) << "layers placed on " << dtrain::format_devices(split->device_of_layer());
+    }
+    Trainee model{.module = split.ptr(), .input_device = first};
+    return train_plain_or_ddp(opt, where, model, split, corpus);
+  }
+  gpt::Gpt net(opt.model);
+  gpt::init_weights(*net, opt.model.n_layer, opt.seed);
+  net->to(first);
+  Trainee model{.module = net.ptr(), .input_device = first};
+  if (opt.strategy == "dp") {
+    dtrain::DataParallel dp(net, {.devices = where.devices});
+    model.forward = [&](const at::Tensor& x) { return dp(x); };
+    model.plain = [&](const at::Tensor& x) { return net(x); };
+    return train(opt, where, model, corpus);
+  }
+  return train_plain_or_ddp(opt, where, model, net, corpus);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Train a character-level GPT on Shakespeare with dtrain (nanoGPT's shakespeare_char)."};
+  Options opt;
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // scripts add defaults, users override
+  app.add_option("--strategy", opt.strategy, "Parallelism strategy")
+      ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel"}))
+      ->capture_default_str();
+  app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
+      ->capture_default_str();
+  app.add_option("--max-iters", opt.max_iters, "Optimizer steps")->check(CLI::Range(1, 10000000))->capture_default_str();
+  app.add_option("--eval-interval", opt.eval_interval, "Steps between val-loss evaluations (and checkpoints)")
+      ->check(CLI::Range(1, 10000000))
+      ->capture_default_str();
+  app.add_option("--eval-iters", opt.eval_iters, "Val batches per evaluation")->check(CLI::Range(1, 100000))->capture_default_str();
+  app.add_option("--batch-size", opt.batch_size, "Sequences per rank and micro-step")->check(CLI::Range(1, 65536))->capture_default_str();
+  app.add_option("--accumulate", opt.accumulate, "Micro-steps per optimizer step (gradient accumulation)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--block-size", opt.model.block_size, "Context length")->check(CLI::Range(1, 65536))->capture_default_str();
+  app.add_option("--n-layer", opt.model.n_layer, "Transformer blocks")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--n-head", opt.model.n_head, "Attention heads")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--n-embd", opt.model.n_embd, "Width")->check(CLI::Range(1, 65536))->capture_default_str();
+  app.add_option("--dropout", opt.model.dropout, "Dropout")->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  app.add_flag("--bias", opt.model.bias, "Biases in Linear and LayerNorm layers");
+  app.add_option("--lr", opt.lr, "Peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--min-lr", opt.min_lr, "Learning rate at the end of the cosine decay")->capture_default_str();
+  app.add_option("--warmup-iters", opt.warmup_iters, "Linear warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--lr-decay-iters", opt.lr_decay_iters, "Steps of cosine decay (0: --max-iters)")->capture_default_str();
+  app.add_option("--weight-decay", opt.weight_decay, "AdamW weight decay (matrices and embeddings)")->capture_default_str();
+  app.add_option("--beta2", opt.beta2, "AdamW beta2")->capture_default_str();
+  app.add_option("--grad-clip", opt.grad_clip, "Clip gradients to this global norm (0: off)")->capture_default_str();
+  app.add_option("--optimizer", opt.optimizer, "AdamW implementation: fused (one ATen kernel per group) or torch")
+      ->check(CLI::IsMember({"fused", "torch"}))
+      ->capture_default_str();
+  app.add_option("--amp", opt.amp, "Mixed precision: none, or bf16 (CPU autocast)")
+      ->check(CLI::IsMember({"none", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--seed", opt.seed, "Seed of the weights, the batch order and the sample")->capture_default_str();
+  app.add_option("--data-dir", opt.data_dir, "Folder with train.bin, val.bin, meta.json (scripts/setup.sh builds it)")
+      ->capture_default_str();
+  app.add_option("--checkpoint-dir", opt.checkpoint_dir, "Save checkpoints here every --eval-interval and resume from the newest");
+  app.add_option("--sample-tokens", opt.sample_tokens, "Characters to generate at the end (0: none)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--temperature", opt.temperature, "Sampling temperature")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--top-k", opt.top_k, "Sample among the k likeliest characters (0: all)")->capture_default_str();
+  app.add_flag("--ddp-shared-memory,!--ddp-gloo", opt.ddp_shared_memory,
+               "DDP all-reduce between this host's ranks: shared memory (default) or Gloo");
+  app.add_option("--save-params", opt.save_params, "Write the final parameters (raw float32, in order) to this file");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return dtrain::elastic::run_recording_errors([&] {
+    try {
+      DTRAIN_CHECK(opt.model.n_embd % opt.model.n_head == 0, ConfigError,
+                   "--n-embd " << opt.model.n_embd << " is not a multiple of --n-head " << opt.model.n_head << ".",
+                   "pick a width divisible by the head count");
+      return run(opt);
+    } catch (const dtrain::Error& e) {
+      dtrain::elastic::write_error_file(e.what());
+      std::cerr << "gpt: error: " << e.what() << std::endl;
+      return 1;
+    }
+  });
+}

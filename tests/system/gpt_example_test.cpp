@@ -1,0 +1,194 @@
+// The examples/gpt program end to end: every strategy ends where `single`
+// does on the same global batches, a short run learns more than a bigram
+// model can, and a missing corpus fails clearly.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int exit_code = -1;
+  std::string stdout_text;
+  std::string stderr_text;
+};
+
+const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
+
+Result run(const std::string& args, const std::string& launcher = "") {
+  const auto err_file = fs::temp_directory_path() / ("dtrain-gpt-example-" + std::to_string(::getpid()));
+  const std::string cmd = launcher + (launcher.empty() ? "" : " ") + kExample + " " + args + " 2>" + err_file.string();
+  Result r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf{};
+  size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.stdout_text.append(buf.data(), n);
+  const int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream err(err_file);
+  r.stderr_text.assign(std::istreambuf_iterator<char>(err), std::istreambuf_iterator<char>());
+  fs::remove(err_file);
+  return r;
+}
+
+nlohmann::json last_json_line(const std::string& text) {
+  nlohmann::json last;
+  size_t start = 0;
+  while (start < text.size()) {
+    auto end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const auto line = text.substr(start, end - start);
+    if (!line.empty() && line.front() == '{') last = nlohmann::json::parse(line, nullptr, false);
+    start = end + 1;
+  }
+  return last;
+}
+
+std::vector<float> read_floats(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<float> v(fs::exists(path) ? fs::file_size(path) / sizeof(float) : 0);
+  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+  return v;
+}
+
+bool have_corpus() {
+  const char* home = std::getenv("HOME");
+  const char* cache = std::getenv("DTRAIN_CACHE");
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const std::string dir = cache != nullptr ? std::string(cache)
+                          : xdg != nullptr ? std::string(xdg) + "/dtrain"
+                                           : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
+  return fs::exists(dir + "/shakespeare_char/meta.json");
+}
+
+}  // namespace
+
+// Four AdamW steps of a small GPT on the same global batch of 4 sequences:
+// one device, gradient accumulation, DataParallel over two CPU replicas, the
+// blocks over three CPU "devices", 2-rank DDP, and 2-rank DDP of 2-stage
+// models. Summation order differs (a batch mean vs an average of rank means),
+// so equality is up to float rounding, which Adam's normalisation can lift to
+// ~lr x 1e-3 on an element whose gradient is near zero: hence the 1e-6
+// absolute floor beside rtol 1e-5 per element, and a normwise rtol 1e-5.
+TEST(GptExample, EveryStrategyMatchesSingle) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-strategies-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string common =
+      "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --max-iters 4 --eval-interval 1000 --eval-iters 2 "
+      "--sample-tokens 0 --warmup-iters 2 --seed 5 --save-params ";
+  struct Case {
+    std::string name, args, launcher;
+  };
+  const std::vector<Case> cases{
+      {"single", "--batch-size 4 --devices cpu", ""},
+      {"accumulate", "--batch-size 2 --accumulate 2 --devices cpu", ""},
+      {"dp", "--strategy dp --batch-size 4 --devices cpu,cpu", ""},
+      {"model-parallel", "--strategy model-parallel --batch-size 4 --devices cpu,cpu,cpu", ""},
+      {"ddp", "--strategy ddp --batch-size 2 --devices cpu", kLaunch},
+      {"ddp-model-parallel", "--strategy ddp-model-parallel --batch-size 2 --devices cpu,cpu", kLaunch},
+  };
+  std::vector<float> reference;
+  for (const auto& c : cases) {
+    const auto file = dir / (c.name + ".f32");
+    const auto r = run(common + file.string() + " " + c.args, c.launcher);
+    ASSERT_EQ(r.exit_code, 0) << c.name << ": " << r.stderr_text;
+    EXPECT_EQ(last_json_line(r.stdout_text).value("steps", 0), 4) << r.stdout_text;
+    const auto params = read_floats(file);
+    if (c.name == "single") {
+      reference = params;
+      ASSERT_GT(reference.size(), 20000u);
+      continue;
+    }
+    ASSERT_EQ(params.size(), reference.size()) << c.name;
+    double diff2 = 0, ref2 = 0;
+    std::size_t outside = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const double d = std::abs(static_cast<double>(params[i]) - reference[i]);
+      diff2 += d * d;
+      ref2 += static_cast<double>(reference[i]) * reference[i];
+      if (d > 1e-5 * std::abs(reference[i]) + 1e-6) ++outside;
+    }
+    EXPECT_EQ(outside, 0u) << c.name;
+    EXPECT_LT(std::sqrt(diff2 / ref2), 1e-5) << c.name;
+  }
+  fs::remove_all(dir);
+}
+
+// 400 steps of a 2-layer GPT (about 5 s): the val loss must fall below the
+// bigram entropy of the val split (what the best model seeing only the
+// previous character gets; prepare.py computes it from train statistics), so
+// a model whose attention, positions or optimizer is broken fails. It starts
+// near ln(vocabulary) = 4.43.
+TEST(GptExample, ShortRunBeatsBigramModel) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto r = run(
+      "--n-layer 2 --n-head 4 --n-embd 64 --block-size 32 --batch-size 16 --max-iters 400 --eval-interval 400 "
+      "--lr 3e-3 --sample-tokens 200 --devices cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const auto done = last_json_line(r.stdout_text);
+  ASSERT_EQ(done.value("event", ""), "done") << r.stdout_text;
+  EXPECT_GT(done["val_bigram_entropy"].get<double>(), 2.0);  // 2.54 nats for shakespeare 0.6
+  EXPECT_LT(done["val_loss"].get<double>(), done["val_bigram_entropy"].get<double>()) << r.stdout_text;
+  EXPECT_LT(done["val_loss"].get<double>(), done["val_unigram_entropy"].get<double>());
+  EXPECT_GT(done["tokens_per_second"].get<double>(), 0.0);
+  EXPECT_NE(r.stdout_text.find("--- sample"), std::string::npos) << r.stdout_text;
+  EXPECT_NE(r.stdout_text.find("\"step\":0"), std::string::npos) << r.stdout_text;
+}
+
+// A run stopped at step 3 and resumed from its checkpoint ends where an
+// uninterrupted 6-step run does (the schedule fixed by --lr-decay-iters):
+// weights, AdamW state, RNG and the batch sequence all carry over.
+TEST(GptExample, ResumedRunEqualsUninterrupted) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-resume-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string common =
+      "--n-layer 1 --n-head 2 --n-embd 16 --block-size 8 --batch-size 4 --eval-interval 3 --eval-iters 1 "
+      "--warmup-iters 2 --lr-decay-iters 6 --sample-tokens 0 --devices cpu ";
+  const auto whole = run(common + "--max-iters 6 --save-params " + (dir / "whole.f32").string());
+  ASSERT_EQ(whole.exit_code, 0) << whole.stderr_text;
+  const std::string ckpt = "--checkpoint-dir " + (dir / "ckpt").string() + " ";
+  const auto first = run(common + ckpt + "--max-iters 3");
+  ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
+  const auto second = run(common + ckpt + "--max-iters 6 --save-params " + (dir / "resumed.f32").string());
+  ASSERT_EQ(second.exit_code, 0) << second.stderr_text;
+  EXPECT_NE(second.stderr_text.find("resumed at step 3"), std::string::npos) << second.stderr_text;
+  const auto a = read_floats(dir / "whole.f32");
+  ASSERT_FALSE(a.empty());
+  EXPECT_EQ(a, read_floats(dir / "resumed.f32"));
+  fs::remove_all(dir);
+}
+
+// bf16 autocast (forward and loss): a short run still learns.
+TEST(GptExample, AmpBf16Trains) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto r = run(
+      "--amp bf16 --n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 8 --max-iters 60 "
+      "--eval-interval 60 --lr 3e-3 --warmup-iters 10 --sample-tokens 20 --devices cpu");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const auto done = last_json_line(r.stdout_text);
+  EXPECT_LT(done["val_loss"].get<double>(), 3.6) << r.stdout_text;  // from ln(84) = 4.43
+}
+
+TEST(GptExample, MissingCorpusFailsClearly) {
+  const auto r = run("--data-dir /nonexistent/shakespeare_char --max-iters 1");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.stderr_text.find("no Shakespeare corpus"), std::string::npos) << r.stderr_text;
+  EXPECT_NE(r.stderr_text.find("scripts/setup.sh"), std::string::npos) << r.stderr_text;
+}
