@@ -9,10 +9,8 @@ DTRAIN_PYTHON="$DTRAIN_VENV/bin/python"
 # examples/gpt's corpus (scripts/setup.sh builds it; the example's default --data-dir).
 DTRAIN_SHAKESPEARE_DIR="$DTRAIN_CACHE/shakespeare_char"
 DTRAIN_BUILD="${DTRAIN_BUILD:-$DTRAIN_ROOT/build}"
-export CCACHE_DIR="${CCACHE_DIR:-$DTRAIN_CACHE/ccache}"
-export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
-# Hash paths relative to the checkout, so a fresh clone (CI) hits the cache.
-export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$DTRAIN_ROOT}"
-export CCACHE_NOHASHDIR=1
+# ccache's settings (cache directory, paths hashed relative to the checkout)
+# live in CMakeLists.txt, so plain `cmake --build build` uses them too.
+CCACHE_DIR="$DTRAIN_CACHE/ccache"
 
 log() { printf '[dtrain-setup] %s\n' "$*" >&2; }

@@ -11,7 +11,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 APT_PACKAGES=(
-  build-essential cmake ninja-build ccache pkg-config
+  build-essential cmake ninja-build ccache pkg-config clang-format
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev zlib1g-dev
   libgloo-dev            # headers only: the torch wheel ships c10d's gloo headers without gloo's own
   dataset-fashion-mnist  # IDX files under /usr/share/datasets/fashion-mnist
@@ -62,6 +62,7 @@ if [ ! -f "$DTRAIN_BUILD/build.ninja" ] || [ "${DTRAIN_RECONFIGURE:-0}" = 1 ]; t
     -DCMAKE_BUILD_TYPE="${DTRAIN_BUILD_TYPE:-RelWithDebInfo}" \
     -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" \
     -DDTRAIN_PYTHON="$DTRAIN_PYTHON" \
+    -DDTRAIN_CCACHE_DIR="$CCACHE_DIR" \
     -DDTRAIN_WARNINGS_AS_ERRORS=ON >"$DTRAIN_CACHE/configure.log" 2>&1 ||
     { cat "$DTRAIN_CACHE/configure.log"; exit 1; }
 fi

@@ -4,6 +4,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 "$DTRAIN_ROOT/scripts/setup.sh"
+"$DTRAIN_ROOT/scripts/check_format.sh"
 cmake --build "$DTRAIN_BUILD"
 cd "$DTRAIN_BUILD"
 # gpu-labelled tests skip themselves where no GPU is visible.

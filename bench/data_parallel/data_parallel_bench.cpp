@@ -84,10 +84,12 @@ void bench_model(const std::string& name, const at::Tensor& x, const at::Tensor&
                  const std::vector<c10::Device>& devices) {
   const auto batch = x.size(0);
   auto report = [&](const std::string& impl, const Timing& t, const std::string& note = "") {
-    nlohmann::json line{{"case", name},      {"impl", impl},
+    nlohmann::json line{{"case", name},
+                        {"impl", impl},
                         {"replicas", devices.size()},
                         {"batch", batch},
-                        {"p50_ms", t.p50_ms}, {"p95_ms", t.p95_ms},
+                        {"p50_ms", t.p50_ms},
+                        {"p95_ms", t.p95_ms},
                         {"samples_per_second", t.p50_ms > 0 ? 1000.0 * static_cast<double>(batch) / t.p50_ms : 0.0}};
     if (!note.empty()) line["note"] = note;
     std::cout << line.dump() << std::endl;
@@ -104,7 +106,9 @@ void bench_model(const std::string& name, const at::Tensor& x, const at::Tensor&
     m->to(devices.front());
     torch::optim::SGD opt(m->parameters(), 0.01);
     at::set_num_threads(1);
-    report("single", time_steps(steps, [&] { train_step(opt, [&](const at::Tensor& in) { return m(in.to(devices.front())); }); }));
+    report("single", time_steps(steps, [&] {
+             train_step(opt, [&](const at::Tensor& in) { return m(in.to(devices.front())); });
+           }));
     at::set_num_threads(static_cast<int>(devices.size()));
     report("single_intraop_threads",
            time_steps(steps, [&] { train_step(opt, [&](const at::Tensor& in) { return m(in.to(devices.front())); }); }),
@@ -147,20 +151,22 @@ void bench_model(const std::string& name, const at::Tensor& x, const at::Tensor&
     torch::optim::SGD opt(m->parameters(), 0.01);
     const auto k = static_cast<std::int64_t>(devices.size());
     at::set_num_threads(static_cast<int>(k));
-    report("libtorch_replicate_parallel_apply", time_steps(steps, [&] {
-             train_step(opt, [&](const at::Tensor& in) {
-               auto replicas = torch::nn::parallel::replicate(m, devices);
-               std::vector<at::Tensor> chunks;
-               for (std::int64_t i = 0; i < k; ++i) {
-                 const auto size = in.size(0) / k + (i < in.size(0) % k ? 1 : 0);
-                 const auto offset = i * (in.size(0) / k) + std::min(i, in.size(0) % k);
-                 chunks.push_back(in.narrow(0, offset, size).to(devices[static_cast<std::size_t>(i)]));
-               }
-               auto outs = torch::nn::parallel::parallel_apply(replicas, chunks, devices);
-               for (auto& o : outs) o = o.to(devices.front());
-               return at::cat(outs);
-             });
-           }),
+    report("libtorch_replicate_parallel_apply",
+           time_steps(steps,
+                      [&] {
+                        train_step(opt, [&](const at::Tensor& in) {
+                          auto replicas = torch::nn::parallel::replicate(m, devices);
+                          std::vector<at::Tensor> chunks;
+                          for (std::int64_t i = 0; i < k; ++i) {
+                            const auto size = in.size(0) / k + (i < in.size(0) % k ? 1 : 0);
+                            const auto offset = i * (in.size(0) / k) + std::min(i, in.size(0) % k);
+                            chunks.push_back(in.narrow(0, offset, size).to(devices[static_cast<std::size_t>(i)]));
+                          }
+                          auto outs = torch::nn::parallel::parallel_apply(replicas, chunks, devices);
+                          for (auto& o : outs) o = o.to(devices.front());
+                          return at::cat(outs);
+                        });
+                      }),
            "replicate + parallel_apply per call, " + std::to_string(k) + " intra-op threads");
     at::set_num_threads(1);
   }

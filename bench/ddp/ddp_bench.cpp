@@ -122,8 +122,8 @@ int main(int argc, char** argv) {
           "{\"impl\":\"dtrain\",\"case\":\"%s_mlp_cap%gMB%s%s\",\"params\":%lld,\"p50_ms\":%.3f,\"p95_ms\":%.3f,"
           "\"backward_local_ms\":%.3f,\"allreduce_ms\":%.3f,\"backward_ddp_ms\":%.3f,\"hidden_fraction\":%.3f}\n",
           model_name.c_str(), bucket_cap_mb, bucket_view ? "_view" : "", gloo_only ? "_gloo" : "",
-          static_cast<long long>(numel),
-          percentile(step_ms, 0.5), percentile(step_ms, 0.95), local, comm, ddp_bwd, hidden);
+          static_cast<long long>(numel), percentile(step_ms, 0.5), percentile(step_ms, 0.95), local, comm, ddp_bwd,
+          hidden);
     }
     return 0;
   } catch (const std::exception& e) {

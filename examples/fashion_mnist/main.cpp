@@ -26,9 +26,9 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
-#include <functional>
 #include <optional>
 
 #include <memory>
@@ -91,7 +91,9 @@ std::string params_fingerprint(torch::nn::Module& model) {
   return text;
 }
 
-bool distributed(const std::string& strategy) { return strategy == "ddp" || strategy == "ddp-model-parallel"; }
+bool distributed(const std::string& strategy) {
+  return strategy == "ddp" || strategy == "ddp-model-parallel";
+}
 
 // Where this process trains and which share of the data it sees.
 struct Placement {
@@ -105,10 +107,10 @@ Placement place(const Options& opt) {
   if (!distributed(opt.strategy)) {
     auto devices = dtrain::parse_devices(opt.devices);
     if (opt.strategy == "single") {
-      DTRAIN_CHECK(devices.size() == 1 || opt.devices == "all", ConfigError,
-                   "--strategy single trains on one device, but --devices " << opt.devices << " lists "
-                                                                            << devices.size() << ".",
-                   "pass a single device, e.g. --devices cpu or --devices cuda:0, or use --strategy dp");
+      DTRAIN_CHECK(
+          devices.size() == 1 || opt.devices == "all", ConfigError,
+          "--strategy single trains on one device, but --devices " << opt.devices << " lists " << devices.size() << ".",
+          "pass a single device, e.g. --devices cpu or --devices cuda:0, or use --strategy dp");
       devices.erase(devices.begin() + 1, devices.end());
     }
     return {.devices = devices};
@@ -178,8 +180,8 @@ int train(const Options& opt, Placement& where, Trainee& model) {
       first_epoch = static_cast<int>(resumed->sampler.epoch) + 1;
     }
   }
-  DTRAIN_LOG(kInfo) << opt.strategy << " training on " << dtrain::format_devices(where.devices) << ": " << per_rank << " examples per rank, "
-                    << opt.epochs << " epochs, batch " << opt.batch_size << " per rank";
+  DTRAIN_LOG(kInfo) << opt.strategy << " training on " << dtrain::format_devices(where.devices) << ": " << per_rank
+                    << " examples per rank, " << opt.epochs << " epochs, batch " << opt.batch_size << " per rank";
   double train_seconds = 0;
   double accuracy = 0;
   for (int epoch = first_epoch; epoch <= opt.epochs; ++epoch) {
@@ -192,9 +194,8 @@ int train(const Options& opt, Placement& where, Trainee& model) {
     std::int64_t step = 0;
     for (; auto batch = loader->next(); ++step) {
       optimizer.zero_grad();
-      at::Tensor loss =
-          torch::nn::functional::cross_entropy(model.forward(batch->data.to(model.input_device)),
-                                              batch->target.to(model.output_device));
+      at::Tensor loss = torch::nn::functional::cross_entropy(model.forward(batch->data.to(model.input_device)),
+                                                             batch->target.to(model.output_device));
       loss.backward();
       optimizer.step();
       loss_sum += loss.item<double>();
@@ -288,7 +289,8 @@ int main(int argc, char** argv) {
   app.add_option("--strategy", opt.strategy, "Parallelism strategy")
       ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel"}))
       ->capture_default_str();
-  app.add_option("--devices", opt.devices, "Devices: cpu, cuda, cuda:N, N, or all, comma-separated (cpu,cpu gives two CPU replicas or stages)")
+  app.add_option("--devices", opt.devices,
+                 "Devices: cpu, cuda, cuda:N, N, or all, comma-separated (cpu,cpu gives two CPU replicas or stages)")
       ->capture_default_str();
   app.add_option("--epochs", opt.epochs, "Passes over the training set")
       ->check(CLI::Range(1, 1000))

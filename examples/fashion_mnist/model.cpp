@@ -8,7 +8,9 @@
 
 namespace F = torch::nn::functional;
 
-SmallCnnImpl::SmallCnnImpl() { reset(); }
+SmallCnnImpl::SmallCnnImpl() {
+  reset();
+}
 
 void SmallCnnImpl::reset() {
   conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));

@@ -44,7 +44,7 @@ inline std::string default_data_dir() {
 }
 
 struct Corpus {
-  std::string vocab;  // token i is the character vocab[i]
+  std::string vocab;                                           // token i is the character vocab[i]
   std::shared_ptr<dtrain::data::TokenFileDataset> train, val;  // windows of block_size, stride 1
   double val_unigram_entropy = 0;
   double val_bigram_entropy = 0;
@@ -52,7 +52,8 @@ struct Corpus {
   std::string decode(const at::Tensor& ids) const {
     std::string text;
     const at::Tensor flat = ids.to(at::kCPU).reshape({-1}).contiguous();
-    for (std::int64_t i = 0; i < flat.numel(); ++i) text += vocab.at(static_cast<std::size_t>(flat[i].item<std::int64_t>()));
+    for (std::int64_t i = 0; i < flat.numel(); ++i)
+      text += vocab.at(static_cast<std::size_t>(flat[i].item<std::int64_t>()));
     return text;
   }
 };
@@ -84,11 +85,13 @@ inline Corpus load_corpus(const std::filesystem::path& dir, std::int64_t block_s
     const auto bytes = std::filesystem::file_size(path, ec);
     if (ec || static_cast<std::int64_t>(bytes) != 2 * expected) {
       throw dtrain::DataError(path.string() + (ec ? " is missing" : " has " + std::to_string(bytes) + " bytes") +
-                                  ", meta.json says " + std::to_string(expected) + " uint16 tokens: the corpus is damaged.",
+                                  ", meta.json says " + std::to_string(expected) +
+                                  " uint16 tokens: the corpus is damaged.",
                               hint);
     }
     std::vector<std::uint16_t> ids(static_cast<std::size_t>(expected));
-    std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(ids.data()), static_cast<std::streamsize>(bytes));
+    std::ifstream(path, std::ios::binary)
+        .read(reinterpret_cast<char*>(ids.data()), static_cast<std::streamsize>(bytes));
     const std::uint16_t top = ids.empty() ? 0 : *std::max_element(ids.begin(), ids.end());  // little-endian host
     if (top >= c.vocab.size()) {
       throw dtrain::DataError(path.string() + " holds token " + std::to_string(top) + " outside the vocabulary of " +

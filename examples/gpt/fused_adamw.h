@@ -47,7 +47,8 @@ class FusedAdamW : public torch::optim::AdamW {
           slot = std::move(fresh);
         }
         auto& s = static_cast<torch::optim::AdamWParamState&>(*slot);
-        auto on = std::find_if(by_device.begin(), by_device.end(), [&](const auto& d) { return d.first == p.device(); });
+        auto on =
+            std::find_if(by_device.begin(), by_device.end(), [&](const auto& d) { return d.first == p.device(); });
         if (on == by_device.end()) on = by_device.insert(on, {p.device(), Lists{}});
         auto& [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps] = on->second;
         params.push_back(p);

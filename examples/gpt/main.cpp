@@ -28,12 +28,12 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <iostream>
-#include <fstream>
 #include <memory>
-#include <numeric>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 
 #include "corpus.h"
@@ -69,7 +69,7 @@ struct Options {
   double temperature = 0.8;
   std::int64_t top_k = 200;
   bool ddp_shared_memory = true;  // DDP's intra-host shared-memory all-reduce (else Gloo)
-  std::string save_params;  // write the final parameters here (raw float32, in order) for tests
+  std::string save_params;        // write the final parameters here (raw float32, in order) for tests
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -81,7 +81,9 @@ double learning_rate(const Options& o, std::int64_t it) {
   return o.min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (o.lr - o.min_lr);
 }
 
-bool distributed(const std::string& s) { return s == "ddp" || s == "ddp-model-parallel"; }
+bool distributed(const std::string& s) {
+  return s == "ddp" || s == "ddp-model-parallel";
+}
 
 // Where this process trains and which ranks it trains with.
 struct Placement {
@@ -116,7 +118,8 @@ Placement place(const Options& opt) {
       devices = std::vector<c10::Device>(first, first + static_cast<std::ptrdiff_t>(per_rank));
     }
   }
-  auto group = dtrain::dist::init_process_group(env, {.device = devices.front()});
+  auto group = dtrain::dist::init_process_group(
+      env, {.device = devices.front(), .intra_host_shared_memory = opt.ddp_shared_memory});
   return {.devices = devices, .rank = env.rank, .world = env.world_size, .group = std::move(group)};
 }
 
@@ -140,7 +143,8 @@ double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where,
   model.module->eval();
   double sum = 0;
   for (std::int64_t k = where.rank; k < opt.eval_iters; k += where.world) {
-    const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world, gpt::val_batch_seed(opt.seed, k));
+    const auto offsets =
+        gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world, gpt::val_batch_seed(opt.seed, k));
     const auto batch = gpt::make_batch(*corpus.val, offsets);
     gpt::CpuAutocast autocast(opt.amp == "bf16");
     sum += gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
@@ -189,8 +193,8 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(const Options& opt, const st
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
                                  torch::optim::AdamWOptions(adamw).weight_decay(opt.weight_decay)));
-  groups.emplace_back(no_decay,
-                      std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
+  groups.emplace_back(
+      no_decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(adamw).weight_decay(0.0)));
   if (opt.optimizer == "fused") return std::make_unique<gpt::FusedAdamW>(groups, adamw);
   return std::make_unique<torch::optim::AdamW>(groups, adamw);
 }
@@ -204,7 +208,9 @@ struct StepResult {
 StepResult train_step(const Options& opt, const Placement& where, Trainee& model, const gpt::Corpus& corpus,
                       torch::optim::AdamW& optimizer, std::int64_t step) {
   using Clock = std::chrono::steady_clock;
-  auto ms_since = [](Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); };
+  auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
   const std::int64_t per_micro = opt.batch_size * where.world;
   const auto offsets =
       gpt::draw_windows(corpus.train->size(), per_micro * opt.accumulate, gpt::train_batch_seed(opt.seed, step));
@@ -279,9 +285,9 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
     val_loss = evaluate(opt, corpus, where, model);
     if (!lead) return;
     const double train_loss = loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : NAN;
-    std::cout << nlohmann::json{{"event", "eval"}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss}}
-                     .dump()
-              << std::endl;
+    std::cout
+        << nlohmann::json{{"event", "eval"}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss}}.dump()
+        << std::endl;
     loss_sum = 0;
     loss_count = 0;
   };
@@ -331,9 +337,10 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
                               {"tokens_per_second",
                                static_cast<double>(global * opt.model.block_size * steps_trained) / train_seconds},
                               {"train_seconds", train_seconds},
-                              {"step_ms", {{"forward", times.forward / n},
-                                           {"backward", times.backward / n},
-                                           {"optimizer", times.optimizer / n}}}}
+                              {"step_ms",
+                               {{"forward", times.forward / n},
+                                {"backward", times.backward / n},
+                                {"optimizer", times.optimizer / n}}}}
                    .dump()
             << std::endl;
   return 0;
@@ -341,13 +348,14 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
 
 // Trains `module` as it is, or through DDP when this process is a rank.
 template <typename Holder>
-int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Holder& module, const gpt::Corpus& corpus) {
+int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Holder& module,
+                       const gpt::Corpus& corpus) {
   model.plain = [&](const at::Tensor& x) { return module(x); };
   if (!where.group) {
     model.forward = model.plain;
     return train(opt, where, model, corpus);
   }
-  dtrain::DistributedDataParallel ddp(module, *where.group, {.intra_host_shared_memory = opt.ddp_shared_memory});
+  dtrain::DistributedDataParallel ddp(module, *where.group);
   model.forward = [&](const at::Tensor& x) { return ddp(x); };
   model.without_sync = [&](const std::function<void()>& body) {
     auto guard = ddp.no_sync();
@@ -396,26 +404,40 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
       ->capture_default_str();
-  app.add_option("--max-iters", opt.max_iters, "Optimizer steps")->check(CLI::Range(1, 10000000))->capture_default_str();
+  app.add_option("--max-iters", opt.max_iters, "Optimizer steps")
+      ->check(CLI::Range(1, 10000000))
+      ->capture_default_str();
   app.add_option("--eval-interval", opt.eval_interval, "Steps between val-loss evaluations (and checkpoints)")
       ->check(CLI::Range(1, 10000000))
       ->capture_default_str();
-  app.add_option("--eval-iters", opt.eval_iters, "Val batches per evaluation")->check(CLI::Range(1, 100000))->capture_default_str();
-  app.add_option("--batch-size", opt.batch_size, "Sequences per rank and micro-step")->check(CLI::Range(1, 65536))->capture_default_str();
+  app.add_option("--eval-iters", opt.eval_iters, "Val batches per evaluation")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("--batch-size", opt.batch_size, "Sequences per rank and micro-step")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
   app.add_option("--accumulate", opt.accumulate, "Micro-steps per optimizer step (gradient accumulation)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
-  app.add_option("--block-size", opt.model.block_size, "Context length")->check(CLI::Range(1, 65536))->capture_default_str();
-  app.add_option("--n-layer", opt.model.n_layer, "Transformer blocks")->check(CLI::Range(1, 1024))->capture_default_str();
+  app.add_option("--block-size", opt.model.block_size, "Context length")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  app.add_option("--n-layer", opt.model.n_layer, "Transformer blocks")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   app.add_option("--n-head", opt.model.n_head, "Attention heads")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--n-embd", opt.model.n_embd, "Width")->check(CLI::Range(1, 65536))->capture_default_str();
   app.add_option("--dropout", opt.model.dropout, "Dropout")->check(CLI::Range(0.0, 0.99))->capture_default_str();
   app.add_flag("--bias", opt.model.bias, "Biases in Linear and LayerNorm layers");
   app.add_option("--lr", opt.lr, "Peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--min-lr", opt.min_lr, "Learning rate at the end of the cosine decay")->capture_default_str();
-  app.add_option("--warmup-iters", opt.warmup_iters, "Linear warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--lr-decay-iters", opt.lr_decay_iters, "Steps of cosine decay (0: --max-iters)")->capture_default_str();
-  app.add_option("--weight-decay", opt.weight_decay, "AdamW weight decay (matrices and embeddings)")->capture_default_str();
+  app.add_option("--warmup-iters", opt.warmup_iters, "Linear warm-up steps")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--lr-decay-iters", opt.lr_decay_iters, "Steps of cosine decay (0: --max-iters)")
+      ->capture_default_str();
+  app.add_option("--weight-decay", opt.weight_decay, "AdamW weight decay (matrices and embeddings)")
+      ->capture_default_str();
   app.add_option("--beta2", opt.beta2, "AdamW beta2")->capture_default_str();
   app.add_option("--grad-clip", opt.grad_clip, "Clip gradients to this global norm (0: off)")->capture_default_str();
   app.add_option("--optimizer", opt.optimizer, "AdamW implementation: fused (one ATen kernel per group) or torch")
@@ -427,11 +449,14 @@ int main(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "Seed of the weights, the batch order and the sample")->capture_default_str();
   app.add_option("--data-dir", opt.data_dir, "Folder with train.bin, val.bin, meta.json (scripts/setup.sh builds it)")
       ->capture_default_str();
-  app.add_option("--checkpoint-dir", opt.checkpoint_dir, "Save checkpoints here every --eval-interval and resume from the newest");
+  app.add_option("--checkpoint-dir", opt.checkpoint_dir,
+                 "Save checkpoints here every --eval-interval and resume from the newest");
   app.add_option("--sample-tokens", opt.sample_tokens, "Characters to generate at the end (0: none)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--temperature", opt.temperature, "Sampling temperature")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--temperature", opt.temperature, "Sampling temperature")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--top-k", opt.top_k, "Sample among the k likeliest characters (0: all)")->capture_default_str();
   app.add_flag("--ddp-shared-memory,!--ddp-gloo", opt.ddp_shared_memory,
                "DDP all-reduce between this host's ranks: shared memory (default) or Gloo");

@@ -63,6 +63,8 @@ namespace detail {
 
 // Throws `ErrorType(message, hint)` unless `cond` holds. `message` and `hint`
 // are stream expressions: DTRAIN_CHECK(n > 0, ConfigError, "n=" << n, "pass n >= 1").
+// NOLINTBEGIN(bugprone-macro-parentheses): `message` and `hint` are stream
+// expressions (`"n=" << n`), which parentheses would break.
 #define DTRAIN_CHECK(cond, ErrorType, message, hint)                    \
   do {                                                                  \
     if (!(cond)) {                                                      \
@@ -82,3 +84,4 @@ namespace detail {
       ::dtrain::detail::throw_internal(__FILE__, __LINE__, #cond, dtrain_msg_.str()); \
     }                                                                                 \
   } while (false)
+// NOLINTEND(bugprone-macro-parentheses)

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <mutex>
 
+#include "../core/module_loader.h"
 #include "backends.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/error.h"
@@ -19,10 +20,13 @@ struct NcclModule {
   void (*make)(const BackendRequest*, c10::intrusive_ptr<c10d::Backend>*) = nullptr;
 };
 
+constexpr const char* kHint = "install libdtrain_nccl.so next to libdtrain (or set DTRAIN_NCCL_MODULE to its path)";
+
+// Loaded once; a failure is remembered and reported on every use.
 const NcclModule& module() {
   static NcclModule m;
-  static std::once_flag once;
   static std::string error;
+  static std::once_flag once;
   std::call_once(once, [] {
     std::string path;
     if (const char* override_path = std::getenv("DTRAIN_NCCL_MODULE")) {
@@ -33,17 +37,17 @@ const NcclModule& module() {
       const std::filesystem::path self = info.dli_fname != nullptr ? info.dli_fname : "";
       path = (self.parent_path() / "libdtrain_nccl.so").string();
     }
-    void* lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (lib == nullptr) {
-      error = "cannot load the NCCL backend module " + path + ": " + ::dlerror();
-      return;
+    try {
+      void* lib = dtrain::detail::load_module("the NCCL backend module", path, /*lazy=*/false, kHint);
+      m.check = reinterpret_cast<decltype(m.check)>(
+          dtrain::detail::module_symbol(lib, path, "dtrain_nccl_check_usable", kHint));
+      m.make = reinterpret_cast<decltype(m.make)>(
+          dtrain::detail::module_symbol(lib, path, "dtrain_nccl_make_backend", kHint));
+    } catch (const ConfigError& e) {
+      error = e.message();
     }
-    m.check = reinterpret_cast<decltype(m.check)>(::dlsym(lib, "dtrain_nccl_check_usable"));
-    m.make = reinterpret_cast<decltype(m.make)>(::dlsym(lib, "dtrain_nccl_make_backend"));
-    if (m.check == nullptr || m.make == nullptr) error = path + " lacks dtrain's NCCL entry points";
   });
-  DTRAIN_CHECK(error.empty(), ConfigError, error << ".",
-               "install libdtrain_nccl.so next to libdtrain (or set DTRAIN_NCCL_MODULE to its path)");
+  DTRAIN_CHECK(error.empty(), ConfigError, error, kHint);
   return m;
 }
 

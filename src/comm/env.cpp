@@ -79,8 +79,30 @@ EnvContract read_env_contract(const EnvLookup& env) {
   if (const auto restarts = env("TORCHELASTIC_RESTART_COUNT")) {
     c.restart_count = detail::parse_int("TORCHELASTIC_RESTART_COUNT", *restarts, 0, 1 << 30);
   }
+  if (const auto group = env("GROUP_RANK")) c.group_rank = detail::parse_int("GROUP_RANK", *group, 0, kMaxRanks);
+  if (const auto max = env("TORCHELASTIC_MAX_RESTARTS")) {
+    c.max_restarts = detail::parse_int("TORCHELASTIC_MAX_RESTARTS", *max, 0, 1 << 30);
+  }
+  if (const auto id = env("TORCHELASTIC_RUN_ID")) c.run_id = *id;
   validate(c);
   return c;
+}
+
+std::map<std::string, std::string> to_environment(const EnvContract& c) {
+  const std::string rank = std::to_string(c.rank);
+  return {{"RANK", rank},
+          {"LOCAL_RANK", std::to_string(c.local_rank)},
+          {"GROUP_RANK", std::to_string(c.group_rank)},
+          {"ROLE_RANK", rank},
+          {"WORLD_SIZE", std::to_string(c.world_size)},
+          {"LOCAL_WORLD_SIZE", std::to_string(c.local_world_size)},
+          {"ROLE_WORLD_SIZE", std::to_string(c.world_size)},
+          {"MASTER_ADDR", c.master_addr},
+          {"MASTER_PORT", std::to_string(c.master_port)},
+          {"TORCHELASTIC_RESTART_COUNT", std::to_string(c.restart_count)},
+          {"TORCHELASTIC_MAX_RESTARTS", std::to_string(c.max_restarts)},
+          {"TORCHELASTIC_RUN_ID", c.run_id},
+          {"TORCHELASTIC_USE_AGENT_STORE", c.agent_store ? "True" : "False"}};
 }
 
 bool launched_by_launcher(const EnvLookup& env) {

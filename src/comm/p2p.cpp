@@ -18,12 +18,13 @@ detail::OpInfo p2p_info(const char* op, const at::Tensor& tensor, int peer, int 
 }
 
 void check_p2p(const detail::GroupState& s, const detail::OpInfo& info, const at::Tensor& tensor, int peer) {
-  DTRAIN_CHECK(peer >= 0 && peer < s.size && peer != s.rank, ConfigError,
-               info.op << " to/from rank " << peer << " on " << detail::describe(s) << ": not another rank of the group.",
-               "pass a peer in 0.." << s.size - 1 << " other than " << s.rank);
+  DTRAIN_CHECK(
+      peer >= 0 && peer < s.size && peer != s.rank, ConfigError,
+      info.op << " to/from rank " << peer << " on " << detail::describe(s) << ": not another rank of the group.",
+      "pass a peer in 0.." << s.size - 1 << " other than " << s.rank);
   if (!tensor.defined() || !tensor.is_contiguous()) {
     std::rethrow_exception(detail::communication_error(s, info, "the tensor must be defined and contiguous",
-                                                        "pass a contiguous tensor (.contiguous())"));
+                                                       "pass a contiguous tensor (.contiguous())"));
   }
 }
 
@@ -66,7 +67,8 @@ std::vector<Work> ProcessGroup::batch_isend_irecv(std::vector<P2POp>& ops) {
   // waits on the window's.
   auto end = state_->backend->endCoalescing();
   for (std::size_t i = 0; i < ops.size(); ++i) {
-    works[i] = detail::make_work(state_, works[i].impl()->outcome->info, c10::IValue(ops[i].tensor), [&] { return end; });
+    works[i] =
+        detail::make_work(state_, works[i].impl()->outcome->info, c10::IValue(ops[i].tensor), [&] { return end; });
   }
   return works;
 }

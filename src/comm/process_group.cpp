@@ -5,9 +5,9 @@
 #include <set>
 
 #include "backends.h"
-#include "group_state.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "group_state.h"
 #include "membership.h"
 
 namespace dtrain::dist {

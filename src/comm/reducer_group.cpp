@@ -47,7 +47,8 @@ ReduceOp from_c10d(const c10d::ReduceOp& op) {
 
 class ForwardingBackend : public c10d::Backend {
  public:
-  explicit ForwardingBackend(ProcessGroup group) : c10d::Backend(group.rank(), group.size()), group_(std::move(group)) {}
+  explicit ForwardingBackend(ProcessGroup group)
+      : c10d::Backend(group.rank(), group.size()), group_(std::move(group)) {}
 
   // Not the inner backend's name (see process_group_for_reducer).
   const std::string getBackendName() const override { return "dtrain"; }

@@ -159,8 +159,8 @@ void SharedMemoryTransport::barrier() {
                                  std::to_string(region_->control[r].pid.load()) + ") exited");
       }
       if (std::chrono::steady_clock::now() > deadline) {
-        throw std::runtime_error("shared-memory transport: peer rank " + std::to_string(r) +
-                                 " did not arrive within " + log::format_seconds(timeout_) +
+        throw std::runtime_error("shared-memory transport: peer rank " + std::to_string(r) + " did not arrive within " +
+                                 log::format_seconds(timeout_) +
                                  " (timed out; it hung or issued different collectives)");
       }
     }
@@ -208,9 +208,7 @@ void SharedMemoryTransport::reduce_scatter_sum(at::Tensor& output, const at::Ten
   const std::int64_t n = output.numel();
   at::Tensor in = input.view({size_, n});
   at::Tensor out = output.view(-1);
-  auto slot = [&](int r, std::int64_t len) {
-    return at::from_blob(region_->slot(r), {size_, len}, input.options());
-  };
+  auto slot = [&](int r, std::int64_t len) { return at::from_blob(region_->slot(r), {size_, len}, input.options()); };
   for (std::int64_t start = 0; start < n; start += per) {
     const std::int64_t len = std::min(per, n - start);
     slot(rank_, len).copy_(in.narrow(1, start, len));

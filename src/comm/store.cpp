@@ -5,9 +5,9 @@
 
 #include <algorithm>
 
-#include "group_state.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "group_state.h"
 
 namespace dtrain::dist {
 namespace {

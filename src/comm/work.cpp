@@ -36,9 +36,9 @@ std::exception_ptr communication_error(const OpInfo& info, const std::string& ca
   message += " failed: " + cause;
   const bool timeout = cause.find("imed out") != std::string::npos || cause.find("imeout") != std::string::npos;
   std::string hint = !hint_text.empty() ? hint_text
-                     : info.peer >= 0    ? "rank " + std::to_string(info.peer) +
-                                          " may have died, stalled or posted a different size; its log says why"
-                                    : "a peer rank may have died or stalled; its log says why";
+                     : info.peer >= 0   ? "rank " + std::to_string(info.peer) +
+                                            " may have died, stalled or posted a different size; its log says why"
+                                      : "a peer rank may have died or stalled; its log says why";
   if (timeout) hint += " (the group timeout is " + log::format_seconds(info.timeout) + ", DTRAIN_TIMEOUT_SECONDS)";
   return std::make_exception_ptr(CommunicationError(message, hint));
 }

@@ -14,8 +14,8 @@
 #include <deque>
 #include <functional>
 #include <memory>
-#include <stdexcept>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 
 #include "dtrain/log.h"

@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 
@@ -50,27 +51,6 @@ std::string to_string(AgentState state) {
     case AgentState::kInterrupted: return "interrupted";
   }
   return "?";
-}
-
-int listen_tcp(int& port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const int yes = 1;
-  if (fd >= 0) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  socklen_t len = sizeof addr;
-  const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-                  ::listen(fd, 1024) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  if (!ok) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    throw ConfigError("cannot listen on TCP port " + std::to_string(port) + ": " + std::strerror(err) + ".",
-                      "choose another port, or stop the process holding it");
-  }
-  port = ntohs(addr.sin_port);
-  return fd;
 }
 
 Agent::Agent(AgentOptions options, WorkerGroup& workers, WorkerStoreHost& store_host)
@@ -103,20 +83,19 @@ void Agent::move_to(AgentState next) {
 
 std::map<std::string, std::string> Agent::worker_env(int local_rank, const RoundPlan& plan) const {
   std::map<std::string, std::string> env = options_.extra_env;
-  const std::string rank = std::to_string(plan.rank_base + local_rank);
-  env["RANK"] = rank;
-  env["LOCAL_RANK"] = std::to_string(local_rank);
-  env["GROUP_RANK"] = std::to_string(plan.node_rank);
-  env["ROLE_RANK"] = rank;
-  env["WORLD_SIZE"] = std::to_string(plan.world_size);
-  env["LOCAL_WORLD_SIZE"] = std::to_string(options_.nproc_per_node);
-  env["ROLE_WORLD_SIZE"] = std::to_string(plan.world_size);
-  env["MASTER_ADDR"] = plan.master_addr;
-  env["MASTER_PORT"] = std::to_string(plan.master_port);
-  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(plan.restart_count);
-  env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options_.max_restarts);
-  env["TORCHELASTIC_RUN_ID"] = options_.run_id;
-  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";  // node rank 0's agent hosts it: Note [Worker store]
+  const auto contract = dist::to_environment({.rank = plan.rank_base + local_rank,
+                                              .world_size = plan.world_size,
+                                              .local_rank = local_rank,
+                                              .local_world_size = options_.nproc_per_node,
+                                              .master_addr = plan.master_addr,
+                                              .master_port = plan.master_port,
+                                              // node rank 0's agent hosts it: Note [Worker store]
+                                              .agent_store = true,
+                                              .restart_count = plan.restart_count,
+                                              .group_rank = plan.node_rank,
+                                              .max_restarts = options_.max_restarts,
+                                              .run_id = options_.run_id});
+  for (const auto& [name, value] : contract) env[name] = value;
   env["DTRAIN_RDZV_ROUND"] = std::to_string(plan.round);
   if (std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   return env;
@@ -188,11 +167,10 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
       return finish(AgentState::kFailed, ending->exit_code);
     }
     if (ending->kind == RoundEnding::Kind::kFailure) {
-      DTRAIN_LOG(kWarning) << ending->reason << "; restarting the workers (restart " << plan.restart_count + 1
-                           << " of " << options_.max_restarts << ")";
+      DTRAIN_LOG(kWarning) << ending->reason << "; restarting the workers (restart " << plan.restart_count + 1 << " of "
+                           << options_.max_restarts << ")";
     } else {
-      DTRAIN_LOG(kWarning) << "membership changed: " << ending->reason
-                           << "; re-forming the group (no restart used)";
+      DTRAIN_LOG(kWarning) << "membership changed: " << ending->reason << "; re-forming the group (no restart used)";
     }
     move_to(AgentState::kRestarting);
   }

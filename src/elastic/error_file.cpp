@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <fstream>
 
 #include <csignal>
 #include <cstdio>
@@ -94,6 +95,21 @@ int run_recording_errors(const std::function<int()>& main) {
     std::cerr << log::rank_tag() << (log::rank_tag().empty() ? "" : " ") << "error: " << e.what() << std::endl;
     return 1;
   }
+}
+
+std::string read_error_message(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return {};
+  try {
+    const auto j = nlohmann::json::parse(in);
+    if (j.contains("message")) {
+      const auto& m = j["message"];
+      if (m.is_string()) return m.get<std::string>();
+      if (m.contains("message")) return m["message"].get<std::string>();
+    }
+  } catch (...) {
+  }
+  return {};
 }
 
 }  // namespace dtrain::elastic

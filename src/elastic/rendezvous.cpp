@@ -31,6 +31,8 @@
 // - Heartbeats are counters, not timestamps, so clocks need not agree.
 #include "dtrain/elastic/rendezvous.h"
 
+#include "../core/net.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -55,7 +57,7 @@ RoundPlan StandaloneRendezvous::next_round() {
   plan.world_size = nproc_;
   plan.master_addr = master_addr_;
   plan.master_port = master_port_;
-  plan.master_listen_fd = listen_tcp(plan.master_port);
+  plan.master_listen_fd = net::listen_tcp(plan.master_port);
   return plan;
 }
 
@@ -73,8 +75,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr auto kPollSleep = std::chrono::milliseconds(20);
 
-std::string key(const std::string& k) { return "dtrain/rdzv/" + k; }
-std::string round_key(int r, const std::string& k) { return key("r" + std::to_string(r) + "/" + k); }
+std::string key(const std::string& k) {
+  return "dtrain/rdzv/" + k;
+}
+std::string round_key(int r, const std::string& k) {
+  return key("r" + std::to_string(r) + "/" + k);
+}
 
 std::string encode(const RoundEnding& e) {
   return nlohmann::json{{"kind", e.kind == RoundEnding::Kind::kFailure ? "failure" : "membership"},
@@ -221,7 +227,9 @@ StoreRendezvous::StoreRendezvous(std::shared_ptr<RendezvousStore> store, StoreRe
 
 StoreRendezvous::~StoreRendezvous() = default;
 
-const std::string& StoreRendezvous::node_id() const { return state_->node_id; }
+const std::string& StoreRendezvous::node_id() const {
+  return state_->node_id;
+}
 
 RoundPlan StoreRendezvous::next_round() {
   auto& s = *state_;
@@ -234,10 +242,11 @@ RoundPlan StoreRendezvous::next_round() {
   for (;;) {
     auto deadline = Clock::now() + s.opt.timeout;
     const int index = static_cast<int>(s.store->add(round_key(r, "joined"), 1)) - 1;
-    s.store->set(round_key(r, "node" + std::to_string(index)),
-                 nlohmann::json{{"id", s.node_id}, {"addr", s.opt.local_addr}, {"nproc", s.opt.nproc},
-                                {"node_rank", s.opt.node_rank}}
-                     .dump());
+    s.store->set(
+        round_key(r, "node" + std::to_string(index)),
+        nlohmann::json{
+            {"id", s.node_id}, {"addr", s.opt.local_addr}, {"nproc", s.opt.nproc}, {"node_rank", s.opt.node_rank}}
+            .dump());
     DTRAIN_LOG(kInfo) << "node " << s.node_id << " joined rendezvous round " << r << " at " << s.opt.endpoint
                       << " (arrival " << index << ")";
     std::int64_t last_count = -1;
@@ -254,13 +263,13 @@ RoundPlan StoreRendezvous::next_round() {
         last_count = count;
         last_change = Clock::now();
       }
-      const bool previous_over =
-          r == 0 || s.exists(round_key(r - 1, "end")) || !s.exists(round_key(r - 1, "closed"));
-      const bool enough = count >= s.opt.max_nodes ||
-                          (count >= s.opt.min_nodes && Clock::now() - last_change >= s.opt.last_call);
+      const bool previous_over = r == 0 || s.exists(round_key(r - 1, "end")) || !s.exists(round_key(r - 1, "closed"));
+      const bool enough =
+          count >= s.opt.max_nodes || (count >= s.opt.min_nodes && Clock::now() - last_change >= s.opt.last_call);
       if (previous_over && enough) {
         s.store->set(round_key(r, "restarts"), std::to_string(s.restarts_for(r)));
-        s.store->create_if_absent(round_key(r, "closed"), std::to_string(std::min<std::int64_t>(count, s.opt.max_nodes)));
+        s.store->create_if_absent(round_key(r, "closed"),
+                                  std::to_string(std::min<std::int64_t>(count, s.opt.max_nodes)));
         continue;
       }
       if (Clock::now() > deadline && previous_over) {
@@ -280,12 +289,13 @@ RoundPlan StoreRendezvous::next_round() {
     for (int i = 0; i < closed; ++i) {
       std::optional<std::string> rec;
       while (!(rec = s.store->try_get(round_key(r, "node" + std::to_string(i))))) {
-        if (Clock::now() > deadline) s.timed_out("arrival " + std::to_string(i) + " of round " + std::to_string(r) + " never registered");
+        if (Clock::now() > deadline)
+          s.timed_out("arrival " + std::to_string(i) + " of round " + std::to_string(r) + " never registered");
         std::this_thread::sleep_for(kPollSleep);
       }
       const auto j = nlohmann::json::parse(*rec);
-      members.push_back({.index = i, .id = j.at("id"), .addr = j.at("addr"), .nproc = j.at("nproc"),
-                         .node_rank = j.at("node_rank")});
+      members.push_back(
+          {.index = i, .id = j.at("id"), .addr = j.at("addr"), .nproc = j.at("nproc"), .node_rank = j.at("node_rank")});
     }
     std::stable_sort(members.begin(), members.end(), [](const NodeRecord& a, const NodeRecord& b) {
       return (a.node_rank < 0 ? INT_MAX : a.node_rank) < (b.node_rank < 0 ? INT_MAX : b.node_rank);
@@ -310,7 +320,7 @@ RoundPlan StoreRendezvous::next_round() {
     }
     if (plan.node_rank == 0) {
       plan.master_addr = s.opt.local_addr;
-      plan.master_listen_fd = listen_tcp(plan.master_port);
+      plan.master_listen_fd = net::listen_tcp(plan.master_port);
       s.store->set(round_key(r, "master"), plan.master_addr + ":" + std::to_string(plan.master_port));
     } else {
       std::optional<std::string> master;
@@ -318,11 +328,13 @@ RoundPlan StoreRendezvous::next_round() {
       while (!(master = s.store->try_get(round_key(r, "master")))) {
         s.heartbeat();
         if (s.ended() || s.lost_peer()) {
-          s.end_round({.kind = RoundEnding::Kind::kMembershipChange, .reason = "node rank 0 was lost before the round started"});
+          s.end_round({.kind = RoundEnding::Kind::kMembershipChange,
+                       .reason = "node rank 0 was lost before the round started"});
           restart = true;
           break;
         }
-        if (Clock::now() > deadline) s.timed_out("node rank 0 of round " + std::to_string(r) + " never published MASTER_ADDR");
+        if (Clock::now() > deadline)
+          s.timed_out("node rank 0 of round " + std::to_string(r) + " never published MASTER_ADDR");
         std::this_thread::sleep_for(kPollSleep);
       }
       if (restart) {

@@ -17,6 +17,7 @@
 #include <future>
 #include <thread>
 
+#include "../core/net.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/elastic/rendezvous.h"
 #include "dtrain/error.h"
@@ -72,81 +73,11 @@ class DistRendezvousStore : public RendezvousStore {
   std::string where_;
 };
 
-bool same_address(const sockaddr* a, const sockaddr* b) {
-  if (a->sa_family != b->sa_family) return false;
-  if (a->sa_family == AF_INET) {
-    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
-           reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
-  }
-  if (a->sa_family == AF_INET6) {
-    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
-                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr, sizeof(in6_addr)) == 0;
-  }
-  return false;
-}
-
-// Whether `host` resolves to an address of this machine.
-bool names_this_machine(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* resolved = nullptr;
-  if (::getaddrinfo(host.c_str(), nullptr, &hints, &resolved) != 0) return false;
-  ifaddrs* interfaces = nullptr;
-  ::getifaddrs(&interfaces);
-  bool local = false;
-  for (addrinfo* a = resolved; a != nullptr && !local; a = a->ai_next) {
-    if (a->ai_family == AF_INET &&
-        (ntohl(reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr) >> 24) == 127) {
-      local = true;
-    }
-    for (ifaddrs* i = interfaces; i != nullptr && !local; i = i->ifa_next) {
-      if (i->ifa_addr != nullptr && same_address(i->ifa_addr, a->ai_addr)) local = true;
-    }
-  }
-  if (interfaces != nullptr) ::freeifaddrs(interfaces);
-  ::freeaddrinfo(resolved);
-  return local;
-}
-
-// Retries a plain TCP connection to host:port until one succeeds (true) or
-// the deadline passes (false): the node hosting the store may start later.
-bool wait_until_reachable(const std::string& host, int port, std::chrono::steady_clock::time_point deadline) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  const std::string service = std::to_string(port);
-  while (std::chrono::steady_clock::now() < deadline) {
-    addrinfo* resolved = nullptr;
-    if (::getaddrinfo(host.c_str(), service.c_str(), &hints, &resolved) == 0) {
-      for (addrinfo* a = resolved; a != nullptr; a = a->ai_next) {
-        const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
-        if (fd < 0) continue;
-        bool ok = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
-        if (!ok && errno == EINPROGRESS) {
-          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-          pollfd p{fd, POLLOUT, 0};
-          int err = 0;
-          socklen_t len = sizeof err;
-          ok = ::poll(&p, 1, static_cast<int>(std::clamp<long long>(left.count(), 0, 1000))) == 1 &&
-               ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
-        }
-        ::close(fd);
-        if (ok) {
-          ::freeaddrinfo(resolved);
-          return true;
-        }
-      }
-      ::freeaddrinfo(resolved);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  return false;
-}
-
 }  // namespace
 
 std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string& host, int port,
                                                               std::chrono::milliseconds timeout) {
-  if (names_this_machine(host)) {
+  if (net::names_this_machine(host)) {
     try {
       auto store = dist::Store::tcp({.host = host, .port = port, .is_server = true, .timeout = timeout});
       DTRAIN_LOG(kInfo) << "hosting the rendezvous store on port " << port;
@@ -161,7 +92,7 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
   const std::string where = host + ":" + std::to_string(port);
   const auto seconds = std::to_string(static_cast<double>(timeout.count()) / 1000.0).substr(0, 5);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  if (!wait_until_reachable(host, port, deadline)) {
+  if (!net::wait_until_reachable(host, port, deadline)) {
     throw TimeoutError("could not reach the rendezvous store at " + where + " within " + seconds + " s.",
                        "start the node whose address --rdzv-endpoint names first (it hosts the store), check the "
                        "address and port, or raise --rdzv-timeout");
@@ -177,8 +108,8 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
   }).detach();
   // Something accepts connections there; c10d's handshake gets the whole timeout again, plus slack for its retries.
   if (future.wait_for(2 * timeout + std::chrono::seconds(5)) == std::future_status::timeout) {
-    throw TimeoutError("the rendezvous endpoint " + where + " accepted a connection but did not answer as a store within " +
-                           seconds + " s.",
+    throw TimeoutError("the rendezvous endpoint " + where +
+                           " accepted a connection but did not answer as a store within " + seconds + " s.",
                        "another program may be using that port: choose another --rdzv-endpoint port");
   }
   try {
@@ -198,8 +129,7 @@ std::shared_ptr<RendezvousStore> make_memory_rendezvous_store() {
 
 // The entry point `dtrain run` looks up with dlsym (C linkage: an unmangled name).
 extern "C" __attribute__((visibility("default"))) void dtrain_connect_tcp_rendezvous_store(
-    const std::string* host, int port, long long timeout_ms,
-    std::shared_ptr<dtrain::elastic::RendezvousStore>* out) {
+    const std::string* host, int port, long long timeout_ms, std::shared_ptr<dtrain::elastic::RendezvousStore>* out) {
   // The launcher explains connection problems itself; c10d's warnings with
   // stack traces would bury that (workers keep their own log level).
   FLAGS_caffe2_log_level = 3;  // fatal only

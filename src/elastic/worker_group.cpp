@@ -1,6 +1,8 @@
 // Worker processes for the launcher: spawn, watch, stream output, stop.
 #include "dtrain/elastic/worker_group.h"
 
+#include "dtrain/elastic/error_file.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -14,7 +16,6 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 
@@ -67,20 +68,6 @@ bool is_stopped(int pid) {
   return state == 'T' || state == 't';
 }
 
-std::string read_error_message(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return {};
-  try {
-    const auto j = nlohmann::json::parse(in);
-    if (j.contains("message")) {
-      const auto& m = j["message"];
-      if (m.is_string()) return m.get<std::string>();
-      if (m.contains("message")) return m["message"].get<std::string>();
-    }
-  } catch (...) {
-  }
-  return {};
-}
 }  // namespace
 
 int WorkerExit::launcher_exit_code() const {

@@ -230,39 +230,39 @@ class PeerDeath : public ::testing::TestWithParam<DeathCase> {};
 TEST_P(PeerDeath, SurvivorGetsCommunicationErrorNamingRankOpAndPeer) {
   const DeathCase c = GetParam();
   const std::string op = c.op;
-  const auto outcomes = run_rank_processes(
-      2,
-      [&](int rank) {
-        auto group = dtrain::dist::init_process_group(
-            {.timeout = std::chrono::seconds(20), .intra_host_shared_memory = c.shared_memory});
-        // One operation of the kind first, so the transport is set up.
-        at::Tensor warm = at::empty({10});
-        if (op == "recv") {
-          group.barrier();
-        } else if (op == "reduce_scatter") {
-          group.reduce_scatter(warm, at::ones({20})).wait();
-        } else {
-          group.all_gather_into(warm, at::ones({5})).wait();
-        }
-        EXPECT_EQ(group.uses_shared_memory(), c.shared_memory);
-        if (rank == 1) std::raise(SIGKILL);
-        try {
-          if (op == "reduce_scatter") {
-            at::Tensor out = at::empty({1000});
-            group.reduce_scatter(out, at::ones({2000})).wait();
-          } else if (op == "all_gather") {
-            at::Tensor out = at::empty({2000});
-            group.all_gather_into(out, at::ones({1000})).wait();
-          } else {
-            at::Tensor in = at::empty({1000});
-            group.recv(in, 1);
-          }
-          ADD_FAILURE() << op << " completed without its peer";
-        } catch (const dtrain::CommunicationError& e) {
-          std::cerr << "survivor: " << e.what() << std::endl;
-        }
-      },
-      {.timeout = std::chrono::seconds(60), .expect_success = false});
+  const auto outcomes =
+      run_rank_processes(2,
+                         [&](int rank) {
+                           auto group = dtrain::dist::init_process_group(
+                               {.timeout = std::chrono::seconds(20), .intra_host_shared_memory = c.shared_memory});
+                           // One operation of the kind first, so the transport is set up.
+                           at::Tensor warm = at::empty({10});
+                           if (op == "recv") {
+                             group.barrier();
+                           } else if (op == "reduce_scatter") {
+                             group.reduce_scatter(warm, at::ones({20})).wait();
+                           } else {
+                             group.all_gather_into(warm, at::ones({5})).wait();
+                           }
+                           EXPECT_EQ(group.uses_shared_memory(), c.shared_memory);
+                           if (rank == 1) std::raise(SIGKILL);
+                           try {
+                             if (op == "reduce_scatter") {
+                               at::Tensor out = at::empty({1000});
+                               group.reduce_scatter(out, at::ones({2000})).wait();
+                             } else if (op == "all_gather") {
+                               at::Tensor out = at::empty({2000});
+                               group.all_gather_into(out, at::ones({1000})).wait();
+                             } else {
+                               at::Tensor in = at::empty({1000});
+                               group.recv(in, 1);
+                             }
+                             ADD_FAILURE() << op << " completed without its peer";
+                           } catch (const dtrain::CommunicationError& e) {
+                             std::cerr << "survivor: " << e.what() << std::endl;
+                           }
+                         },
+                         {.timeout = std::chrono::seconds(60), .expect_success = false});
   const std::string& out = outcomes[0].output;
   EXPECT_FALSE(outcomes[0].timed_out) << out;
   EXPECT_NE(out.find("survivor: [rank 0/2] " + op), std::string::npos) << out;

@@ -18,12 +18,16 @@ namespace hooks = dtrain::hooks;
 using namespace dtrain::testing;
 
 namespace {
-dtrain::dist::GroupOptions group_options() { return {.timeout = std::chrono::seconds(60)}; }
+dtrain::dist::GroupOptions group_options() {
+  return {.timeout = std::chrono::seconds(60)};
+}
 
 // Hooks keep per-model state: each rank's DDP gets its own from the factory
 // (null factory: DDP's default).
 using HookFactory = std::function<std::shared_ptr<CommHook>()>;
-std::shared_ptr<CommHook> make(const HookFactory& factory) { return factory ? factory() : nullptr; }
+std::shared_ptr<CommHook> make(const HookFactory& factory) {
+  return factory ? factory() : nullptr;
+}
 
 // A user-written hook: sums instead of averaging.
 class SumHook : public CommHook {

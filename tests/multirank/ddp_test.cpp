@@ -3,6 +3,8 @@
 // parameters, buffers, uneven inputs (Join), model mismatch, comm hooks.
 #include <gtest/gtest.h>
 
+#include <csignal>
+
 #include <cstdlib>
 #include <iostream>
 
@@ -119,31 +121,43 @@ TEST_P(DdpProcesses, EqualSingleProcess) {
 INSTANTIATE_TEST_SUITE_P(Transports, DdpProcesses, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "shared_memory" : "gloo"; });
 
-TEST(Ddp, SharedMemoryAllReduceFailsInsteadOfHangingWhenAPeerDies) {
-  const auto outcomes = run_rank_processes(
-      2,
-      [](int rank) {
-        auto group = dtrain::dist::init_process_group({.timeout = std::chrono::seconds(3)});
-        DistributedDataParallel ddp(seeded_mlp(1), group);
-        const Batch b = batch_for(rank, 0, kBatch);
-        at::Tensor loss = loss_of(ddp(b.x), b.y);
-        if (rank == 1) std::_Exit(0);  // gone before its share of the all-reduce
-        try {
-          loss.backward();
-          ADD_FAILURE() << "backward completed without its peer";
-        } catch (const dtrain::CommunicationError& e) {
-          std::cerr << "rank 0 error: " << e.what() << std::endl;
-        }
-      },
-      {.expect_success = false});
-  // The error names this rank, the operation, the group and the peer.
+class DdpPeerDeath : public ::testing::TestWithParam<bool> {};
+
+// A peer SIGKILLed before its share of backward's all-reduce: the survivor's
+// backward throws a CommunicationError (no hang), over either transport.
+TEST_P(DdpPeerDeath, BackwardFailsWithCommunicationErrorInsteadOfHanging) {
+  const bool shared_memory = GetParam();
+  const auto outcomes =
+      run_rank_processes(2,
+                         [&](int rank) {
+                           auto group = dtrain::dist::init_process_group(
+                               {.timeout = std::chrono::seconds(10), .intra_host_shared_memory = shared_memory});
+                           DistributedDataParallel ddp(seeded_mlp(1), group);
+                           const Batch b = batch_for(rank, 0, kBatch);
+                           at::Tensor loss = loss_of(ddp(b.x), b.y);
+                           if (rank == 1) std::raise(SIGKILL);  // gone before its share of the all-reduce
+                           try {
+                             loss.backward();
+                             ADD_FAILURE() << "backward completed without its peer";
+                           } catch (const dtrain::CommunicationError& e) {
+                             std::cerr << "rank 0 error: " << e.what() << std::endl;
+                           }
+                         },
+                         {.expect_success = false});
+  // The error names this rank, the operation and the group (and, through
+  // shared memory, the peer; Gloo's collectives do not say which peer).
   EXPECT_NE(outcomes[0].output.find("rank 0 error: [rank 0/2] all_reduce(sum) on gloo group 'world'"),
             std::string::npos)
       << outcomes[0].output;
-  EXPECT_NE(outcomes[0].output.find("peer rank 1 (pid"), std::string::npos) << outcomes[0].output;
+  if (shared_memory) {
+    EXPECT_NE(outcomes[0].output.find("peer rank 1 (pid"), std::string::npos) << outcomes[0].output;
+  }
   EXPECT_FALSE(outcomes[0].timed_out);
   EXPECT_EQ(outcomes[0].exit_code, 0) << "signal " << outcomes[0].signal;
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, DdpPeerDeath, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "shared_memory" : "gloo"; });
 
 TEST(Ddp, BucketsFollowCapsAfterRebuild) {
   // fc2 (4x64 + 4 floats = 1040 bytes) and fc1 (64x10 + 64 floats = 2816

@@ -23,9 +23,9 @@ const std::string kWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_elas
 const std::string kConf = "last_call_timeout=1,heartbeat_interval=0.25,heartbeat_timeout=3";
 
 std::vector<std::string> node_args(int port, const std::string& nnodes, const std::string& id = "elastic") {
-  return {"--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port),
-          "--rdzv-id", id, "--rdzv-conf", kConf, "--rdzv-timeout", "60", "--max-restarts", "0",
-          "--stop-grace", "2"};
+  return {"--nnodes",       nnodes, "--nproc-per-node", "2",   "--rdzv-endpoint", "127.0.0.1:" + std::to_string(port),
+          "--rdzv-id",      id,     "--rdzv-conf",      kConf, "--rdzv-timeout",  "60",
+          "--max-restarts", "0",    "--stop-grace",     "2"};
 }
 
 std::vector<std::string> with_program(std::vector<std::string> args, const std::vector<std::string>& program) {
@@ -78,8 +78,7 @@ TEST(Elastic, TwoNodesFormAGroupThatShrinksAndGrowsWithoutRestarts) {
   const auto args = with_program(node_args(port, "1:2"), {kWorker});
 
   Launch a(args, s, "a");  // hosts the store (first to bind the endpoint's port)
-  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; }))
-      << a.err();
+  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
   Launch b(args, s, "b");
   // Two nodes x two workers: one 4-rank group.
   ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 4); })) << a.err() << b.err();
@@ -246,12 +245,11 @@ TEST(Elastic, NodesOnTwoNetworkNamespacesTrainTogether) {
   ::setenv("ELASTIC_STEPS", "20", 1);
   ::setenv("ELASTIC_STEP_MS", "10", 1);
   ::setenv("GLOO_SOCKET_IFNAME", "dteth0", 1);  // the workers' Gloo transport
-  const std::vector<std::string> args = {"--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
-                                         "10.77.0.1:29400", "--rdzv-id", "netns", "--rdzv-timeout", "30",
-                                         "--tee", kWorker};
+  const std::vector<std::string> args = {
+      "--nnodes",  "2",     "--nproc-per-node", "1",  "--rdzv-endpoint", "10.77.0.1:29400",
+      "--rdzv-id", "netns", "--rdzv-timeout",   "30", "--tee",           kWorker};
   Launch a(args, s, "a", net.in_a());
-  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; }))
-      << a.err();
+  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
   Launch b(args, s, "b", net.in_b());
   EXPECT_EQ(a.wait(), 0) << a.err();
   EXPECT_EQ(b.wait(), 0) << b.err();

@@ -136,9 +136,9 @@ TEST(GptExample, EveryStrategyMatchesSingle) {
 // near ln(vocabulary) = 4.43.
 TEST(GptExample, ShortRunBeatsBigramModel) {
   if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  const auto r = run(
-      "--n-layer 2 --n-head 4 --n-embd 64 --block-size 32 --batch-size 16 --max-iters 400 --eval-interval 400 "
-      "--lr 3e-3 --sample-tokens 200 --devices cpu");
+  const auto r =
+      run("--n-layer 2 --n-head 4 --n-embd 64 --block-size 32 --batch-size 16 --max-iters 400 --eval-interval 400 "
+          "--lr 3e-3 --sample-tokens 200 --devices cpu");
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   const auto done = last_json_line(r.stdout_text);
   ASSERT_EQ(done.value("event", ""), "done") << r.stdout_text;
@@ -178,9 +178,9 @@ TEST(GptExample, ResumedRunEqualsUninterrupted) {
 // bf16 autocast (forward and loss): a short run still learns.
 TEST(GptExample, AmpBf16Trains) {
   if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  const auto r = run(
-      "--amp bf16 --n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 8 --max-iters 60 "
-      "--eval-interval 60 --lr 3e-3 --warmup-iters 10 --sample-tokens 20 --devices cpu");
+  const auto r =
+      run("--amp bf16 --n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 8 --max-iters 60 "
+          "--eval-interval 60 --lr 3e-3 --warmup-iters 10 --sample-tokens 20 --devices cpu");
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   const auto done = last_json_line(r.stdout_text);
   EXPECT_LT(done["val_loss"].get<double>(), 3.6) << r.stdout_text;  // from ln(84) = 4.43

@@ -41,7 +41,9 @@ Net make_net(bool with_norm = false) {
   return Net(with_norm);
 }
 
-std::vector<c10::Device> cpus(int k) { return std::vector<c10::Device>(static_cast<size_t>(k), c10::Device(c10::kCPU)); }
+std::vector<c10::Device> cpus(int k) {
+  return std::vector<c10::Device>(static_cast<size_t>(k), c10::Device(c10::kCPU));
+}
 
 at::Tensor batch_x(int step, int n) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
@@ -105,8 +107,7 @@ TEST_P(DataParallelSweep, EqualsSingleDeviceOnTheSameBatch) {
 
 // Batch 13 is not divisible by 2, 3 or 4; batch 2 is smaller than k = 3, 4.
 INSTANTIATE_TEST_SUITE_P(ReplicasAndBatches, DataParallelSweep,
-                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Values(13, 2),
-                                            ::testing::Bool()),
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4), ::testing::Values(13, 2), ::testing::Bool()),
                          [](const auto& info) {
                            return "k" + std::to_string(std::get<0>(info.param)) + "_batch" +
                                   std::to_string(std::get<1>(info.param)) +

@@ -134,3 +134,32 @@ TEST(DefaultTimeout, FallbackAndOverride) {
         << bad;
   }
 }
+
+TEST(EnvContract, WhatALauncherWritesReadsBackTheSame) {
+  const dtrain::dist::EnvContract written{.rank = 5,
+                                          .world_size = 8,
+                                          .local_rank = 1,
+                                          .local_world_size = 4,
+                                          .master_addr = "10.1.2.3",
+                                          .master_port = 29777,
+                                          .agent_store = true,
+                                          .restart_count = 2,
+                                          .group_rank = 1,
+                                          .max_restarts = 3,
+                                          .run_id = "job-7"};
+  const auto vars = dtrain::dist::to_environment(written);
+  EXPECT_EQ(vars.at("ROLE_RANK"), "5");
+  EXPECT_EQ(vars.at("ROLE_WORLD_SIZE"), "8");
+  const auto c = read_env_contract(fake(Vars(vars.begin(), vars.end())));
+  EXPECT_EQ(c.rank, 5);
+  EXPECT_EQ(c.world_size, 8);
+  EXPECT_EQ(c.local_rank, 1);
+  EXPECT_EQ(c.local_world_size, 4);
+  EXPECT_EQ(c.master_addr, "10.1.2.3");
+  EXPECT_EQ(c.master_port, 29777);
+  EXPECT_TRUE(c.agent_store);
+  EXPECT_EQ(c.restart_count, 2);
+  EXPECT_EQ(c.group_rank, 1);
+  EXPECT_EQ(c.max_restarts, 3);
+  EXPECT_EQ(c.run_id, "job-7");
+}

@@ -19,13 +19,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
-void expect_close(const at::Tensor& actual, const at::Tensor& expected, double rtol, double atol, const std::string& what) {
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, double rtol, double atol,
+                  const std::string& what) {
   ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
   EXPECT_TRUE(at::allclose(actual, expected, rtol, atol))
       << what << ": max abs difference " << (actual - expected).abs().max().item<double>();
 }
 
-bool have_corpus() { return fs::exists(fs::path(gpt::default_data_dir()) / "meta.json"); }
+bool have_corpus() {
+  return fs::exists(fs::path(gpt::default_data_dir()) / "meta.json");
+}
 
 fs::path temp_dir(const std::string& name) {
   auto dir = fs::temp_directory_path() / ("dtrain-gpt-test-" + name + "-" + std::to_string(::getpid()));
@@ -53,7 +56,10 @@ TEST(GptModel, MatchesPythonPeer) {
 
   const gpt::Corpus corpus = gpt::load_corpus(gpt::default_data_dir(), 16);
   gpt::Gpt model(gpt::GptConfig{.vocab_size = static_cast<std::int64_t>(corpus.vocab.size()),
-                                .block_size = 16, .n_layer = 2, .n_head = 2, .n_embd = 32});
+                                .block_size = 16,
+                                .n_layer = 2,
+                                .n_head = 2,
+                                .n_embd = 32});
   gpt::init_weights(*model, 2, 7);
   {
     torch::NoGradGuard no_grad;
@@ -164,7 +170,8 @@ TEST(ClipGradNorm, MatchesTorch) {
     const double norm = gpt::clip_grad_norm(ours, max_norm);
     const double expected = torch::nn::utils::clip_grad_norm_(theirs, max_norm);
     EXPECT_NEAR(norm, expected, 1e-5 * expected);
-    for (std::size_t i = 0; i < ours.size(); ++i) expect_close(ours[i].grad(), theirs[i].grad(), 1e-6, 1e-8, "gradient");
+    for (std::size_t i = 0; i < ours.size(); ++i)
+      expect_close(ours[i].grad(), theirs[i].grad(), 1e-6, 1e-8, "gradient");
   }
 }
 

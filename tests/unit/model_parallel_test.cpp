@@ -155,9 +155,9 @@ TEST(ModelParallel, PlannedPlacementFollowsBudgets) {
   EXPECT_EQ(budgeted->placement()->device_of_layer, (Devices{0, 0, 0, 0, 0, 1}));
 
   const auto too_small = error_of([] {
-    dtrain::ModelParallel(make_layers(), dtrain::ModelParallelOptions{.devices = {kCpu, kCpu},
-                                                                      .memory_budgets = {2048, 2048},
-                                                                      .memory_factor = 2.0});
+    dtrain::ModelParallel(
+        make_layers(),
+        dtrain::ModelParallelOptions{.devices = {kCpu, kCpu}, .memory_budgets = {2048, 2048}, .memory_factor = 2.0});
   });
   EXPECT_NE(too_small.find("does not fit"), std::string::npos) << too_small;
   EXPECT_NE(too_small.find("missing"), std::string::npos) << too_small;

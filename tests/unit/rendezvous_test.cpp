@@ -18,8 +18,14 @@ using namespace std::chrono_literals;
 namespace {
 
 StoreRendezvousOptions options(int min_nodes, int max_nodes, int nproc = 2) {
-  return {.run_id = "job", .min_nodes = min_nodes, .max_nodes = max_nodes, .nproc = nproc,
-          .endpoint = "memory", .last_call = 300ms, .timeout = 20s, .heartbeat_interval = 50ms,
+  return {.run_id = "job",
+          .min_nodes = min_nodes,
+          .max_nodes = max_nodes,
+          .nproc = nproc,
+          .endpoint = "memory",
+          .last_call = 300ms,
+          .timeout = 20s,
+          .heartbeat_interval = 50ms,
           .heartbeat_timeout = 400ms};
 }
 
@@ -29,7 +35,9 @@ RoundPlan join(StoreRendezvous& r) {
   return p;
 }
 
-WorkerExit failed(int rank) { return {.local_rank = 0, .global_rank = rank, .exit_code = 3}; }
+WorkerExit failed(int rank) {
+  return {.local_rank = 0, .global_rank = rank, .exit_code = 3};
+}
 
 // Polls until the round ends (or `limit` passes).
 std::optional<RoundEnding> poll_until_end(StoreRendezvous& r, std::chrono::milliseconds limit = 5s) {

@@ -13,7 +13,7 @@ namespace dtrain::tools {
 struct LaunchOptions {
   std::string nproc_per_node = "1";  // N, auto, cpu or gpu
   std::string nnodes = "1";          // N or MIN:MAX
-  int node_rank = -1;  // -1: by arrival
+  int node_rank = -1;                // -1: by arrival
   std::string rdzv_endpoint;
   std::string rdzv_id = "none";
   double rdzv_timeout = 900;

@@ -3,7 +3,6 @@
 #include "libdtrain_loader.h"
 
 #include <arpa/inet.h>
-#include <dlfcn.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -12,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "../../src/core/module_loader.h"
 #include "dtrain/error.h"
 
 namespace dtrain::tools {
@@ -50,9 +50,7 @@ const std::string& libdtrain_path() {
 // the store is on the workers' path to their first step.
 void* libdtrain_handle() {
   static void* const handle = [] {
-    void* h = ::dlopen(libdtrain_path().c_str(), RTLD_LAZY | RTLD_LOCAL);
-    if (h == nullptr) throw ConfigError("cannot load libdtrain from " + libdtrain_path() + ": " + ::dlerror(), kHint);
-    return h;
+    return dtrain::detail::load_module("libdtrain", libdtrain_path(), /*lazy=*/true, kHint);
   }();
   return handle;
 }
@@ -60,10 +58,7 @@ void* libdtrain_handle() {
 // The function `name` from libdtrain.
 template <typename Fn>
 Fn libdtrain_function(const char* name) {
-  auto fn = reinterpret_cast<Fn>(::dlsym(libdtrain_handle(), name));
-  DTRAIN_CHECK(fn != nullptr, ConfigError,
-               libdtrain_path() << " lacks " << name << "; it belongs to another version of dtrain.", kHint);
-  return fn;
+  return reinterpret_cast<Fn>(dtrain::detail::module_symbol(libdtrain_handle(), libdtrain_path(), name, kHint));
 }
 
 using ConnectFn = void (*)(const std::string*, int, long long, std::shared_ptr<elastic::RendezvousStore>*);
@@ -124,32 +119,6 @@ void BackgroundWorkerStore::stop() {
 void BackgroundWorkerStore::check() {
   const std::lock_guard lock(mutex_);
   if (error_) std::rethrow_exception(error_);
-}
-
-std::string local_address_towards(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* resolved = nullptr;
-  const std::string service = std::to_string(port);
-  if (::getaddrinfo(host.c_str(), service.c_str(), &hints, &resolved) != 0 || resolved == nullptr) {
-    char name[256] = {};
-    ::gethostname(name, sizeof name - 1);
-    return name;  // resolution fails later, with a clear error from the store
-  }
-  std::string out = "127.0.0.1";
-  // connect() on a UDP socket sends nothing; it only picks the route and source address.
-  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  sockaddr_in local{};
-  socklen_t len = sizeof local;
-  if (fd >= 0 && ::connect(fd, resolved->ai_addr, resolved->ai_addrlen) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-    char text[INET_ADDRSTRLEN] = {};
-    if (::inet_ntop(AF_INET, &local.sin_addr, text, sizeof text) != nullptr) out = text;
-  }
-  if (fd >= 0) ::close(fd);
-  ::freeaddrinfo(resolved);
-  return out;
 }
 
 }  // namespace dtrain::tools

@@ -41,8 +41,4 @@ class BackgroundWorkerStore : public elastic::WorkerStoreHost {
   std::exception_ptr error_;     // why it is not running; guarded by mutex_
 };
 
-// The address other nodes reach this one by when it talks to `host`: the
-// local address of a route to it (127.0.0.1 for loopback endpoints).
-std::string local_address_towards(const std::string& host, int port);
-
 }  // namespace dtrain::tools

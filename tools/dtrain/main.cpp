@@ -10,6 +10,7 @@
 #include <iostream>
 #include <thread>
 
+#include "../../src/core/net.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/elastic/agent.h"
 #include "dtrain/error.h"
@@ -35,7 +36,7 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
   std::unique_ptr<el::StoreRendezvous> rendezvous;
   if (plan.rendezvous.multi_node) {
     auto r = plan.rendezvous.options;
-    r.local_addr = dtrain::tools::local_address_towards(plan.rendezvous.host, plan.rendezvous.port);
+    r.local_addr = dtrain::net::local_address_towards(plan.rendezvous.host, plan.rendezvous.port);
     auto store = dtrain::tools::load_tcp_rendezvous_store(plan.rendezvous.host, plan.rendezvous.port, r.timeout);
     rendezvous = std::make_unique<el::StoreRendezvous>(std::move(store), r);
   }

@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -31,9 +32,18 @@ struct EnvContract {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  bool agent_store = false;   // TORCHELASTIC_USE_AGENT_STORE
-  int restart_count = 0;      // TORCHELASTIC_RESTART_COUNT
+  bool agent_store = false;  // TORCHELASTIC_USE_AGENT_STORE
+  int restart_count = 0;     // TORCHELASTIC_RESTART_COUNT
+  // Written by launchers, optional for readers:
+  int group_rank = 0;    // GROUP_RANK: the node's rank
+  int max_restarts = 0;  // TORCHELASTIC_MAX_RESTARTS
+  std::string run_id;    // TORCHELASTIC_RUN_ID
 };
+
+// The variables a launcher sets for a worker with `contract` (torchrun's
+// full set, ROLE_* included). The one writer of the contract that
+// read_env_contract reads.
+std::map<std::string, std::string> to_environment(const EnvContract& contract);
 
 // Looks up one variable; std::nullopt when unset. Tests pass fakes.
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;

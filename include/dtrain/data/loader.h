@@ -206,10 +206,11 @@ class DataLoader {
 
   void start_workers() {
     stopping_ = false;
-    for (int w = 0; w < options_.num_workers; ++w) workers_.emplace_back([this, identity = log::identity()] {
-      log::ScopedIdentity scoped(identity);  // workers' errors carry the rank that started them
-      work();
-    });
+    for (int w = 0; w < options_.num_workers; ++w)
+      workers_.emplace_back([this, identity = log::identity()] {
+        log::ScopedIdentity scoped(identity);  // workers' errors carry the rank that started them
+        work();
+      });
   }
 
   void stop_workers() {

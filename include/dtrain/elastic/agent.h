@@ -48,8 +48,8 @@ struct AgentOptions {
 struct AgentResult {
   AgentState state = AgentState::kInit;
   int exit_code = 0;
-  int restarts = 0;        // rounds restarted after failures
-  int rounds = 0;          // rounds started (restarts and membership changes)
+  int restarts = 0;                      // rounds restarted after failures
+  int rounds = 0;                        // rounds started (restarts and membership changes)
   std::optional<WorkerExit> root_cause;  // this node's failure that ended the run, or the last one
   std::string root_cause_text;           // the failure that ended the run (maybe another node's)
 };
@@ -80,9 +80,5 @@ class Agent {
   Rendezvous* rendezvous_;
   AgentState state_ = AgentState::kInit;
 };
-
-// A close-on-exec socket listening on all interfaces at `port` (0: any free
-// port); returns the fd and sets `port` to the bound one.
-int listen_tcp(int& port);
 
 }  // namespace dtrain::elastic

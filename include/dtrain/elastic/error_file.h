@@ -18,6 +18,11 @@ namespace dtrain::elastic {
 // format) to TORCHELASTIC_ERROR_FILE if set; returns whether it wrote.
 bool write_error_file(const std::string& message);
 
+// The launcher's side: the message a worker left in the error file at
+// `path` (either torch elastic shape), or "" when there is none or it is
+// unreadable.
+std::string read_error_message(const std::string& path);
+
 // Installs a std::terminate handler and handlers for SIGSEGV, SIGABRT,
 // SIGBUS, SIGFPE and SIGILL that record the cause before the process dies.
 void install_error_handlers();

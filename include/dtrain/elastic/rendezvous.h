@@ -52,7 +52,7 @@ struct RoundPlan {
 struct RoundEnding {
   enum class Kind { kMembershipChange, kFailure };
   Kind kind = Kind::kFailure;
-  std::string reason;  // "node host:pid was lost", or the failure's description
+  std::string reason;    // "node host:pid was lost", or the failure's description
   bool give_up = false;  // a failure with no restarts left: every node stops
   int exit_code = 1;     // the launcher's exit code when giving up
 };
@@ -98,8 +98,8 @@ struct StoreRendezvousOptions {
   std::string run_id = "none";
   int min_nodes = 1;
   int max_nodes = 1;
-  int nproc = 1;        // workers on this node
-  int node_rank = -1;   // --node-rank: orders nodes when given (ties by arrival)
+  int nproc = 1;       // workers on this node
+  int node_rank = -1;  // --node-rank: orders nodes when given (ties by arrival)
   int max_restarts = 0;
   std::string local_addr = "127.0.0.1";  // how other nodes reach this one (MASTER_ADDR when node 0)
   std::string endpoint;                  // "host:port", for messages

@@ -158,8 +158,8 @@ struct ReplicaBackward : torch::autograd::Node {
       }
       if (parts[j].empty()) continue;
       at::Tensor& first = parts[j].front();
-      const bool private_to_us = first.is_contiguous() && first.use_count() == 1 &&
-                                 first.storage().use_count() == 1 && parts[j].size() > 1;
+      const bool private_to_us =
+          first.is_contiguous() && first.use_count() == 1 && first.storage().use_count() == 1 && parts[j].size() > 1;
       result[1 + j] = parts[j].size() == 1 ? first : (private_to_us ? first : at::empty_like(first));
     }
     const auto slices = static_cast<std::int64_t>(split.used);
@@ -196,7 +196,7 @@ struct DataParallelEngine::State {
   std::vector<c10::Device> devices;
   c10::Device output_device{c10::kCPU};
   std::int64_t dim = 0;
-  std::vector<std::shared_ptr<torch::nn::Module>> replicas;  // [0] = primary
+  std::vector<std::shared_ptr<torch::nn::Module>> replicas;                 // [0] = primary
   std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> submodules;  // per replica, preorder
   std::vector<Mirrored> params;
   std::vector<Mirrored> buffers;
@@ -249,22 +249,28 @@ DataParallelEngine::~DataParallelEngine() = default;
 const std::shared_ptr<torch::nn::Module>& DataParallelEngine::replica(std::size_t i) const {
   return state_->replicas.at(i);
 }
-std::size_t DataParallelEngine::replica_count() const { return state_->replicas.size(); }
-const std::vector<c10::Device>& DataParallelEngine::devices() const { return state_->devices; }
-c10::Device DataParallelEngine::output_device() const { return state_->output_device; }
+std::size_t DataParallelEngine::replica_count() const {
+  return state_->replicas.size();
+}
+const std::vector<c10::Device>& DataParallelEngine::devices() const {
+  return state_->devices;
+}
+c10::Device DataParallelEngine::output_device() const {
+  return state_->output_device;
+}
 
 at::Tensor DataParallelEngine::forward(const at::Tensor& input,
                                        const std::function<at::Tensor(std::size_t, const at::Tensor&)>& apply) {
   auto& s = *state_;
   DTRAIN_CHECK(input.defined() && input.dim() > 0, ConfigError,
-               "DataParallel needs a batched input tensor, got " << (input.defined() ? "a scalar" : "an undefined tensor")
-                                                                 << ".",
+               "DataParallel needs a batched input tensor, got "
+                   << (input.defined() ? "a scalar" : "an undefined tensor") << ".",
                "pass a tensor whose dimension " << s.dim << " is the batch");
   const std::int64_t dim = s.dim < 0 ? s.dim + input.dim() : s.dim;
-  DTRAIN_CHECK(dim >= 0 && dim < input.dim(), ConfigError,
-               "DataParallel's batch dimension " << s.dim << " does not exist in an input of shape " << input.sizes()
-                                                 << ".",
-               "set DataParallelOptions::dim");
+  DTRAIN_CHECK(
+      dim >= 0 && dim < input.dim(), ConfigError,
+      "DataParallel's batch dimension " << s.dim << " does not exist in an input of shape " << input.sizes() << ".",
+      "set DataParallelOptions::dim");
   const std::int64_t n = input.size(dim);
   DTRAIN_CHECK(n > 0, ConfigError, "DataParallel got an empty batch (shape " << input.sizes() << ").",
                "skip empty batches");
@@ -297,7 +303,8 @@ at::Tensor DataParallelEngine::forward(const at::Tensor& input,
       if (s.submodules[i][j]->is_training() != training) s.submodules[i][j]->train(training);
     }
     for (auto& p : s.params) {
-      if (p.replicas[i].requires_grad() != p.primary.requires_grad()) p.replicas[i].requires_grad_(p.primary.requires_grad());
+      if (p.replicas[i].requires_grad() != p.primary.requires_grad())
+        p.replicas[i].requires_grad_(p.primary.requires_grad());
     }
   }
   {

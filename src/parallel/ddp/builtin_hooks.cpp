@@ -45,12 +45,14 @@ class CompressHook : public CommHook {
     // Divide before reducing, so the sum cannot overflow the narrow type.
     at::Tensor compressed = bucket.buffer.to(dtype_).div_(group.size());
     at::Tensor out = bucket.buffer;
-    return group.all_reduce(compressed).future()->then(
-        [out, compressed](c10::ivalue::Future&) {
-          out.copy_(compressed);
-          return c10::IValue(out);
-        },
-        c10::TensorType::get());
+    return group.all_reduce(compressed)
+        .future()
+        ->then(
+            [out, compressed](c10::ivalue::Future&) {
+              out.copy_(compressed);
+              return c10::IValue(out);
+            },
+            c10::TensorType::get());
   }
 
  private:

@@ -242,8 +242,9 @@ DDPEngine::DDPEngine(std::shared_ptr<torch::nn::Module> module, dist::ProcessGro
   std::reverse(bucket_indices.begin(), bucket_indices.end());
 
   s.reducer = std::make_shared<c10d::Reducer>(
-      s.params, std::move(bucket_indices), dist::detail::process_group_for_reducer(s.group), std::vector<bool>(s.params.size(), false), bucket_bytes,
-      options.find_unused_parameters, options.gradient_as_bucket_view, std::move(names), first_bucket_bytes,
+      s.params, std::move(bucket_indices), dist::detail::process_group_for_reducer(s.group),
+      std::vector<bool>(s.params.size(), false), bucket_bytes, options.find_unused_parameters,
+      options.gradient_as_bucket_view, std::move(names), first_bucket_bytes,
       /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
       /*bucket_bytes_cap_list=*/std::vector<std::int64_t>{});
   s.logger = std::make_shared<c10d::Logger>(s.reducer);

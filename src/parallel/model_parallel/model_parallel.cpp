@@ -112,9 +112,9 @@ ModelParallelImpl::ModelParallelImpl(torch::nn::Sequential layers, const ModelPa
     : layers_(register_module("layers", std::move(layers))) {
   check_layers(layers_);
   check_devices(options.devices);
-  const auto costs = options.profile_input
-                         ? profile_layers(layers_, *options.profile_input, options.memory_factor, options.profile_repeats)
-                         : layer_costs(layers_, options.memory_factor);
+  const auto costs = options.profile_input ? profile_layers(layers_, *options.profile_input, options.memory_factor,
+                                                            options.profile_repeats)
+                                           : layer_costs(layers_, options.memory_factor);
   placement_ = plan_placement(costs, options.devices.size(), options.memory_budgets);
   std::vector<c10::Device> devices;
   for (const auto j : placement_->device_of_layer) devices.push_back(options.devices[j]);

@@ -116,10 +116,11 @@ Placement plan_placement(const std::vector<LayerCost>& layers, std::size_t devic
     }
     const auto largest = std::max_element(layers.begin(), layers.end(),
                                           [](const LayerCost& a, const LayerCost& b) { return a.bytes < b.bytes; });
-    throw ConfigError("the model does not fit: its " + format_bytes(total) + " fit the budgets (" +
-                          budget_list.str() + ") in total, but no split into contiguous runs of layers does (largest "
-                          "layer: '" + largest->name + "', " + format_bytes(largest->bytes) + "); " +
-                          format_bytes(lo) + " missing on each device.",
+    throw ConfigError("the model does not fit: its " + format_bytes(total) + " fit the budgets (" + budget_list.str() +
+                          ") in total, but no split into contiguous runs of layers does (largest "
+                          "layer: '" +
+                          largest->name + "', " + format_bytes(largest->bytes) + "); " + format_bytes(lo) +
+                          " missing on each device.",
                       "raise every budget by " + format_bytes(lo) + ", add a device, or split the largest layers");
   }
   Placement out;

@@ -75,8 +75,7 @@ class DataParallelEngine {
   c10::Device output_device() const;
 
   // Scatter, sync, apply(i, chunk on device i) concurrently, gather.
-  at::Tensor forward(const at::Tensor& input,
-                     const std::function<at::Tensor(std::size_t, const at::Tensor&)>& apply);
+  at::Tensor forward(const at::Tensor& input, const std::function<at::Tensor(std::size_t, const at::Tensor&)>& apply);
 
  private:
   struct State;
@@ -101,8 +100,7 @@ class DataParallel {
   using Impl = typename detail::ModuleImplOf<ModuleHolder>::type;
 
  public:
-  explicit DataParallel(ModuleHolder module, DataParallelOptions options = {})
-      : module_(std::move(module)) {
+  explicit DataParallel(ModuleHolder module, DataParallelOptions options = {}) : module_(std::move(module)) {
     std::shared_ptr<torch::nn::Module> primary;
     if constexpr (requires { module_.ptr(); }) {
       primary = module_.ptr();
@@ -116,9 +114,8 @@ class DataParallel {
   }
 
   at::Tensor forward(const at::Tensor& input) {
-    return engine_->forward(input, [this](std::size_t i, const at::Tensor& chunk) {
-      return replicas_[i]->forward(chunk);
-    });
+    return engine_->forward(input,
+                            [this](std::size_t i, const at::Tensor& chunk) { return replicas_[i]->forward(chunk); });
   }
   at::Tensor operator()(const at::Tensor& input) { return forward(input); }
 

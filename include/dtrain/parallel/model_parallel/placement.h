@@ -21,9 +21,9 @@ struct LayerCost {
 };
 
 struct Placement {
-  std::vector<std::size_t> device_of_layer;   // device index per layer, non-decreasing
+  std::vector<std::size_t> device_of_layer;  // device index per layer, non-decreasing
   std::vector<std::int64_t> bytes_per_device;
-  std::vector<double> load_per_device;        // what was balanced (compute or bytes)
+  std::vector<double> load_per_device;  // what was balanced (compute or bytes)
   bool balanced_compute = false;
 };
 
