@@ -198,7 +198,7 @@ struct StoreRendezvous::State {
 
   [[noreturn]] void timed_out(const std::string& what) {
     throw TimeoutError("rendezvous at " + opt.endpoint + " (run '" + opt.run_id + "'): " + what + " within " +
-                           std::to_string(opt.timeout.count() / 1000.0).substr(0, 6) + " s.",
+                           log::format_seconds(opt.timeout) + ".",
                        "start the other nodes with the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout");
   }
 };

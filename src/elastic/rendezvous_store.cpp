@@ -90,10 +90,10 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
   // another program that accepts but never answers would block forever. The
   // connection therefore runs on a thread of its own, under our deadline.
   const std::string where = host + ":" + std::to_string(port);
-  const auto seconds = std::to_string(static_cast<double>(timeout.count()) / 1000.0).substr(0, 5);
+  const std::string seconds = log::format_seconds(timeout);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (!net::wait_until_reachable(host, port, deadline)) {
-    throw TimeoutError("could not reach the rendezvous store at " + where + " within " + seconds + " s.",
+    throw TimeoutError("could not reach the rendezvous store at " + where + " within " + seconds + ".",
                        "start the node whose address --rdzv-endpoint names first (it hosts the store), check the "
                        "address and port, or raise --rdzv-timeout");
   }
@@ -109,7 +109,7 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
   // Something accepts connections there; c10d's handshake gets the whole timeout again, plus slack for its retries.
   if (future.wait_for(2 * timeout + std::chrono::seconds(5)) == std::future_status::timeout) {
     throw TimeoutError("the rendezvous endpoint " + where +
-                           " accepted a connection but did not answer as a store within " + seconds + " s.",
+                           " accepted a connection but did not answer as a store within " + seconds + ".",
                        "another program may be using that port: choose another --rdzv-endpoint port");
   }
   try {
