@@ -4,6 +4,7 @@
 // bench/allreduce/peer.py measures torch.distributed the same way.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "../common/timing.h"
 
 #include <algorithm>
 #include <chrono>
@@ -18,10 +19,7 @@ struct Case {
   std::int64_t floats;
 };
 
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
-}
+using dtrain::bench::percentile;
 }  // namespace
 
 int main() {

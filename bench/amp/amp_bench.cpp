@@ -16,6 +16,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
+#include "../common/timing.h"
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -29,14 +30,9 @@
 namespace {
 using Clock = std::chrono::steady_clock;
 
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
+using dtrain::bench::ms_since;
 
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
-}
+using dtrain::bench::percentile;
 
 constexpr std::int64_t kIn = 1024, kHidden = 4096, kClasses = 16;
 

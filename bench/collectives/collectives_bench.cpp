@@ -13,6 +13,7 @@
 //   collectives_bench [--gloo]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "../common/timing.h"
 
 #include <algorithm>
 #include <chrono>
@@ -31,10 +32,7 @@ struct Size {
   std::int64_t bytes;
 };
 
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
-}
+using dtrain::bench::percentile;
 
 // Same schedule as peer.py: warm-up and timed iterations by size.
 int iterations(std::int64_t bytes) {

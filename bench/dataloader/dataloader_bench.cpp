@@ -7,6 +7,7 @@
 //    "first_batch_ms":..,"second_epoch_first_batch_ms":..}
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include "../common/timing.h"
 
 #include <chrono>
 #include <cstdio>
@@ -35,9 +36,7 @@ class Augmented : public Dataset<TensorExample> {
   std::shared_ptr<FashionMnist> base_;
 };
 
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
+using dtrain::bench::ms_since;
 }  // namespace
 
 int main(int argc, char** argv) {

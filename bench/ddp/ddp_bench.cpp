@@ -16,6 +16,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
+#include "../common/timing.h"
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -28,14 +29,9 @@
 namespace {
 using Clock = std::chrono::steady_clock;
 
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
+using dtrain::bench::ms_since;
 
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
-}
+using dtrain::bench::percentile;
 
 // small: 784-128-10 (~0.1 M parameters). large: 1024-4096-4096-10 (~21 M).
 torch::nn::Sequential make_model(const std::string& name, std::int64_t& in_features) {
