@@ -272,6 +272,7 @@ std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
   at::Tensor out = at::empty({state_->size * in.numel()}, in.options());
   all_gather_into(out, in).wait();
   std::vector<at::Tensor> parts;
+  parts.reserve(static_cast<std::size_t>(state_->size));
   for (int r = 0; r < state_->size; ++r) parts.push_back(out.narrow(0, r * in.numel(), in.numel()).view_as(in));
   return parts;
 }

@@ -124,6 +124,7 @@ class PowerSgdHook : public CommHook {
     // Uncompressed tensors: one averaged all-reduce of their concatenation.
     if (!uncompressed.empty()) {
       std::vector<at::Tensor> flat_parts;
+      flat_parts.reserve(uncompressed.size());
       for (const auto& t : uncompressed) flat_parts.push_back(t.reshape(-1));
       at::Tensor flat = at::cat(flat_parts).div_(world);
       group.all_reduce(flat).wait();
