@@ -13,49 +13,22 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+
 #include <vector>
+#include "example_run.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int exit_code = -1;
-  std::string stdout_text;
-  std::string stderr_text;
-};
+using Result = dtrain::testing::ExampleResult;
+using dtrain::testing::last_json_line;
 
 const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
 const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
 
 Result run(const std::string& args, const std::string& launcher = "") {
-  const auto err_file = fs::temp_directory_path() / ("dtrain-gpt-example-" + std::to_string(::getpid()));
-  const std::string cmd = launcher + (launcher.empty() ? "" : " ") + kExample + " " + args + " 2>" + err_file.string();
-  Result r;
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buf{};
-  size_t n = 0;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.stdout_text.append(buf.data(), n);
-  const int status = ::pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream err(err_file);
-  r.stderr_text.assign(std::istreambuf_iterator<char>(err), std::istreambuf_iterator<char>());
-  fs::remove(err_file);
-  return r;
-}
-
-nlohmann::json last_json_line(const std::string& text) {
-  nlohmann::json last;
-  size_t start = 0;
-  while (start < text.size()) {
-    auto end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    const auto line = text.substr(start, end - start);
-    if (!line.empty() && line.front() == '{') last = nlohmann::json::parse(line, nullptr, false);
-    start = end + 1;
-  }
-  return last;
+  return dtrain::testing::run_example(kExample, args, launcher);
 }
 
 std::vector<float> read_floats(const fs::path& path) {

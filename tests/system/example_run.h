@@ -1,0 +1,59 @@
+// Runs an example program (optionally through a launcher command) and reads
+// what it printed: shared by the example system tests.
+#pragma once
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace dtrain::testing {
+
+struct ExampleResult {
+  int exit_code = -1;
+  std::string stdout_text;
+  std::string stderr_text;
+};
+
+// `launcher program args`, stdout through a pipe, stderr through a file.
+inline ExampleResult run_example(const std::string& program, const std::string& args,
+                                 const std::string& launcher = "") {
+  const auto err_file =
+      std::filesystem::temp_directory_path() /
+      ("dtrain-example-" + std::filesystem::path(program).filename().string() + "-" + std::to_string(::getpid()));
+  const std::string cmd = launcher + (launcher.empty() ? "" : " ") + program + " " + args + " 2>" + err_file.string();
+  ExampleResult r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf{};
+  size_t n = 0;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.stdout_text.append(buf.data(), n);
+  const int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream err(err_file);
+  r.stderr_text.assign(std::istreambuf_iterator<char>(err), std::istreambuf_iterator<char>());
+  std::filesystem::remove(err_file);
+  return r;
+}
+
+// The last line of `text` that is a JSON object (null when there is none).
+inline nlohmann::json last_json_line(const std::string& text) {
+  nlohmann::json last;
+  size_t start = 0;
+  while (start < text.size()) {
+    auto end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const auto line = text.substr(start, end - start);
+    if (!line.empty() && line.front() == '{') last = nlohmann::json::parse(line);
+    start = end + 1;
+  }
+  return last;
+}
+
+}  // namespace dtrain::testing
