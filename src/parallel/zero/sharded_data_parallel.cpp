@@ -1,0 +1,600 @@
+// ShardedDataParallel: ZeRO stages 1-3 (see include/dtrain/parallel/zero/sharded_data_parallel.h).
+//
+// Note [ZeRO step]
+// ----------------
+// Layout. Each unit's parameters are copied into one flat buffer `full`
+// (param dtype, world * shard elements, zero padding at the end) and each
+// module parameter becomes a view into it (Tensor::set_data keeps the
+// parameter's identity, so the module, its autograd leaves and anything
+// holding the parameter keep working). Rank r owns elements
+// [r * shard, (r + 1) * shard): its `chunk`, fp32. Stages 1-2 without casting
+// use a view of `full` as the chunk (no extra memory: the optimizer writes the
+// module's parameters directly); otherwise the chunk has its own storage
+// (stage 3's shard; the fp32 master under mixed precision).
+//
+// Stage 3 frees a unit by dropping its storage's bytes (StorageImpl with 0
+// bytes; the parameters' metadata stays) and gathers it by giving the storage
+// fresh bytes and all-gathering every rank's chunk into them: views, and the
+// tensors autograd saved in forward, see the new bytes, as in FSDP1.
+//
+// Forward (stage 3): the root unit (parameters outside units or shared by two)
+// is gathered first and kept until the end of backward (it is used
+// everywhere). Before unit u runs we wait for its gather and issue unit u+1's
+// (prefetch), after it we free it (reshard_after_forward) and hook its output:
+// the hook runs when the output's gradient is ready, i.e. just before unit u's
+// backward, gathers u (waiting for the prefetch) and prefetches u-1. A hook on
+// u's input tells when u's backward is over on the input path; when that and
+// all of u's gradients are in, u is freed again (freeing at the last gradient
+// alone could free a frozen parameter an earlier op of u still needs).
+//
+// Backward (all stages): a post-hook on each trainable parameter's gradient
+// accumulator counts the unit's gradients; when all are in, the unit's
+// gradients are copied into a flat buffer and reduce-scattered (average) into
+// this rank's chunk while backward goes on. Reductions are issued in one
+// fixed order (units last to first, then the root), so every rank issues the
+// same collectives in the same order whatever the order in which gradients
+// arrive; a unit that completes early waits for those before it. At the end of
+// backward (an engine callback) the units still missing (unused parameters,
+// the root) are reduced, all reductions are waited for and their results
+// accumulated into the shards' gradients (views into one fp32 buffer per unit).
+//
+// After the optimizer step: stage 3 has nothing to do (the next gather reads
+// the chunks); stages 1-2 all-gather the chunks into `full` before the next
+// forward (`dirty_`, set by a synchronising backward, so all ranks agree
+// without asking each other).
+#include "dtrain/parallel/zero/sharded_data_parallel.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <functional>
+#include <unordered_map>
+#include <utility>
+
+#include "dtrain/error.h"
+#include "dtrain/log.h"
+#include "zero_engine.h"
+
+namespace dtrain {
+namespace detail {
+
+namespace {
+
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const auto bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == bytes) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+std::int64_t storage_bytes(const at::Tensor& t) {
+  return t.defined() ? static_cast<std::int64_t>(t.storage().nbytes()) : 0;
+}
+
+// Runs a callback after a gradient accumulator has stored a gradient.
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(std::shared_ptr<ZeroEngine*> engine, std::size_t unit) : engine_(std::move(engine)), unit_(unit) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (*engine_ != nullptr) (*engine_)->on_grad_ready(unit_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<ZeroEngine*> engine_;
+  std::size_t unit_;
+};
+
+}  // namespace
+
+ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, dist::ProcessGroup group, ZeroOptions options)
+    : module_(std::move(module)), group_(std::move(group)), options_(std::move(options)) {
+  DTRAIN_CHECK(options_.stage >= 1 && options_.stage <= 3, ConfigError,
+               "ZeRO stage " << options_.stage << " does not exist.", "use stage 1, 2 or 3");
+  rank_ = group_.rank();
+  world_ = group_.size();
+  if (options_.sequential.empty()) {
+    if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module_))
+      sequential_ = torch::nn::Sequential(seq);
+  } else {
+    for (const auto& item : module_->named_modules("", /*include_self=*/false)) {
+      if (item.key() == options_.sequential) {
+        auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(item.value());
+        DTRAIN_CHECK(seq, ConfigError,
+                     "ZeroOptions::sequential names '" << options_.sequential << "', not a Sequential.",
+                     "name the Sequential whose children forward() runs in order");
+        sequential_ = torch::nn::Sequential(seq);
+      }
+    }
+    DTRAIN_CHECK(!sequential_.is_empty(), ConfigError,
+                 "ZeroOptions::sequential names '" << options_.sequential << "', which the module does not have.",
+                 "give the submodule's qualified name, e.g. \"layers\"");
+  }
+  DTRAIN_CHECK(options_.stage < 3 || !sequential_.is_empty(), ConfigError,
+               "ZeRO stage 3 needs a Sequential to run unit by unit (LibTorch modules have no forward hooks).",
+               "make the root a torch::nn::Sequential or set ZeroOptions::sequential to one inside it");
+  self_ = std::make_shared<ZeroEngine*>(this);
+  build_units();
+  install_hooks();
+  peak_bytes_ = current_parameter_bytes();
+}
+
+ZeroEngine::~ZeroEngine() {
+  *self_ = nullptr;
+}
+
+void ZeroEngine::build_units() {
+  torch::NoGradGuard no_grad;
+  // The unit candidates: children of the Sequential (or of the root).
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> candidates;
+  std::string prefix = options_.sequential.empty() ? "" : options_.sequential + ".";
+  const auto children = sequential_.is_empty() ? module_->named_children() : sequential_->named_children();
+  for (const auto& child : children) candidates.emplace_back(prefix + child.key(), child.value());
+
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::size_t>> owners;
+  std::vector<std::size_t> candidate_unit(candidates.size(), SIZE_MAX);
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    const auto& [name, child] = candidates[i];
+    if (options_.unit_policy && !options_.unit_policy(name, *child)) continue;
+    if (child->parameters().empty()) continue;
+    candidate_unit[i] = units_.size();
+    units_.push_back(Unit{.name = name});
+    for (const auto& p : child->parameters()) {
+      auto& list = owners[p.unsafeGetTensorImpl()];
+      if (list.empty() || list.back() != candidate_unit[i]) list.push_back(candidate_unit[i]);
+    }
+  }
+  if (!sequential_.is_empty()) {
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      unit_of_child_.push_back(candidate_unit[i] == SIZE_MAX ? -1 : static_cast<int>(candidate_unit[i]));
+    }
+  }
+  units_.push_back(Unit{.name = "<root>"});
+  const std::size_t root = units_.size() - 1;
+
+  // Parameters in the root's order, each once (a shared one has several names).
+  std::unordered_map<const c10::TensorImpl*, bool> seen;
+  std::optional<c10::ScalarType> dtype;
+  for (const auto& item : module_->named_parameters()) {
+    const at::Tensor& p = item.value();
+    if (seen[p.unsafeGetTensorImpl()]) continue;
+    seen[p.unsafeGetTensorImpl()] = true;
+    DTRAIN_CHECK(!dtype || *dtype == p.scalar_type(), ConfigError,
+                 "ShardedDataParallel needs parameters of one dtype; '" << item.key() << "' is " << p.scalar_type()
+                                                                        << ", others " << *dtype << ".",
+                 "convert the module (module->to(dtype)) and use MixedPrecisionPolicy for compute precision");
+    dtype = p.scalar_type();
+    auto it = owners.find(p.unsafeGetTensorImpl());
+    const std::size_t u = (it != owners.end() && it->second.size() == 1) ? it->second.front() : root;
+    Unit& unit = units_[u];
+    unit.params.push_back(FlatParam{.name = item.key(),
+                                    .param = p,
+                                    .shape = p.sizes().vec(),
+                                    .offset = unit.numel,
+                                    .numel = p.numel(),
+                                    .trainable = p.requires_grad()});
+    unit.numel += p.numel();
+    if (p.requires_grad()) ++unit.trainable;
+  }
+  const c10::ScalarType original = dtype.value_or(c10::kFloat);
+  param_dtype_ = options_.mixed_precision.param_dtype.value_or(original);
+  reduce_dtype_ = options_.mixed_precision.reduce_dtype.value_or(param_dtype_);
+  const bool casting = param_dtype_ != c10::kFloat || original != c10::kFloat;
+
+  std::vector<at::Tensor> fulls;
+  for (Unit& unit : units_) {
+    unit.shard = (unit.numel + world_ - 1) / world_;
+    unit.full = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_));
+    for (FlatParam& fp : unit.params) {
+      unit.full.narrow(0, fp.offset, fp.numel).copy_(fp.param.detach().reshape(-1));
+      fp.param.set_data(unit.full.narrow(0, fp.offset, fp.numel).view(fp.shape));
+    }
+    if (unit.numel > 0) fulls.push_back(unit.full);
+  }
+  if (!fulls.empty() && world_ > 1) group_.broadcast_coalesced(fulls, 0).wait();  // rank 0's values everywhere
+
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = units_[u];
+    const std::int64_t begin = rank_ * unit.shard;
+    at::Tensor mine = unit.full.narrow(0, begin, unit.shard);
+    unit.chunk_is_view = options_.stage < 3 && !casting;
+    unit.chunk = unit.chunk_is_view ? mine : mine.to(c10::kFloat).clone();
+    unit.chunk_version = static_cast<std::int64_t>(unit.chunk._version());
+    for (const FlatParam& fp : unit.params) {
+      const std::int64_t lo = std::max(begin, fp.offset);
+      const std::int64_t hi = std::min(begin + unit.shard, fp.offset + fp.numel);
+      if (!fp.trainable || hi <= lo) continue;
+      at::Tensor piece = unit.chunk.narrow(0, lo - begin, hi - lo);
+      piece.set_requires_grad(true);
+      unit.pieces.push_back(shards_.size());
+      piece_chunk_offset_.push_back(lo - begin);
+      shards_.push_back(
+          ParameterShard{.name = fp.name, .parameter = fp.param, .shard = piece, .offset = lo - fp.offset});
+    }
+    if (options_.stage == 3) {
+      free_storage(unit.full);
+      unit.gathered = false;
+    }
+  }
+  gradient_set_ = std::make_unique<ShardedGradients>(shard_tensors(), group_);
+  if (rank_ == 0) {
+    std::int64_t total = 0;
+    for (const Unit& unit : units_) total += unit.numel;
+    DTRAIN_LOG(kInfo) << "ZeRO stage " << options_.stage << ": " << units_.size() << " units (root included), " << total
+                      << " parameters, " << world_ << " ranks";
+  }
+}
+
+std::vector<at::Tensor> ZeroEngine::shard_tensors() const {
+  std::vector<at::Tensor> out;
+  out.reserve(shards_.size());
+  for (const auto& s : shards_) out.push_back(s.shard);
+  return out;
+}
+
+void ZeroEngine::install_hooks() {
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    for (const FlatParam& fp : units_[u].params) {
+      if (!fp.trainable) continue;
+      auto accumulator = torch::autograd::impl::grad_accumulator(fp.param);
+      accumulator->add_post_hook(std::make_unique<GradReadyHook>(self_, u));
+      units_[u].accumulators.push_back(std::move(accumulator));
+    }
+  }
+  for (std::size_t u = 0; u + 1 < units_.size(); ++u) order_.push_back(units_.size() - 2 - u);
+  order_.push_back(units_.size() - 1);
+}
+
+// ---- forward ----
+
+void ZeroEngine::pre_forward() {
+  in_backward_ = false;
+  if (options_.stage == 3 || !dirty_) return;
+  // Stages 1-2: the optimizer changed the chunks; every rank's reach every rank.
+  torch::NoGradGuard no_grad;
+  std::vector<dist::Work> works;
+  std::vector<at::Tensor> inputs;
+  for (Unit& unit : units_) {
+    if (unit.numel == 0) continue;
+    inputs.push_back(unit.chunk_is_view ? unit.chunk.clone() : unit.chunk.to(param_dtype_));
+    works.push_back(group_.all_gather_into(unit.full, inputs.back()));
+  }
+  for (auto& w : works) w.wait();
+  dirty_ = false;
+}
+
+at::Tensor ZeroEngine::forward(const at::Tensor& input) {
+  DTRAIN_CHECK(!sequential_.is_empty(), ConfigError,
+               "ShardedDataParallel::forward runs a Sequential, and this module has none.",
+               "set ZeroOptions::sequential, or call pre_forward() and the module's own forward (stages 1-2)");
+  pre_forward();
+  const bool grad = at::GradMode::is_enabled();
+  const bool stage3 = options_.stage == 3;
+  const std::size_t root = units_.size() - 1;
+  if (stage3) {
+    wait_gathered(root);
+    for (auto& unit : units_) unit.input_done = false;
+  }
+  at::Tensor x = input;
+  // A unit's output hook is registered after the next unit's input hook on the
+  // same tensor: hooks run in registration order, and unit u+1 must be freed
+  // (input hook) before unit u is gathered and u-1 prefetched (output hook).
+  std::function<void()> pending_output_hook;
+  std::size_t child = 0;
+  for (auto& any : *sequential_) {
+    const int u = unit_of_child_[child++];
+    if (stage3 && u >= 0) {
+      const auto uu = static_cast<std::size_t>(u);
+      wait_gathered(uu);
+      if (uu + 1 < root) issue_gather(uu + 1);  // prefetch
+      if (grad && x.requires_grad()) {
+        x.register_hook([token = self_, uu](const at::Tensor&) {
+          if (*token != nullptr) (*token)->on_input_grad(uu);
+        });
+      }
+    }
+    if (pending_output_hook) std::exchange(pending_output_hook, nullptr)();
+    x = any.forward(x);
+    if (stage3 && u >= 0) {
+      const auto uu = static_cast<std::size_t>(u);
+      if (grad && x.requires_grad()) {
+        pending_output_hook = [this, x, uu] {
+          at::Tensor output = x;
+          output.register_hook([token = self_, uu](const at::Tensor&) {
+            if (*token != nullptr) (*token)->pre_backward(uu);
+          });
+        };
+      }
+      if (options_.reshard_after_forward || !grad) reshard(uu);
+    }
+  }
+  if (pending_output_hook) pending_output_hook();
+  if (stage3 && !grad) reshard(root);
+  note_memory();
+  return x;
+}
+
+// ---- stage 3 gathers ----
+
+void ZeroEngine::issue_gather(std::size_t u) {
+  Unit& unit = units_[u];
+  if (unit.gathered || unit.gathering) return;
+  if (unit.numel == 0) {
+    unit.gathered = true;
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  allocate_storage(unit.full);
+  unit.gather_input = unit.chunk.scalar_type() == param_dtype_ ? unit.chunk : unit.chunk.to(param_dtype_);
+  unit.gather_work = group_.all_gather_into(unit.full, unit.gather_input);
+  unit.gathering = true;
+  note_memory();
+}
+
+void ZeroEngine::wait_gathered(std::size_t u) {
+  Unit& unit = units_[u];
+  if (unit.gathered) return;
+  issue_gather(u);
+  if (unit.gathering) {
+    unit.gather_work.wait();
+    unit.gathering = false;
+    unit.gather_input = at::Tensor();
+  }
+  unit.gathered = true;
+}
+
+void ZeroEngine::reshard(std::size_t u) {
+  Unit& unit = units_[u];
+  if (options_.stage < 3 || full_parameter_guards > 0 || unit.numel == 0) return;
+  if (unit.gathering) wait_gathered(u);
+  if (!unit.gathered) return;
+  free_storage(unit.full);
+  unit.gathered = false;
+}
+
+// ---- backward ----
+
+void ZeroEngine::begin_backward_if_needed() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  for (Unit& unit : units_) {
+    unit.ready = 0;
+    unit.launched = false;
+  }
+  next_reduction_ = 0;
+  torch::autograd::Engine::get_default_engine().queue_callback([token = self_] {
+    if (*token != nullptr) (*token)->finish_backward();
+  });
+}
+
+void ZeroEngine::pre_backward(std::size_t u) {
+  begin_backward_if_needed();
+  wait_gathered(u);
+  if (u > 0) issue_gather(u - 1);  // prefetch the unit whose backward comes next
+  note_memory();
+}
+
+void ZeroEngine::on_input_grad(std::size_t u) {
+  Unit& unit = units_[u];
+  unit.input_done = true;
+  if (unit.ready >= unit.trainable) reshard(u);
+}
+
+void ZeroEngine::on_grad_ready(std::size_t u) {
+  begin_backward_if_needed();
+  Unit& unit = units_[u];
+  ++unit.ready;
+  if (unit.ready < unit.trainable) return;
+  if (unit.input_done && u + 1 < units_.size()) reshard(u);
+  launch_ready_reductions();
+}
+
+void ZeroEngine::launch_ready_reductions() {
+  if (!sync) return;
+  while (next_reduction_ < order_.size()) {
+    Unit& unit = units_[order_[next_reduction_]];
+    if (unit.trainable > 0 && unit.ready < unit.trainable) return;
+    if (unit.trainable > 0) launch_reduction(order_[next_reduction_]);
+    ++next_reduction_;
+  }
+}
+
+void ZeroEngine::launch_reduction(std::size_t u) {
+  torch::NoGradGuard no_grad;
+  Unit& unit = units_[u];
+  unit.reduce_input = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(reduce_dtype_));
+  for (FlatParam& fp : unit.params) {
+    if (!fp.trainable || !fp.param.grad().defined()) continue;
+    unit.reduce_input.narrow(0, fp.offset, fp.numel).copy_(fp.param.grad().reshape(-1));
+    // The sum so far is in the reduction: stages 2-3 free the full gradient,
+    // stage 1 keeps its buffer (its memory profile) and starts it again from zero.
+    if (options_.stage >= 2) {
+      fp.param.mutable_grad().reset();
+    } else {
+      fp.param.mutable_grad().zero_();
+    }
+  }
+  unit.reduce_output = at::empty({unit.shard}, unit.reduce_input.options());
+  unit.reduce_work = group_.reduce_scatter(unit.reduce_output, unit.reduce_input, dist::ReduceOp::kAvg);
+  unit.launched = true;
+}
+
+void ZeroEngine::complete_reduction(std::size_t u) {
+  torch::NoGradGuard no_grad;
+  Unit& unit = units_[u];
+  unit.reduce_work.wait();
+  unit.reduce_input = at::Tensor();
+  at::Tensor result = unit.reduce_output.to(c10::kFloat);
+  unit.reduce_output = at::Tensor();
+  // Each shard gets its own gradient tensor (LibTorch's Optimizer::zero_grad
+  // detach_()es gradients, which views forbid); accumulated across backwards
+  // until cleared, as autograd does.
+  for (std::size_t i : unit.pieces) {
+    at::Tensor& shard = shards_[i].shard;
+    const at::Tensor slice = result.narrow(0, piece_chunk_offset_[i], shard.numel());
+    if (shard.grad().defined()) {
+      shard.mutable_grad().add_(slice);
+    } else {
+      shard.mutable_grad() = slice.clone();
+    }
+  }
+  unit.launched = false;
+}
+
+void ZeroEngine::finish_backward() {
+  in_backward_ = false;
+  if (sync) {
+    for (; next_reduction_ < order_.size(); ++next_reduction_) {
+      const std::size_t u = order_[next_reduction_];
+      if (units_[u].trainable > 0) launch_reduction(u);
+    }
+    for (std::size_t u : order_) {
+      if (units_[u].launched) complete_reduction(u);
+    }
+    dirty_ = options_.stage < 3;
+  }
+  for (std::size_t u = 0; u < units_.size(); ++u) reshard(u);
+  note_memory();
+}
+
+// ---- the rest ----
+
+void ZeroEngine::zero_grad() {
+  for (auto& s : shards_) s.shard.mutable_grad().reset();
+  for (Unit& unit : units_) {
+    for (FlatParam& fp : unit.params) fp.param.mutable_grad().reset();
+  }
+}
+
+void ZeroEngine::gather_all() {
+  pre_forward();
+  if (options_.stage < 3) return;
+  for (std::size_t u = 0; u < units_.size(); ++u) issue_gather(u);
+  for (std::size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
+}
+
+void ZeroEngine::release_all() {
+  for (std::size_t u = 0; u < units_.size(); ++u) reshard(u);
+}
+
+std::map<std::string, at::Tensor> ZeroEngine::full_state_dict() {
+  torch::NoGradGuard no_grad;
+  ++full_parameter_guards;
+  gather_all();
+  std::map<std::string, at::Tensor> out;
+  for (const Unit& unit : units_) {
+    for (const FlatParam& fp : unit.params) {
+      // Values from the fp32 chunks where they exist (mixed precision: the master weights).
+      at::Tensor flat = unit.full.narrow(0, fp.offset, fp.numel).to(c10::kFloat).clone();
+      out[fp.name] = flat.view(fp.shape);
+    }
+  }
+  // Under mixed precision the masters are finer than `full`: gather them.
+  if (param_dtype_ != c10::kFloat) {
+    for (const Unit& unit : units_) {
+      if (unit.numel == 0) continue;
+      at::Tensor all = at::empty({unit.shard * world_}, at::TensorOptions().dtype(c10::kFloat));
+      at::Tensor mine = unit.chunk.clone();
+      group_.all_gather_into(all, mine).wait();
+      for (const FlatParam& fp : unit.params) out[fp.name] = all.narrow(0, fp.offset, fp.numel).view(fp.shape).clone();
+    }
+  }
+  --full_parameter_guards;
+  release_all();
+  return out;
+}
+
+std::int64_t ZeroEngine::current_parameter_bytes() const {
+  std::int64_t bytes = 0;
+  for (const Unit& unit : units_) {
+    bytes += storage_bytes(unit.full);
+    if (!unit.chunk_is_view) bytes += storage_bytes(unit.chunk);
+    if (unit.gather_input.defined() && !unit.gather_input.is_same(unit.chunk))
+      bytes += storage_bytes(unit.gather_input);
+  }
+  return bytes;
+}
+
+void ZeroEngine::note_memory() {
+  peak_bytes_ = std::max(peak_bytes_, current_parameter_bytes());
+}
+
+ZeroMemoryStats ZeroEngine::memory_stats() const {
+  return {.parameter_bytes = current_parameter_bytes(), .peak_parameter_bytes = peak_bytes_};
+}
+
+}  // namespace detail
+
+// ---- the public front ----
+
+ShardedDataParallel::ShardedDataParallel(std::shared_ptr<torch::nn::Module> module, dist::ProcessGroup group,
+                                         ZeroOptions options)
+    : engine_(std::make_unique<detail::ZeroEngine>(std::move(module), std::move(group), std::move(options))) {}
+
+ShardedDataParallel::~ShardedDataParallel() = default;
+
+at::Tensor ShardedDataParallel::forward(const at::Tensor& input) {
+  return engine_->forward(input);
+}
+void ShardedDataParallel::pre_forward() {
+  engine_->pre_forward();
+}
+std::vector<at::Tensor> ShardedDataParallel::parameters() const {
+  return engine_->shard_tensors();
+}
+const std::vector<ParameterShard>& ShardedDataParallel::parameter_shards() const {
+  return engine_->shards();
+}
+const GradientSet& ShardedDataParallel::gradients() const {
+  return engine_->gradients();
+}
+void ShardedDataParallel::zero_grad() {
+  engine_->zero_grad();
+}
+std::map<std::string, at::Tensor> ShardedDataParallel::full_state_dict() {
+  return engine_->full_state_dict();
+}
+ZeroMemoryStats ShardedDataParallel::memory_stats() const {
+  return engine_->memory_stats();
+}
+void ShardedDataParallel::reset_peak() {
+  engine_->reset_peak();
+}
+const ZeroOptions& ShardedDataParallel::options() const {
+  return engine_->options();
+}
+dist::ProcessGroup& ShardedDataParallel::group() {
+  return engine_->group();
+}
+torch::nn::Module& ShardedDataParallel::module() {
+  return engine_->module();
+}
+
+ShardedDataParallel::NoSync::NoSync(ShardedDataParallel& sdp) : sdp_(&sdp), previous_(sdp.engine_->sync) {
+  sdp.engine_->sync = false;
+}
+ShardedDataParallel::NoSync::~NoSync() {
+  sdp_->engine_->sync = previous_;
+}
+
+ShardedDataParallel::FullParameters::FullParameters(ShardedDataParallel& sdp) : sdp_(&sdp) {
+  ++sdp.engine_->full_parameter_guards;
+  sdp.engine_->gather_all();
+}
+ShardedDataParallel::FullParameters::~FullParameters() {
+  if (--sdp_->engine_->full_parameter_guards == 0) sdp_->engine_->release_all();
+}
+
+}  // namespace dtrain
