@@ -13,6 +13,7 @@
 #include <iostream>
 #include <mutex>
 
+#include "dtrain/amp/grad_scaler.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
@@ -176,5 +177,84 @@ TEST_P(ZeroPeerDeath, SurvivorGetsCommunicationError) {
 
 // Stage 3 dies in the forward's all-gather, stage 2 in the backward's reduce-scatter.
 INSTANTIATE_TEST_SUITE_P(Stages, ZeroPeerDeath, ::testing::Values(2, 3));
+
+}  // namespace
+
+namespace {
+
+// Mixed precision: fp64 compute over fp32 masters tracks the fp32 reference
+// closely; bf16 compute with fp32 reduction stays near it.
+TEST(Zero, MixedPrecisionPolicy) {
+  constexpr int world = 2, kPerRank = 4;
+  run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(30)});
+    struct Case {
+      int stage;
+      c10::ScalarType param, reduce;
+      double rtol;
+    };
+    for (const Case c : {Case{2, at::kDouble, at::kDouble, 1e-4}, Case{3, at::kDouble, at::kFloat, 1e-4},
+                         Case{1, at::kBFloat16, at::kFloat, 5e-2}, Case{3, at::kBFloat16, at::kFloat, 5e-2}}) {
+      SCOPED_TRACE("stage " + std::to_string(c.stage) + " " + c10::toString(c.param));
+      auto model = make_model();
+      auto reference = make_model();
+      dtrain::ShardedDataParallel sdp(
+          model, group, {.stage = c.stage, .mixed_precision = {.param_dtype = c.param, .reduce_dtype = c.reduce}});
+      for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), c.param);
+      for (const auto& s : sdp.parameters()) EXPECT_EQ(s.scalar_type(), at::kFloat) << "fp32 masters";
+      auto opt = make_optimizer(OptimizerKind::kAdamW, sdp.parameters());
+      auto ref_opt = make_optimizer(OptimizerKind::kAdamW, trainable(*reference));
+      for (int step = 0; step < 3; ++step) {
+        const Batch batch = global_batch(step, world * kPerRank);
+        const Batch mine = batch.slice(rank * kPerRank, kPerRank);
+        opt->zero_grad();
+        loss_of(sdp(mine.x.to(c.param)).to(at::kFloat), mine.y).backward();
+        opt->step();
+        ref_opt->zero_grad();
+        loss_of(reference->forward(batch.x), batch.y).backward();
+        ref_opt->step();
+      }
+      expect_equal_parameters(sdp.full_state_dict(), *reference, c.rtol, c.rtol);
+    }
+  });
+}
+
+// GradScaler (found-inf over the group) and clipping by the global norm over
+// the shards equal the reference's scaler and clipping.
+TEST(Zero, GradScalerAndGlobalNormClipping) {
+  constexpr int world = 3, kPerRank = 4;
+  run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(30)});
+    for (int stage = 1; stage <= 3; ++stage) {
+      SCOPED_TRACE("stage " + std::to_string(stage));
+      auto model = make_model();
+      auto reference = make_model();
+      dtrain::ShardedDataParallel sdp(model, group, {.stage = stage});
+      auto opt = make_optimizer(OptimizerKind::kSgd, sdp.parameters());
+      auto ref_opt = make_optimizer(OptimizerKind::kSgd, trainable(*reference));
+      dtrain::amp::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 2, .found_inf_group = group});
+      dtrain::amp::GradScaler ref_scaler({.init_scale = 1024.0, .growth_interval = 2});
+      for (int step = 0; step < 4; ++step) {
+        const Batch batch = global_batch(step, world * kPerRank);
+        const Batch mine = batch.slice(rank * kPerRank, kPerRank);
+        opt->zero_grad();
+        scaler.scale(loss_of(sdp(mine.x), mine.y)).backward();
+        scaler.unscale_(*opt);
+        const double norm = dtrain::clip_grad_norm_(sdp.gradients(), 0.05).item<double>();
+        scaler.step(*opt);
+        scaler.update();
+        ref_opt->zero_grad();
+        ref_scaler.scale(loss_of(reference->forward(batch.x), batch.y)).backward();
+        ref_scaler.unscale_(*ref_opt);
+        const double ref_norm = dtrain::clip_grad_norm_(trainable(*reference), 0.05).item<double>();
+        ref_scaler.step(*ref_opt);
+        ref_scaler.update();
+        EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
+      }
+      EXPECT_EQ(scaler.get_scale(), ref_scaler.get_scale());
+      expect_equal_parameters(sdp.full_state_dict(), *reference);
+    }
+  });
+}
 
 }  // namespace
