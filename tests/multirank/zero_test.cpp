@@ -9,13 +9,18 @@
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
+#include <torch/serialize/archive.h>
+#include <unistd.h>
+
 #include <csignal>
+#include <filesystem>
 #include <iostream>
 #include <mutex>
 
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
+#include "dtrain/parallel/zero/sharded_checkpoint.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "ranks.h"
 #include "zero_helpers.h"
@@ -255,6 +260,67 @@ TEST(Zero, GradScalerAndGlobalNormClipping) {
       expect_equal_parameters(sdp.full_state_dict(), *reference);
     }
   });
+}
+
+}  // namespace
+
+namespace {
+
+// Save on 4 ranks, load on 2 and on 3: training goes on as an uninterrupted
+// run on the same global batches; the consolidated export is the full model.
+TEST(Zero, CheckpointSavedOn4ResumesOn2And3) {
+  constexpr int kGlobal = 12, kSaveAt = 3, kSteps = 6;
+  for (const int stage : {2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    const auto dir = std::filesystem::temp_directory_path() /
+                     ("dtrain_zero_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(stage));
+    std::filesystem::remove_all(dir);
+    auto reference = make_model();
+    auto ref_opt = make_optimizer(OptimizerKind::kAdamW, trainable(*reference));
+    for (int step = 0; step < kSteps; ++step) {
+      const Batch batch = global_batch(step, kGlobal);
+      ref_opt->zero_grad();
+      loss_of(reference->forward(batch.x), batch.y).backward();
+      ref_opt->step();
+    }
+    auto train = [&](int world, int first, int last, bool save) {
+      run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
+        auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(30)});
+        auto model = make_model();
+        dtrain::ShardedDataParallel sdp(model, group, {.stage = stage});
+        auto opt = make_optimizer(OptimizerKind::kAdamW, sdp.parameters());
+        dtrain::ShardedCheckpointer ckpt({.dir = dir}, sdp, *opt);
+        if (first > 0) {
+          const auto info = ckpt.load_latest();
+          ASSERT_TRUE(info.has_value());
+          EXPECT_EQ(info->step, first);
+          EXPECT_EQ(info->saved_world_size, 4);
+        }
+        const std::int64_t per_rank = kGlobal / world;
+        for (int step = first; step < last; ++step) {
+          const Batch mine = global_batch(step, kGlobal).slice(rank * per_rank, per_rank);
+          opt->zero_grad();
+          loss_of(sdp(mine.x), mine.y).backward();
+          opt->step();
+        }
+        if (save) ckpt.save(last, R"({"sampler": 3})");
+        if (last == kSteps) {
+          expect_equal_parameters(sdp.full_state_dict(), *reference);
+          const auto exported = dir / ("full_" + std::to_string(world) + ".pt");
+          ckpt.export_full_state_dict(exported);
+          torch::serialize::InputArchive archive;
+          archive.load_from(exported.string());
+          std::map<std::string, at::Tensor> loaded;
+          for (const auto& key : archive.keys()) archive.read(key, loaded[key]);
+          expect_equal_parameters(loaded, *reference);
+        }
+      });
+    };
+    train(4, 0, kSaveAt, /*save=*/true);
+    train(2, kSaveAt, kSteps, false);
+    train(3, kSaveAt, kSteps, false);
+    std::filesystem::remove_all(dir);
+  }
 }
 
 }  // namespace

@@ -78,6 +78,9 @@ class ZeroEngine {
 
   std::vector<Unit>& units() { return units_; }
   std::vector<ParameterShard>& shards() { return shards_; }
+  std::int64_t piece_chunk_offset(std::size_t shard) const { return piece_chunk_offset_[shard]; }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
   const ZeroOptions& options() const { return options_; }
   dist::ProcessGroup& group() { return group_; }
   torch::nn::Module& module() { return *module_; }
