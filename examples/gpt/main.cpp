@@ -1,7 +1,7 @@
 // Trains a character-level GPT (nanoGPT's shakespeare_char) on the complete
 // works of Shakespeare and prints a generated sample and the val loss.
 //
-//   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel] [--devices all]
+//   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3] [--devices all]
 //       [--max-iters 2000] [--eval-interval 250] [--eval-iters 20] [--batch-size 12]
 //       [--block-size 64] [--n-layer 4] [--n-head 4] [--n-embd 128] [--dropout 0]
 //       [--lr 1e-3] [--min-lr 1e-4] [--warmup-iters 100] [--weight-decay 0.1]
@@ -16,7 +16,8 @@
 // batch x accumulate x world sequences (see corpus.h, Note [GPT batches]).
 // Strategies as in examples/fashion_mnist: single; dp (each batch split over
 // --devices); model-parallel (the blocks placed over --devices); ddp and
-// ddp-model-parallel (one process per rank under `dtrain run`/torchrun).
+// ddp-model-parallel (one process per rank under `dtrain run`/torchrun);
+// zero1-3: ZeRO stages 1-3 (ShardedDataParallel, one process per rank).
 //
 // Progress goes to stderr; stdout gets a JSON line per evaluation, the sample,
 // and last {"event":"done","val_loss":...,"tokens_per_second":...,...} with
@@ -41,6 +42,7 @@
 #include "dtrain/dtrain.h"
 #include "fused_adamw.h"
 #include "model.h"
+#include "zero_strategy.h"
 
 namespace {
 
@@ -82,7 +84,7 @@ double learning_rate(const Options& o, std::int64_t it) {
 }
 
 bool distributed(const std::string& s) {
-  return s == "ddp" || s == "ddp-model-parallel";
+  return s == "ddp" || s == "ddp-model-parallel" || gpt::is_zero_strategy(s);
 }
 
 // Where this process trains and which ranks it trains with.
@@ -104,7 +106,7 @@ Placement place(const Options& opt) {
                "start it through a launcher: dtrain run --nproc-per-node 2 gpt --strategy " << opt.strategy);
   const auto env = dtrain::dist::read_env_contract();
   std::vector<c10::Device> devices;
-  if (opt.strategy == "ddp") {
+  if (opt.strategy == "ddp" || gpt::is_zero_strategy(opt.strategy)) {
     devices = {dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size)};
   } else {
     devices = dtrain::parse_devices(opt.devices);
@@ -133,6 +135,13 @@ struct Trainee {
   // no_sync); empty where there is nothing to skip.
   std::function<void(const std::function<void()>&)> without_sync;
   c10::Device input_device{c10::kCPU};
+  // Sharded strategies (ZeRO): what the optimizer steps on (empty: the
+  // module's parameters), which of those decay, global-norm clipping, and a
+  // collective that makes the module's parameters full (before saving them).
+  std::vector<at::Tensor> params;
+  std::function<bool(const at::Tensor&)> decays;
+  std::function<void(double)> clip;
+  std::function<void()> full_parameters;
 };
 
 // Mean val loss over the fixed val batches (of batch x world sequences, so
@@ -186,9 +195,10 @@ struct Breakdown {
 };
 
 // AdamW with weight decay on matrices and embeddings only (nanoGPT's two groups).
-std::unique_ptr<torch::optim::AdamW> make_optimizer(const Options& opt, const std::vector<at::Tensor>& params) {
+std::unique_ptr<torch::optim::AdamW> make_optimizer(const Options& opt, const std::vector<at::Tensor>& params,
+                                                    const std::function<bool(const at::Tensor&)>& decays) {
   std::vector<at::Tensor> decay, no_decay;
-  for (const auto& p : params) (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  for (const auto& p : params) ((decays ? decays(p) : p.dim() >= 2) ? decay : no_decay).push_back(p);
   const auto adamw = torch::optim::AdamWOptions(opt.lr).betas({0.9, opt.beta2}).eps(1e-8);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
@@ -239,7 +249,11 @@ StepResult train_step(const Options& opt, const Placement& where, Trainee& model
     }
   }
   const auto t = Clock::now();
-  if (opt.grad_clip > 0) gpt::clip_grad_norm(model.module->parameters(), opt.grad_clip);
+  if (opt.grad_clip > 0 && model.clip) {
+    model.clip(opt.grad_clip);
+  } else if (opt.grad_clip > 0) {
+    gpt::clip_grad_norm(model.module->parameters(), opt.grad_clip);
+  }
   optimizer.step();
   optimizer.zero_grad();
   r.optimizer_ms = ms_since(t);
@@ -257,8 +271,8 @@ void write_params(const std::string& path, torch::nn::Module& module) {
 
 int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpus& corpus) {
   const bool lead = where.rank == 0;
-  const auto params = model.module->parameters();
-  auto optimizer = make_optimizer(opt, params);
+  const auto params = model.params.empty() ? model.module->parameters() : model.params;
+  auto optimizer = make_optimizer(opt, params, model.decays);
 
   std::optional<dtrain::Checkpointer> checkpoints;
   dtrain::TrainingState state;
@@ -316,6 +330,7 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
   progress.finish();
   report_eval(opt.max_iters);
   if (checkpoints && opt.max_iters % opt.eval_interval != 0) checkpoints->save(state, *model.module, *optimizer);
+  if (!opt.save_params.empty() && model.full_parameters) model.full_parameters();
   if (!opt.save_params.empty() && lead) write_params(opt.save_params, *model.module);
   std::string sample;
   if (lead && opt.sample_tokens > 0) sample = generate(opt, corpus, model);
@@ -390,6 +405,24 @@ int run(Options opt) {
     model.plain = [&](const at::Tensor& x) { return net(x); };
     return train(opt, where, model, corpus);
   }
+  if (gpt::is_zero_strategy(opt.strategy)) {
+    DTRAIN_CHECK(opt.checkpoint_dir.empty(), ConfigError,
+                 "--checkpoint-dir is not wired to --strategy " << opt.strategy,
+                 "use dtrain::ShardedCheckpointer (see docs/zero.md) or --strategy ddp");
+    dtrain::ShardedDataParallel sdp(net, *where.group, gpt::zero_options(opt.strategy));
+    std::optional<dtrain::ShardedDataParallel::FullParameters> full;
+    model.forward = [&](const at::Tensor& x) { return sdp(x); };
+    model.plain = model.forward;  // evaluation runs without grad: stage 3 gathers unit by unit
+    model.without_sync = [&](const std::function<void()>& body) {
+      auto guard = sdp.no_sync();
+      body();
+    };
+    model.params = sdp.parameters();
+    model.decays = gpt::zero_decays(sdp);
+    model.clip = [&](double max_norm) { dtrain::clip_grad_norm_(sdp.gradients(), max_norm); };
+    model.full_parameters = [&] { full.emplace(sdp); };
+    return train(opt, where, model, corpus);
+  }
   return train_plain_or_ddp(opt, where, model, net, corpus);
 }
 
@@ -400,7 +433,7 @@ int main(int argc, char** argv) {
   Options opt;
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // scripts add defaults, users override
   app.add_option("--strategy", opt.strategy, "Parallelism strategy")
-      ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel"}))
+      ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3"}))
       ->capture_default_str();
   app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
       ->capture_default_str();

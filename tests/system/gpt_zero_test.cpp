@@ -1,0 +1,75 @@
+// examples/gpt under --strategy zero1|zero2|zero3 (2 ranks through `dtrain run`)
+// ends where --strategy single does on the same global batches.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "example_run.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
+
+std::vector<float> read_floats(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<float> v(fs::exists(path) ? fs::file_size(path) / sizeof(float) : 0);
+  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+  return v;
+}
+
+bool have_corpus() {
+  const char* home = std::getenv("HOME");
+  const char* cache = std::getenv("DTRAIN_CACHE");
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const std::string dir = cache != nullptr ? std::string(cache)
+                          : xdg != nullptr ? std::string(xdg) + "/dtrain"
+                                           : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
+  return fs::exists(dir + "/shakespeare_char/meta.json");
+}
+
+// Four AdamW steps with clipping and a cosine schedule, evaluation included;
+// tolerance as in gpt_example_test.cpp (float rounding lifted by Adam).
+TEST(GptZero, EveryStageMatchesSingle) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-zero-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string common =
+      "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --max-iters 4 --eval-interval 2 --eval-iters 2 "
+      "--sample-tokens 0 --warmup-iters 2 --seed 5 --grad-clip 0.5 --devices cpu --save-params ";
+  const auto single =
+      dtrain::testing::run_example(kExample, common + (dir / "single.f32").string() + " --batch-size 4");
+  ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
+  const auto reference = read_floats(dir / "single.f32");
+  ASSERT_GT(reference.size(), 20000u);
+  for (const std::string strategy : {"zero1", "zero2", "zero3"}) {
+    const auto file = dir / (strategy + ".f32");
+    const auto r = dtrain::testing::run_example(
+        kExample, common + file.string() + " --batch-size 2 --strategy " + strategy, kLaunch);
+    ASSERT_EQ(r.exit_code, 0) << strategy << ": " << r.stderr_text;
+    EXPECT_EQ(dtrain::testing::last_json_line(r.stdout_text).value("steps", 0), 4) << r.stdout_text;
+    const auto params = read_floats(file);
+    ASSERT_EQ(params.size(), reference.size()) << strategy;
+    double diff2 = 0, ref2 = 0;
+    std::size_t outside = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const double d = std::abs(static_cast<double>(params[i]) - reference[i]);
+      diff2 += d * d;
+      ref2 += static_cast<double>(reference[i]) * reference[i];
+      if (d > 1e-5 * std::abs(reference[i]) + 1e-6) ++outside;
+    }
+    EXPECT_EQ(outside, 0u) << strategy;
+    EXPECT_LT(std::sqrt(diff2 / ref2), 1e-5) << strategy;
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
