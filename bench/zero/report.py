@@ -1,0 +1,48 @@
+"""Prints bench/zero's tables and comparison lines from the raw results of
+run.sh: per case the best (lowest p50) of the rounds; memory beside the
+formula; then {"bench","case","metric","dtrain","peer","peer_name","ratio"}
+lines (ratio > 1: dtrain better)."""
+import json
+import sys
+
+
+def load(path):
+    best = {}
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if r["case"] not in best or r["p50_ms"] < best[r["case"]]["p50_ms"]:
+                best[r["case"]] = r
+    return best
+
+
+ours, peers = load(sys.argv[1]), load(sys.argv[2])
+print("# memory per rank: parameters + gradients + optimizer state (MB, measured) vs fp32 AdamW formula")
+for case in ("ddp", "zero1", "zero2", "zero3"):
+    r = ours.get(case)
+    if r:
+        mb = lambda b: b / 2**20  # noqa: E731
+        print(f"{case:6s} params {mb(r['param_bytes']):6.2f}  grads {mb(r['grad_bytes']):6.2f}  "
+              f"optimizer {mb(r['optimizer_bytes']):6.2f}  total {mb(r['peak_bytes']):6.2f}  "
+              f"formula {mb(r['formula_bytes']):6.2f}  ratio {r['peak_bytes'] / r['formula_bytes']:.3f}")
+print("# step time p50 (ms): " + ", ".join(f"dtrain {c} {r['p50_ms']:.1f}" for c, r in ours.items()) + ", " +
+      ", ".join(f"{r['impl']} {r['p50_ms']:.1f}" for r in peers.values()))
+
+
+def line(case, metric, d, p, peer_name):
+    print(json.dumps({"bench": "zero", "case": case, "metric": metric, "dtrain": d, "peer": p,
+                      "peer_name": peer_name, "ratio": round(p / d, 3) if d and p else None}))
+
+
+pairs = [("ddp", "ddp"), ("zero3", "fsdp2"), ("zero2", "fsdp2"), ("zero1", "zero_redundancy")]
+for mine, theirs in pairs:
+    if mine in ours and theirs in peers:
+        line(mine, "p50_ms", ours[mine]["p50_ms"], peers[theirs]["p50_ms"], peers[theirs]["impl"])
+for case in ("zero1", "zero2", "zero3"):  # against dtrain's own DDP: ratio = ddp / zero
+    if case in ours and "ddp" in ours:
+        line(case, "p50_ms_vs_dtrain_ddp", ours[case]["p50_ms"], ours["ddp"]["p50_ms"], "dtrain_ddp")
+for case in ("ddp", "zero1", "zero2", "zero3"):  # memory: ratio = formula / measured
+    if case in ours:
+        line(case, "peak_bytes_vs_formula", ours[case]["peak_bytes"], ours[case]["formula_bytes"], "formula")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# ZeRO stages 1-3 against DDP on examples/gpt's GPT (4 layers, width 128,
+# ~0.8 M parameters; batch 12 x 64 per rank), 2 ranks, CPU, one OpenMP thread
+# each, all measured back to back in this run: dtrain DDP and ZeRO-1/2/3
+# (peak memory of parameters + gradients + optimizer state per rank, measured,
+# beside the fp32 AdamW formula; step time), and Python's torch DDP, FSDP2
+# (fully_shard, CPU + gloo) and ZeroRedundancyOptimizer (same torch).
+# Set DTRAIN_BENCH_QUICK=1 for fewer steps.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/../common/launch.sh"
+ranks=2 steps=40
+if [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ]; then steps=10; fi
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+: >"$tmp/dtrain.jsonl"
+: >"$tmp/peer.jsonl"
+for round in 1 2; do  # two rounds, interleaved, so load drifts hit every case alike
+  for s in ddp zero1 zero2 zero3; do
+    launch_ranks "$ranks" "$tmp/one.jsonl" "$DTRAIN_BUILD/bench/bench_zero" --strategy "$s" --steps "$steps" "$@"
+    sed "s/\"impl\":\"dtrain\"/\"impl\":\"dtrain\",\"round\":$round/" "$tmp/one.jsonl" >>"$tmp/dtrain.jsonl"
+  done
+  for s in ddp fsdp2 zero_redundancy; do
+    launch_ranks "$ranks" "$tmp/one.jsonl" "$DTRAIN_PYTHON" "$here/peer.py" --strategy "$s" --steps "$steps" "$@"
+    sed "s/\"impl\"/\"round\":$round,\"impl\"/" "$tmp/one.jsonl" >>"$tmp/peer.jsonl"
+  done
+done
+echo "# raw results (rank 0 of $ranks)"
+cat "$tmp/dtrain.jsonl" "$tmp/peer.jsonl"
+"$DTRAIN_PYTHON" "$here/report.py" "$tmp/dtrain.jsonl" "$tmp/peer.jsonl"
