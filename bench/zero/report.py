@@ -19,14 +19,16 @@ def load(path):
 
 
 ours, peers = load(sys.argv[1]), load(sys.argv[2])
-print("# memory per rank: parameters + gradients + optimizer state (MB, measured) vs fp32 AdamW formula")
+print("# memory per rank: parameters (peak during forward/backward) + gradients + optimizer state (MB, measured);")
+print("# resident: with the parameters held between steps (stage 3: shards only); formula: fp32 AdamW's")
 for case in ("ddp", "zero1", "zero2", "zero3"):
     r = ours.get(case)
     if r:
         mb = lambda b: b / 2**20  # noqa: E731
         print(f"{case:6s} params {mb(r['param_bytes']):6.2f}  grads {mb(r['grad_bytes']):6.2f}  "
-              f"optimizer {mb(r['optimizer_bytes']):6.2f}  total {mb(r['peak_bytes']):6.2f}  "
-              f"formula {mb(r['formula_bytes']):6.2f}  ratio {r['peak_bytes'] / r['formula_bytes']:.3f}")
+              f"optimizer {mb(r['optimizer_bytes']):6.2f}  peak {mb(r['peak_bytes']):6.2f}  "
+              f"resident {mb(r['resident_bytes']):6.2f}  formula {mb(r['formula_bytes']):6.2f}  "
+              f"resident/formula {r['resident_bytes'] / r['formula_bytes']:.3f}  peak/formula {r['peak_bytes'] / r['formula_bytes']:.3f}")
 print("# step time p50 (ms): " + ", ".join(f"dtrain {c} {r['p50_ms']:.1f}" for c, r in ours.items()) + ", " +
       ", ".join(f"{r['impl']} {r['p50_ms']:.1f}" for r in peers.values()))
 
@@ -45,4 +47,5 @@ for case in ("zero1", "zero2", "zero3"):  # against dtrain's own DDP: ratio = dd
         line(case, "p50_ms_vs_dtrain_ddp", ours[case]["p50_ms"], ours["ddp"]["p50_ms"], "dtrain_ddp")
 for case in ("ddp", "zero1", "zero2", "zero3"):  # memory: ratio = formula / measured
     if case in ours:
+        line(case, "resident_bytes_vs_formula", ours[case]["resident_bytes"], ours[case]["formula_bytes"], "formula")
         line(case, "peak_bytes_vs_formula", ours[case]["peak_bytes"], ours[case]["formula_bytes"], "formula")

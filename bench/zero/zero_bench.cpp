@@ -7,7 +7,9 @@
 // Memory is measured from the live tensors' storages (each storage once):
 // parameters at their peak during forward/backward (stage 3: its gathered
 // units included), gradients right after backward, optimizer state after the
-// step; formula_bytes is fp32 AdamW's: DDP 16P, stage 1 8P + 8P/N, stage 2
+// step; resident_bytes counts the parameters held between steps instead of
+// their peak (stage 3: its shards, without the units gathered for compute,
+// which come and go like activations); formula_bytes is fp32 AdamW's: DDP 16P, stage 1 8P + 8P/N, stage 2
 // 4P + 12P/N, stage 3 16P/N.
 //
 //   zero_bench --strategy ddp|zero1|zero2|zero3 --steps 30 --batch 12 --block 64
@@ -101,7 +103,7 @@ int main(int argc, char** argv) {
     const at::Tensor y = at::randint(0, config.vocab_size, {batch, config.block_size}, gen, at::kLong);
 
     std::vector<double> step_ms;
-    std::int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
+    std::int64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0, resident_param_bytes = 0;
     for (int i = 0; i < warmup + steps; ++i) {
       group.barrier();
       const auto start = Clock::now();
@@ -126,6 +128,7 @@ int main(int argc, char** argv) {
       if (i == warmup) {
         std::unordered_set<const void*> seen;
         optimizer_bytes = storage_bytes(optimizer_tensors(opt), seen);
+        resident_param_bytes = sdp ? sdp->memory_stats().parameter_bytes : param_bytes;  // between steps
       }
       if (i >= warmup) step_ms.push_back(ms_since(start));
     }
@@ -139,11 +142,11 @@ int main(int argc, char** argv) {
       std::printf(
           "{\"impl\":\"dtrain\",\"case\":\"%s\",\"world\":%d,\"params\":%lld,\"p50_ms\":%.3f,\"p95_ms\":%.3f,"
           "\"param_bytes\":%lld,\"grad_bytes\":%lld,\"optimizer_bytes\":%lld,\"peak_bytes\":%lld,"
-          "\"formula_bytes\":%.0f}\n",
+          "\"resident_bytes\":%lld,\"formula_bytes\":%.0f}\n",
           strategy.c_str(), world, static_cast<long long>(numel), percentile(step_ms, 0.5), percentile(step_ms, 0.95),
           static_cast<long long>(param_bytes), static_cast<long long>(grad_bytes),
-          static_cast<long long>(optimizer_bytes),
-          static_cast<long long>(param_bytes + grad_bytes + optimizer_bytes), formula);
+          static_cast<long long>(optimizer_bytes), static_cast<long long>(param_bytes + grad_bytes + optimizer_bytes),
+          static_cast<long long>(resident_param_bytes + grad_bytes + optimizer_bytes), formula);
     }
     return 0;
   } catch (const std::exception& e) {

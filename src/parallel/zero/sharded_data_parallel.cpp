@@ -82,6 +82,31 @@ std::int64_t storage_bytes(const at::Tensor& t) {
   return t.defined() ? static_cast<std::int64_t>(t.storage().nbytes()) : 0;
 }
 
+// A tensor over `base`'s storage from element `offset`, contiguous, of `sizes`:
+// an alias autograd does not know as a view (Optimizer::zero_grad detach_()es
+// gradients, which it refuses for views).
+at::Tensor alias_of(const at::Tensor& base, std::int64_t offset, at::IntArrayRef sizes) {
+  std::vector<std::int64_t> strides(sizes.size(), 1);
+  for (std::size_t i = sizes.size(); i > 1; --i)
+    strides[i - 2] = strides[i - 1] * std::max<std::int64_t>(sizes[i - 1], 1);
+  at::Tensor t = at::empty({0}, base.options());
+  t.set_(base.storage(), base.storage_offset() + offset, sizes, strides);
+  return t;
+}
+
+// Runs a callback before a gradient accumulator stores a gradient.
+class BeforeAccumulateHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit BeforeAccumulateHook(std::shared_ptr<ZeroEngine*> engine) : engine_(std::move(engine)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (*engine_ != nullptr) (*engine_)->begin_backward_if_needed();
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<ZeroEngine*> engine_;
+};
+
 // Runs a callback after a gradient accumulator has stored a gradient.
 class GradReadyHook : public torch::autograd::FunctionPostHook {
  public:
@@ -249,6 +274,7 @@ void ZeroEngine::install_hooks() {
     for (const FlatParam& fp : units_[u].params) {
       if (!fp.trainable) continue;
       auto accumulator = torch::autograd::impl::grad_accumulator(fp.param);
+      accumulator->add_pre_hook(std::make_unique<BeforeAccumulateHook>(self_));
       accumulator->add_post_hook(std::make_unique<GradReadyHook>(self_, u));
       units_[u].accumulators.push_back(std::move(accumulator));
     }
@@ -262,17 +288,17 @@ void ZeroEngine::install_hooks() {
 void ZeroEngine::pre_forward() {
   in_backward_ = false;
   if (options_.stage == 3 || !dirty_) return;
-  // Stages 1-2: the optimizer changed the chunks; every rank's reach every rank.
-  torch::NoGradGuard no_grad;
-  std::vector<dist::Work> works;
-  std::vector<at::Tensor> inputs;
-  for (Unit& unit : units_) {
-    if (unit.numel == 0) continue;
-    inputs.push_back(unit.chunk_is_view ? unit.chunk.clone() : unit.chunk.to(param_dtype_));
-    works.push_back(group_.all_gather_into(unit.full, inputs.back()));
-  }
-  for (auto& w : works) w.wait();
+  // Stages 1-2: the optimizer changed the chunks; every rank's reach every
+  // rank. Issued together (root first: the embedding runs first), waited for
+  // unit by unit in forward().
   dirty_ = false;
+  for (Unit& unit : units_) unit.gathered = false;
+  issue_gather(units_.size() - 1);
+  for (std::size_t u = 0; u + 1 < units_.size(); ++u) issue_gather(u);
+}
+
+void ZeroEngine::wait_all_gathered() {
+  for (std::size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
 }
 
 at::Tensor ZeroEngine::forward(const at::Tensor& input) {
@@ -283,8 +309,8 @@ at::Tensor ZeroEngine::forward(const at::Tensor& input) {
   const bool grad = at::GradMode::is_enabled();
   const bool stage3 = options_.stage == 3;
   const std::size_t root = units_.size() - 1;
+  wait_gathered(root);
   if (stage3) {
-    wait_gathered(root);
     for (auto& unit : units_) unit.input_done = false;
   }
   at::Tensor x = input;
@@ -295,6 +321,7 @@ at::Tensor ZeroEngine::forward(const at::Tensor& input) {
   std::size_t child = 0;
   for (auto& any : *sequential_) {
     const int u = unit_of_child_[child++];
+    if (!stage3 && u >= 0) wait_gathered(static_cast<std::size_t>(u));
     if (stage3 && u >= 0) {
       const auto uu = static_cast<std::size_t>(u);
       wait_gathered(uu);
@@ -337,7 +364,11 @@ void ZeroEngine::issue_gather(std::size_t u) {
   }
   torch::NoGradGuard no_grad;
   allocate_storage(unit.full);
-  unit.gather_input = unit.chunk.scalar_type() == param_dtype_ ? unit.chunk : unit.chunk.to(param_dtype_);
+  if (unit.chunk_is_view) {
+    unit.gather_input = unit.chunk.clone();  // the input may not alias the output
+  } else {
+    unit.gather_input = unit.chunk.scalar_type() == param_dtype_ ? unit.chunk : unit.chunk.to(param_dtype_);
+  }
   unit.gather_work = group_.all_gather_into(unit.full, unit.gather_input);
   unit.gathering = true;
   note_memory();
@@ -374,9 +405,43 @@ void ZeroEngine::begin_backward_if_needed() {
     unit.launched = false;
   }
   next_reduction_ = 0;
+  if (options_.stage == 1) prepare_gradient_buffers();
   torch::autograd::Engine::get_default_engine().queue_callback([token = self_] {
     if (*token != nullptr) (*token)->finish_backward();
   });
+}
+
+// Stage 1 keeps the full gradient in one flat buffer per unit (the module's
+// gradients are aliases into it, so autograd accumulates in place and the
+// reduce-scatter reads it without a copy); after a synchronising backward the
+// averaged slice of this rank is written back into it and the shards'
+// gradients alias that slice. Called before the first gradient of a backward
+// is accumulated: the buffer restarts from zero after a synchronised step.
+void ZeroEngine::prepare_gradient_buffers() {
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    if (unit.trainable == 0) continue;
+    if (!unit.grad_flat.defined()) {
+      unit.grad_flat = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_));
+    } else if (grads_consumed_) {
+      for (std::size_t i : unit.pieces) {  // shard gradients kept past the step: detach them from the buffer
+        at::Tensor& shard = shards_[i].shard;
+        if (shard.grad().defined() && shard.grad().storage().is_alias_of(unit.grad_flat.storage())) {
+          shard.mutable_grad() = shard.grad().clone();
+        }
+      }
+      unit.grad_flat.zero_();
+    }
+    for (FlatParam& fp : unit.params) {
+      if (!fp.trainable) continue;
+      const at::Tensor& g = fp.param.grad();
+      if (g.defined() && g.storage().is_alias_of(unit.grad_flat.storage())) continue;
+      at::Tensor alias = alias_of(unit.grad_flat, fp.offset, fp.shape);
+      if (g.defined()) alias.copy_(g);
+      fp.param.mutable_grad() = alias;
+    }
+  }
+  grads_consumed_ = false;
 }
 
 void ZeroEngine::pre_backward(std::size_t u) {
@@ -414,16 +479,21 @@ void ZeroEngine::launch_ready_reductions() {
 void ZeroEngine::launch_reduction(std::size_t u) {
   torch::NoGradGuard no_grad;
   Unit& unit = units_[u];
-  unit.reduce_input = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(reduce_dtype_));
-  for (FlatParam& fp : unit.params) {
-    if (!fp.trainable || !fp.param.grad().defined()) continue;
-    unit.reduce_input.narrow(0, fp.offset, fp.numel).copy_(fp.param.grad().reshape(-1));
-    // The sum so far is in the reduction: stages 2-3 free the full gradient,
-    // stage 1 keeps its buffer (its memory profile) and starts it again from zero.
-    if (options_.stage >= 2) {
+  if (options_.stage == 1 && unit.grad_flat.defined()) {
+    unit.reduce_input =
+        unit.grad_flat.scalar_type() == reduce_dtype_ ? unit.grad_flat : unit.grad_flat.to(reduce_dtype_);
+  } else {
+    // Stages 2-3: the gradients move into the reduction's input and the full ones are freed.
+    unit.reduce_input = at::empty({unit.shard * world_}, at::TensorOptions().dtype(reduce_dtype_));
+    unit.reduce_input.narrow(0, unit.numel, unit.shard * world_ - unit.numel).zero_();  // padding
+    for (FlatParam& fp : unit.params) {
+      at::Tensor range = unit.reduce_input.narrow(0, fp.offset, fp.numel);
+      if (!fp.trainable || !fp.param.grad().defined()) {
+        range.zero_();
+        continue;
+      }
+      range.copy_(fp.param.grad().reshape(-1));
       fp.param.mutable_grad().reset();
-    } else {
-      fp.param.mutable_grad().zero_();
     }
   }
   unit.reduce_output = at::empty({unit.shard}, unit.reduce_input.options());
@@ -438,16 +508,19 @@ void ZeroEngine::complete_reduction(std::size_t u) {
   unit.reduce_input = at::Tensor();
   at::Tensor result = unit.reduce_output.to(c10::kFloat);
   unit.reduce_output = at::Tensor();
-  // Each shard gets its own gradient tensor (LibTorch's Optimizer::zero_grad
-  // detach_()es gradients, which views forbid); accumulated across backwards
-  // until cleared, as autograd does.
+  if (options_.stage == 1 && unit.grad_flat.scalar_type() == c10::kFloat) {
+    // this rank's averaged slice back into the full gradient buffer (see prepare_gradient_buffers)
+    unit.grad_flat.narrow(0, rank_ * unit.shard, unit.shard).copy_(result);
+    result = unit.grad_flat.narrow(0, rank_ * unit.shard, unit.shard);
+  }
+  // Shard gradients alias the result (no copy), or accumulate into gradients
+  // kept from an earlier backward, as autograd does.
   for (std::size_t i : unit.pieces) {
     at::Tensor& shard = shards_[i].shard;
-    const at::Tensor slice = result.narrow(0, piece_chunk_offset_[i], shard.numel());
     if (shard.grad().defined()) {
-      shard.mutable_grad().add_(slice);
+      shard.mutable_grad().add_(result.narrow(0, piece_chunk_offset_[i], shard.numel()));
     } else {
-      shard.mutable_grad() = slice.clone();
+      shard.mutable_grad() = alias_of(result, piece_chunk_offset_[i], shard.sizes());
     }
   }
   unit.launched = false;
@@ -464,6 +537,7 @@ void ZeroEngine::finish_backward() {
       if (units_[u].launched) complete_reduction(u);
     }
     dirty_ = options_.stage < 3;
+    grads_consumed_ = true;
   }
   for (std::size_t u = 0; u < units_.size(); ++u) reshard(u);
   note_memory();
@@ -475,14 +549,14 @@ void ZeroEngine::zero_grad() {
   for (auto& s : shards_) s.shard.mutable_grad().reset();
   for (Unit& unit : units_) {
     for (FlatParam& fp : unit.params) fp.param.mutable_grad().reset();
+    if (unit.grad_flat.defined()) unit.grad_flat.zero_();
   }
 }
 
 void ZeroEngine::gather_all() {
   pre_forward();
-  if (options_.stage < 3) return;
   for (std::size_t u = 0; u < units_.size(); ++u) issue_gather(u);
-  for (std::size_t u = 0; u < units_.size(); ++u) wait_gathered(u);
+  wait_all_gathered();
 }
 
 void ZeroEngine::release_all() {
@@ -550,6 +624,7 @@ at::Tensor ShardedDataParallel::forward(const at::Tensor& input) {
 }
 void ShardedDataParallel::pre_forward() {
   engine_->pre_forward();
+  engine_->wait_all_gathered();
 }
 std::vector<at::Tensor> ShardedDataParallel::parameters() const {
   return engine_->shard_tensors();

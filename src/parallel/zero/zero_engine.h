@@ -53,6 +53,7 @@ struct Unit {
   bool launched = false;
   dist::Work reduce_work;
   at::Tensor reduce_input, reduce_output;
+  at::Tensor grad_flat;     // stage 1: the full gradient, [world * shard] (module gradients alias it)
   bool input_done = false;  // stage 3: the gradient of the unit's input has been computed
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
 };
@@ -74,6 +75,8 @@ class ZeroEngine {
   void on_grad_ready(std::size_t unit);
   void pre_backward(std::size_t unit);
   void on_input_grad(std::size_t unit);
+  void begin_backward_if_needed();
+  void wait_all_gathered();
   void finish_backward();
 
   std::vector<Unit>& units() { return units_; }
@@ -95,7 +98,7 @@ class ZeroEngine {
  private:
   void build_units();
   void install_hooks();
-  void begin_backward_if_needed();
+  void prepare_gradient_buffers();
   // stage 3
   void issue_gather(std::size_t unit);
   void wait_gathered(std::size_t unit);
@@ -123,6 +126,7 @@ class ZeroEngine {
   std::vector<std::int64_t> piece_chunk_offset_;  // per shard: its first element in the unit's chunk
   bool in_backward_ = false;
   bool dirty_ = false;
+  bool grads_consumed_ = false;        // stage 1: the gradient buffers were reduced; restart them at the next backward
   std::shared_ptr<ZeroEngine*> self_;  // hooks hold it; null once this engine is gone
   std::int64_t peak_bytes_ = 0;
 };
