@@ -289,12 +289,13 @@ void ZeroEngine::pre_forward() {
   in_backward_ = false;
   if (options_.stage == 3 || !dirty_) return;
   // Stages 1-2: the optimizer changed the chunks; every rank's reach every
-  // rank. Issued together (root first: the embedding runs first), waited for
-  // unit by unit in forward().
+  // rank. The root's and the first unit's gathers go out now, each later one
+  // when forward reaches the unit before it (as stage 3's prefetch), so at
+  // most two units' staging copies exist at once.
   dirty_ = false;
   for (Unit& unit : units_) unit.gathered = false;
   issue_gather(units_.size() - 1);
-  for (std::size_t u = 0; u + 1 < units_.size(); ++u) issue_gather(u);
+  if (units_.size() > 1) issue_gather(0);
 }
 
 void ZeroEngine::wait_all_gathered() {
@@ -321,7 +322,10 @@ at::Tensor ZeroEngine::forward(const at::Tensor& input) {
   std::size_t child = 0;
   for (auto& any : *sequential_) {
     const int u = unit_of_child_[child++];
-    if (!stage3 && u >= 0) wait_gathered(static_cast<std::size_t>(u));
+    if (!stage3 && u >= 0) {
+      wait_gathered(static_cast<std::size_t>(u));
+      if (static_cast<std::size_t>(u) + 1 < root) issue_gather(static_cast<std::size_t>(u) + 1);
+    }
     if (stage3 && u >= 0) {
       const auto uu = static_cast<std::size_t>(u);
       wait_gathered(uu);
