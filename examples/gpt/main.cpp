@@ -142,6 +142,10 @@ struct Trainee {
   std::function<bool(const at::Tensor&)> decays;
   std::function<void(double)> clip;
   std::function<void()> full_parameters;
+  // Sharded strategies' own checkpoints (each rank writes its shard): save at
+  // a step; load the newest, returning its step.
+  std::function<void(torch::optim::Optimizer&, std::int64_t)> save_checkpoint;
+  std::function<std::optional<std::int64_t>(torch::optim::Optimizer&)> load_checkpoint;
 };
 
 // Mean val loss over the fixed val batches (of batch x world sequences, so
@@ -276,7 +280,12 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
 
   std::optional<dtrain::Checkpointer> checkpoints;
   dtrain::TrainingState state;
-  if (!opt.checkpoint_dir.empty()) {
+  if (!opt.checkpoint_dir.empty() && model.load_checkpoint) {
+    if (auto step = model.load_checkpoint(*optimizer)) {
+      state.step = *step;
+      DTRAIN_LOG(kInfo) << "resumed at step " << state.step;
+    }
+  } else if (!opt.checkpoint_dir.empty()) {
     checkpoints.emplace(dtrain::CheckpointOptions{.dir = opt.checkpoint_dir}, where.group);
     if (auto resumed = checkpoints->load_latest(*model.module, *optimizer)) {
       state = *resumed;
@@ -326,10 +335,16 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
     std::snprintf(status, sizeof status, "loss %.4f lr %.2e", r.loss, lr);
     progress.update(step + 1, status);
     if (checkpoints && state.step % opt.eval_interval == 0) checkpoints->save(state, *model.module, *optimizer);
+    if (model.save_checkpoint && !opt.checkpoint_dir.empty() && state.step % opt.eval_interval == 0) {
+      model.save_checkpoint(*optimizer, state.step);
+    }
   }
   progress.finish();
   report_eval(opt.max_iters);
   if (checkpoints && opt.max_iters % opt.eval_interval != 0) checkpoints->save(state, *model.module, *optimizer);
+  if (model.save_checkpoint && !opt.checkpoint_dir.empty() && opt.max_iters % opt.eval_interval != 0) {
+    model.save_checkpoint(*optimizer, state.step);
+  }
   if (!opt.save_params.empty() && model.full_parameters) model.full_parameters();
   if (!opt.save_params.empty() && lead) write_params(opt.save_params, *model.module);
   std::string sample;
@@ -406,10 +421,17 @@ int run(Options opt) {
     return train(opt, where, model, corpus);
   }
   if (gpt::is_zero_strategy(opt.strategy)) {
-    DTRAIN_CHECK(opt.checkpoint_dir.empty(), ConfigError,
-                 "--checkpoint-dir is not wired to --strategy " << opt.strategy,
-                 "use dtrain::ShardedCheckpointer (see docs/zero.md) or --strategy ddp");
     dtrain::ShardedDataParallel sdp(net, *where.group, gpt::zero_options(opt.strategy));
+    std::optional<dtrain::ShardedCheckpointer> sharded;  // resharding checkpoints: any world size resumes
+    auto sharded_for = [&](torch::optim::Optimizer& o) -> dtrain::ShardedCheckpointer& {
+      if (!sharded) sharded.emplace(dtrain::ShardedCheckpointOptions{.dir = opt.checkpoint_dir}, sdp, o);
+      return *sharded;
+    };
+    model.save_checkpoint = [&](torch::optim::Optimizer& o, std::int64_t step) { sharded_for(o).save(step); };
+    model.load_checkpoint = [&](torch::optim::Optimizer& o) -> std::optional<std::int64_t> {
+      auto info = sharded_for(o).load_latest();
+      return info ? std::optional<std::int64_t>(info->step) : std::nullopt;
+    };
     std::optional<dtrain::ShardedDataParallel::FullParameters> full;
     model.forward = [&](const at::Tensor& x) { return sdp(x); };
     model.plain = model.forward;  // evaluation runs without grad: stage 3 gathers unit by unit

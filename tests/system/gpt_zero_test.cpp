@@ -18,6 +18,16 @@ namespace fs = std::filesystem;
 
 const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
 const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
+const std::string kLaunchOne = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 1";
+
+// Elements of `a` differing from `b` by more than 1e-5 relative (+1e-6).
+std::size_t count_outside(const std::vector<float>& a, const std::vector<float>& b) {
+  std::size_t outside = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::abs(static_cast<double>(a[i]) - b[i]) > 1e-5 * std::abs(b[i]) + 1e-6) ++outside;
+  }
+  return outside;
+}
 
 std::vector<float> read_floats(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -69,6 +79,36 @@ TEST(GptZero, EveryStageMatchesSingle) {
     EXPECT_EQ(outside, 0u) << strategy;
     EXPECT_LT(std::sqrt(diff2 / ref2), 1e-5) << strategy;
   }
+  fs::remove_all(dir);
+}
+
+// --checkpoint-dir under zero3: 3 steps on 2 ranks, then resumed on 1 rank
+// (the same global batch of 4), ends where an uninterrupted 2-rank run does.
+TEST(GptZero, CheckpointResumesOnAnotherWorldSize) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-zero-ckpt-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string common =
+      "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --eval-interval 3 --eval-iters 2 --sample-tokens 0 "
+      "--warmup-iters 2 --seed 5 --devices cpu --strategy zero3 ";
+  const std::string ckpt = "--checkpoint-dir " + (dir / "ckpt").string() + " ";
+  const auto whole = dtrain::testing::run_example(
+      kExample, common + "--batch-size 2 --max-iters 6 --save-params " + (dir / "whole.f32").string(), kLaunch);
+  ASSERT_EQ(whole.exit_code, 0) << whole.stderr_text;
+  const auto first = dtrain::testing::run_example(kExample, common + ckpt + "--batch-size 2 --max-iters 3", kLaunch);
+  ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
+  const auto second = dtrain::testing::run_example(
+      kExample, common + ckpt + "--batch-size 4 --max-iters 6 --save-params " + (dir / "resumed.f32").string(),
+      kLaunchOne);
+  ASSERT_EQ(second.exit_code, 0) << second.stderr_text;
+  EXPECT_NE(second.stderr_text.find("resumed at step 3"), std::string::npos) << second.stderr_text;
+  EXPECT_NE(second.stderr_text.find("saved by 2 ranks"), std::string::npos) << second.stderr_text;
+  const auto a = read_floats(dir / "whole.f32");
+  const auto b = read_floats(dir / "resumed.f32");
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_GT(a.size(), 20000u);
+  EXPECT_EQ(count_outside(b, a), 0u);
   fs::remove_all(dir);
 }
 

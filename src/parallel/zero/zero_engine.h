@@ -17,6 +17,17 @@
 
 namespace dtrain::detail {
 
+// Storage helpers (zero_engine.cpp). Stage 3 frees a unit by giving its
+// buffer's storage 0 bytes (the tensors over it keep their metadata) and
+// gathers it into fresh bytes of the same storage.
+void free_storage(const at::Tensor& t);
+void allocate_storage(const at::Tensor& t);
+std::int64_t storage_bytes(const at::Tensor& t);
+// A tensor over `base`'s storage from element `offset`, contiguous, of `sizes`:
+// an alias autograd does not know as a view (Optimizer::zero_grad detach_()es
+// gradients, which it refuses for views).
+at::Tensor alias_of(const at::Tensor& base, std::int64_t offset, at::IntArrayRef sizes);
+
 // A parameter's place in its unit's flat buffer.
 struct FlatParam {
   std::string name;

@@ -1,0 +1,159 @@
+// ZeroEngine's backward: gradient buffers, per-unit reduce-scatter as a
+// unit's gradients complete, stage 3's gathers before each unit's backward
+// (Note [ZeRO step] in sharded_data_parallel.cpp).
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include "zero_engine.h"
+
+namespace dtrain::detail {
+
+// ---- backward ----
+
+void ZeroEngine::begin_backward_if_needed() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  for (Unit& unit : units_) {
+    unit.ready = 0;
+    unit.launched = false;
+  }
+  next_reduction_ = 0;
+  if (options_.stage == 1) prepare_gradient_buffers();
+  torch::autograd::Engine::get_default_engine().queue_callback([token = self_] {
+    if (*token != nullptr) (*token)->finish_backward();
+  });
+}
+
+// Stage 1 keeps the full gradient in one flat buffer per unit (the module's
+// gradients are aliases into it, so autograd accumulates in place and the
+// reduce-scatter reads it without a copy); after a synchronising backward the
+// averaged slice of this rank is written back into it and the shards'
+// gradients alias that slice. Called before the first gradient of a backward
+// is accumulated: the buffer restarts from zero after a synchronised step.
+void ZeroEngine::prepare_gradient_buffers() {
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    if (unit.trainable == 0) continue;
+    if (!unit.grad_flat.defined()) {
+      unit.grad_flat = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_));
+    } else if (grads_consumed_) {
+      for (std::size_t i : unit.pieces) {  // shard gradients kept past the step: detach them from the buffer
+        at::Tensor& shard = shards_[i].shard;
+        if (shard.grad().defined() && shard.grad().storage().is_alias_of(unit.grad_flat.storage())) {
+          shard.mutable_grad() = shard.grad().clone();
+        }
+      }
+      unit.grad_flat.zero_();
+    }
+    for (FlatParam& fp : unit.params) {
+      if (!fp.trainable) continue;
+      const at::Tensor& g = fp.param.grad();
+      if (g.defined() && g.storage().is_alias_of(unit.grad_flat.storage())) continue;
+      at::Tensor alias = alias_of(unit.grad_flat, fp.offset, fp.shape);
+      if (g.defined()) alias.copy_(g);
+      fp.param.mutable_grad() = alias;
+    }
+  }
+  grads_consumed_ = false;
+}
+
+void ZeroEngine::pre_backward(std::size_t u) {
+  begin_backward_if_needed();
+  wait_gathered(u);
+  if (u > 0) issue_gather(u - 1);  // prefetch the unit whose backward comes next
+  note_memory();
+}
+
+void ZeroEngine::on_input_grad(std::size_t u) {
+  Unit& unit = units_[u];
+  unit.input_done = true;
+  if (unit.ready >= unit.trainable) reshard(u);
+}
+
+void ZeroEngine::on_grad_ready(std::size_t u) {
+  begin_backward_if_needed();
+  Unit& unit = units_[u];
+  ++unit.ready;
+  if (unit.ready < unit.trainable) return;
+  if (unit.input_done && u + 1 < units_.size()) reshard(u);
+  launch_ready_reductions();
+}
+
+void ZeroEngine::launch_ready_reductions() {
+  if (!sync) return;
+  while (next_reduction_ < order_.size()) {
+    Unit& unit = units_[order_[next_reduction_]];
+    if (unit.trainable > 0 && unit.ready < unit.trainable) return;
+    if (unit.trainable > 0) launch_reduction(order_[next_reduction_]);
+    ++next_reduction_;
+  }
+}
+
+void ZeroEngine::launch_reduction(std::size_t u) {
+  torch::NoGradGuard no_grad;
+  Unit& unit = units_[u];
+  if (options_.stage == 1 && unit.grad_flat.defined()) {
+    unit.reduce_input =
+        unit.grad_flat.scalar_type() == reduce_dtype_ ? unit.grad_flat : unit.grad_flat.to(reduce_dtype_);
+  } else {
+    // Stages 2-3: the gradients move into the reduction's input and the full ones are freed.
+    unit.reduce_input = at::empty({unit.shard * world_}, at::TensorOptions().dtype(reduce_dtype_));
+    unit.reduce_input.narrow(0, unit.numel, unit.shard * world_ - unit.numel).zero_();  // padding
+    for (FlatParam& fp : unit.params) {
+      at::Tensor range = unit.reduce_input.narrow(0, fp.offset, fp.numel);
+      if (!fp.trainable || !fp.param.grad().defined()) {
+        range.zero_();
+        continue;
+      }
+      range.copy_(fp.param.grad().reshape(-1));
+      fp.param.mutable_grad().reset();
+    }
+  }
+  unit.reduce_output = at::empty({unit.shard}, unit.reduce_input.options());
+  unit.reduce_work = group_.reduce_scatter(unit.reduce_output, unit.reduce_input, dist::ReduceOp::kAvg);
+  unit.launched = true;
+}
+
+void ZeroEngine::complete_reduction(std::size_t u) {
+  torch::NoGradGuard no_grad;
+  Unit& unit = units_[u];
+  unit.reduce_work.wait();
+  unit.reduce_input = at::Tensor();
+  at::Tensor result = unit.reduce_output.to(c10::kFloat);
+  unit.reduce_output = at::Tensor();
+  if (options_.stage == 1 && unit.grad_flat.scalar_type() == c10::kFloat) {
+    // this rank's averaged slice back into the full gradient buffer (see prepare_gradient_buffers)
+    unit.grad_flat.narrow(0, rank_ * unit.shard, unit.shard).copy_(result);
+    result = unit.grad_flat.narrow(0, rank_ * unit.shard, unit.shard);
+  }
+  // Shard gradients alias the result (no copy), or accumulate into gradients
+  // kept from an earlier backward, as autograd does.
+  for (std::size_t i : unit.pieces) {
+    at::Tensor& shard = shards_[i].shard;
+    if (shard.grad().defined()) {
+      shard.mutable_grad().add_(result.narrow(0, piece_chunk_offset_[i], shard.numel()));
+    } else {
+      shard.mutable_grad() = alias_of(result, piece_chunk_offset_[i], shard.sizes());
+    }
+  }
+  unit.launched = false;
+}
+
+void ZeroEngine::finish_backward() {
+  in_backward_ = false;
+  if (sync) {
+    for (; next_reduction_ < order_.size(); ++next_reduction_) {
+      const std::size_t u = order_[next_reduction_];
+      if (units_[u].trainable > 0) launch_reduction(u);
+    }
+    for (std::size_t u : order_) {
+      if (units_[u].launched) complete_reduction(u);
+    }
+    dirty_ = options_.stage < 3;
+    grads_consumed_ = true;
+  }
+  for (std::size_t u = 0; u < units_.size(); ++u) reshard(u);
+  note_memory();
+}
+
+}  // namespace dtrain::detail
