@@ -15,7 +15,7 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 : >"$tmp/dtrain.jsonl"
 : >"$tmp/peer.jsonl"
-for round in 1 2; do  # two rounds, interleaved, so load drifts hit every case alike
+for round in 1 2 3; do  # three rounds, interleaved, so load drifts hit every case alike
   for s in ddp zero1 zero2 zero3; do
     launch_ranks "$ranks" "$tmp/one.jsonl" "$DTRAIN_BUILD/bench/bench_zero" --strategy "$s" --steps "$steps" "$@"
     sed "s/\"impl\":\"dtrain\"/\"impl\":\"dtrain\",\"round\":$round/" "$tmp/one.jsonl" >>"$tmp/dtrain.jsonl"
