@@ -57,8 +57,14 @@ void choose_port(const EnvLookup& env, ClusterTask& t, int step, std::string& or
     t.master_port = detail::parse_int("MASTER_PORT", *port, 1, 65535);
     origin += ", port from MASTER_PORT";
   } else if (!t.job_id.empty()) {
-    t.master_port = detail::port_from_job_id(t.job_id, step);
+    // Job ids are unique within a cluster: a host shared by two clusters
+    // (Slurm's, here in the tests) tells them apart by the cluster's name.
+    const auto cluster = t.source == EnvSource::kSlurm ? env("SLURM_CLUSTER_NAME") : std::nullopt;
+    t.master_port = detail::port_from_job_id(cluster ? *cluster + "/" + t.job_id : t.job_id, step);
     origin += ", port " + std::to_string(t.master_port) + " from job " + t.job_id;
+    if (const auto cluster = t.source == EnvSource::kSlurm ? env("SLURM_CLUSTER_NAME") : std::nullopt) {
+      origin += " of cluster " + *cluster;
+    }
     if (step != 0) origin += " step " + std::to_string(step);
   } else {
     t.master_port = kTorchDefaultPort;

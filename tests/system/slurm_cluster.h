@@ -123,7 +123,9 @@ class SlurmCluster {
     node_ = std::string(host).substr(0, std::string(host).find('.'));
     const std::string d = dir_.string();
     std::ofstream c(dir_ / "slurm.conf");
-    c << "ClusterName=dtraintest\n"
+    // A name of its own: concurrent test clusters number their jobs alike,
+    // and the derived port tells them apart by the cluster's name.
+    c << "ClusterName=dtrain" << ::getpid() << "\n"
       << "SlurmctldHost=" << node_ << "(127.0.0.1)\n"
       << "SlurmctldPort=" << free_port() << "\nSlurmdPort=" << free_port() << "\n"
       << "AuthType=auth/munge\nCredType=cred/munge\nAuthInfo=socket=" << d << "/run/munge.sock\n"

@@ -140,7 +140,14 @@ TEST(SlurmEnv, EveryTaskFindsTheSameMasterAndItsPlace) {
   }
 }
 
-TEST(SlurmEnv, PortFollowsJobAndStepAndStaysInRange) {
+TEST(SlurmEnv, PortFollowsClusterJobAndStepAndStaysInRange) {
+  // Two clusters sharing a host both have a job 1.
+  auto a = slurm_task(0);
+  auto b = slurm_task(0);
+  a["SLURM_CLUSTER_NAME"] = "alpha";
+  b["SLURM_CLUSTER_NAME"] = "beta";
+  EXPECT_NE(read_env_contract(fake(a)).master_port, read_env_contract(fake(b)).master_port);
+  EXPECT_EQ(read_env_contract(fake(a)).master_port, port_from_job_id("alpha/4242"));
   EXPECT_NE(port_from_job_id("4242", 0), port_from_job_id("4243", 0));
   EXPECT_NE(port_from_job_id("4242", 0), port_from_job_id("4242", 1));
   for (int job = 0; job < 2000; ++job) {
