@@ -12,7 +12,7 @@
 //              node's task count from SLURM_STEP_TASKS_PER_NODE (or
 //              SLURM_TASKS_PER_NODE); the master is the first host of
 //              SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST), the port derived
-//              from SLURM_JOB_ID and SLURM_STEP_ID.
+//              from SLURM_CLUSTER_NAME, SLURM_JOB_ID and SLURM_STEP_ID.
 //   Open MPI   OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE; the port
 //              derived from its job id (OMPI_MCA_ess_base_jobid, PMIX_NAMESPACE).
 //   MPICH/PMI  PMI_RANK, PMI_SIZE; MPI_LOCALRANKID, MPI_LOCALNRANKS (Hydra).
