@@ -3,6 +3,7 @@
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/amp/grad_scaler.h"
+#include "dtrain/comm/cluster_env.h"  // issue 15: Slurm, Open MPI, PMI
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"
 #include "dtrain/comm/process_group.h"
