@@ -125,6 +125,7 @@ class Trainer {
  private:
   TrainSummary run();
   struct State;
+  struct Run;
   std::unique_ptr<State> state_;
   std::shared_ptr<Strategy> strategy_;
 };
