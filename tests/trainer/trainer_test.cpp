@@ -8,10 +8,12 @@
 //   - the trace files of that run: per step, data wait < forward < backward <
 //     optimizer inside the step span, and every communication bucket inside a
 //     backward span of its step;
+//   - an error names the step it happened at;
 //   - metrics: TensorBoard's own event reader (the venv's tensorboard) finds
 //     the scalars of the JSON lines, with the same steps and values.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -24,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/error.h"
 #include "dtrain/trainer/trainer.h"
 #include "ranks.h"
 
@@ -249,4 +252,23 @@ TEST(Trainer, TensorBoardReadsTheMetrics) {
     }
   }
   fs::remove_all(dir);
+}
+
+// An error in the loop is logged with the step it happened at and rethrown.
+TEST(Trainer, AnErrorNamesTheStep) {
+  torch::manual_seed(0);
+  Net net(0.0);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  dtrain::Trainer trainer(std::make_shared<dtrain::SingleDeviceStrategy<Net>>(net, c10::kCPU), opt,
+                          std::make_shared<Blobs>(64), {.batch_size = 8, .progress = false});
+  int calls = 0;
+  trainer.set_loss([&](const at::Tensor& output, const at::Tensor& target) {
+    DTRAIN_CHECK(++calls < 3, DataError, "a bad batch (simulated).", "none");
+    return torch::nn::functional::cross_entropy(output, target);
+  });
+  testing::internal::CaptureStderr();
+  EXPECT_THROW(trainer.fit(), dtrain::DataError);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("training failed at step 2: "), std::string::npos) << err;
+  EXPECT_NE(err.find("a bad batch (simulated)"), std::string::npos) << err;
 }

@@ -144,6 +144,7 @@ class DdpStrategy : public Strategy {
         input_device_(input_device),
         output_device_(output_device),
         hook_(options.comm_hook),
+        bucket_views_(options.gradient_as_bucket_view),
         ddp_(std::move(module), std::move(group), options) {}
   std::string name() const override { return "ddp"; }
   torch::nn::Module& module() override { return *detail::as_module_ptr(module_); }
@@ -157,6 +158,15 @@ class DdpStrategy : public Strategy {
       NoSync guard;
     };
     return std::make_unique<Guard>(ddp_);
+  }
+  // With gradient_as_bucket_view gradients are views of DDP's buckets, which
+  // LibTorch optimizers' zero_grad (detach_) must not touch.
+  void zero_grad(torch::optim::Optimizer& optimizer) override {
+    if (bucket_views_) {
+      ddp_.zero_grad();
+    } else {
+      optimizer.zero_grad();
+    }
   }
   int data_rank() const override { return group_.rank(); }
   int data_world() const override { return group_.size(); }
@@ -172,6 +182,7 @@ class DdpStrategy : public Strategy {
   c10::Device input_device_;
   c10::Device output_device_;
   std::shared_ptr<CommHook> hook_;
+  bool bucket_views_;
   DistributedDataParallel<Holder> ddp_;
 };
 
