@@ -45,7 +45,7 @@ struct Trainer::State {
 Trainer::Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& optimizer,
                  std::shared_ptr<const Dataset> train_set, TrainerOptions options)
     : state_(std::make_unique<State>(
-          State{.optimizer = optimizer, .train_set = std::move(train_set), .options = options})),
+          State{.optimizer = optimizer, .train_set = std::move(train_set), .options = std::move(options)})),
       strategy_(std::move(strategy)) {
   const auto& o = state_->options;
   DTRAIN_CHECK(strategy_ != nullptr && state_->train_set != nullptr, ConfigError,
