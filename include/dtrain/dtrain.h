@@ -27,3 +27,4 @@
 #include "dtrain/trainer/checkpoint.h"
 #include "dtrain/trainer/clip.h"
 #include "dtrain/trainer/progress.h"
+#include "dtrain/trainer/trainer.h"  // issue 12: Trainer, strategies, schedules (metrics.h, trace.h separately)
