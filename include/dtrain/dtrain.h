@@ -22,6 +22,7 @@
 #include "dtrain/parallel/ddp/join.h"
 #include "dtrain/parallel/model_parallel/model_parallel.h"
 #include "dtrain/parallel/model_parallel/placement.h"
+#include "dtrain/parallel/pipeline/pipeline.h"
 #include "dtrain/trainer/accumulate.h"
 #include "dtrain/trainer/checkpoint.h"
 #include "dtrain/trainer/clip.h"
