@@ -5,6 +5,7 @@
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"
+#include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/data/dataset.h"

@@ -5,15 +5,22 @@
 //   - training: for every schedule, p 1..4 and m 1..8, gradients, loss and
 //     two SGD steps of the pipelined GPT equal unpipelined training on the
 //     same batches (fp32, rtol 1e-5); evaluation equals the model's forward;
-//   - a changed micro-batch shape is a ConfigError on every rank.
+//   - a changed micro-batch shape is a ConfigError on every rank;
+//   - GradScaler (found-inf over all stages, an inf on one stage skips the
+//     step everywhere) and global-norm clipping across stages equal the
+//     single-process scaler and clipping;
+//   - DP x PP on a 2 x 2 mesh equals one process on the whole batch.
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
 
 #include <sstream>
 
+#include "dtrain/amp/grad_scaler.h"
+#include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
+#include "dtrain/trainer/clip.h"
 #include "model.h"
 #include "pipeline_stages.h"
 #include "ranks.h"
@@ -208,6 +215,104 @@ TEST(PipelineTraining, ChangedBatchShapeIsAConfigErrorOnEveryRank) {
       ADD_FAILURE() << "rank " << rank << ": a changed batch shape went through";
     } catch (const dtrain::ConfigError& e) {
       EXPECT_NE(std::string(e.what()).find("micro-batch changed"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// p = 2, 1F1B, m = 2: GradScaler with found_inf_group = the pipeline and
+// clipping over the stages' gradient set, against one process doing the same
+// (an inf planted in the head's gradient at step 1 on both).
+TEST(PipelineTraining, GradScalerAndClippingAcrossStagesEqualSingleProcess) {
+  constexpr int kRanks = 2, kSteps = 4, kBadStep = 1;
+  constexpr double kMaxNorm = 0.05;  // below the gradients' norm: clipping acts
+  run_rank_threads(kRanks, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, kRanks, {.timeout = std::chrono::seconds(30)});
+    const gpt::GptConfig config = tiny_config(kRanks);
+    torch::nn::Sequential layers = gpt::gpt_layers(config);
+    gpt::init_weights(*layers, config.n_layer, 7);
+    Pipeline pipe(gpt::pipeline_stages(layers, kRanks, 1, rank), group,
+                  {.schedule = ScheduleKind::k1F1B, .micro_batches = 2}, gpt::lm_loss);
+    torch::optim::SGD opt(pipe.parameters(), 0.1);
+    dtrain::amp::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 2, .found_inf_group = group});
+    gpt::Gpt reference(config);
+    gpt::init_weights(*reference, config.n_layer, 7);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    dtrain::amp::GradScaler ref_scaler({.init_scale = 1024.0, .growth_interval = 2});
+    auto ref_params = reference->layers->named_parameters();
+    for (int step = 0; step < kSteps; ++step) {
+      const Batch b = batch_for(config, 4, step);
+      opt.zero_grad();
+      pipe.step(b.x, b.y, &scaler);
+      ref_opt.zero_grad();
+      ref_scaler.scale(gpt::lm_loss(reference->forward(b.x), b.y)).backward();
+      if (step == kBadStep) {
+        ref_params["head.ln_f.weight"].mutable_grad()[0] = std::numeric_limits<float>::infinity();
+        for (const auto& stage : pipe.stages()) {
+          for (auto& item : stage.module->named_parameters()) {
+            if (item.key() == "head.ln_f.weight")
+              item.value().mutable_grad()[0] = std::numeric_limits<float>::infinity();
+          }
+        }
+      }
+      scaler.unscale_(opt);
+      ref_scaler.unscale_(ref_opt);
+      const at::Tensor norm = pipe.clip_grad_norm_(kMaxNorm);
+      const at::Tensor ref_norm = dtrain::clip_grad_norm_(reference->parameters(), kMaxNorm);
+      const bool stepped = scaler.step(opt);
+      EXPECT_EQ(stepped, ref_scaler.step(ref_opt)) << "rank " << rank << " step " << step;
+      EXPECT_EQ(stepped, step != kBadStep) << "rank " << rank << " step " << step;
+      scaler.update();
+      ref_scaler.update();
+      EXPECT_EQ(scaler.get_scale(), ref_scaler.get_scale());
+      if (stepped) expect_close(norm, ref_norm, "global norm at step " + std::to_string(step));
+    }
+    for (const auto& stage : pipe.stages()) {
+      for (const auto& item : stage.module->named_parameters()) {
+        expect_close(item.value().detach(), ref_params[item.key()].detach(),
+                     "rank " + std::to_string(rank) + " " + item.key());
+      }
+    }
+  });
+}
+
+// 4 ranks as 2 replicas x 2 stages: replica d trains on half d of each batch;
+// stage gradients are averaged over the data groups. Equals one process on
+// the whole batch.
+TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
+  constexpr int kWorld = 4, kSteps = 2, kBatch = 8;
+  run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
+    auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = std::chrono::seconds(30)});
+    dtrain::dist::DeviceMesh mesh(world, {.data = 2, .pipeline = 2});
+    EXPECT_EQ(mesh.pipeline_group().size(), 2);
+    EXPECT_EQ(mesh.data_group().size(), 2);
+    const gpt::GptConfig config = tiny_config(2);
+    torch::nn::Sequential layers = gpt::gpt_layers(config);
+    gpt::init_weights(*layers, config.n_layer, 7);
+    Pipeline pipe(gpt::pipeline_stages(layers, 2, 1, mesh.pipeline_index()), mesh.pipeline_group(),
+                  {.schedule = ScheduleKind::k1F1B, .micro_batches = 2, .data_parallel_group = mesh.data_group()},
+                  gpt::lm_loss);
+    torch::optim::SGD opt(pipe.parameters(), 0.1);
+    gpt::Gpt reference(config);
+    gpt::init_weights(*reference, config.n_layer, 7);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < kSteps; ++step) {
+      const Batch b = batch_for(config, kBatch, step);
+      const auto half = [&](const at::Tensor& t) { return t.chunk(2, 0)[mesh.data_index()]; };
+      opt.zero_grad();
+      pipe.step(half(b.x), half(b.y));
+      opt.step();
+      ref_opt.zero_grad();
+      gpt::lm_loss(reference->forward(b.x), b.y).backward();
+      ref_opt.step();
+    }
+    auto ref_params = reference->layers->named_parameters();
+    for (const auto& stage : pipe.stages()) {
+      for (const auto& item : stage.module->named_parameters()) {
+        expect_close(item.value().detach(), ref_params[item.key()].detach(),
+                     "rank " + std::to_string(rank) + " " + item.key());
+      }
+      for (const auto& tied : stage.tied)
+        expect_close(tied.parameter.detach(), ref_params["embed.wte.weight"].detach(), "tied");
     }
   });
 }

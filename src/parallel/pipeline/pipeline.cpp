@@ -199,6 +199,10 @@ at::Tensor Pipeline::step(const at::Tensor& input, const at::Tensor& target, amp
   Impl& s = *impl_;
   s.training = true;
   s.scaler = scaler;
+  // Ranks without the loss still need the scaler's scale (created by its
+  // first scale()) for unscale_; it evolves alike on every stage because
+  // found-inf is reduced over found_inf_group.
+  if (scaler && s.remote(s.n - 1)) scaler->scale(at::zeros({}, at::TensorOptions().device(s.group.device())));
   s.split_batch(input, target);
   s.exchange_meta = s.output_meta.empty() && s.input_meta.empty();
   s.loss_sum = at::Tensor();
@@ -475,6 +479,23 @@ std::vector<torch::nn::Sequential> split_stages(const torch::nn::Sequential& lay
     stages[stage_of_layer[l]]->push_back(named[l].key(), *it);
   }
   return stages;
+}
+
+at::Tensor Pipeline::clip_grad_norm_(double max_norm, const ClipGradNormOptions& options) {
+  const ShardedGradients counted = gradient_set();
+  const at::Tensor norm = dtrain::clip_grad_norm_(counted, max_norm, options);
+  // clip.cpp's factor, spelled the same way, for the copies it did not see.
+  const at::Tensor factor = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
+  const std::vector<at::Tensor> seen = counted.local_parameters();
+  at::NoGradGuard no_grad;
+  for (const PipelineStage& stage : impl_->stages) {
+    for (const TiedParameter& tied : stage.tied) {
+      const at::Tensor& param = tied.parameter;
+      const bool clipped = std::any_of(seen.begin(), seen.end(), [&](const at::Tensor& t) { return t.is_same(param); });
+      if (!clipped && param.grad().defined()) param.grad().mul_(factor.to(param.grad().scalar_type()));
+    }
+  }
+  return norm;
 }
 
 const Schedule& Pipeline::schedule() const {

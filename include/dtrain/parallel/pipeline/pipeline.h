@@ -119,9 +119,13 @@ class Pipeline {
 
   // Every parameter this rank updates (own and tied copies): for the optimizer.
   std::vector<at::Tensor> parameters() const;
-  // The gradients for global-norm clipping across stages: each parameter
-  // counted once over the pipeline group (tied copies on their owner).
+  // The gradients for global norms across stages: each parameter counted
+  // once over the pipeline group (tied copies on their owner only).
   ShardedGradients gradient_set() const;
+  // dtrain::clip_grad_norm_ over gradient_set(), and the same factor applied
+  // to tied copies (which gradient_set() leaves out), so they stay equal.
+  // Collective over the pipeline group; returns the global norm.
+  at::Tensor clip_grad_norm_(double max_norm, const ClipGradNormOptions& options = {});
 
   const Schedule& schedule() const;
   const std::vector<PipelineStage>& stages() const;
