@@ -9,10 +9,14 @@
 //   - GradScaler (found-inf over all stages, an inf on one stage skips the
 //     step everywhere) and global-norm clipping across stages equal the
 //     single-process scaler and clipping;
-//   - DP x PP on a 2 x 2 mesh equals one process on the whole batch.
+//   - DP x PP on a 2 x 2 mesh equals one process on the whole batch;
+//   - a stage process killed mid-step: the others get a CommunicationError
+//     naming their peer and stop, within the timeout (processes).
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
 
+#include <csignal>
+#include <iostream>
 #include <sstream>
 
 #include "dtrain/amp/grad_scaler.h"
@@ -315,4 +319,41 @@ TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
         expect_close(tied.parameter.detach(), ref_params["embed.wte.weight"].detach(), "tied");
     }
   });
+}
+
+// Three stage processes; the last is SIGKILLed inside its loss at step 2.
+// Stage 1 waits for its gradient, stage 0 for stage 1's: each gets a
+// CommunicationError naming the peer it waited on, and stops.
+TEST(PipelinePeerDeath, SurvivingStagesGetCommunicationErrorNamingThePeer) {
+  constexpr int kRanks = 3, kKillStep = 2;
+  const auto outcomes =
+      run_rank_processes(kRanks,
+                         [&](int rank) {
+                           auto group = dtrain::dist::init_process_group({.timeout = std::chrono::seconds(20)});
+                           const gpt::GptConfig config = tiny_config(kRanks);
+                           torch::nn::Sequential layers = gpt::gpt_layers(config);
+                           gpt::init_weights(*layers, config.n_layer, 7);
+                           int step = 0;
+                           auto loss = [&](const at::Tensor& out, const at::Tensor& target) {
+                             if (step == kKillStep) std::raise(SIGKILL);
+                             return gpt::lm_loss(out, target);
+                           };
+                           Pipeline pipe(gpt::pipeline_stages(layers, kRanks, 1, rank), group,
+                                         {.schedule = ScheduleKind::k1F1B, .micro_batches = 4}, loss);
+                           try {
+                             for (; step < 5; ++step)
+                               pipe.step(batch_for(config, 8, step).x, batch_for(config, 8, step).y);
+                             ADD_FAILURE() << "rank " << rank << " finished without its peers";
+                           } catch (const dtrain::CommunicationError& e) {
+                             std::cerr << "survivor at step " << step << ": " << e.what() << std::endl;
+                           }
+                         },
+                         {.timeout = std::chrono::seconds(60), .expect_success = false});
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string& out = outcomes[rank].output;
+    EXPECT_FALSE(outcomes[rank].timed_out) << out;
+    EXPECT_NE(out.find("survivor at step 2: [rank " + std::to_string(rank) + "/3]"), std::string::npos) << out;
+    EXPECT_NE(out.find("peer rank " + std::to_string(rank + 1)), std::string::npos) << out;
+  }
+  EXPECT_EQ(outcomes[2].signal, SIGKILL);
 }
