@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/error.h"
@@ -87,6 +88,8 @@ struct Pipeline::Impl {
   std::optional<std::vector<std::int64_t>> batch_meta;
   std::vector<std::vector<Micro>> state;  // [local stage][micro]
   std::vector<std::pair<dist::Work, at::Tensor>> sends;
+  // Receives posted ahead of their action (see Note [Receives posted ahead]).
+  std::map<std::tuple<int, int, int>, std::pair<dist::Work, at::Tensor>> posted;
   std::vector<at::Tensor> micro_inputs, micro_targets, eval_outputs;
   at::Tensor loss_sum;
   amp::GradScaler* scaler = nullptr;
@@ -104,6 +107,7 @@ struct Pipeline::Impl {
   at::Tensor grad_of_output(int stage, int micro);
   void send(const Action& a);
   void recv(const Action& a);
+  void post_ahead(const std::vector<Action>& actions, std::size_t from);
   void check_batch(const at::Tensor& micro_input);
   void finish_gradients();
   void split_batch(const at::Tensor& input, const at::Tensor& target);
@@ -220,7 +224,11 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
   s.split_batch(input, at::Tensor());
   s.exchange_meta = true;
   s.eval_outputs.clear();
+  // Evaluation agrees on its own shapes; training's stay as they were.
+  auto saved_input_meta = s.input_meta, saved_output_meta = s.output_meta;
   s.run(s.eval_schedule.actions[s.rank]);
+  s.input_meta = std::move(saved_input_meta);
+  s.output_meta = std::move(saved_output_meta);
   s.training = true;
   return s.eval_outputs.empty() ? at::Tensor() : at::cat(s.eval_outputs, 0);
 }
@@ -230,7 +238,10 @@ void Pipeline::Impl::run(const std::vector<Action>& actions) {
   sends.clear();
   trace.clear();
   in_flight = peak = 0;
-  for (const Action& a : actions) {
+  posted.clear();
+  for (std::size_t k = 0; k < actions.size(); ++k) {
+    const Action& a = actions[k];
+    post_ahead(actions, k);
     const auto start = std::chrono::steady_clock::now();
     switch (a.kind) {
       case ActionKind::kForward: forward(a); break;
@@ -342,22 +353,52 @@ void Pipeline::Impl::send(const Action& a) {
   if (!activation) mb.grad_input = at::Tensor();
 }
 
+// Note [Receives posted ahead]
+// Gloo moves a message once its receive is posted. Posting each receive only
+// when its action comes would add a round trip (the receiver's "ready", then
+// the data) to every hop of the pipeline's critical path; instead the
+// receives of the next kLookahead actions are posted early, into buffers of
+// the agreed shapes, so data lands while this rank computes. Before shapes
+// are agreed (the first step) receives are posted at their action.
+constexpr std::size_t kLookahead = 8;
+
+void Pipeline::Impl::post_ahead(const std::vector<Action>& actions, std::size_t from) {
+  if (exchange_meta) return;
+  for (std::size_t k = from; k < std::min(actions.size(), from + kLookahead); ++k) {
+    const Action& a = actions[k];
+    const bool activation = a.kind == ActionKind::kRecvActivation;
+    if (!activation && a.kind != ActionKind::kRecvGradient) continue;
+    const auto key = std::make_tuple(int(a.kind), a.stage, a.micro);
+    if (posted.count(key)) continue;
+    const auto& metas = activation ? input_meta : output_meta;
+    auto meta = metas.find(a.stage);
+    if (meta == metas.end()) continue;
+    at::Tensor buffer = empty_of(meta->second, group.device());
+    const int peer = schedule.rank_of_stage(activation ? a.stage - 1 : a.stage + 1);
+    dist::Work work = group.irecv(buffer, peer, tag(activation ? kActivation : kGradient, a.stage, a.micro));
+    posted.emplace(key, std::make_pair(std::move(work), buffer));
+  }
+}
+
 void Pipeline::Impl::recv(const Action& a) {
   Micro& mb = at(a.stage, a.micro);
   const bool activation = a.kind == ActionKind::kRecvActivation;
-  const int peer = schedule.rank_of_stage(activation ? a.stage - 1 : a.stage + 1);
   at::Tensor buffer;
-  if (activation) {
-    if (exchange_meta && a.micro == 0) {
+  auto ahead = posted.find(std::make_tuple(int(a.kind), a.stage, a.micro));
+  if (ahead != posted.end()) {
+    buffer = ahead->second.second;
+    ahead->second.first.wait();
+    posted.erase(ahead);
+  } else {
+    const int peer = schedule.rank_of_stage(activation ? a.stage - 1 : a.stage + 1);
+    if (activation && exchange_meta && a.micro == 0) {
       at::Tensor header = at::empty({kMetaLength}, at::kLong);
       group.recv(header, peer, tag(kMeta, a.stage, 0));
       input_meta[a.stage] = meta_from(header);
     }
-    buffer = empty_of(input_meta.at(a.stage), group.device());
-  } else {
-    buffer = empty_of(output_meta.at(a.stage), group.device());
+    buffer = empty_of((activation ? input_meta : output_meta).at(a.stage), group.device());
+    group.recv(buffer, peer, tag(activation ? kActivation : kGradient, a.stage, a.micro));
   }
-  group.recv(buffer, peer, tag(activation ? kActivation : kGradient, a.stage, a.micro));
   if (activation) {
     if (training && at::isFloatingType(buffer.scalar_type())) buffer.requires_grad_(true);
     mb.input = buffer;
