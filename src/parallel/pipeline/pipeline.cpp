@@ -5,11 +5,9 @@
 // so backward yields its gradient), its output (the scaled loss on the last
 // stage) and the gradients flowing through. Backward is split the way
 // torch.distributed.pipelining splits it: I = torch::autograd::grad of the
-// output w.r.t. the input, keeping the graph; W = backward of the same output
-// restricted to the stage's parameters (inputs = parameters), freeing it. W
-// recomputes the gradients along the path from the output to the deepest
-// parameter that I already computed (autograd keeps no intermediate results
-// between the two calls); the weight products themselves run only in W.
+// output w.r.t. the input, keeping the graph, while hooks capture the
+// gradients W needs; W = the weight side only, from those (Note [Weight
+// backward from captured gradients] in split_backward.h).
 #include "dtrain/parallel/pipeline/pipeline.h"
 
 #include <ATen/ATen.h>
@@ -23,6 +21,7 @@
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "split_backward.h"
 
 namespace dtrain::pipeline {
 
@@ -70,6 +69,7 @@ std::vector<std::int64_t> meta_from(const at::Tensor& t) {
 struct Pipeline::Impl {
   struct Micro {
     at::Tensor input, output, grad_output, grad_input;
+    std::shared_ptr<detail::SplitBackward> split;  // between I and W
   };
   enum Tag { kActivation = 0, kGradient = 1, kMeta = 2 };
   explicit Impl(dist::ProcessGroup g) : group(std::move(g)) {}
@@ -306,7 +306,10 @@ void Pipeline::Impl::backward(const Action& a) {
   const std::vector<at::Tensor>& params = stage_params[local.at(a.stage)];
   const bool has_input = a.stage > 0 && mb.input.defined() && mb.input.requires_grad();
   if (a.kind == ActionKind::kBackwardInput) {
-    if (has_input) mb.grad_input = torch::autograd::grad({mb.output}, {mb.input}, grads, /*retain_graph=*/true)[0];
+    if (has_input) {
+      mb.split = detail::SplitBackward::prepare(mb.output, mb.input, params);
+      mb.grad_input = torch::autograd::grad({mb.output}, {mb.input}, grads, /*retain_graph=*/true)[0];
+    }
     return;  // the graph stays for W
   }
   if (a.kind == ActionKind::kBackward) {
@@ -314,6 +317,9 @@ void Pipeline::Impl::backward(const Action& a) {
     if (has_input) inputs.push_back(mb.input);
     torch::autograd::backward({mb.output}, grads, /*retain_graph=*/false, /*create_graph=*/false, inputs);
     if (has_input) mb.grad_input = mb.input.grad();
+  } else if (mb.split) {
+    mb.split->backward_weights();
+    mb.split.reset();
   } else if (!params.empty()) {
     torch::autograd::backward({mb.output}, grads, /*retain_graph=*/false, /*create_graph=*/false, params);
   }
