@@ -12,6 +12,9 @@
 // in stage order is single's file). Checkpoints: each stage of replica 0
 // saves its part (model and optimizer) atomically under DIR/stage<s>; every
 // rank loads its stage's newest, and all ranks must agree on its step.
+//
+// For tests of restarts: DTRAIN_GPT_KILL_LAST_STAGE_AT=N makes the last
+// stage's process SIGKILL itself at step N of the launcher's first attempt.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,7 +22,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -134,6 +139,9 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
           << std::endl;
     return val;
   };
+  const char* kill_at = std::getenv("DTRAIN_GPT_KILL_LAST_STAGE_AT");
+  const bool may_kill = kill_at != nullptr && dtrain::dist::read_env_contract().restart_count == 0 &&
+                        pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == mesh.pipeline_index();
   double val_loss = NAN, loss_sum = 0, seconds = 0;
   std::int64_t loss_count = 0, trained = 0;
   for (std::int64_t step = start; step < run.max_iters; ++step) {
@@ -142,6 +150,7 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
       loss_sum = 0;
       loss_count = 0;
     }
+    if (may_kill && step == std::atoll(kill_at)) std::raise(SIGKILL);
     const auto t0 = std::chrono::steady_clock::now();
     for (auto& group : optimizer->param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(run.learning_rate(step));
