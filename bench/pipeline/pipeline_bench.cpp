@@ -185,16 +185,21 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
     const int p = group.size();
     Pipeline pipe(gpt::pipeline_stages(layers, p, v, group.rank(),
                                        split.empty() ? std::vector<std::size_t>{} : parse_split(split)),
-                  group, {.schedule = kind, .micro_batches = m}, gpt::lm_loss);
+                  group, {.schedule = kind, .micro_batches = m, .record_trace = true}, gpt::lm_loss);
     torch::optim::SGD opt(pipe.parameters(), 1e-3);
+    double busy = 0;
     for (int step = 0; step < warmup + steps; ++step) {
       group.barrier();
       const auto start = Clock::now();
       opt.zero_grad();
       pipe.step(x, y);
       opt.step();
-      if (step >= warmup) times.push_back(ms_since(start));
+      if (step < warmup) continue;
+      times.push_back(ms_since(start));
+      for (const TracedAction& t : pipe.trace())
+        busy += std::chrono::duration<double, std::milli>(t.end - t.start).count() / steps;
     }
+    std::fprintf(stderr, "rank %d: compute %.1f ms of each step\n", group.rank(), busy);
     if (group.rank() != p - 1) return 0;
   }
   double mean = 0;

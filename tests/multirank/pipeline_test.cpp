@@ -110,14 +110,21 @@ void expect_pipeline_equals_reference(ScheduleKind kind, int p, const std::vecto
           expect_close(item.value().detach(), ref_params[item.key()].detach(), where + " " + item.key());
         }
       }
-      const Batch eval = batch_for(config, 2 * m, 99);
+      // Evaluation on a batch of another size agrees its own shapes ...
+      const Batch eval = batch_for(config, 4 * m, 99);
       const at::Tensor out = pipe.forward(eval.x);
-      if (pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == rank) {
+      const bool last = pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == rank;
+      if (last) {
         at::NoGradGuard no_grad;
         expect_close(out, reference->forward(eval.x), where + " eval output");
       } else {
         EXPECT_FALSE(out.defined()) << where;
       }
+      // ... and training goes on with the shapes agreed before.
+      const Batch again = batch_for(config, 2 * m, 2);
+      const at::Tensor loss = pipe.step(again.x, again.y);
+      if (last)
+        expect_close(loss, gpt::lm_loss(reference->forward(again.x), again.y).detach(), where + " loss after eval");
     }
   });
 }
