@@ -1,7 +1,8 @@
-// Atomic, verified checkpoints.
+// Atomic, verified checkpoints written by every rank.
 #include "dtrain/trainer/checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <fcntl.h>
 #include <torch/serialize.h>
@@ -12,6 +13,7 @@
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "dtrain/error.h"
@@ -19,10 +21,24 @@
 
 namespace fs = std::filesystem;
 
+// Note [Checkpoint commit]
+// A checkpoint is committed by one rename, after every byte of it is on disk:
+//  1. rank 0 creates DIR/.tmp_step_N (removing a leftover of a crashed save);
+//  2. every rank writes its files into it (rank 0 also the replicated ones),
+//     fsyncs each, and writes rank_R.part listing their sizes and CRC32s;
+//  3. rank 0 merges the parts into MANIFEST (written last, fsync'd), renames
+//     the folder to DIR/step_N and fsyncs DIR.
+// Between the steps the ranks agree (an all-reduce of "did this rank
+// succeed"), so an error on any rank stops every rank before the rename, is
+// thrown on all of them, and the previous checkpoints stay untouched. A crash
+// leaves at most a temporary folder, which loading ignores. A checkpoint
+// whose MANIFEST lists files of W ranks needs all of them to verify.
+
 namespace dtrain {
 namespace {
 
-constexpr const char* kFiles[] = {"model.pt", "optimizer.pt", "state.json"};
+constexpr const char* kManifest = "MANIFEST";
+constexpr const char* kStateFile = "state.json";
 
 void fsync_path(const fs::path& path, bool directory) {
   const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
@@ -54,18 +70,30 @@ std::optional<std::int64_t> step_of(const fs::path& dir) {
   }
 }
 
-// Empty when the checkpoint is complete and intact; else why not.
-std::string verify(const fs::path& dir) {
-  std::ifstream in(dir / "MANIFEST");
+std::string rank_dir(int rank) {
+  return "rank_" + std::to_string(rank);
+}
+
+// The files a MANIFEST lists: {"files": {path: {bytes, crc32}}}, or, in the
+// first format (one writer), the top-level object itself.
+const nlohmann::json& manifest_files(const nlohmann::json& manifest) {
+  return manifest.contains("files") ? manifest.at("files") : manifest;
+}
+
+// Empty when the checkpoint is complete and intact; else why not. With
+// `only_rank` >= 0, other ranks' rank_<R>/ files are not read.
+std::string verify(const fs::path& dir, int only_rank = -1) {
+  std::ifstream in(dir / kManifest);
   if (!in) return "no MANIFEST (incomplete)";
   try {
     const auto manifest = nlohmann::json::parse(in);
-    for (const char* file : kFiles) {
-      const auto& entry = manifest.at(file);
-      if (!fs::exists(dir / file)) return std::string(file) + " is missing";
+    const std::string own = only_rank >= 0 ? rank_dir(only_rank) + "/" : "";
+    for (const auto& [file, entry] : manifest_files(manifest).items()) {
+      if (only_rank >= 0 && file.rfind("rank_", 0) == 0 && file.rfind(own, 0) != 0) continue;
+      if (!fs::exists(dir / file)) return file + " is missing";
       const std::string bytes = read_all(dir / file);
-      if (bytes.size() != entry.at("bytes").get<std::size_t>()) return std::string(file) + " has the wrong size";
-      if (crc_of(bytes) != entry.at("crc32").get<std::uint32_t>()) return std::string(file) + " fails its CRC";
+      if (bytes.size() != entry.at("bytes").get<std::size_t>()) return file + " has the wrong size";
+      if (crc_of(bytes) != entry.at("crc32").get<std::uint32_t>()) return file + " fails its CRC";
     }
   } catch (const std::exception& e) {
     return std::string("unreadable MANIFEST: ") + e.what();
@@ -82,34 +110,152 @@ void write_file(const fs::path& path, const std::string& bytes) {
   fsync_path(path, false);
 }
 
+std::string archive_bytes(const Stateful& object) {
+  torch::serialize::OutputArchive archive;
+  object.save_state(archive);
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  return bytes.str();
+}
+
+// This rank's generators: the default CPU one and, where CUDA is available,
+// each device's default CUDA generator.
+class RngState : public Stateful {
+ public:
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    archive.write("cpu", state_of(at::detail::getDefaultCPUGenerator()));
+    const std::int64_t devices = at::hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
+    archive.write("cuda_devices", at::tensor(devices));
+    for (std::int64_t i = 0; i < devices; ++i) {
+      archive.write("cuda/" + std::to_string(i),
+                    state_of(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<int8_t>(i)))));
+    }
+  }
+  void load_state(torch::serialize::InputArchive& archive) override {
+    at::Tensor t;
+    archive.read("cpu", t);
+    set_state(at::detail::getDefaultCPUGenerator(), t);
+    archive.read("cuda_devices", t);
+    const std::int64_t saved = t.item<std::int64_t>();
+    const std::int64_t devices = at::hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
+    if (saved != devices) {
+      DTRAIN_LOG(kWarning) << "the checkpoint holds CUDA generator states of " << saved << " devices, this rank sees "
+                           << devices << "; restoring the first " << std::min(saved, devices);
+    }
+    for (std::int64_t i = 0; i < std::min(saved, devices); ++i) {
+      archive.read("cuda/" + std::to_string(i), t);
+      set_state(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<int8_t>(i))), t);
+    }
+  }
+
+ private:
+  static at::Tensor state_of(at::Generator generator) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    return generator.get_state();
+  }
+  static void set_state(at::Generator generator, const at::Tensor& state) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(state);
+  }
+};
+
 // Copies the archive's values into the model's existing tensors. Unlike
 // Module::load, which set_()s new storage under each parameter, this keeps the
 // tensors' identity and storage, which DistributedDataParallel's Reducer and
 // optimizers hold on to (torch's load_state_dict copies in place too).
-void load_tensors(torch::serialize::InputArchive& archive, torch::nn::Module& model, const fs::path& dir) {
-  torch::NoGradGuard no_grad;
-  auto copy = [&](const std::string& key, at::Tensor target, bool buffer) {
-    at::Tensor value;
-    DTRAIN_CHECK(archive.try_read(key, value, buffer), DataError,
-                 "checkpoint " << dir.string() << " has no " << key << ".",
-                 "it was written for a different model; point --checkpoint-dir elsewhere");
-    DTRAIN_CHECK(value.sizes() == target.sizes(), DataError,
-                 "checkpoint " << dir.string() << ": " << key << " has shape " << value.sizes() << ", the model "
-                               << target.sizes() << ".",
-                 "it was written for a different model; point --checkpoint-dir elsewhere");
-    target.copy_(value);
-  };
-  for (const auto& item : model.named_parameters()) copy("parameter/" + item.key(), item.value(), false);
-  for (const auto& item : model.named_buffers()) copy("buffer/" + item.key(), item.value(), true);
+class ModuleState : public Stateful {
+ public:
+  explicit ModuleState(torch::nn::Module& module) : module_(module) {}
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    // Flat names (parameter/fc1.weight, ...) so that loading can copy in place.
+    for (const auto& item : module_.named_parameters()) archive.write("parameter/" + item.key(), item.value());
+    for (const auto& item : module_.named_buffers()) archive.write("buffer/" + item.key(), item.value(), true);
+  }
+  void load_state(torch::serialize::InputArchive& archive) override {
+    torch::NoGradGuard no_grad;
+    auto copy = [&](const std::string& key, at::Tensor target, bool buffer) {
+      at::Tensor value;
+      DTRAIN_CHECK(archive.try_read(key, value, buffer), DataError, "the checkpoint has no " << key << ".",
+                   "it was written for a different model; point --checkpoint-dir elsewhere");
+      DTRAIN_CHECK(
+          value.sizes() == target.sizes(), DataError,
+          "the checkpoint's " << key << " has shape " << value.sizes() << ", the model " << target.sizes() << ".",
+          "it was written for a different model; point --checkpoint-dir elsewhere");
+      target.copy_(value);
+    };
+    for (const auto& item : module_.named_parameters()) copy("parameter/" + item.key(), item.value(), false);
+    for (const auto& item : module_.named_buffers()) copy("buffer/" + item.key(), item.value(), true);
+  }
+
+ private:
+  torch::nn::Module& module_;
+};
+
+class OptimizerState : public Stateful {
+ public:
+  explicit OptimizerState(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {}
+  void save_state(torch::serialize::OutputArchive& archive) const override { optimizer_.save(archive); }
+  void load_state(torch::serialize::InputArchive& archive) override { optimizer_.load(archive); }
+
+ private:
+  torch::optim::Optimizer& optimizer_;
+};
+
+class JsonState : public Stateful {
+ public:
+  JsonState(std::function<std::string()> save, std::function<void(const std::string&)> load)
+      : save_(std::move(save)), load_(std::move(load)) {}
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    archive.write("json", c10::IValue(save_()));
+  }
+  void load_state(torch::serialize::InputArchive& archive) override {
+    c10::IValue value;
+    archive.read("json", value);
+    load_(value.toStringRef());
+  }
+
+ private:
+  std::function<std::string()> save_;
+  std::function<void(const std::string&)> load_;
+};
+
+bool valid_name(const std::string& name) {
+  if (name.empty() || name == "." || name == "..") return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
+  });
 }
 
 }  // namespace
+
+std::shared_ptr<Stateful> json_state(std::function<std::string()> save, std::function<void(const std::string&)> load) {
+  return std::make_shared<JsonState>(std::move(save), std::move(load));
+}
+std::shared_ptr<Stateful> module_state(torch::nn::Module& module) {
+  return std::make_shared<ModuleState>(module);
+}
+std::shared_ptr<Stateful> optimizer_state(torch::optim::Optimizer& optimizer) {
+  return std::make_shared<OptimizerState>(optimizer);
+}
 
 Checkpointer::Checkpointer(CheckpointOptions options, std::optional<dist::ProcessGroup> group)
     : options_(std::move(options)), group_(std::move(group)) {
   DTRAIN_CHECK(!options_.dir.empty(), ConfigError, "the checkpoint directory is empty.", "pass a directory");
   DTRAIN_CHECK(options_.keep >= 1, ConfigError, "CheckpointOptions::keep " << options_.keep << " must be at least 1.",
                "keep at least the newest checkpoint");
+}
+
+void Checkpointer::add_state(const std::string& name, std::shared_ptr<Stateful> object, StateScope scope) {
+  static const std::set<std::string> kReserved = {"model", "optimizer", "state", "rng", "MANIFEST"};
+  DTRAIN_CHECK(valid_name(name) && kReserved.count(name) == 0, ConfigError,
+               "checkpoint state name '" << name << "' is not allowed.",
+               "use letters, digits, '_', '-' and '.', other than model, optimizer, state and rng");
+  DTRAIN_CHECK(object != nullptr, ConfigError, "checkpoint state '" << name << "' is null.", "pass an object");
+  for (const auto& entry : added_) {
+    DTRAIN_CHECK(entry.name != name, ConfigError, "checkpoint state '" << name << "' was added twice.",
+                 "give each state its own name");
+  }
+  added_.push_back({name, std::move(object), scope});
 }
 
 std::vector<std::int64_t> Checkpointer::complete_steps() const {
@@ -131,52 +277,127 @@ std::vector<std::int64_t> Checkpointer::complete_steps() const {
 }
 
 void Checkpointer::save(const TrainingState& state, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
-  const bool writer = !group_ || group_->rank() == 0;
-  if (writer) {
-    fs::create_directories(options_.dir);
-    const fs::path final_dir = options_.dir / ("step_" + std::to_string(state.step));
-    const fs::path tmp = options_.dir / (".tmp_step_" + std::to_string(state.step) + "_" + std::to_string(::getpid()));
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
+  std::vector<Entry> entries = {{"model", module_state(model), StateScope::kReplicated},
+                                {"optimizer", optimizer_state(optimizer), StateScope::kReplicated}};
+  entries.insert(entries.end(), added_.begin(), added_.end());
+  save_entries(state, entries);
+}
 
-    std::ostringstream model_bytes, optimizer_bytes;
-    {
-      // Flat names (parameter/fc1.weight, ...) so that loading can copy into
-      // the existing tensors in place; see load_tensors.
-      torch::serialize::OutputArchive archive;
-      for (const auto& item : model.named_parameters()) archive.write("parameter/" + item.key(), item.value());
-      for (const auto& item : model.named_buffers()) archive.write("buffer/" + item.key(), item.value(), true);
-      at::Generator generator = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      archive.write("rng_state", generator.get_state());
-      archive.save_to(model_bytes);
+void Checkpointer::save(const TrainingState& state) {
+  save_entries(state, added_);
+}
+
+void Checkpointer::save_entries(const TrainingState& state, const std::vector<Entry>& entries) {
+  const int rank = group_ ? group_->rank() : 0;
+  const int world = group_ ? group_->size() : 1;
+  const fs::path final_dir = options_.dir / ("step_" + std::to_string(state.step));
+  const fs::path tmp = options_.dir / (".tmp_step_" + std::to_string(state.step));
+  std::exception_ptr error;
+  // Whether every rank got through the phase; the highest failing rank + 1 otherwise (0: none).
+  auto failed_rank = [&]() -> int {
+    int code = error ? rank + 1 : 0;
+    if (group_) {
+      at::Tensor t =
+          at::tensor({static_cast<std::int64_t>(code)}, at::TensorOptions().dtype(at::kLong).device(group_->device()));
+      group_->all_reduce(t, dist::ReduceOp::kMax).wait();
+      code = static_cast<int>(t.cpu().item<std::int64_t>());
     }
-    torch::save(optimizer, optimizer_bytes);
-    const nlohmann::json meta = {
-        {"step", state.step}, {"sampler_epoch", state.sampler.epoch}, {"sampler_consumed", state.sampler.consumed}};
-    const std::string files[] = {model_bytes.str(), optimizer_bytes.str(), meta.dump()};
-    nlohmann::json manifest;
-    for (size_t i = 0; i < 3; ++i) {
-      write_file(tmp / kFiles[i], files[i]);
-      manifest[kFiles[i]] = {{"bytes", files[i].size()}, {"crc32", crc_of(files[i])}};
+    return code;
+  };
+  auto abandon = [&](int code) {
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
     }
-    write_file(tmp / "MANIFEST", manifest.dump());  // last: marks the checkpoint complete
-    fsync_path(tmp, true);
-    fs::remove_all(final_dir);
-    fs::rename(tmp, final_dir);
-    fsync_path(options_.dir, true);
+    if (error) std::rethrow_exception(error);
+    DTRAIN_CHECK(false, DataError,
+                 "checkpoint step " << state.step << " was not saved: rank " << code - 1 << " failed writing its part.",
+                 "see rank " << code - 1 << "'s error; the previous checkpoints are unchanged");
+  };
+
+  if (rank == 0) {
+    try {
+      fs::create_directories(options_.dir);
+      fs::remove_all(tmp);
+      fs::create_directories(tmp);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (const int code = failed_rank()) abandon(code);
+
+  try {
+    nlohmann::json part = nlohmann::json::object();
+    auto put = [&](const std::string& relative, const std::string& bytes) {
+      write_file(tmp / relative, bytes);
+      part[relative] = {{"bytes", bytes.size()}, {"crc32", crc_of(bytes)}};
+    };
+    fs::create_directories(tmp / rank_dir(rank));
+    put(rank_dir(rank) + "/rng.pt", archive_bytes(RngState()));
+    for (const auto& entry : entries) {
+      if (entry.scope == StateScope::kPerRank) {
+        put(rank_dir(rank) + "/" + entry.name + ".pt", archive_bytes(*entry.object));
+      } else if (rank == 0) {
+        put(entry.name + ".pt", archive_bytes(*entry.object));
+      }
+    }
+    if (rank == 0) {
+      put(kStateFile, nlohmann::json{{"step", state.step},
+                                     {"sampler_epoch", state.sampler.epoch},
+                                     {"sampler_consumed", state.sampler.consumed},
+                                     {"world_size", world}}
+                          .dump());
+    }
+    fsync_path(tmp / rank_dir(rank), true);
+    write_file(tmp / (rank_dir(rank) + ".part"), part.dump());
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (const int code = failed_rank()) abandon(code);
+
+  if (rank == 0) {
+    try {
+      nlohmann::json files = nlohmann::json::object();
+      for (int r = 0; r < world; ++r) {
+        const fs::path part_file = tmp / (rank_dir(r) + ".part");
+        files.update(nlohmann::json::parse(read_all(part_file)));
+        fs::remove(part_file);
+      }
+      write_file(tmp / kManifest, nlohmann::json{{"world_size", world}, {"files", files}}.dump());  // last
+      fsync_path(tmp, true);
+      fs::remove_all(final_dir);
+      fs::rename(tmp, final_dir);
+      fsync_path(options_.dir, true);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (const int code = failed_rank()) abandon(code);
+
+  if (rank == 0) {
     // Keep the newest `keep`.
     const auto steps = complete_steps();
     for (size_t i = static_cast<size_t>(options_.keep); i < steps.size(); ++i) {
       fs::remove_all(options_.dir / ("step_" + std::to_string(steps[i])));
     }
   }
-  if (group_) group_->barrier();
 }
 
 std::optional<TrainingState> Checkpointer::load_latest(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  std::vector<Entry> entries = {{"model", module_state(model), StateScope::kReplicated},
+                                {"optimizer", optimizer_state(optimizer), StateScope::kReplicated}};
+  entries.insert(entries.end(), added_.begin(), added_.end());
+  return load_entries(entries);
+}
+
+std::optional<TrainingState> Checkpointer::load_latest() {
+  return load_entries(added_);
+}
+
+std::optional<TrainingState> Checkpointer::load_entries(const std::vector<Entry>& entries) {
+  const int rank = group_ ? group_->rank() : 0;
   std::int64_t chosen = -1;
-  if (!group_ || group_->rank() == 0) {
+  if (rank == 0) {
     const auto steps = complete_steps();
     if (!steps.empty()) chosen = steps.front();
   }
@@ -187,22 +408,49 @@ std::optional<TrainingState> Checkpointer::load_latest(torch::nn::Module& model,
   }
   if (chosen < 0) return std::nullopt;
   const fs::path dir = options_.dir / ("step_" + std::to_string(chosen));
-  const std::string problem = verify(dir);
+  const std::string problem = verify(dir, rank);
   DTRAIN_CHECK(problem.empty(), DataError,
                "checkpoint " << dir.string() << " chosen by rank 0 is not usable here: " << problem << ".",
                "put checkpoints on storage every rank sees the same way");
-  {
+  auto load = [&](const fs::path& file, Stateful& object) {
     torch::serialize::InputArchive archive;
-    archive.load_from((dir / "model.pt").string());
-    load_tensors(archive, model, dir);
-    at::Tensor rng;
-    archive.read("rng_state", rng);
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(rng);
+    archive.load_from(file.string());
+    object.load_state(archive);
+  };
+  const auto meta = nlohmann::json::parse(read_all(dir / kStateFile));
+  const int saved_world = meta.value("world_size", 1);
+  for (const auto& entry : entries) {
+    fs::path file = dir / (entry.name + ".pt");
+    if (entry.scope == StateScope::kPerRank) {
+      file = dir / rank_dir(rank) / (entry.name + ".pt");
+      DTRAIN_CHECK(fs::exists(file), DataError,
+                   "checkpoint " << dir.string() << " has no part of '" << entry.name << "' for rank " << rank
+                                 << " (it was written by " << saved_world << " ranks).",
+                   "resume per-rank state with the world size that saved it");
+    }
+    DTRAIN_CHECK(fs::exists(file), DataError, "checkpoint " << dir.string() << " has no " << entry.name << " state.",
+                 "it was written without it; add the same states when saving and loading");
+    load(file, *entry.object);
   }
-  torch::load(optimizer, (dir / "optimizer.pt").string());
-  const auto meta = nlohmann::json::parse(read_all(dir / "state.json"));
+  const fs::path rng = dir / rank_dir(rank) / "rng.pt";
+  if (fs::exists(rng)) {
+    RngState generators;
+    load(rng, generators);
+  } else {
+    // First format: rank 0's CPU generator inside model.pt; otherwise a rank
+    // the saving run did not have keeps its own seeding.
+    torch::serialize::InputArchive archive;
+    at::Tensor state;
+    if (fs::exists(dir / "model.pt")) archive.load_from((dir / "model.pt").string());
+    if (fs::exists(dir / "model.pt") && archive.try_read("rng_state", state)) {
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    } else {
+      DTRAIN_LOG(kWarning) << "checkpoint " << dir.string() << " has no generator state for rank " << rank
+                           << " (written by " << saved_world << " ranks); this rank's generators are not restored";
+    }
+  }
   TrainingState state;
   state.step = meta.at("step").get<std::int64_t>();
   state.sampler = {.epoch = meta.at("sampler_epoch").get<std::int64_t>(),

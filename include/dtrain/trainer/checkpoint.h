@@ -1,17 +1,30 @@
-// Checkpoints for resuming: model, optimizer, step, sampler position and RNG
-// state, written atomically.
+// Checkpoints for resuming: model, optimizer, step, sampler position, each
+// rank's RNG state, and any other named state (a GradScaler, an LR schedule,
+// a sharded optimizer's part), written atomically.
 //
-// Layout: DIR/step_<N>/{model.pt, optimizer.pt, state.json, MANIFEST}. A
-// checkpoint is written into a hidden temporary folder, every file fsync'd,
-// the MANIFEST (sizes and CRC32s of the others) written last, then the folder
-// is renamed into place and DIR fsync'd: a crash at any point leaves either
-// the complete checkpoint or none, never a half one under its final name.
-// Loading verifies the MANIFEST; a corrupt or partial checkpoint is skipped
-// with a warning and the next older one is tried.
+// Layout of DIR/step_<N>/:
+//   model.pt, optimizer.pt, state.json        rank 0's, for state replicated across ranks
+//   <name>.pt                                 each replicated state added with add_state()
+//   rank_<R>/rng.pt                           rank R's own CPU (and CUDA) generator states
+//   rank_<R>/<name>.pt                        each per-rank state of rank R (StateScope::kPerRank)
+//   MANIFEST                                  sizes and CRC32s of all of the above, all ranks
+// See Note [Checkpoint commit] in checkpoint.cpp: every rank writes its files
+// into one hidden temporary folder and fsyncs them; when all ranks are done,
+// rank 0 writes the MANIFEST last and renames the folder into place, so a
+// crash or an error on any rank at any point leaves either the complete
+// checkpoint or none, never a half one under its final name. Loading verifies
+// the MANIFEST; a corrupt or partial checkpoint is skipped with a warning and
+// the next older one is tried.
 //
-// With a process group: rank 0 writes (the state is replicated under DDP),
-// and at load rank 0 picks the newest complete checkpoint and every rank
-// loads that same one.
+// With a process group, at load rank 0 picks the newest complete checkpoint
+// and every rank loads that same one, and its own rank_<R>/ part: a program
+// that seeds `seed + rank` resumes bit for bit.
+//
+//   dtrain::Checkpointer ckpt({.dir = "ckpt"}, group);
+//   ckpt.add_state("grad_scaler", dtrain::json_state([&] { return to_json(*scaler.state_dict()); },
+//                                                    [&](const std::string& s) { ... }));
+//   if (auto resumed = ckpt.load_latest(model, optimizer)) { ... }
+//   ckpt.save({.step = step, .sampler = loader.state()}, model, optimizer);
 #pragma once
 
 #include <torch/nn/module.h>
@@ -19,11 +32,19 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/data/sampler.h"
+
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
 
 namespace dtrain {
 
@@ -37,21 +58,63 @@ struct TrainingState {
   data::SamplerState sampler;
 };
 
+// Something that saves its state into a checkpoint and restores it.
+class Stateful {
+ public:
+  virtual ~Stateful() = default;
+  virtual void save_state(torch::serialize::OutputArchive& archive) const = 0;
+  virtual void load_state(torch::serialize::InputArchive& archive) = 0;
+};
+
+// Replicated: identical on every rank; rank 0 writes <name>.pt and every rank
+// loads it. Per-rank: each rank writes and loads its own rank_<R>/<name>.pt
+// (ZeRO shards, per-rank streams); loading with a rank that has no part is an error.
+enum class StateScope { kReplicated, kPerRank };
+
+// A Stateful from two functions over a text (e.g. JSON) representation.
+std::shared_ptr<Stateful> json_state(std::function<std::string()> save, std::function<void(const std::string&)> load);
+// A module's parameters and buffers (copied in place at load, see checkpoint.cpp).
+std::shared_ptr<Stateful> module_state(torch::nn::Module& module);
+// An optimizer's state (LibTorch's serialization).
+std::shared_ptr<Stateful> optimizer_state(torch::optim::Optimizer& optimizer);
+
 class Checkpointer {
  public:
   explicit Checkpointer(CheckpointOptions options, std::optional<dist::ProcessGroup> group = std::nullopt);
 
-  // Collective when a group is given (rank 0 writes, then all ranks sync).
+  // Adds named state to every checkpoint saved and loaded from now on. Names
+  // are [A-Za-z0-9_.-]+, unique, and not model, optimizer, state or rng.
+  // The object must outlive its use by this Checkpointer.
+  void add_state(const std::string& name, std::shared_ptr<Stateful> object, StateScope scope = StateScope::kReplicated);
+
+  // Collective when a group is given: every rank writes its part, and all
+  // return once the checkpoint is committed. An error on any rank (a full
+  // disk, a failing state) is thrown on every rank, and the checkpoint is not
+  // committed: the previous ones stay as they were.
   void save(const TrainingState& state, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
-  // Loads the newest complete checkpoint into `model` and `optimizer` and
-  // restores the default CPU generator; nullopt when there is none.
+  // The same without a model and optimizer: only state.json, the added states and the RNG.
+  void save(const TrainingState& state);
+
+  // Loads the newest complete checkpoint into `model`, `optimizer` and the
+  // added states, and restores this rank's generators; nullopt when there is none.
   std::optional<TrainingState> load_latest(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  std::optional<TrainingState> load_latest();
+
   // Steps of the complete, verified checkpoints in DIR, newest first.
   std::vector<std::int64_t> complete_steps() const;
 
  private:
+  struct Entry {
+    std::string name;
+    std::shared_ptr<Stateful> object;
+    StateScope scope;
+  };
+  void save_entries(const TrainingState& state, const std::vector<Entry>& entries);
+  std::optional<TrainingState> load_entries(const std::vector<Entry>& entries);
+
   CheckpointOptions options_;
   std::optional<dist::ProcessGroup> group_;
+  std::vector<Entry> added_;
 };
 
 }  // namespace dtrain
