@@ -9,9 +9,9 @@
 // the same global batch. The loss lives on the last stage; eval losses are
 // combined over the world so that rank 0 prints them; --save-params writes
 // each stage's parameters of replica 0 to FILE.stage<s> (their concatenation
-// in stage order is single's file). Checkpoints: each stage of replica 0
-// saves its part (model and optimizer) atomically under DIR/stage<s>; every
-// rank loads its stage's newest, and all ranks must agree on its step.
+// in stage order is single's file). Checkpoints: one per save for the whole
+// world, each rank's stages and optimizer its own part (per-rank parts of
+// dtrain::Checkpointer), committed atomically once every rank has written.
 //
 // For tests of restarts: DTRAIN_GPT_KILL_LAST_STAGE_AT=N makes the last
 // stage's process SIGKILL itself at step N of the launcher's first attempt.
@@ -104,25 +104,22 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
     return t.item<double>();
   };
 
+  // One checkpoint for the whole world: every rank writes its stages and its
+  // optimizer as its own part, and the checkpoint is committed once all have
+  // (Note [Checkpoint commit] in src/trainer/checkpoint.cpp), so the stages
+  // always resume from the same step.
   StagesHolder holder(pipe);
   std::optional<dtrain::Checkpointer> checkpoints;
   std::int64_t start = 0;
   if (!run.checkpoint_dir.empty()) {
-    const std::string dir = run.checkpoint_dir + "/stage" + std::to_string(mesh.pipeline_index());
-    checkpoints.emplace(dtrain::CheckpointOptions{.dir = dir});
-    if (auto resumed = checkpoints->load_latest(*holder, *optimizer)) start = resumed->step;
-    at::Tensor steps = at::full({2}, double(start), at::kDouble);
-    steps[1] = -double(start);
-    world.all_reduce(steps, dtrain::dist::ReduceOp::kMax).wait();
-    DTRAIN_CHECK(steps[0].item<double>() == -steps[1].item<double>(), ConfigError,
-                 "pipeline stages resumed from different steps (" << -steps[1].item<double>() << " to "
-                                                                  << steps[0].item<double>() << ")",
-                 "a stage's newest checkpoint is missing; remove the newer ones or the whole directory");
+    checkpoints.emplace(dtrain::CheckpointOptions{.dir = run.checkpoint_dir}, world);
+    checkpoints->add_state("stages", dtrain::module_state(*holder), dtrain::StateScope::kPerRank);
+    checkpoints->add_state("stage_optimizer", dtrain::optimizer_state(*optimizer), dtrain::StateScope::kPerRank);
+    if (auto resumed = checkpoints->load_latest()) start = resumed->step;
     if (start > 0) {
       DTRAIN_LOG(kInfo) << "resumed at step " << start;
     }
   }
-  if (replica != 0) checkpoints.reset();  // replicas are identical: replica 0 saves
 
   const std::int64_t global = run.batch_size * replicas;
   auto evaluate = [&](std::int64_t step, double train_loss) {
@@ -165,12 +162,10 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
     ++trained;
     if (loss.defined()) loss_sum += loss.item<double>();
     ++loss_count;
-    if (checkpoints && (step + 1) % run.eval_interval == 0)
-      checkpoints->save({.step = step + 1, .sampler = {}}, *holder, *optimizer);
+    if (checkpoints && (step + 1) % run.eval_interval == 0) checkpoints->save({.step = step + 1, .sampler = {}});
   }
   val_loss = evaluate(run.max_iters, loss_count ? from_loss_rank(loss_sum) / double(loss_count) : NAN);
-  if (checkpoints && run.max_iters % run.eval_interval != 0)
-    checkpoints->save({.step = run.max_iters, .sampler = {}}, *holder, *optimizer);
+  if (checkpoints && run.max_iters % run.eval_interval != 0) checkpoints->save({.step = run.max_iters, .sampler = {}});
   if (!run.save_params.empty() && replica == 0) {
     const auto stages = pipe.schedule().stages_of_rank(mesh.pipeline_index());
     for (std::size_t k = 0; k < stages.size(); ++k) {
