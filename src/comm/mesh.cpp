@@ -16,12 +16,14 @@ DeviceMesh::DeviceMesh(ProcessGroup group, MeshShape shape) : group_(std::move(g
   // collective over the parent) and keeps its own.
   for (int d = 0; d < shape.data; ++d) {
     std::vector<int> ranks;
+    ranks.reserve(shape.pipeline);
     for (int p = 0; p < shape.pipeline; ++p) ranks.push_back(rank_at(d, p));
     auto made = group_.new_group(ranks);
     if (made) pipeline_group_ = std::move(made);
   }
   for (int p = 0; p < shape.pipeline; ++p) {
     std::vector<int> ranks;
+    ranks.reserve(shape.data);
     for (int d = 0; d < shape.data; ++d) ranks.push_back(rank_at(d, p));
     auto made = group_.new_group(ranks);
     if (made) data_group_ = std::move(made);

@@ -443,7 +443,7 @@ void Pipeline::Impl::finish_gradients() {
   }
   if (options.data_parallel_group && options.data_parallel_group->size() > 1) {
     std::vector<at::Tensor> grads;
-    for (at::Tensor param : parameters()) {
+    for (const at::Tensor& param : parameters()) {
       if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
       grads.push_back(param.grad());
     }
@@ -530,7 +530,7 @@ std::vector<torch::nn::Sequential> split_stages(const torch::nn::Sequential& lay
 
 at::Tensor Pipeline::clip_grad_norm_(double max_norm, const ClipGradNormOptions& options) {
   const ShardedGradients counted = gradient_set();
-  const at::Tensor norm = dtrain::clip_grad_norm_(counted, max_norm, options);
+  at::Tensor norm = dtrain::clip_grad_norm_(counted, max_norm, options);
   // clip.cpp's factor, spelled the same way, for the copies it did not see.
   const at::Tensor factor = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
   const std::vector<at::Tensor> seen = counted.local_parameters();
