@@ -413,8 +413,8 @@ void Pipeline::Impl::recv(const Action& a) {
   }
 }
 
-// Tied copies: the borrower sends its gradient, the owner adds it and sends
-// the sum back. Then data-parallel averaging of every gradient.
+// Tied copies: the two ranks swap their gradients and both add. Then
+// data-parallel averaging of every gradient.
 void Pipeline::Impl::finish_gradients() {
   const int tie_tag_base = 1 + 3 * n * m;
   for (std::size_t k = 0; k < stages.size(); ++k) {
@@ -428,17 +428,13 @@ void Pipeline::Impl::finish_gradients() {
       const int owner_stage = tied.owner ? stage : tied.other_stage;
       const int t = tie_tag_base + owner_stage * 64 + int(j);
       at::Tensor other = at::empty_like(param.grad());
-      if (tied.owner) {
-        group.recv(other, peer, t);
-        param.mutable_grad().add_(other);
-        group.send(param.grad(), peer, t);
-      } else {
-        at::Tensor mine = param.grad().contiguous();
-        dist::Work w = group.isend(mine, peer, t);
-        group.recv(other, peer, t);
-        w.wait();
-        param.mutable_grad().copy_(other);
-      }
+      // One exchange, both ways at once; a + b == b + a in IEEE arithmetic,
+      // so both copies get bitwise the same sum.
+      at::Tensor mine = param.grad().contiguous();
+      dist::Work sent = group.isend(mine, peer, t);
+      group.recv(other, peer, t);
+      sent.wait();
+      param.mutable_grad().copy_(mine + other);
     }
   }
   if (options.data_parallel_group && options.data_parallel_group->size() > 1) {
