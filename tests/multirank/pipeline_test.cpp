@@ -364,3 +364,20 @@ TEST(PipelinePeerDeath, SurvivingStagesGetCommunicationErrorNamingThePeer) {
   }
   EXPECT_EQ(outcomes[2].signal, SIGKILL);
 }
+
+// The cut comes from the placement planner: profiled compute balanced, memory
+// budgets respected (or a ConfigError saying what is missing), no stage empty.
+TEST(PipelineStages, PlannedCutBalancesComputeUnderBudgets) {
+  torch::nn::Sequential layers = gpt::gpt_layers(tiny_config(2));  // embed, block0, block1, head
+  std::vector<dtrain::LayerCost> costs;
+  for (const auto& item : layers->named_children()) costs.push_back({.name = item.key(), .bytes = 10, .compute = 1});
+  costs[3].compute = 3;  // a heavy head gets a stage of its own
+  EXPECT_EQ(dtrain::pipeline::plan_stages(layers, 2, costs), (std::vector<std::size_t>{0, 0, 0, 1}));
+  EXPECT_EQ(dtrain::pipeline::plan_stages(layers, 4, costs), (std::vector<std::size_t>{0, 1, 2, 3}));
+  EXPECT_THROW(dtrain::pipeline::plan_stages(layers, 2, costs, {15, 15}), dtrain::ConfigError);
+  EXPECT_THROW(dtrain::pipeline::plan_stages(layers, 5, costs), dtrain::ConfigError);
+  const auto stages = dtrain::pipeline::split_stages(layers, {0, 0, 0, 1});
+  ASSERT_EQ(stages.size(), 2u);
+  EXPECT_EQ(stages[0]->size(), 3u);
+  EXPECT_EQ(stages[1]->named_children()[0].key(), "head");
+}

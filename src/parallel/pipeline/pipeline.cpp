@@ -472,8 +472,8 @@ ShardedGradients Pipeline::gradient_set() const {
   return ShardedGradients(counted, impl_->group);
 }
 
-std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int stage_count,
-                                     std::vector<LayerCost> costs) {
+std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int stage_count, std::vector<LayerCost> costs,
+                                     const std::vector<std::int64_t>& budgets) {
   const auto count = static_cast<int>(layers->size());
   DTRAIN_CHECK(stage_count >= 1 && count >= stage_count, ConfigError,
                "cannot cut " << count << " layers into " << stage_count << " pipeline stages",
@@ -486,7 +486,7 @@ std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int st
       costs.push_back(cost);
     }
   }
-  Placement plan = plan_placement(costs, static_cast<std::size_t>(stage_count));
+  Placement plan = plan_placement(costs, static_cast<std::size_t>(stage_count), budgets);
   std::vector<std::size_t> stage_of = plan.device_of_layer;
   // The planner may leave a device empty; a stage needs a layer. Shift
   // boundaries so that stage k starts no earlier than layer k and no later

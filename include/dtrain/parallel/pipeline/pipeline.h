@@ -71,10 +71,12 @@ struct PipelineStage {
 
 // Which stage each of `layers`' layers goes to for `stage_count` contiguous
 // stages: the placement planner's (plan_placement, model_parallel/placement.h)
-// balance of `costs` (one per layer; default: parameter bytes), every stage
-// given at least one layer. ConfigError with fewer layers than stages.
+// balance of `costs` (one per layer, e.g. profiled compute; default: parameter
+// bytes) under `budgets` (bytes per stage, empty: unlimited), every stage
+// given at least one layer. ConfigError with fewer layers than stages, or
+// when no cut fits the budgets (saying how much memory is missing).
 std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int stage_count,
-                                     std::vector<LayerCost> costs = {});
+                                     std::vector<LayerCost> costs = {}, const std::vector<std::int64_t>& budgets = {});
 // The layers of each stage as a Sequential of its own (sharing the modules).
 std::vector<torch::nn::Sequential> split_stages(const torch::nn::Sequential& layers,
                                                 const std::vector<std::size_t>& stage_of_layer);
