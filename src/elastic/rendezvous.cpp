@@ -29,6 +29,41 @@
 //   heartbeat timeout: when a node dies, the others' workers fail in their
 //   collectives at once, and that must not be counted as a restart.
 // - Heartbeats are counters, not timestamps, so clocks need not agree.
+//
+// Note [Store-host failover] (design; not implemented yet, issue 15 item 3)
+// Today the store lives in the process of the node the endpoint names, and
+// losing that node ends the job ("lost the rendezvous store"). The plan:
+// - Generations. Keys move under dtrain/rdzv/g<G>/; the first store is G=0.
+//   Every node caches the last closed round it was a member of: its number,
+//   restart count, and the members' records (id, address, node rank), which
+//   every member already reads when the round closes.
+// - Successor. When a store operation fails (connection reset, or no answer
+//   within the heartbeat timeout), each surviving member walks the cached
+//   members in node-rank order, skipping the old host: the first candidate
+//   that answers on its address at the endpoint's port is the new host; a
+//   node that reaches no lower candidate within a heartbeat timeout hosts
+//   generation G+1 itself, seeded with run id, --nnodes, G+1, and the cached
+//   round and restart count. Candidates that have not hosted refuse
+//   connections, so a node can never join a store of the wrong generation.
+// - Quorum (no split brain). The first round of G+1 closes only with at least
+//   MIN nodes and more than half of the cached round's members. Under a
+//   partition at most one side holds a strict majority, so at most one side
+//   goes on; a side below MIN or without a majority stops with an error
+//   naming the lost nodes, never trains alone. Consequence: a 2-node job
+//   whose store host dies stops (1 of 2 is no majority) unless
+//   --rdzv-conf failover_quorum=min trades that guarantee for availability
+//   (safe whenever MIN > N/2, where the two conditions coincide).
+// - The round after a failover is a membership change: it uses no restart,
+//   and training resumes from the last checkpoint as after any lost node.
+//   The workers' store needs nothing new: node rank 0 of each round hosts it.
+// - Joining later. New nodes know only --rdzv-endpoint, the old host. Either
+//   the endpoint is a name that follows the host (a Kubernetes Service, a
+//   DNS name), or --rdzv-endpoint takes a list, tried in order, and each
+//   generation's host also answers there. A node that comes back from a
+//   partition with a stale generation reads the newer one from any member it
+//   reaches and rejoins as a new arrival.
+// - Authentication carries over: the new host gates its store with the same
+//   secret (Note [Rendezvous authentication]).
 #include "dtrain/elastic/rendezvous.h"
 
 #include "../core/net.h"

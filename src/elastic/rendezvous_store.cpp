@@ -22,6 +22,7 @@
 #include "dtrain/elastic/rendezvous.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "rdzv_auth.h"
 
 namespace dtrain::elastic {
 namespace {
@@ -30,8 +31,9 @@ namespace {
 // CommunicationErrors naming the endpoint.
 class DistRendezvousStore : public RendezvousStore {
  public:
-  DistRendezvousStore(dist::Store store, bool hosts, std::string where)
-      : store_(std::move(store)), hosts_(hosts), where_(std::move(where)) {}
+  // `guard` (the authentication gate or tunnel) outlives the store's connections.
+  DistRendezvousStore(dist::Store store, bool hosts, std::string where, std::shared_ptr<void> guard = nullptr)
+      : guard_(std::move(guard)), store_(std::move(store)), hosts_(hosts), where_(std::move(where)) {}
   void set(const std::string& key, const std::string& value) override {
     guarded([&] { store_.set(key, value); });
   }
@@ -68,16 +70,71 @@ class DistRendezvousStore : public RendezvousStore {
                                "the node hosting it (the one --rdzv-endpoint names) stopped; restart the job");
     }
   }
+  std::shared_ptr<void> guard_;
   dist::Store store_;
   bool hosts_;
   std::string where_;
 };
 
+// A node without a secret that reaches a gated store: say so, rather than
+// letting c10d's client time out on the gate's greeting.
+void refuse_if_gated(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0) return;
+  const int fd = ::socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC, res->ai_protocol);
+  const bool connected = fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0;
+  ::freeaddrinfo(res);
+  char greeting[8] = {};
+  pollfd p{fd, POLLIN, 0};
+  const bool gated = connected && ::poll(&p, 1, 300) == 1 && ::recv(fd, greeting, sizeof greeting, MSG_WAITALL) == 8 &&
+                     std::memcmp(greeting, "DTRDZV1\n", 8) == 0;
+  if (fd >= 0) ::close(fd);
+  DTRAIN_CHECK(!gated, ConfigError,
+               "the rendezvous at " << host << ":" << port << " requires a shared secret, and this node has none.",
+               "pass the job's --rdzv-secret-file (or set DTRAIN_RDZV_SECRET) on every node");
+}
+
+// The store on 127.0.0.1 only, behind a gate on the endpoint's port.
+std::shared_ptr<RendezvousStore> host_gated(const std::string& host, int port, std::chrono::milliseconds timeout,
+                                            const std::string& secret) {
+  int public_port = port;
+  const int public_fd = net::listen_tcp(public_port);  // ConfigError when taken: be a client
+  int inner_port = 0;
+  int inner_fd = -1;
+  try {
+    inner_fd = net::listen_tcp(inner_port, /*loopback_only=*/true);
+  } catch (...) {
+    ::close(public_fd);
+    throw;
+  }
+  std::optional<dist::Store> store;
+  try {
+    store = dist::Store::tcp(
+        {.host = "127.0.0.1", .port = inner_port, .is_server = true, .timeout = timeout, .listen_fd = inner_fd});
+  } catch (...) {
+    ::close(public_fd);
+    throw;
+  }
+  auto gate = std::make_shared<auth::Gate>(public_fd, inner_port, secret);
+  DTRAIN_LOG(kInfo) << "hosting the rendezvous store on port " << port << "; joins need the shared secret";
+  return std::make_shared<DistRendezvousStore>(std::move(*store), true, host + ":" + std::to_string(port), gate);
+}
+
 }  // namespace
 
 std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string& host, int port,
-                                                              std::chrono::milliseconds timeout) {
-  if (net::names_this_machine(host)) {
+                                                              std::chrono::milliseconds timeout,
+                                                              const std::string& secret) {
+  if (!secret.empty() && net::names_this_machine(host)) {
+    try {
+      return host_gated(host, port, timeout, secret);
+    } catch (const ConfigError&) {
+      // The port is taken, normally by the node that hosts the store: join it as a client.
+    }
+  }
+  if (secret.empty() && net::names_this_machine(host)) {
     try {
       auto store = dist::Store::tcp({.host = host, .port = port, .is_server = true, .timeout = timeout});
       DTRAIN_LOG(kInfo) << "hosting the rendezvous store on port " << port;
@@ -97,11 +154,23 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
                        "start the node whose address --rdzv-endpoint names first (it hosts the store), check the "
                        "address and port, or raise --rdzv-timeout");
   }
+  // With a secret the store client talks to a local tunnel that makes the
+  // handshake for each of its connections; checked once first.
+  std::shared_ptr<auth::Tunnel> tunnel;
+  if (secret.empty()) {
+    refuse_if_gated(host, port);
+  } else {
+    tunnel = std::make_shared<auth::Tunnel>(host, port, secret, timeout);
+    tunnel->check();
+  }
+  const std::string store_host = tunnel ? "127.0.0.1" : host;
+  const int store_port = tunnel ? tunnel->port() : port;
   auto promise = std::make_shared<std::promise<dist::Store>>();
   auto future = promise->get_future();
-  std::thread([promise, host, port, timeout] {
+  std::thread([promise, store_host, store_port, timeout] {
     try {
-      promise->set_value(dist::Store::tcp({.host = host, .port = port, .is_server = false, .timeout = timeout}));
+      promise->set_value(
+          dist::Store::tcp({.host = store_host, .port = store_port, .is_server = false, .timeout = timeout}));
     } catch (...) {
       promise->set_exception(std::current_exception());
     }
@@ -113,7 +182,7 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
                        "another program may be using that port: choose another --rdzv-endpoint port");
   }
   try {
-    return std::make_shared<DistRendezvousStore>(future.get(), false, where);
+    return std::make_shared<DistRendezvousStore>(future.get(), false, where, tunnel);
   } catch (const Error& e) {
     throw TimeoutError(e.message(),
                        "start the node whose address --rdzv-endpoint names first (it hosts the store), check the "
@@ -129,9 +198,10 @@ std::shared_ptr<RendezvousStore> make_memory_rendezvous_store() {
 
 // The entry point `dtrain run` looks up with dlsym (C linkage: an unmangled name).
 extern "C" __attribute__((visibility("default"))) void dtrain_connect_tcp_rendezvous_store(
-    const std::string* host, int port, long long timeout_ms, std::shared_ptr<dtrain::elastic::RendezvousStore>* out) {
+    const std::string* host, int port, long long timeout_ms, const std::string* secret,
+    std::shared_ptr<dtrain::elastic::RendezvousStore>* out) {
   // The launcher explains connection problems itself; c10d's warnings with
   // stack traces would bury that (workers keep their own log level).
   FLAGS_caffe2_log_level = 3;  // fatal only
-  *out = dtrain::elastic::connect_tcp_rendezvous_store(*host, port, std::chrono::milliseconds(timeout_ms));
+  *out = dtrain::elastic::connect_tcp_rendezvous_store(*host, port, std::chrono::milliseconds(timeout_ms), *secret);
 }

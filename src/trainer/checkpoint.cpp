@@ -173,7 +173,7 @@ class ModuleState : public Stateful {
   }
   void load_state(torch::serialize::InputArchive& archive) override {
     torch::NoGradGuard no_grad;
-    auto copy = [&](const std::string& key, at::Tensor target, bool buffer) {
+    auto copy = [&](const std::string& key, const at::Tensor& target, bool buffer) {
       at::Tensor value;
       DTRAIN_CHECK(archive.try_read(key, value, buffer), DataError, "the checkpoint has no " << key << ".",
                    "it was written for a different model; point --checkpoint-dir elsewhere");

@@ -8,9 +8,13 @@
 #include <sstream>
 #include <thread>
 
+#include "../../src/elastic/rdzv_auth.h"
+#include "dtrain/comm/cluster_env.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"
 #include "dtrain/error.h"
+#include "dtrain/log.h"
+#include "torchrun_args.h"
 
 namespace dtrain::tools {
 namespace {
@@ -64,6 +68,9 @@ void parse_endpoint(const std::string& text, RendezvousPlan& plan) {
 void parse_rdzv_conf(const std::string& text, elastic::StoreRendezvousOptions& o) {
   std::stringstream items(text);
   std::string item;
+  bool keep_alive_interval = false;
+  bool heartbeat_timeout_given = false;
+  double keep_alive_attempts = 3;  // torchrun's default
   while (std::getline(items, item, ',')) {
     if (item.empty()) continue;
     const auto eq = item.find('=');
@@ -77,16 +84,32 @@ void parse_rdzv_conf(const std::string& text, elastic::StoreRendezvousOptions& o
       seconds = -1;
     }
     const std::string option = "--rdzv-conf " + name;
-    if (name == "last_call_timeout") {
+    if (name == "join_timeout" || name == "timeout") {  // torchrun's names for --rdzv-timeout
+      o.timeout = seconds_option(option.c_str(), seconds);
+    } else if (name == "keep_alive_interval") {  // torchrun's heartbeat_interval
+      o.heartbeat_interval = seconds_option(option.c_str(), seconds);
+      keep_alive_interval = true;
+    } else if (name == "keep_alive_max_attempt") {  // torchrun: lost after interval * attempts
+      keep_alive_attempts = seconds;
+    } else if (name == "last_call_timeout") {
       o.last_call = seconds == 0 ? std::chrono::milliseconds(0) : seconds_option(option.c_str(), seconds);
     } else if (name == "heartbeat_interval") {
       o.heartbeat_interval = seconds_option(option.c_str(), seconds);
     } else if (name == "heartbeat_timeout") {
       o.heartbeat_timeout = seconds_option(option.c_str(), seconds);
+      heartbeat_timeout_given = true;
     } else {
       throw ConfigError("--rdzv-conf has unknown key '" + name + "'.",
-                        "known keys: last_call_timeout, heartbeat_interval, heartbeat_timeout (seconds)");
+                        "known keys (seconds): last_call_timeout, heartbeat_interval, heartbeat_timeout, and "
+                        "torchrun's join_timeout, timeout, keep_alive_interval, keep_alive_max_attempt; torchrun's "
+                        "close_timeout, read_timeout, is_host and store_type have no counterpart in dtrain");
     }
+  }
+  if (keep_alive_interval && !heartbeat_timeout_given) {
+    DTRAIN_CHECK(keep_alive_attempts >= 1, ConfigError, "--rdzv-conf keep_alive_max_attempt must be at least 1.",
+                 "e.g. keep_alive_max_attempt=3");
+    o.heartbeat_timeout = std::chrono::milliseconds(
+        std::llround(static_cast<double>(o.heartbeat_interval.count()) * keep_alive_attempts));
   }
   DTRAIN_CHECK(o.heartbeat_timeout > o.heartbeat_interval, ConfigError,
                "--rdzv-conf heartbeat_timeout must exceed heartbeat_interval.", "e.g. interval 0.5, timeout 3");
@@ -96,6 +119,7 @@ void parse_rdzv_conf(const std::string& text, elastic::StoreRendezvousOptions& o
 
 void add_launch_options(CLI::App& run, LaunchOptions& o) {
   run.prefix_command();  // everything from PROGRAM on belongs to the program
+  add_torchrun_options(run, o);
   run.add_option("--nproc-per-node,--nproc_per_node", o.nproc_per_node,
                  "Workers on this node: N, auto (GPUs, else 1), cpu (one per core) or gpu (one per GPU)")
       ->capture_default_str();
@@ -114,6 +138,9 @@ void add_launch_options(CLI::App& run, LaunchOptions& o) {
   run.add_option("--rdzv-conf,--rdzv_conf", o.rdzv_conf,
                  "Rendezvous settings KEY=VALUE,... in seconds: last_call_timeout (wait for more nodes once MIN "
                  "joined; default 2), heartbeat_interval (0.5), heartbeat_timeout (node lost after; 3)");
+  run.add_option("--rdzv-secret-file,--rdzv_secret_file", o.rdzv_secret_file,
+                 "File holding the job's shared secret (else DTRAIN_RDZV_SECRET): every node proves it knows it "
+                 "(challenge-response) before it may use the rendezvous store; others are refused");
   run.add_flag("--standalone", o.standalone,
                "Single node with an embedded rendezvous on a free port (the default without --rdzv-endpoint)");
   run.add_option("--max-restarts,--max_restarts", o.max_restarts, "Restarts of the worker group after failures")
@@ -131,15 +158,89 @@ void add_launch_options(CLI::App& run, LaunchOptions& o) {
       ->capture_default_str();
 }
 
-LaunchPlan plan_launch(const LaunchOptions& o) {
+namespace {
+// Nothing on the command line or in PET_* says how the nodes meet.
+bool layout_given(const LaunchOptions& o) {
+  return o.nnodes != "1" || o.node_rank >= 0 || !o.rdzv_endpoint.empty() || !o.master_addr.empty() ||
+         o.master_port >= 0 || o.standalone || !o.rdzv_backend.empty();
+}
+
+// srun or mpirun started one `dtrain run` per node: its tasks are the nodes.
+void apply_cluster_layout(LaunchOptions& o, const dist::EnvLookup& env) {
+  if (layout_given(o) || !dist::detail::cluster_launcher_present(env)) return;
+  const auto task = dist::read_cluster_task(env);
+  if (!task || task->world_size == 1) return;
+  DTRAIN_CHECK(task->local_world_size == 1, ConfigError,
+               to_string(task->source) << " started " << task->local_world_size
+                                       << " copies of dtrain run on this node; it starts one per node.",
+               "start one launcher per node (srun --ntasks-per-node=1, mpirun --map-by ppr:1:node) and give the "
+               "workers per node with --nproc-per-node, or run PROGRAM itself under srun/mpirun without dtrain run");
+  o.nnodes = std::to_string(task->world_size);
+  o.node_rank = task->rank;
+  o.rdzv_endpoint = task->master_addr + ":" + std::to_string(task->master_port);
+  if (o.rdzv_id == "none" && !task->job_id.empty()) o.rdzv_id = task->job_id;
+  DTRAIN_LOG(kInfo) << "environment: " << to_string(task->source) << " (" << task->origin << "): node " << task->rank
+                    << " of " << task->world_size << ", rendezvous at " << o.rdzv_endpoint;
+}
+
+// torchrun's two backends over dtrain's one store rendezvous: c10d is it;
+// static is it with a fixed node count, node ranks from --node-rank (0 by
+// default, as torchrun) and the store at --master-addr:--master-port.
+void resolve_backend(LaunchOptions& o, const NodeRange& nodes, elastic::AgentOptions& agent) {
+  const bool master_given = !o.master_addr.empty() || o.master_port >= 0;
+  std::string backend = o.rdzv_backend;
+  if (backend.empty()) backend = !o.rdzv_endpoint.empty() || !master_given ? "c10d" : "static";
+  DTRAIN_CHECK(backend != "etcd" && backend != "etcd-v2", ConfigError,
+               "--rdzv-backend " << backend << " is not supported: dtrain's rendezvous runs over c10d's TCPStore, "
+                                 << "hosted by the node that --rdzv-endpoint names.",
+               "use --rdzv-backend c10d --rdzv-endpoint HOST:PORT (or static with --master-addr/--master-port)");
+  DTRAIN_CHECK(backend == "c10d" || backend == "static", ConfigError, "--rdzv-backend " << backend << " is unknown.",
+               "use c10d or static");
+  DTRAIN_CHECK(o.master_port < 0 || o.master_port <= 65535, ConfigError,
+               "--master-port " << o.master_port << " is out of range.", "pass a port in 1..65535");
+  if (o.standalone) return;  // as torchrun: the backend settings give way
+  if (backend == "c10d") {
+    if (master_given) {
+      DTRAIN_LOG(kWarning) << "--master-addr/--master-port are used by the static backend only (as in torchrun); "
+                              "ignored with c10d, whose store is at --rdzv-endpoint";
+    }
+    return;
+  }
+  DTRAIN_CHECK(nodes.min == nodes.max, ConfigError,
+               "--rdzv-backend static needs a fixed node count, but --nnodes is " << o.nnodes << ".",
+               "pass --nnodes N, or use --rdzv-backend c10d for MIN:MAX");
+  const std::string addr = o.master_addr.empty() ? "127.0.0.1" : o.master_addr;
+  const int port = o.master_port >= 0 ? o.master_port : 29500;
+  if (nodes.max == 1 && o.rdzv_endpoint.empty()) {
+    // One node: torchrun's workers meet at --master-addr:--master-port, where its agent hosts the store.
+    if (o.master_port >= 0) {
+      agent.master_addr = addr;
+      agent.master_port = port;
+    }
+    return;
+  }
+  if (o.rdzv_endpoint.empty()) {
+    o.rdzv_endpoint = (addr.find(':') != std::string::npos && addr.front() != '[' ? "[" + addr + "]" : addr) + ":" +
+                      std::to_string(port);
+  }
+  if (o.node_rank < 0) o.node_rank = 0;
+}
+}  // namespace
+
+LaunchPlan plan_launch(const LaunchOptions& given, const dist::EnvLookup& env) {
+  LaunchOptions o = given;
+  apply_torchrun_options(o);
+  apply_cluster_layout(o, env);
   LaunchPlan plan;
   const NodeRange nodes = parse_nnodes(o.nnodes);
+  resolve_backend(o, nodes, plan.agent);
   DTRAIN_CHECK(!(o.standalone && nodes.max > 1), ConfigError,
                "--standalone runs one node, but --nnodes is " << o.nnodes << ".",
                "drop --standalone and pass --rdzv-endpoint HOST:PORT for several nodes");
   DTRAIN_CHECK(nodes.max == 1 || !o.rdzv_endpoint.empty(), ConfigError,
                "--nnodes " << o.nnodes << " needs a rendezvous endpoint shared by the nodes.",
-               "pass --rdzv-endpoint HOST:PORT (the same on every node; HOST is the node that hosts the store)");
+               "pass --rdzv-endpoint HOST:PORT (the same on every node; HOST is the node that hosts the store), or "
+               "--master-addr HOST --master-port PORT with --node-rank (static)");
   DTRAIN_CHECK(o.node_rank >= -1, ConfigError, "--node-rank " << o.node_rank << " is negative.", "pass 0 or more");
   plan.rendezvous.multi_node = !o.standalone && (!o.rdzv_endpoint.empty() || nodes.max > 1);
   DTRAIN_CHECK(plan.rendezvous.multi_node || o.node_rank <= 0, ConfigError,
@@ -187,10 +288,13 @@ LaunchPlan plan_launch(const LaunchOptions& o) {
   plan.agent.monitor_interval = seconds_option("--monitor-interval", o.monitor_interval);
   plan.agent.stop_grace = seconds_option("--stop-grace", o.stop_grace);
   plan.agent.run_id = o.rdzv_id;
+  plan.agent.role = o.role;
   plan.hang_timeout = seconds_option("--hang-timeout", o.hang_timeout);
   const auto rdzv_timeout = seconds_option("--rdzv-timeout", o.rdzv_timeout);
   if (plan.rendezvous.multi_node) {
     parse_endpoint(o.rdzv_endpoint, plan.rendezvous);
+    plan.rendezvous.local_addr = o.local_addr;
+    plan.rendezvous.secret = elastic::auth::read_secret(o.rdzv_secret_file);
     auto& r = plan.rendezvous.options;
     r.run_id = o.rdzv_id;
     r.min_nodes = nodes.min;
@@ -204,8 +308,12 @@ LaunchPlan plan_launch(const LaunchOptions& o) {
   } else {
     DTRAIN_CHECK(o.rdzv_conf.empty(), ConfigError, "--rdzv-conf applies to multi-node rendezvous only.",
                  "drop it, or pass --rdzv-endpoint");
+    DTRAIN_CHECK(o.rdzv_secret_file.empty(), ConfigError, "--rdzv-secret-file applies to multi-node rendezvous only.",
+                 "drop it, or pass --rdzv-endpoint");
   }
 
+  plan.log_dir = o.log_dir;
+  plan.tee = o.tee;
   plan.argv = o.program_and_args;
   plan.argv[0] = elastic::resolve_program(plan.argv[0]);
   plan.error_file_dir =

@@ -3,9 +3,11 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "dtrain/comm/env.h"
 #include "dtrain/elastic/agent.h"
 
 namespace dtrain::tools {
@@ -25,7 +27,23 @@ struct LaunchOptions {
   std::string devices;
   double hang_timeout = 30;
   double stop_grace = 5;
-  std::string rdzv_conf;  // KEY=VALUE,... (last_call_timeout, heartbeat_interval, heartbeat_timeout)
+  std::string rdzv_conf;         // KEY=VALUE,... (last_call_timeout, heartbeat_interval, heartbeat_timeout)
+  std::string rdzv_secret_file;  // else DTRAIN_RDZV_SECRET; see Note [Rendezvous authentication]
+  // torchrun's (tools/dtrain/torchrun_args.h rewrites its spellings and PET_* variables):
+  std::string rdzv_backend;  // "": c10d with --rdzv-endpoint, static with --master-addr/--master-port
+  std::string master_addr;   // static backend; "" unset (127.0.0.1)
+  int master_port = -1;      // static backend; -1 unset (29500)
+  std::string local_addr;    // this node's address as other nodes reach it
+  std::string role = "default";
+  std::string redirects;     // torchrun's 0..3 or LOCAL_RANK:N,...
+  std::string tee_streams;   // torchrun's --tee VALUE
+  std::string start_method;  // spawn only
+  std::string event_log_handler;
+  double shutdown_timeout = -1;  // seconds; torchrun's name for --stop-grace
+  bool no_python = false;
+  bool module = false;
+  bool run_path = false;
+  std::map<std::string, std::string> unsupported;  // torchrun option -> value given
   std::vector<std::string> program_and_args;
 };
 
@@ -36,6 +54,8 @@ struct RendezvousPlan {
   bool multi_node = false;
   std::string host;
   int port = 29400;
+  std::string local_addr;  // "": the address that routes to `host`
+  std::string secret;      // "": joins are not authenticated
   elastic::StoreRendezvousOptions options;
 };
 
@@ -45,10 +65,16 @@ struct LaunchPlan {
   std::vector<std::string> argv;  // resolved program first
   std::chrono::milliseconds hang_timeout{0};
   std::string error_file_dir;
+  std::string log_dir;  // --log-dir (torchrun's --redirects/--tee resolved)
+  bool tee = false;
 };
 
-// Validates the options (ConfigError naming the option) and resolves
-// process counts, devices and the program.
-LaunchPlan plan_launch(const LaunchOptions& options);
+// Validates the options (ConfigError naming the option, and saying why for a
+// torchrun option dtrain refuses) and resolves process counts, devices, the
+// rendezvous and the program. Started once per node by srun or mpirun with no
+// node layout given (--nnodes, --node-rank, --rdzv-endpoint, --master-addr,
+// --master-port, --standalone, --rdzv-backend), the nodes come from that
+// launcher's variables (cluster_env.h).
+LaunchPlan plan_launch(const LaunchOptions& options, const dist::EnvLookup& env = dist::process_env());
 
 }  // namespace dtrain::tools

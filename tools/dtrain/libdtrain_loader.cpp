@@ -61,16 +61,18 @@ Fn libdtrain_function(const char* name) {
   return reinterpret_cast<Fn>(dtrain::detail::module_symbol(libdtrain_handle(), libdtrain_path(), name, kHint));
 }
 
-using ConnectFn = void (*)(const std::string*, int, long long, std::shared_ptr<elastic::RendezvousStore>*);
+using ConnectFn = void (*)(const std::string*, int, long long, const std::string*,
+                           std::shared_ptr<elastic::RendezvousStore>*);
 using HostFn = void (*)(int, int, std::shared_ptr<void>*);
 
 }  // namespace
 
 std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(const std::string& host, int port,
-                                                                    std::chrono::milliseconds timeout) {
+                                                                    std::chrono::milliseconds timeout,
+                                                                    const std::string& secret) {
   static const auto connect = libdtrain_function<ConnectFn>("dtrain_connect_tcp_rendezvous_store");
   std::shared_ptr<elastic::RendezvousStore> store;
-  connect(&host, port, static_cast<long long>(timeout.count()), &store);
+  connect(&host, port, static_cast<long long>(timeout.count()), &secret, &store);
   return store;
 }
 

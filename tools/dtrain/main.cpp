@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <filesystem>
@@ -14,8 +15,10 @@
 #include "dtrain/comm/device.h"
 #include "dtrain/elastic/agent.h"
 #include "dtrain/error.h"
+#include "dtrain/log.h"
 #include "launch_options.h"
 #include "libdtrain_loader.h"
+#include "torchrun_args.h"
 
 namespace {
 std::atomic<int> g_interrupt{0};
@@ -28,16 +31,19 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
   namespace el = dtrain::elastic;
   const auto plan = dtrain::tools::plan_launch(opt);
   el::ProcessWorkerGroup workers({.argv = plan.argv,
-                                  .log_dir = opt.log_dir,
-                                  .tee = opt.tee,
+                                  .log_dir = plan.log_dir,
+                                  .tee = plan.tee,
                                   .hang_timeout = plan.hang_timeout,
                                   .error_file_dir = plan.error_file_dir});
   dtrain::tools::BackgroundWorkerStore worker_store;  // node rank 0 hosts it: see agent.h
   std::unique_ptr<el::StoreRendezvous> rendezvous;
   if (plan.rendezvous.multi_node) {
     auto r = plan.rendezvous.options;
-    r.local_addr = dtrain::net::local_address_towards(plan.rendezvous.host, plan.rendezvous.port);
-    auto store = dtrain::tools::load_tcp_rendezvous_store(plan.rendezvous.host, plan.rendezvous.port, r.timeout);
+    r.local_addr = plan.rendezvous.local_addr.empty()
+                       ? dtrain::net::local_address_towards(plan.rendezvous.host, plan.rendezvous.port)
+                       : plan.rendezvous.local_addr;
+    auto store = dtrain::tools::load_tcp_rendezvous_store(plan.rendezvous.host, plan.rendezvous.port, r.timeout,
+                                                          plan.rendezvous.secret);
     rendezvous = std::make_unique<el::StoreRendezvous>(std::move(store), r);
   }
   el::Agent agent = rendezvous ? el::Agent(plan.agent, workers, worker_store, *rendezvous)
@@ -67,12 +73,27 @@ int main(int argc, char** argv) {
   dtrain::tools::LaunchOptions opt;
   CLI::App* run = app.add_subcommand("run", "Launch PROGRAM as a group of training workers (like torchrun)");
   dtrain::tools::add_launch_options(*run, opt);
+  // torchrun's PET_* variables and spellings (tools/dtrain/torchrun_args.h).
+  std::vector<std::string> args(argv + 1, argv + argc);
+  std::vector<std::string> from_pet;
+  if (!args.empty() && args.front() == "run") {
+    auto rewritten = dtrain::tools::rewrite_torchrun_arguments({args.begin() + 1, args.end()});
+    args.resize(1);
+    args.insert(args.end(), rewritten.args.begin(), rewritten.args.end());
+    from_pet = std::move(rewritten.from_pet);
+  }
   try {
-    app.parse(argc, argv);
+    std::reverse(args.begin(), args.end());  // CLI11 takes them last first
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
+    if (!from_pet.empty()) {
+      std::string list;
+      for (const auto& v : from_pet) list += (list.empty() ? "" : " ") + v;
+      DTRAIN_LOG(kInfo) << "environment: torchrun's PET_* variables as option defaults: " << list;
+    }
     opt.program_and_args = run->remaining();
     return run_command(opt);
   } catch (const dtrain::Error& e) {

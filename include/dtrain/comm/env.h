@@ -15,6 +15,9 @@
 //                                  agent store outlives a round
 // and dtrain's own:
 //   DTRAIN_TIMEOUT_SECONDS   overrides the default timeout of blocking calls.
+// Without RANK and WORLD_SIZE, the contract comes from the job scheduler's or
+// MPI launcher's own variables: Slurm's, then Open MPI's, then MPICH/PMI's
+// (cluster_env.h). One log line per read says which was used.
 #pragma once
 
 #include <chrono>
@@ -24,6 +27,11 @@
 #include <string>
 
 namespace dtrain::dist {
+
+// Whose variables a contract was read from, in the order they are tried.
+enum class EnvSource { kTorchrun, kSlurm, kOpenMpi, kPmi };
+// "torchrun", "Slurm", "Open MPI", "MPICH/PMI".
+std::string to_string(EnvSource source);
 
 struct EnvContract {
   int rank = 0;
@@ -35,9 +43,11 @@ struct EnvContract {
   bool agent_store = false;  // TORCHELASTIC_USE_AGENT_STORE
   int restart_count = 0;     // TORCHELASTIC_RESTART_COUNT
   // Written by launchers, optional for readers:
-  int group_rank = 0;    // GROUP_RANK: the node's rank
-  int max_restarts = 0;  // TORCHELASTIC_MAX_RESTARTS
-  std::string run_id;    // TORCHELASTIC_RUN_ID
+  int group_rank = 0;                       // GROUP_RANK: the node's rank
+  int max_restarts = 0;                     // TORCHELASTIC_MAX_RESTARTS
+  std::string run_id;                       // TORCHELASTIC_RUN_ID; a cluster's job id
+  std::string role = "default";             // ROLE_NAME (torchrun's --role)
+  EnvSource source = EnvSource::kTorchrun;  // set by read_env_contract
 };
 
 // The variables a launcher sets for a worker with `contract` (torchrun's
@@ -51,15 +61,19 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 // The process environment.
 EnvLookup process_env();
 
-// Reads and validates the contract. Throws ConfigError naming the variable for
-// a missing or malformed value, RANK >= WORLD_SIZE, LOCAL_RANK >=
-// LOCAL_WORLD_SIZE, or a port outside 1..65535.
+// Reads and validates the contract: torchrun's when RANK or WORLD_SIZE is set,
+// else the first cluster launcher's (cluster_env.h); logs one line naming the
+// source. Throws ConfigError naming the variable for a missing or malformed
+// value (also when no launcher's variables are set at all), RANK >=
+// WORLD_SIZE, LOCAL_RANK >= LOCAL_WORLD_SIZE, or a port outside 1..65535.
 EnvContract read_env_contract(const EnvLookup& env = process_env());
 
 // Checks an explicitly built contract the same way read_env_contract does.
 void validate(const EnvContract& contract);
 
-// True when RANK and WORLD_SIZE are both set (a launcher started us).
+// True when a launcher started us: RANK and WORLD_SIZE are both set, or a
+// cluster launcher's rank variable is (SLURM_PROCID under srun,
+// OMPI_COMM_WORLD_RANK, PMI_RANK).
 bool launched_by_launcher(const EnvLookup& env = process_env());
 
 // Default timeout of blocking calls: DTRAIN_TIMEOUT_SECONDS (fractions

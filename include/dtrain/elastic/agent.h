@@ -40,6 +40,7 @@ struct AgentOptions {
   std::chrono::milliseconds monitor_interval{100};
   std::chrono::milliseconds stop_grace{5000};  // between the forwarded signal and SIGKILL
   std::string run_id = "none";
+  std::string role = "default";  // ROLE_NAME (torchrun's --role)
   std::string master_addr = "127.0.0.1";
   std::map<std::string, std::string> extra_env;  // e.g. CUDA_VISIBLE_DEVICES from --devices
   int master_port = 0;                           // 0: a free port each round

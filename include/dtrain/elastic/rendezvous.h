@@ -131,9 +131,13 @@ class StoreRendezvous : public Rendezvous {
 // Connects to the rendezvous store at host:port, hosting it when host names
 // this machine and the port is free (otherwise a client, as torch's c10d
 // rendezvous does). Throws TimeoutError naming the endpoint when it cannot be
-// reached within `timeout`. Implemented in libdtrain (it needs c10d).
+// reached within `timeout`. With a `secret`, every connection to the store
+// proves it knows the secret first (Note [Rendezvous authentication] in
+// src/elastic/rdzv_auth.cpp); ConfigError when this node's secret, or its
+// lack of one, does not match the host's. Implemented in libdtrain (it needs c10d).
 std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string& host, int port,
-                                                              std::chrono::milliseconds timeout);
+                                                              std::chrono::milliseconds timeout,
+                                                              const std::string& secret = "");
 
 // An in-memory store for tests (shared by "nodes" that are threads). In libdtrain.
 std::shared_ptr<RendezvousStore> make_memory_rendezvous_store();

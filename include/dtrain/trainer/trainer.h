@@ -1,0 +1,133 @@
+// dtrain::Trainer: the training loop that ties a strategy, a data loader, AMP,
+// accumulation, clipping, evaluation, checkpoints, progress and metrics
+// together.
+//
+//   auto strategy = std::make_shared<dtrain::DdpStrategy<Net>>(net, group, device, device);
+//   torch::optim::AdamW opt(net->parameters(), 1e-3);
+//   dtrain::Trainer trainer(strategy, opt, train_set, {.epochs = 2, .batch_size = 64,
+//                                                      .amp_dtype = at::kBFloat16, .accumulate = 2,
+//                                                      .clip_norm = 1.0, .checkpoint_dir = "ckpt"});
+//   trainer.set_eval_dataset(test_set);
+//   const auto summary = trainer.fit();
+//
+// One optimizer step takes `accumulate` micro-batches of batch_size examples
+// per data-parallel rank (the first accumulate-1 under the strategy's
+// no_sync), each loss divided by accumulate; under amp_dtype the forward and
+// loss run in Autocast and a GradScaler scales the loss (on by default for
+// fp16 only); gradients are unscaled, clipped by global norm over the
+// strategy's GradientSet, and the optimizer steps (unless the scaler skips),
+// then the schedule. Checkpoints hold the model and optimizer (through the
+// strategy), the scaler, the schedule, the sampler position and every rank's
+// generators, so a resumed run equals an uninterrupted one bit for bit.
+//
+// Every piece is public and usable from a hand-written loop: Autocast,
+// GradScaler, accumulate_gradients, clip_grad_norm_, Checkpointer, the
+// schedules, MetricsLogger and Tracer. See docs/trainer.md.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "dtrain/data/dataset.h"
+#include "dtrain/trainer/lr_schedule.h"
+#include "dtrain/trainer/strategy.h"
+
+namespace dtrain {
+
+struct TrainerOptions {
+  int epochs = 1;
+  std::int64_t max_steps = 0;    // stop after this many optimizer steps (0: run all epochs)
+  std::int64_t batch_size = 64;  // examples per micro-batch per data-parallel rank
+  int accumulate = 1;            // micro-batches per optimizer step
+  std::uint64_t seed = 0;        // the sampler's shuffling (seed + epoch)
+  int num_workers = 0;           // loader threads per rank
+  std::int64_t train_limit = 0;  // train on the first N examples only (0: all)
+
+  std::optional<c10::ScalarType> amp_dtype;  // at::kBFloat16 / at::kHalf: autocast the forward
+  std::optional<bool> grad_scaler;           // default: on for fp16 only
+  double clip_norm = 0;                      // > 0: clip gradients to this global norm
+
+  std::int64_t eval_every = 0;  // steps between evaluations (0: at the end of each epoch)
+  std::int64_t eval_batch_size = 1000;
+
+  std::filesystem::path checkpoint_dir;  // "" = no checkpoints
+  std::int64_t checkpoint_every = 0;     // steps between checkpoints (0: at the end of each epoch)
+  int keep_checkpoints = 2;
+
+  bool progress = true;         // the bar / progress lines on rank 0 (stderr)
+  std::int64_t log_every = 20;  // steps between progress updates and metric records
+
+  // Observability, off by default.
+  std::filesystem::path metrics_jsonl;    // JSON lines, rank 0
+  std::filesystem::path tensorboard_dir;  // TensorBoard event file, rank 0
+  std::filesystem::path trace_file;       // Chrome trace, one per rank (trace.rank<R>.json)
+};
+
+struct EvalResult {
+  double loss = 0;
+  double accuracy = 0;  // argmax over the last dimension == target
+  std::int64_t examples = 0;
+};
+
+// What on_eval callbacks receive.
+struct EvalReport {
+  std::int64_t epoch = 0;  // 0-based
+  std::int64_t step = 0;   // optimizer steps taken
+  double train_loss = 0;   // this rank's mean step loss since the previous evaluation
+  EvalResult eval;
+};
+
+struct TrainSummary {
+  std::int64_t steps = 0;          // optimizer steps in total (including before a resume)
+  std::int64_t skipped_steps = 0;  // skipped by the GradScaler in this run
+  std::optional<EvalResult> last_eval;
+  double train_seconds = 0;   // this run's, excluding evaluation
+  std::int64_t examples = 0;  // trained in this run, all ranks together
+  double last_loss = 0;
+};
+
+class Trainer {
+ public:
+  using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+  using Dataset = data::Dataset<data::TensorExample>;
+
+  // The optimizer must be over strategy->module()'s parameters. Default loss: cross-entropy.
+  Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& optimizer,
+          std::shared_ptr<const Dataset> train_set, TrainerOptions options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  void set_loss(LossFn loss);
+  void set_schedule(std::shared_ptr<ScheduledLR> schedule);
+  // Evaluated every eval_every steps and at the end; every rank takes an equal share.
+  void set_eval_dataset(std::shared_ptr<const Dataset> eval_set);
+  // Called on every rank after each evaluation (e.g. to print it on rank 0).
+  void on_eval(std::function<void(const EvalReport&)> callback);
+
+  // Resumes from the newest checkpoint when there is one, then trains.
+  // Errors are logged with this rank and step, written to the launcher's
+  // error file, and rethrown.
+  TrainSummary fit();
+  // Loss and accuracy over the eval dataset, combined over the strategy's group.
+  EvalResult evaluate();
+
+  Strategy& strategy() { return *strategy_; }
+
+ private:
+  TrainSummary run();
+  struct State;
+  struct Run;
+  std::unique_ptr<State> state_;
+  std::shared_ptr<Strategy> strategy_;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,84 @@
+// Private: the rendezvous' shared-secret authentication (Note [Rendezvous
+// authentication] in rdzv_auth.cpp). A gate in front of the hosted TCPStore
+// lets through only connections that prove they know the secret; a tunnel on
+// each other node carries its store client's connections through that proof.
+// In dtrain_base (no LibTorch): plain sockets and threads.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dtrain::elastic::auth {
+
+// The secret from `file` (--rdzv-secret-file) when given, else the variable
+// DTRAIN_RDZV_SECRET, else "" (no authentication). Trailing white space of
+// a file is dropped. ConfigError when the file cannot be read or the secret
+// is shorter than 16 bytes.
+std::string read_secret(const std::string& file);
+
+// Host side: accepts on `public_fd` (taken over), checks each connection's
+// proof, and relays the good ones to 127.0.0.1:`inner_port`; refused ones are
+// logged with their address and closed before a byte reaches the store.
+class Gate {
+ public:
+  Gate(int public_fd, int inner_port, std::string secret);
+  ~Gate();
+  Gate(const Gate&) = delete;
+  Gate& operator=(const Gate&) = delete;
+  int refused() const { return refused_.load(); }
+
+ private:
+  void accept_loop();
+  void serve(int fd, std::string peer);
+  int public_fd_;
+  int inner_port_;
+  std::string secret_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> refused_{0};
+  std::mutex mutex_;
+  std::vector<std::thread> threads_;
+  std::vector<int> open_fds_;
+  std::thread acceptor_;
+};
+
+// Client side: listens on 127.0.0.1:port(); each connection made there is
+// relayed to host:port after the handshake. `check()` makes one handshake
+// first so that a wrong secret, a missing one, or a host without one is
+// reported as such (ConfigError) rather than as a store that does not answer.
+class Tunnel {
+ public:
+  Tunnel(std::string host, int port, std::string secret, std::chrono::milliseconds timeout);
+  ~Tunnel();
+  Tunnel(const Tunnel&) = delete;
+  Tunnel& operator=(const Tunnel&) = delete;
+  int port() const { return local_port_; }
+  void check();
+
+ private:
+  void accept_loop();
+  std::string host_;
+  int port_;
+  std::string secret_;
+  std::chrono::milliseconds timeout_;
+  int listen_fd_ = -1;
+  int local_port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::mutex mutex_;
+  std::vector<std::thread> threads_;
+  std::vector<int> open_fds_;
+  std::thread acceptor_;
+};
+
+namespace detail {
+// The handshake on a connected socket; throw ConfigError naming `where` on refusal.
+void client_handshake(int fd, const std::string& secret, const std::string& where);
+// True when the peer proved it knows the secret (then it is told so).
+bool server_handshake(int fd, const std::string& secret);
+}  // namespace detail
+
+}  // namespace dtrain::elastic::auth

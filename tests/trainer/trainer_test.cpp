@@ -1,0 +1,274 @@
+// The Trainer loop:
+//   - a run stopped at step 7 and resumed from its step-6 checkpoint (fresh
+//     weights, other seeds) ends bit-identical to an uninterrupted one, with
+//     dropout, bf16 autocast, a GradScaler, accumulation, clipping and a
+//     warm-up/cosine schedule all in play;
+//   - DDP over 2 rank threads with accumulation and clipping equals one
+//     process on the union of the ranks' micro-batches (fp32, rtol 1e-5);
+//   - the trace files of that run: per step, data wait < forward < backward <
+//     optimizer inside the step span, and every communication bucket inside a
+//     backward span of its step;
+//   - an error names the step it happened at;
+//   - metrics: TensorBoard's own event reader (the venv's tensorboard) finds
+//     the scalars of the JSON lines, with the same steps and values.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/error.h"
+#include "dtrain/trainer/trainer.h"
+#include "ranks.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(double dropout) : p(dropout) {
+    a = register_module("a", torch::nn::Linear(12, 32));
+    b = register_module("b", torch::nn::Linear(32, 5));
+  }
+  at::Tensor forward(const at::Tensor& x) { return b(at::dropout(at::relu(a(x)), p, is_training())); }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  double p;
+};
+TORCH_MODULE(Net);
+
+// Fixed random examples: 12 features, 5 classes.
+class Blobs : public dtrain::data::Dataset<dtrain::data::TensorExample> {
+ public:
+  explicit Blobs(std::int64_t n) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
+    x_ = at::randn({n, 12}, gen);
+    y_ = at::randint(0, 5, {n}, gen);
+  }
+  std::int64_t size() const override { return x_.size(0); }
+  dtrain::data::TensorExample get(std::int64_t i) const override { return {x_[i], y_[i]}; }
+
+ private:
+  at::Tensor x_, y_;
+};
+
+fs::path temp_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("dtrain-trainer-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  return dir;
+}
+
+at::Tensor flat(torch::nn::Module& m) {
+  std::vector<at::Tensor> parts;
+  for (const auto& p : m.parameters()) parts.push_back(p.detach().reshape(-1));
+  return at::cat(parts);
+}
+
+// A training run of `max_steps` from a model made after seeding `seed`.
+at::Tensor train_single(std::uint64_t seed, dtrain::TrainerOptions options) {
+  torch::manual_seed(seed);
+  Net net(0.2);
+  torch::optim::Adam opt(net->parameters(), 1e-2);
+  auto strategy = std::make_shared<dtrain::SingleDeviceStrategy<Net>>(net, c10::kCPU);
+  dtrain::Trainer trainer(strategy, opt, std::make_shared<Blobs>(200), options);
+  trainer.set_schedule(std::make_shared<dtrain::WarmupCosineLR>(
+      opt, dtrain::WarmupCosineOptions{.warmup_steps = 3, .total_steps = 12, .start_factor = 0.1}));
+  trainer.set_eval_dataset(std::make_shared<Blobs>(50));
+  trainer.fit();
+  return flat(*net);
+}
+}  // namespace
+
+TEST(Trainer, ResumeEqualsUninterruptedBitForBit) {
+  const auto dir = temp_dir("resume");
+  const dtrain::TrainerOptions base{.epochs = 3,
+                                    .max_steps = 10,
+                                    .batch_size = 8,
+                                    .accumulate = 2,
+                                    .seed = 3,
+                                    .amp_dtype = at::kBFloat16,
+                                    .grad_scaler = true,
+                                    .clip_norm = 0.5,
+                                    .eval_every = 4,
+                                    .progress = false};
+  const at::Tensor reference = train_single(1, base);
+
+  auto interrupted = base;
+  interrupted.max_steps = 7;  // 12 steps per epoch: stops mid-epoch
+  interrupted.checkpoint_dir = dir;
+  interrupted.checkpoint_every = 3;
+  train_single(1, interrupted);
+  auto resumed = base;
+  resumed.checkpoint_dir = dir;
+  resumed.checkpoint_every = 3;
+  const at::Tensor got = train_single(99, resumed);  // other weights and generator: all from step 6
+  EXPECT_TRUE(at::equal(got, reference)) << (got - reference).abs().max();
+  fs::remove_all(dir);
+}
+
+TEST(Trainer, DdpEqualsOneProcessOnTheUnionAndTracesNest) {
+  const auto dir = temp_dir("ddp");
+  const dtrain::TrainerOptions options{
+      .epochs = 1, .max_steps = 4, .batch_size = 6, .accumulate = 2, .seed = 5, .clip_norm = 0.3, .progress = false};
+  // Rank threads share the default generator: every model copies one initialisation.
+  torch::manual_seed(7);
+  Net init(0.0);
+  auto copy_init = [&](Net& net) {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < net->parameters().size(); ++i) net->parameters()[i].copy_(init->parameters()[i]);
+  };
+  // One process: micro-batches twice as large (the union of both ranks').
+  Net single(0.0);
+  copy_init(single);
+  {
+    torch::optim::SGD opt(single->parameters(), 0.1);
+    auto o = options;
+    o.batch_size *= 2;
+    dtrain::Trainer(std::make_shared<dtrain::SingleDeviceStrategy<Net>>(single, c10::kCPU), opt,
+                    std::make_shared<Blobs>(96), o)
+        .fit();
+  }
+  const at::Tensor expected = flat(*single);
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(30)});
+    Net net(0.0);
+    copy_init(net);
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    auto o = options;
+    o.trace_file = dir / "trace.json";
+    // Small buckets: several per backward.
+    auto strategy = std::make_shared<dtrain::DdpStrategy<Net>>(
+        net, group, c10::kCPU, c10::kCPU, dtrain::DDPOptions{.bucket_cap_mb = 0.0005, .first_bucket_cap_mb = 0.0005});
+    dtrain::Trainer(strategy, opt, std::make_shared<Blobs>(96), o).fit();
+    EXPECT_TRUE(at::allclose(flat(*net), expected, 1e-5, 1e-6)) << "rank " << rank;
+  });
+
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream in(dir / ("trace.rank" + std::to_string(rank) + ".json"));
+    ASSERT_TRUE(in) << "no trace for rank " << rank;
+    const auto events = nlohmann::json::parse(in)["traceEvents"];
+    std::map<std::int64_t, std::vector<nlohmann::json>> train, comm;
+    for (const auto& e : events) {
+      if (e["ph"] != "X") continue;
+      EXPECT_EQ(e["pid"], rank);
+      (e["tid"] == 0 ? train : comm)[e["args"]["step"].get<std::int64_t>()].push_back(e);
+    }
+    ASSERT_EQ(train.size(), 4u);
+    std::size_t max_buckets = 0;  // the first backward has one bucket; later ones, rebuilt in order, several
+    for (auto& [step, spans] : train) {
+      // By start, the enclosing (longer) span first.
+      std::sort(spans.begin(), spans.end(), [](const auto& x, const auto& y) {
+        return std::make_pair(x["ts"].template get<std::int64_t>(), -x["dur"].template get<std::int64_t>()) <
+               std::make_pair(y["ts"].template get<std::int64_t>(), -y["dur"].template get<std::int64_t>());
+      });
+      const auto& outer = spans.front();
+      ASSERT_EQ(outer["name"], "step") << spans.size();
+      const auto end_of = [](const nlohmann::json& e) {
+        return e["ts"].get<std::int64_t>() + e["dur"].get<std::int64_t>();
+      };
+      std::vector<std::string> names;
+      std::int64_t previous_end = outer["ts"];
+      std::vector<std::pair<std::int64_t, std::int64_t>> backwards;
+      for (size_t i = 1; i < spans.size(); ++i) {
+        names.push_back(spans[i]["name"]);
+        EXPECT_GE(spans[i]["ts"].get<std::int64_t>(), previous_end) << spans[i];  // in order, not overlapping
+        previous_end = end_of(spans[i]);
+        EXPECT_LE(previous_end, end_of(outer));
+        if (spans[i]["name"] == "backward") backwards.emplace_back(spans[i]["ts"], end_of(spans[i]));
+      }
+      EXPECT_EQ(names, (std::vector<std::string>{"data wait", "forward", "backward", "data wait", "forward", "backward",
+                                                 "optimizer"}))
+          << "step " << step;
+      // Buckets: only in the synchronising (second) backward, inside it.
+      ASSERT_GE(comm[step].size(), 1u) << "step " << step;
+      max_buckets = std::max(max_buckets, comm[step].size());
+      for (const auto& bucket : comm[step]) {
+        EXPECT_EQ(bucket["cat"], "comm");
+        EXPECT_GE(bucket["ts"].get<std::int64_t>(), backwards.at(1).first) << bucket;
+        EXPECT_LE(end_of(bucket), backwards.at(1).second) << bucket;
+      }
+    }
+    EXPECT_GE(max_buckets, 2u);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Trainer, TensorBoardReadsTheMetrics) {
+  const auto dir = temp_dir("metrics");
+  train_single(2, {.epochs = 1,
+                   .max_steps = 9,
+                   .batch_size = 8,
+                   .clip_norm = 1.0,
+                   .eval_every = 5,
+                   .progress = false,
+                   .log_every = 2,
+                   .metrics_jsonl = dir / "metrics.jsonl",
+                   .tensorboard_dir = dir / "tb"});
+  // JSON lines: {"step": s, "train/loss": ..., ...}.
+  std::map<std::string, std::map<std::int64_t, double>> expected;
+  std::ifstream lines(dir / "metrics.jsonl");
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    for (const auto& [key, value] : j.items()) {
+      if (key != "step") expected[key][j["step"].get<std::int64_t>()] = value.get<double>();
+    }
+  }
+  for (const char* tag : {"train/loss", "train/lr", "train/grad_norm", "train/examples_per_second",
+                          "train/data_wait_share", "eval/loss", "eval/accuracy"}) {
+    EXPECT_TRUE(expected.count(tag)) << tag;
+  }
+  EXPECT_EQ(expected["train/loss"].size(), 5u);     // steps 2, 4, 6, 8, 9
+  EXPECT_EQ(expected["eval/accuracy"].size(), 2u);  // steps 5, 9
+
+  const std::string script =
+      "import json, sys\n"
+      "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
+      "acc = EventAccumulator(sys.argv[1]); acc.Reload()\n"
+      "print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))\n";
+  std::ofstream(dir / "read.py") << script;
+  const std::string cmd = std::string(DTRAIN_PYTHON) + " " + (dir / "read.py").string() + " " + (dir / "tb").string();
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
+  ASSERT_EQ(::pclose(pipe), 0) << out;
+  const auto read = nlohmann::json::parse(out);
+  ASSERT_EQ(read.size(), expected.size()) << out;
+  for (const auto& [tag, values] : expected) {
+    ASSERT_TRUE(read.contains(tag)) << tag << ": " << out;
+    ASSERT_EQ(read[tag].size(), values.size()) << tag;
+    for (const auto& point : read[tag]) {
+      const auto step = point[0].get<std::int64_t>();
+      ASSERT_TRUE(values.count(step)) << tag << " step " << step;
+      EXPECT_FLOAT_EQ(point[1].get<float>(), static_cast<float>(values.at(step))) << tag << " step " << step;
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// An error in the loop is logged with the step it happened at and rethrown.
+TEST(Trainer, AnErrorNamesTheStep) {
+  torch::manual_seed(0);
+  Net net(0.0);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  dtrain::Trainer trainer(std::make_shared<dtrain::SingleDeviceStrategy<Net>>(net, c10::kCPU), opt,
+                          std::make_shared<Blobs>(64), {.batch_size = 8, .progress = false});
+  int calls = 0;
+  trainer.set_loss([&](const at::Tensor& output, const at::Tensor& target) {
+    DTRAIN_CHECK(++calls < 3, DataError, "a bad batch (simulated).", "none");
+    return torch::nn::functional::cross_entropy(output, target);
+  });
+  testing::internal::CaptureStderr();
+  EXPECT_THROW(trainer.fit(), dtrain::DataError);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("training failed at step 2: "), std::string::npos) << err;
+  EXPECT_NE(err.find("a bad batch (simulated)"), std::string::npos) << err;
+}
