@@ -1,7 +1,8 @@
 // Trains a character-level GPT (nanoGPT's shakespeare_char) on the complete
 // works of Shakespeare and prints a generated sample and the val loss.
 //
-//   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3] [--devices all]
+//   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
+//       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0] (pipeline_strategy.h)
 //       [--max-iters 2000] [--eval-interval 250] [--eval-iters 20] [--batch-size 12]
 //       [--block-size 64] [--n-layer 4] [--n-head 4] [--n-embd 128] [--dropout 0]
 //       [--lr 1e-3] [--min-lr 1e-4] [--warmup-iters 100] [--weight-decay 0.1]
@@ -42,6 +43,7 @@
 #include "dtrain/dtrain.h"
 #include "fused_adamw.h"
 #include "model.h"
+#include "pipeline_strategy.h"
 #include "zero_strategy.h"
 
 namespace {
@@ -70,8 +72,11 @@ struct Options {
   std::int64_t sample_tokens = 500;
   double temperature = 0.8;
   std::int64_t top_k = 200;
-  bool ddp_shared_memory = true;  // DDP's intra-host shared-memory all-reduce (else Gloo)
-  std::string save_params;        // write the final parameters here (raw float32, in order) for tests
+  bool ddp_shared_memory = true;     // DDP's intra-host shared-memory all-reduce (else Gloo)
+  std::string save_params;           // write the final parameters here (raw float32, in order) for tests
+  std::string pp_schedule = "1f1b";  // --strategy pipeline (pipeline_strategy.h)
+  int micro_batches = 4;
+  int pp_size = 0;
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -395,6 +400,25 @@ int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Hol
 }
 
 int run(Options opt) {
+  if (opt.strategy == "pipeline") {
+    const gpt::Corpus corpus = gpt::load_corpus(opt.data_dir, opt.model.block_size);
+    opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
+    return gpt::train_pipeline({.model = opt.model,
+                                .schedule = opt.pp_schedule,
+                                .micro_batches = opt.micro_batches,
+                                .pp_size = opt.pp_size,
+                                .batch_size = opt.batch_size,
+                                .max_iters = opt.max_iters,
+                                .eval_interval = opt.eval_interval,
+                                .eval_iters = opt.eval_iters,
+                                .seed = opt.seed,
+                                .grad_clip = opt.grad_clip,
+                                .save_params = opt.save_params,
+                                .checkpoint_dir = opt.checkpoint_dir,
+                                .learning_rate = [&](std::int64_t it) { return learning_rate(opt, it); },
+                                .make_optimizer = [&](const auto& params) { return make_optimizer(opt, params); }},
+                               corpus);
+  }
   Placement where = place(opt);
   at::set_num_threads(distributed(opt.strategy) ? 1 : at::get_num_threads());
   torch::manual_seed(opt.seed + static_cast<std::uint64_t>(where.rank));  // dropout masks
@@ -455,7 +479,16 @@ int main(int argc, char** argv) {
   Options opt;
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // scripts add defaults, users override
   app.add_option("--strategy", opt.strategy, "Parallelism strategy")
-      ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3"}))
+      ->check(CLI::IsMember(
+          {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
+      ->capture_default_str();
+  app.add_option("--pp-schedule", opt.pp_schedule, "Pipeline schedule (--strategy pipeline)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb"}))
+      ->capture_default_str();
+  app.add_option("--micro-batches", opt.micro_batches, "Pipeline micro-batches per step")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app.add_option("--pp-size", opt.pp_size, "Ranks per pipeline (0: all; the rest replicate it, DP x PP)")
       ->capture_default_str();
   app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
       ->capture_default_str();

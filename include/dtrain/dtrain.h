@@ -6,6 +6,7 @@
 #include "dtrain/comm/cluster_env.h"  // issue 15: Slurm, Open MPI, PMI
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"
+#include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/data/dataset.h"
@@ -25,6 +26,7 @@
 #include "dtrain/parallel/model_parallel/placement.h"
 #include "dtrain/parallel/zero/sharded_checkpoint.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
+#include "dtrain/parallel/pipeline/pipeline.h"
 #include "dtrain/trainer/accumulate.h"
 #include "dtrain/trainer/checkpoint.h"
 #include "dtrain/trainer/clip.h"

@@ -1,0 +1,103 @@
+"""The Python peer of bench/pipeline --mode gpt: the same GPT (bench/gpt/peer.py's
+model, examples/gpt's layer list and initialisation), cut into the same stages
+(--split: the stage of each layer), trained with torch.distributed.pipelining's
+schedule of the same name and micro-batches, SGD, one intra-op thread.
+
+    torchrun --nproc-per-node 2 peer.py --schedule 1f1b --micro-batches 4 --split 0,0,0,1,1,1
+    peer.py --schedule none     (one process, the unpipelined model)
+
+Prints {"impl":"torch.distributed.pipelining","step_ms":...} from the last stage's rank.
+Differences: the head's output projection is not synchronised with the first
+stage's embedding here (dtrain sums the tied gradients, one extra exchange)."""
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpt"))
+import peer as gpt  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--split", default="")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = argparse.Namespace(block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)
+    model = gpt.Gpt(gpt.Config(cfg, 65))
+    gpt.init_weights(model, 4, 1337)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(65, (a.batch, 64), generator=gen)
+    y = torch.randint(65, (a.batch, 64), generator=gen)
+    times = []
+    if a.schedule == "none":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(a.warmup + a.steps):
+            start = time.perf_counter()
+            opt.zero_grad()
+            gpt.lm_loss(model(x), y).backward()
+            opt.step()
+            if step >= a.warmup:
+                times.append(time.perf_counter() - start)
+        last = True
+    else:
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+        dist.init_process_group("gloo")
+        rank, p = dist.get_rank(), dist.get_world_size()
+        v = 2 if a.schedule == "interleaved" else 1
+        n = p * v
+        split = [int(s) for s in a.split.split(",")]
+        layers = list(model.layers.named_children())
+        stages = []
+        for s in range(rank, n, p):
+            sub = nn.Sequential(collections.OrderedDict([(name, m) for (name, m), k in zip(layers, split) if k == s]))
+            stages.append(PipelineStage(sub, s, n, torch.device("cpu")))
+        params = [q for st in stages for q in st.submod.parameters()]
+        opt = torch.optim.SGD(params, lr=1e-3)
+        m = a.micro_batches
+        if a.schedule == "gpipe":
+            sched = ScheduleGPipe(stages[0], m, loss_fn=gpt.lm_loss)
+        elif a.schedule == "1f1b":
+            sched = Schedule1F1B(stages[0], m, loss_fn=gpt.lm_loss)
+        elif a.schedule == "interleaved":
+            sched = ScheduleInterleaved1F1B(stages, m, loss_fn=gpt.lm_loss)
+        else:
+            sched = ScheduleInterleavedZeroBubble(stages, m, loss_fn=gpt.lm_loss)
+        last = rank == (n - 1) % p
+        for step in range(a.warmup + a.steps):
+            dist.barrier()
+            start = time.perf_counter()
+            opt.zero_grad()
+            kwargs = {}
+            if last:
+                kwargs["target"] = y
+                kwargs["losses"] = []
+            if rank == 0:
+                sched.step(x, **kwargs)
+            else:
+                sched.step(**kwargs)
+            opt.step()
+            if step >= a.warmup:
+                times.append(time.perf_counter() - start)
+        dist.destroy_process_group()
+    if last:
+        mean = sum(times) / len(times) * 1000
+        print(json.dumps({"impl": "torch.distributed.pipelining", "schedule": a.schedule,
+                          "micro_batches": a.micro_batches, "batch": a.batch, "step_ms": round(mean, 2),
+                          "tokens_per_second": round(a.batch * 64 * 1000 / mean)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

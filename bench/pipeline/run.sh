@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Pipeline schedules (issue 14).
+# (a) The schedules isolated from the machine's cores: p = 4 rank threads whose
+#     stages sleep a calibrated time (F = I = W = DTRAIN_BENCH_UNIT_MS, default
+#     40), m = 4, 8, 12, 16: measured bubble beside its formula, and each
+#     rank's peak activations in flight.
+# (b) The GPT (4 layers, 4 heads, width 128, context 64, 16 sequences per step,
+#     SGD) on p = 2 processes, every schedule with 4 micro-batches, dtrain
+#     (`dtrain run`) and torch.distributed.pipelining (torchrun, gloo) back to
+#     back per schedule, same cut of the layers; and the unpipelined model in
+#     one process on both sides. One intra-op thread per process.
+# DTRAIN_BENCH_QUICK=1: fewer steps.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+steps=20
+sleep_steps=2
+if [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ]; then steps=5; sleep_steps=1; fi
+bin="$DTRAIN_BUILD/bench/bench_pipeline"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+export OMP_NUM_THREADS=1
+
+echo "# (a) calibrated-sleep stages"
+"$bin" --mode sleep --ranks 4 --unit-ms "${DTRAIN_BENCH_UNIT_MS:-40}" --steps "$sleep_steps"
+
+echo "# (b) GPT, p = 2, m = 4: step time (ms), dtrain vs torch.distributed.pipelining"
+split_for() { if [ "$1" = interleaved ]; then echo 0,0,1,2,3,3; else echo 0,0,0,1,1,1; fi; }
+"$bin" --mode gpt --schedule none --steps "$steps" | sed 's/"schedule":"none"/"case":"none","schedule":"none"/' >>"$tmp/dtrain.jsonl"
+"$DTRAIN_PYTHON" "$here/peer.py" --schedule none --steps "$steps" | sed 's/"schedule": "none"/"case": "none", "schedule": "none"/' >>"$tmp/peer.jsonl"
+for s in gpipe 1f1b interleaved zb; do
+  "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 "$bin" --mode gpt --schedule "$s" --micro-batches 4 \
+    --split "$(split_for "$s")" --steps "$steps" | grep '^{' | sed "s/^{/{\"case\":\"$s\",/" >>"$tmp/dtrain.jsonl"
+  "$DTRAIN_PYTHON" -m torch.distributed.run --nproc-per-node 2 --standalone "$here/peer.py" --schedule "$s" \
+    --micro-batches 4 --split "$(split_for "$s")" --steps "$steps" 2>/dev/null | grep '^{' |
+    sed "s/^{/{\"case\": \"$s\", /" >>"$tmp/peer.jsonl"
+done
+"$DTRAIN_PYTHON" - "$tmp/dtrain.jsonl" "$tmp/peer.jsonl" <<'PY'
+import json, sys
+ours = {r["case"]: r for r in map(json.loads, open(sys.argv[1]))}
+theirs = {r["case"]: r for r in map(json.loads, open(sys.argv[2]))}
+print(f"{'case':12}{'dtrain ms':>11}{'torch ms':>10}{'dtrain/unpipelined':>20}{'torch/unpipelined':>19}")
+for case in ours:
+    d, t = ours[case]["step_ms"], theirs.get(case, {}).get("step_ms", float("nan"))
+    print(f"{case:12}{d:11.1f}{t:10.1f}{ours['none']['step_ms'] / d:20.2f}x{theirs['none']['step_ms'] / t:18.2f}x")
+PY
+echo "# comparisons (ratio > 1: dtrain better)"
+"$DTRAIN_PYTHON" "$here/../common/compare.py" --bench pipeline --dtrain "$tmp/dtrain.jsonl" --peer "$tmp/peer.jsonl" \
+  --metric tokens_per_second:higher

@@ -1,0 +1,196 @@
+// --strategy pipeline of examples/gpt: the GPT's layers cut into stages over
+// the ranks (pipeline_stages.h), trained by a schedule (gpipe, 1f1b,
+// interleaved with 2 stages per rank, zb), on a data x pipeline mesh when the
+// world holds several pipelines (--pp-size; each replica trains its share of
+// the step's batch and averages gradients per stage over its data group).
+//
+// The step's global batch is batch x replicas sequences (as DDP's is batch x
+// world), so `--strategy pipeline` on any mesh ends where `single` does with
+// the same global batch. The loss lives on the last stage; eval losses are
+// combined over the world so that rank 0 prints them; --save-params writes
+// each stage's parameters of replica 0 to FILE.stage<s> (their concatenation
+// in stage order is single's file). Checkpoints: one per save for the whole
+// world, each rank's stages and optimizer its own part (per-rank parts of
+// dtrain::Checkpointer), committed atomically once every rank has written.
+//
+// For tests of restarts: DTRAIN_GPT_KILL_LAST_STAGE_AT=N makes the last
+// stage's process SIGKILL itself at step N of the launcher's first attempt.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "corpus.h"
+#include "dtrain/comm/env.h"
+#include "dtrain/comm/mesh.h"
+#include "dtrain/error.h"
+#include "dtrain/log.h"
+#include "dtrain/parallel/pipeline/pipeline.h"
+#include "dtrain/trainer/checkpoint.h"
+#include "model.h"
+#include "pipeline_stages.h"
+
+namespace gpt {
+
+struct PipelineRun {
+  GptConfig model;
+  std::string schedule = "1f1b";
+  int micro_batches = 4;
+  int pp_size = 0;  // ranks per pipeline; 0: the whole world
+  std::int64_t batch_size = 12, max_iters = 0, eval_interval = 250, eval_iters = 20;
+  std::uint64_t seed = 1337;
+  double grad_clip = 1.0;
+  std::string save_params, checkpoint_dir;
+  std::function<double(std::int64_t)> learning_rate;
+  std::function<std::unique_ptr<torch::optim::AdamW>(const std::vector<at::Tensor>&)> make_optimizer;
+};
+
+// A module holding a rank's stages (and a tied copy), for checkpoints.
+struct StagesHolderImpl : torch::nn::Module {
+  explicit StagesHolderImpl(const dtrain::pipeline::Pipeline& pipe) {
+    const auto stages = pipe.schedule().stages_of_rank(pipe.group().rank());
+    for (std::size_t k = 0; k < stages.size(); ++k) {
+      register_module("stage" + std::to_string(stages[k]), pipe.stages()[k].module);
+      for (const auto& tied : pipe.stages()[k].tied) {
+        if (!tied.owner) register_parameter("tied" + std::to_string(stages[k]), tied.parameter);
+      }
+    }
+  }
+};
+TORCH_MODULE(StagesHolder);
+
+inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
+  DTRAIN_CHECK(dtrain::dist::launched_by_launcher(), ConfigError,
+               "--strategy pipeline runs one process per stage, but RANK and WORLD_SIZE are not set.",
+               "start it through a launcher: dtrain run --nproc-per-node 2 gpt --strategy pipeline");
+  at::set_num_threads(1);
+  auto world = dtrain::dist::init_process_group();
+  const int pp = run.pp_size > 0 ? run.pp_size : world.size();
+  DTRAIN_CHECK(world.size() % pp == 0, ConfigError,
+               "--pp-size " << pp << " does not divide the world of " << world.size() << " ranks",
+               "run a multiple of --pp-size ranks");
+  dtrain::dist::DeviceMesh mesh(world, {.data = world.size() / pp, .pipeline = pp});
+  const auto kind = dtrain::pipeline::parse_schedule_kind(run.schedule);
+  const int v = kind == dtrain::pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1;
+  torch::nn::Sequential layers = gpt_layers(run.model);
+  init_weights(*layers, run.model.n_layer, run.seed);
+  const int replicas = mesh.shape().data, replica = mesh.data_index();
+  std::optional<dtrain::dist::ProcessGroup> data_group;
+  if (replicas > 1) data_group = mesh.data_group();
+  dtrain::pipeline::Pipeline pipe(
+      pipeline_stages(layers, pp, v, mesh.pipeline_index()), mesh.pipeline_group(),
+      {.schedule = kind, .micro_batches = run.micro_batches, .data_parallel_group = data_group}, lm_loss);
+  auto optimizer = run.make_optimizer(pipe.parameters());
+  const bool lead = world.rank() == 0;
+  const bool loss_here =
+      replica == 0 && pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == mesh.pipeline_index();
+  // Sum over the world of a value only one rank has.
+  auto from_loss_rank = [&](double value) {
+    at::Tensor t = at::full({1}, loss_here ? value : 0.0, at::kDouble);
+    world.all_reduce(t).wait();
+    return t.item<double>();
+  };
+
+  // One checkpoint for the whole world: every rank writes its stages and its
+  // optimizer as its own part, and the checkpoint is committed once all have
+  // (Note [Checkpoint commit] in src/trainer/checkpoint.cpp), so the stages
+  // always resume from the same step.
+  StagesHolder holder(pipe);
+  std::optional<dtrain::Checkpointer> checkpoints;
+  std::int64_t start = 0;
+  if (!run.checkpoint_dir.empty()) {
+    checkpoints.emplace(dtrain::CheckpointOptions{.dir = run.checkpoint_dir}, world);
+    checkpoints->add_state("stages", dtrain::module_state(*holder), dtrain::StateScope::kPerRank);
+    checkpoints->add_state("stage_optimizer", dtrain::optimizer_state(*optimizer), dtrain::StateScope::kPerRank);
+    if (auto resumed = checkpoints->load_latest()) start = resumed->step;
+    if (start > 0) {
+      DTRAIN_LOG(kInfo) << "resumed at step " << start;
+    }
+  }
+
+  const std::int64_t global = run.batch_size * replicas;
+  auto evaluate = [&](std::int64_t step, double train_loss) {
+    double sum = 0;
+    for (std::int64_t k = 0; k < run.eval_iters; ++k) {
+      const auto b = make_batch(*corpus.val, draw_windows(corpus.val->size(), global, val_batch_seed(run.seed, k)));
+      const at::Tensor logits = pipe.forward(b.data);
+      if (logits.defined()) sum += lm_loss(logits, b.target).item<double>();
+    }
+    const double val = from_loss_rank(sum) / double(run.eval_iters);
+    if (lead)
+      std::cout
+          << nlohmann::json{{"event", "eval"}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val}}.dump()
+          << std::endl;
+    return val;
+  };
+  const char* kill_at = std::getenv("DTRAIN_GPT_KILL_LAST_STAGE_AT");
+  const bool may_kill = kill_at != nullptr && dtrain::dist::read_env_contract().restart_count == 0 &&
+                        pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == mesh.pipeline_index();
+  double val_loss = NAN, loss_sum = 0, seconds = 0;
+  std::int64_t loss_count = 0, trained = 0;
+  for (std::int64_t step = start; step < run.max_iters; ++step) {
+    if (step % run.eval_interval == 0) {
+      val_loss = evaluate(step, loss_count ? from_loss_rank(loss_sum) / double(loss_count) : NAN);
+      loss_sum = 0;
+      loss_count = 0;
+    }
+    if (may_kill && step == std::atoll(kill_at)) std::raise(SIGKILL);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& group : optimizer->param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(run.learning_rate(step));
+    const at::Tensor offsets = draw_windows(corpus.train->size(), global, train_batch_seed(run.seed, step));
+    const auto b =
+        make_batch(*corpus.train, offsets.slice(0, replica * run.batch_size, (replica + 1) * run.batch_size));
+    const at::Tensor loss = pipe.step(b.data, b.target);
+    if (run.grad_clip > 0) pipe.clip_grad_norm_(run.grad_clip);
+    optimizer->step();
+    optimizer->zero_grad();
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++trained;
+    if (loss.defined()) loss_sum += loss.item<double>();
+    ++loss_count;
+    if (checkpoints && (step + 1) % run.eval_interval == 0) checkpoints->save({.step = step + 1, .sampler = {}});
+  }
+  val_loss = evaluate(run.max_iters, loss_count ? from_loss_rank(loss_sum) / double(loss_count) : NAN);
+  if (checkpoints && run.max_iters % run.eval_interval != 0) checkpoints->save({.step = run.max_iters, .sampler = {}});
+  if (!run.save_params.empty() && replica == 0) {
+    const auto stages = pipe.schedule().stages_of_rank(mesh.pipeline_index());
+    for (std::size_t k = 0; k < stages.size(); ++k) {
+      std::ofstream out(run.save_params + ".stage" + std::to_string(stages[k]), std::ios::binary);
+      for (const auto& p : pipe.stages()[k].module->parameters()) {
+        const at::Tensor t = p.detach().to(at::kCPU, at::kFloat).contiguous();
+        out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+      }
+    }
+  }
+  world.barrier();
+  if (lead) {
+    std::cout << nlohmann::json{{"event", "done"},
+                                {"strategy", "pipeline"},
+                                {"schedule", run.schedule},
+                                {"mesh", mesh.describe()},
+                                {"world_size", world.size()},
+                                {"steps", run.max_iters},
+                                {"val_loss", val_loss},
+                                {"tokens_per_second",
+                                 trained ? double(global * run.model.block_size * trained) / seconds : 0.0}}
+                     .dump()
+              << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace gpt

@@ -1,0 +1,560 @@
+// The pipeline executor: runs this rank's action list of a schedule over its
+// stages (see include/dtrain/parallel/pipeline/pipeline.h).
+//
+// Per (stage, micro-batch) it keeps the stage's input (a leaf requiring grad,
+// so backward yields its gradient), its output (the scaled loss on the last
+// stage) and the gradients flowing through. Backward is split the way
+// torch.distributed.pipelining splits it: I = torch::autograd::grad of the
+// output w.r.t. the input, keeping the graph, while hooks capture the
+// gradients W needs; W = the weight side only, from those (Note [Weight
+// backward from captured gradients] in split_backward.h).
+#include "dtrain/parallel/pipeline/pipeline.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <tuple>
+
+#include "dtrain/amp/grad_scaler.h"
+#include "dtrain/error.h"
+#include "dtrain/log.h"
+#include "split_backward.h"
+
+namespace dtrain::pipeline {
+
+namespace {
+
+// Shape and dtype of a tensor as exchanged on the wire: [ndim, dtype, dims...].
+constexpr int kMaxDims = 8;
+constexpr int kMetaLength = 2 + kMaxDims;
+
+std::vector<std::int64_t> meta_of(const at::Tensor& t) {
+  DTRAIN_CHECK(t.dim() <= kMaxDims, ConfigError,
+               "pipeline activations have at most " << kMaxDims << " dimensions, got " << t.sizes(),
+               "reshape the activation between stages");
+  std::vector<std::int64_t> meta(kMetaLength, 0);
+  meta[0] = t.dim();
+  meta[1] = static_cast<std::int64_t>(t.scalar_type());
+  for (int d = 0; d < t.dim(); ++d) meta[2 + d] = t.size(d);
+  return meta;
+}
+
+std::string describe(const std::vector<std::int64_t>& meta) {
+  std::ostringstream out;
+  out << c10::toString(static_cast<c10::ScalarType>(meta[1])) << "[";
+  for (int d = 0; d < meta[0]; ++d) out << (d ? ", " : "") << meta[2 + d];
+  out << "]";
+  return out.str();
+}
+
+at::Tensor empty_of(const std::vector<std::int64_t>& meta, c10::Device device) {
+  std::vector<std::int64_t> sizes(meta.begin() + 2, meta.begin() + 2 + meta[0]);
+  return at::empty(sizes, at::TensorOptions(static_cast<c10::ScalarType>(meta[1])).device(device));
+}
+
+at::Tensor meta_tensor(const std::vector<std::int64_t>& meta) {
+  return at::tensor(meta, at::kLong);
+}
+
+std::vector<std::int64_t> meta_from(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return {c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel()};
+}
+
+}  // namespace
+
+struct Pipeline::Impl {
+  struct Micro {
+    at::Tensor input, output, grad_output, grad_input;
+    std::shared_ptr<detail::SplitBackward> split;  // between I and W
+  };
+  enum Tag { kActivation = 0, kGradient = 1, kMeta = 2 };
+  explicit Impl(dist::ProcessGroup g) : group(std::move(g)) {}
+
+  std::vector<PipelineStage> stages;
+  dist::ProcessGroup group;
+  PipelineOptions options;
+  LossFn loss_fn;
+  Schedule schedule, eval_schedule;
+  int p = 1, n = 1, m = 1, rank = 0;
+  std::map<int, std::size_t> local;  // stage -> index in stages
+  std::vector<std::vector<at::Tensor>> stage_params;
+  // Agreed on the first training step: each received stage input's and each
+  // sent stage output's meta, and the micro-batch input's.
+  std::map<int, std::vector<std::int64_t>> input_meta, output_meta;
+  std::optional<std::vector<std::int64_t>> batch_meta;
+  std::vector<std::vector<Micro>> state;  // [local stage][micro]
+  std::vector<std::pair<dist::Work, at::Tensor>> sends;
+  // Receives posted ahead of their action (see Note [Receives posted ahead]).
+  std::map<std::tuple<int, int, int>, std::pair<dist::Work, at::Tensor>> posted;
+  std::vector<at::Tensor> micro_inputs, micro_targets, eval_outputs;
+  at::Tensor loss_sum;
+  amp::GradScaler* scaler = nullptr;
+  bool training = true, exchange_meta = true;
+  int in_flight = 0, peak = 0;
+  std::vector<TracedAction> trace;
+
+  int tag(Tag kind, int stage, int micro) const { return 1 + (int(kind) * n + stage) * m + micro; }
+  bool remote(int stage) const { return schedule.rank_of_stage(stage) != rank; }
+  Micro& at(int stage, int micro) { return state[local.at(stage)][micro]; }
+
+  void run(const std::vector<Action>& actions);
+  void forward(const Action& a);
+  void backward(const Action& a);
+  at::Tensor grad_of_output(int stage, int micro);
+  void send(const Action& a);
+  void recv(const Action& a);
+  void post_ahead(const std::vector<Action>& actions, std::size_t from);
+  void check_batch(const at::Tensor& micro_input);
+  void finish_gradients();
+  void split_batch(const at::Tensor& input, const at::Tensor& target);
+  std::vector<at::Tensor> parameters() const;
+};
+
+Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, PipelineOptions options, LossFn loss_fn)
+    : impl_(std::make_unique<Impl>(group)) {
+  Impl& s = *impl_;
+  s.p = group.size();
+  s.rank = group.rank();
+  s.m = options.micro_batches;
+  const int v = static_cast<int>(stages.size());
+  DTRAIN_CHECK(v >= 1, ConfigError, "pipeline rank " << s.rank << " got no stages",
+               "give every rank of the pipeline group its stages (schedule.stages_of_rank)");
+  // Every rank must run the same schedule: compare (kind, v, m) once.
+  const at::Tensor mine = at::tensor({std::int64_t(options.schedule), std::int64_t(v), std::int64_t(s.m)}, at::kLong);
+  for (const at::Tensor& other : group.all_gather(mine)) {
+    DTRAIN_CHECK(at::equal(other, mine), ConfigError,
+                 "pipeline ranks disagree on (schedule, stages per rank, micro-batches): this rank has "
+                     << mine << ", another " << other,
+                 "build every rank's Pipeline with the same options and the same number of stages");
+  }
+  s.schedule = make_schedule({.kind = options.schedule, .ranks = s.p, .stages_per_rank = v, .micro_batches = s.m});
+  s.n = s.schedule.stage_count();
+  // Evaluation: GPipe's order of the same placement, forwards only.
+  Schedule gpipe =
+      add_communication({.kind = ScheduleKind::kGPipe, .ranks = s.p, .stages_per_rank = v, .micro_batches = s.m}, [&] {
+        std::vector<std::vector<Action>> compute(s.p);
+        for (int r = 0; r < s.p; ++r) {
+          for (int st = r; st < s.n; st += s.p) {
+            for (int i = 0; i < s.m; ++i) compute[r].push_back({ActionKind::kForward, st, i});
+          }
+        }
+        return compute;
+      }());
+  s.eval_schedule = gpipe;
+  const std::vector<int> mine_stages = s.schedule.stages_of_rank(s.rank);
+  for (std::size_t k = 0; k < mine_stages.size(); ++k) s.local[mine_stages[k]] = k;
+  for (const PipelineStage& stage : stages) {
+    std::vector<at::Tensor> params;
+    for (const at::Tensor& param : stage.module->parameters()) {
+      if (param.requires_grad()) params.push_back(param);
+    }
+    for (const TiedParameter& tied : stage.tied) {
+      if (tied.owner) continue;          // already among the module's parameters
+      params.push_back(tied.parameter);  // so backward (inputs = parameters) reaches it
+    }
+    s.stage_params.push_back(std::move(params));
+  }
+  s.stages = std::move(stages);
+  s.options = std::move(options);
+  s.loss_fn = std::move(loss_fn);
+}
+
+Pipeline::~Pipeline() = default;
+Pipeline::Pipeline(Pipeline&&) noexcept = default;
+Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
+
+void Pipeline::Impl::split_batch(const at::Tensor& input, const at::Tensor& target) {
+  micro_inputs.clear();
+  micro_targets.clear();
+  auto split = [&](const at::Tensor& t, const char* what, std::vector<at::Tensor>& out) {
+    DTRAIN_CHECK(t.defined() && t.dim() >= 1 && t.size(0) % m == 0 && t.size(0) >= m, ConfigError,
+                 "pipeline " << what << " of shape " << (t.defined() ? t.sizes() : at::IntArrayRef{})
+                             << " does not split into " << m << " equal micro-batches along dim 0",
+                 "use a batch size that is a multiple of the number of micro-batches");
+    out = t.chunk(m, 0);
+  };
+  if (!remote(0)) split(input, "input", micro_inputs);
+  if (!remote(n - 1) && training) split(target, "target", micro_targets);
+  check_batch(micro_inputs.empty() ? at::Tensor() : micro_inputs.front());
+}
+
+// Every step: the first stage's rank tells every rank the micro-batch's
+// meta; a change from the agreed one fails on all ranks alike.
+void Pipeline::Impl::check_batch(const at::Tensor& micro_input) {
+  at::Tensor meta = micro_input.defined() ? meta_tensor(meta_of(micro_input)) : at::zeros({kMetaLength}, at::kLong);
+  if (p > 1) group.broadcast(meta, schedule.rank_of_stage(0)).wait();
+  const std::vector<std::int64_t> now = meta_from(meta);
+  if (!training) return;  // evaluation agrees on its own shapes each call
+  if (!batch_meta) {
+    batch_meta = now;
+    return;
+  }
+  DTRAIN_CHECK(*batch_meta == now, ConfigError,
+               "pipeline micro-batch changed from " << describe(*batch_meta) << " to " << describe(now)
+                                                    << "; shapes are agreed at the first step",
+               "keep the batch size fixed (drop the last partial batch), or build a new Pipeline");
+}
+
+at::Tensor Pipeline::step(const at::Tensor& input, const at::Tensor& target, amp::GradScaler* scaler) {
+  Impl& s = *impl_;
+  s.training = true;
+  s.scaler = scaler;
+  // Ranks without the loss still need the scaler's scale (created by its
+  // first scale()) for unscale_; it evolves alike on every stage because
+  // found-inf is reduced over found_inf_group.
+  if (scaler && s.remote(s.n - 1)) scaler->scale(at::zeros({}, at::TensorOptions().device(s.group.device())));
+  s.split_batch(input, target);
+  s.exchange_meta = s.output_meta.empty() && s.input_meta.empty();
+  s.loss_sum = at::Tensor();
+  s.run(s.schedule.actions[s.rank]);
+  s.exchange_meta = false;
+  s.finish_gradients();
+  s.scaler = nullptr;
+  return s.remote(s.n - 1) ? at::Tensor() : s.loss_sum;
+}
+
+at::Tensor Pipeline::forward(const at::Tensor& input) {
+  Impl& s = *impl_;
+  at::NoGradGuard no_grad;
+  s.training = false;
+  s.split_batch(input, at::Tensor());
+  s.exchange_meta = true;
+  s.eval_outputs.clear();
+  // Evaluation agrees on its own shapes; training's stay as they were.
+  auto saved_input_meta = s.input_meta, saved_output_meta = s.output_meta;
+  s.run(s.eval_schedule.actions[s.rank]);
+  s.input_meta = std::move(saved_input_meta);
+  s.output_meta = std::move(saved_output_meta);
+  s.training = true;
+  return s.eval_outputs.empty() ? at::Tensor() : at::cat(s.eval_outputs, 0);
+}
+
+void Pipeline::Impl::run(const std::vector<Action>& actions) {
+  state.assign(stages.size(), std::vector<Micro>(m));
+  sends.clear();
+  trace.clear();
+  in_flight = peak = 0;
+  posted.clear();
+  for (std::size_t k = 0; k < actions.size(); ++k) {
+    const Action& a = actions[k];
+    post_ahead(actions, k);
+    const auto start = std::chrono::steady_clock::now();
+    switch (a.kind) {
+      case ActionKind::kForward: forward(a); break;
+      case ActionKind::kBackward:
+      case ActionKind::kBackwardInput:
+      case ActionKind::kBackwardWeight: backward(a); break;
+      case ActionKind::kSendActivation:
+      case ActionKind::kSendGradient: send(a); break;
+      case ActionKind::kRecvActivation:
+      case ActionKind::kRecvGradient: recv(a); break;
+    }
+    if (options.record_trace && a.is_compute())
+      trace.push_back({.action = a, .start = start, .end = std::chrono::steady_clock::now()});
+  }
+  for (auto& [work, tensor] : sends) work.wait();
+  sends.clear();
+  state.clear();
+}
+
+void Pipeline::Impl::forward(const Action& a) {
+  Micro& mb = at(a.stage, a.micro);
+  at::Tensor x;
+  if (a.stage == 0) {
+    x = micro_inputs[a.micro];
+  } else if (!remote(a.stage - 1)) {
+    // The previous stage is on this rank: a fresh leaf, as if received, so
+    // each stage's backward stays its own (and I/W split per stage).
+    x = at(a.stage - 1, a.micro).output.detach();
+    if (training) x.requires_grad_(true);
+    mb.input = x;
+  } else {
+    x = mb.input;
+  }
+  at::Tensor out = stages[local.at(a.stage)].module->forward(x);
+  if (a.stage == n - 1) {
+    if (!training) {
+      eval_outputs.push_back(out);
+      return;
+    }
+    at::Tensor loss = loss_fn(out, micro_targets[a.micro]);
+    const at::Tensor detached = loss.detach() / m;
+    loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
+    out = loss / m;
+    if (scaler) out = scaler->scale(out);
+  }
+  mb.output = out;
+  if (training) peak = std::max(peak, ++in_flight);
+}
+
+at::Tensor Pipeline::Impl::grad_of_output(int stage, int micro) {
+  if (stage == n - 1) return at::Tensor();  // the scalar loss
+  if (remote(stage + 1)) return at(stage, micro).grad_output;
+  return at(stage + 1, micro).grad_input;
+}
+
+void Pipeline::Impl::backward(const Action& a) {
+  Micro& mb = at(a.stage, a.micro);
+  DTRAIN_INTERNAL_ASSERT(mb.output.defined(), "pipeline backward of " << to_string(a) << " before its forward");
+  const at::Tensor grad = grad_of_output(a.stage, a.micro);
+  std::vector<at::Tensor> grads;
+  if (grad.defined()) grads.push_back(grad);
+  const std::vector<at::Tensor>& params = stage_params[local.at(a.stage)];
+  const bool has_input = a.stage > 0 && mb.input.defined() && mb.input.requires_grad();
+  if (a.kind == ActionKind::kBackwardInput) {
+    if (has_input) {
+      mb.split = detail::SplitBackward::prepare(mb.output, mb.input, params);
+      mb.grad_input = torch::autograd::grad({mb.output}, {mb.input}, grads, /*retain_graph=*/true)[0];
+    }
+    return;  // the graph stays for W
+  }
+  if (a.kind == ActionKind::kBackward) {
+    std::vector<at::Tensor> inputs = params;
+    if (has_input) inputs.push_back(mb.input);
+    torch::autograd::backward({mb.output}, grads, /*retain_graph=*/false, /*create_graph=*/false, inputs);
+    if (has_input) mb.grad_input = mb.input.grad();
+  } else if (mb.split) {
+    mb.split->backward_weights();
+    mb.split.reset();
+  } else if (!params.empty()) {
+    torch::autograd::backward({mb.output}, grads, /*retain_graph=*/false, /*create_graph=*/false, params);
+  }
+  // The activations of this micro-batch on this stage are no longer needed.
+  mb.output = at::Tensor();
+  mb.input = at::Tensor();
+  mb.grad_output = at::Tensor();
+  if (a.stage + 1 < n && !remote(a.stage + 1)) at(a.stage + 1, a.micro).grad_input = at::Tensor();
+  --in_flight;
+}
+
+void Pipeline::Impl::send(const Action& a) {
+  Micro& mb = at(a.stage, a.micro);
+  const bool activation = a.kind == ActionKind::kSendActivation;
+  const int peer = schedule.rank_of_stage(activation ? a.stage + 1 : a.stage - 1);
+  at::Tensor t = (activation ? mb.output : mb.grad_input).detach().contiguous();
+  if (activation) {
+    const std::vector<std::int64_t> meta = meta_of(t);
+    auto agreed = output_meta.find(a.stage);
+    if (exchange_meta || agreed == output_meta.end()) {
+      if (a.micro == 0) {
+        at::Tensor header = meta_tensor(meta);
+        sends.emplace_back(group.isend(header, peer, tag(kMeta, a.stage + 1, 0)), header);
+      }
+      output_meta[a.stage] = meta;
+    } else {
+      DTRAIN_CHECK(agreed->second == meta, ConfigError,
+                   "pipeline stage " << a.stage << "'s output for micro-batch " << a.micro << " is " << describe(meta)
+                                     << ", but " << describe(agreed->second) << " was agreed at the first step",
+                   "a stage's output shape must not change while the micro-batch shape stays the same");
+    }
+  } else if (!t.defined()) {
+    t = at::zeros_like(mb.input);  // the input did not reach the output: a zero gradient
+  }
+  const int receiving_stage = activation ? a.stage + 1 : a.stage - 1;
+  sends.emplace_back(group.isend(t, peer, tag(activation ? kActivation : kGradient, receiving_stage, a.micro)), t);
+  if (!activation) mb.grad_input = at::Tensor();
+}
+
+// Note [Receives posted ahead]
+// Gloo moves a message once its receive is posted. Posting each receive only
+// when its action comes would add a round trip (the receiver's "ready", then
+// the data) to every hop of the pipeline's critical path; instead the
+// receives of the next kLookahead actions are posted early, into buffers of
+// the agreed shapes, so data lands while this rank computes. Before shapes
+// are agreed (the first step) receives are posted at their action.
+constexpr std::size_t kLookahead = 8;
+
+void Pipeline::Impl::post_ahead(const std::vector<Action>& actions, std::size_t from) {
+  if (exchange_meta) return;
+  for (std::size_t k = from; k < std::min(actions.size(), from + kLookahead); ++k) {
+    const Action& a = actions[k];
+    const bool activation = a.kind == ActionKind::kRecvActivation;
+    if (!activation && a.kind != ActionKind::kRecvGradient) continue;
+    const auto key = std::make_tuple(int(a.kind), a.stage, a.micro);
+    if (posted.count(key)) continue;
+    const auto& metas = activation ? input_meta : output_meta;
+    auto meta = metas.find(a.stage);
+    if (meta == metas.end()) continue;
+    at::Tensor buffer = empty_of(meta->second, group.device());
+    const int peer = schedule.rank_of_stage(activation ? a.stage - 1 : a.stage + 1);
+    dist::Work work = group.irecv(buffer, peer, tag(activation ? kActivation : kGradient, a.stage, a.micro));
+    posted.emplace(key, std::make_pair(std::move(work), buffer));
+  }
+}
+
+void Pipeline::Impl::recv(const Action& a) {
+  Micro& mb = at(a.stage, a.micro);
+  const bool activation = a.kind == ActionKind::kRecvActivation;
+  at::Tensor buffer;
+  auto ahead = posted.find(std::make_tuple(int(a.kind), a.stage, a.micro));
+  if (ahead != posted.end()) {
+    buffer = ahead->second.second;
+    ahead->second.first.wait();
+    posted.erase(ahead);
+  } else {
+    const int peer = schedule.rank_of_stage(activation ? a.stage - 1 : a.stage + 1);
+    if (activation && exchange_meta && a.micro == 0) {
+      at::Tensor header = at::empty({kMetaLength}, at::kLong);
+      group.recv(header, peer, tag(kMeta, a.stage, 0));
+      input_meta[a.stage] = meta_from(header);
+    }
+    buffer = empty_of((activation ? input_meta : output_meta).at(a.stage), group.device());
+    group.recv(buffer, peer, tag(activation ? kActivation : kGradient, a.stage, a.micro));
+  }
+  if (activation) {
+    if (training && at::isFloatingType(buffer.scalar_type())) buffer.requires_grad_(true);
+    mb.input = buffer;
+  } else {
+    mb.grad_output = buffer;
+  }
+}
+
+// Tied copies: the two ranks swap their gradients and both add. Then
+// data-parallel averaging of every gradient.
+void Pipeline::Impl::finish_gradients() {
+  const int tie_tag_base = 1 + 3 * n * m;
+  for (std::size_t k = 0; k < stages.size(); ++k) {
+    const int stage = schedule.stages_of_rank(rank)[k];
+    for (std::size_t j = 0; j < stages[k].tied.size(); ++j) {
+      const TiedParameter& tied = stages[k].tied[j];
+      at::Tensor param = tied.parameter;
+      if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
+      const int peer = schedule.rank_of_stage(tied.other_stage);
+      if (peer == rank) continue;  // both stages here: one tensor, autograd summed it
+      const int owner_stage = tied.owner ? stage : tied.other_stage;
+      const int t = tie_tag_base + owner_stage * 64 + int(j);
+      at::Tensor other = at::empty_like(param.grad());
+      // One exchange, both ways at once; a + b == b + a in IEEE arithmetic,
+      // so both copies get bitwise the same sum.
+      at::Tensor mine = param.grad().contiguous();
+      dist::Work sent = group.isend(mine, peer, t);
+      group.recv(other, peer, t);
+      sent.wait();
+      param.mutable_grad().copy_(mine + other);
+    }
+  }
+  if (options.data_parallel_group && options.data_parallel_group->size() > 1) {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& param : parameters()) {
+      if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
+      grads.push_back(param.grad());
+    }
+    options.data_parallel_group->all_reduce_coalesced(grads, dist::ReduceOp::kAvg).wait();
+  }
+}
+
+std::vector<at::Tensor> Pipeline::parameters() const {
+  return impl_->parameters();
+}
+
+std::vector<at::Tensor> Pipeline::Impl::parameters() const {
+  std::vector<at::Tensor> all;
+  for (const auto& params : stage_params) {
+    for (const at::Tensor& param : params) {
+      const bool seen = std::any_of(all.begin(), all.end(), [&](const at::Tensor& t) { return t.is_same(param); });
+      if (!seen) all.push_back(param);
+    }
+  }
+  return all;
+}
+
+ShardedGradients Pipeline::gradient_set() const {
+  std::vector<at::Tensor> counted;
+  for (std::size_t k = 0; k < impl_->stages.size(); ++k) {
+    for (const at::Tensor& param : impl_->stages[k].module->parameters()) {
+      if (param.requires_grad()) counted.push_back(param);
+    }
+  }
+  return ShardedGradients(counted, impl_->group);
+}
+
+std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int stage_count, std::vector<LayerCost> costs,
+                                     const std::vector<std::int64_t>& budgets) {
+  const auto count = static_cast<int>(layers->size());
+  DTRAIN_CHECK(stage_count >= 1 && count >= stage_count, ConfigError,
+               "cannot cut " << count << " layers into " << stage_count << " pipeline stages",
+               "use at most as many stages (ranks x stages per rank) as layers");
+  if (costs.empty()) {
+    const auto named = layers->named_children();
+    for (const auto& item : named) {
+      LayerCost cost{.name = item.key()};
+      for (const at::Tensor& param : item.value()->parameters()) cost.bytes += param.numel() * param.element_size();
+      costs.push_back(cost);
+    }
+  }
+  Placement plan = plan_placement(costs, static_cast<std::size_t>(stage_count), budgets);
+  std::vector<std::size_t> stage_of = plan.device_of_layer;
+  // The planner may leave a device empty; a stage needs a layer. Shift
+  // boundaries so that stage k starts no earlier than layer k and no later
+  // than count - (stage_count - k).
+  std::vector<int> first(stage_count, count);
+  for (int l = count - 1; l >= 0; --l) first[stage_of[l]] = l;
+  for (int k = stage_count - 1; k >= 0; --k) {
+    if (k + 1 < stage_count) first[k] = std::min(first[k], first[k + 1] - 1);
+    first[k] = std::min(first[k], count - (stage_count - k));
+  }
+  first[0] = 0;
+  for (int k = 1; k < stage_count; ++k) first[k] = std::max(first[k], first[k - 1] + 1);
+  for (int k = 0; k < stage_count; ++k) {
+    const int end = k + 1 < stage_count ? first[k + 1] : count;
+    for (int l = first[k]; l < end; ++l) stage_of[l] = static_cast<std::size_t>(k);
+  }
+  return stage_of;
+}
+
+std::vector<torch::nn::Sequential> split_stages(const torch::nn::Sequential& layers,
+                                                const std::vector<std::size_t>& stage_of_layer) {
+  DTRAIN_CHECK(stage_of_layer.size() == layers->size(), ConfigError,
+               "stage assignment has " << stage_of_layer.size() << " entries for " << layers->size() << " layers",
+               "give one stage index per layer");
+  const std::size_t count = stage_of_layer.empty() ? 0 : stage_of_layer.back() + 1;
+  std::vector<torch::nn::Sequential> stages(count);
+  const auto named = layers->named_children();
+  std::size_t l = 0;
+  for (auto it = layers->begin(); it != layers->end(); ++it, ++l) {
+    DTRAIN_CHECK(l == 0 || stage_of_layer[l] == stage_of_layer[l - 1] || stage_of_layer[l] == stage_of_layer[l - 1] + 1,
+                 ConfigError, "stage assignment is not contiguous at layer " << l,
+                 "stages take consecutive runs of layers, in order");
+    stages[stage_of_layer[l]]->push_back(named[l].key(), *it);
+  }
+  return stages;
+}
+
+at::Tensor Pipeline::clip_grad_norm_(double max_norm, const ClipGradNormOptions& options) {
+  const ShardedGradients counted = gradient_set();
+  at::Tensor norm = dtrain::clip_grad_norm_(counted, max_norm, options);
+  // clip.cpp's factor, spelled the same way, for the copies it did not see.
+  const at::Tensor factor = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
+  const std::vector<at::Tensor> seen = counted.local_parameters();
+  at::NoGradGuard no_grad;
+  for (const PipelineStage& stage : impl_->stages) {
+    for (const TiedParameter& tied : stage.tied) {
+      const at::Tensor& param = tied.parameter;
+      const bool clipped = std::any_of(seen.begin(), seen.end(), [&](const at::Tensor& t) { return t.is_same(param); });
+      if (!clipped && param.grad().defined()) param.grad().mul_(factor.to(param.grad().scalar_type()));
+    }
+  }
+  return norm;
+}
+
+const Schedule& Pipeline::schedule() const {
+  return impl_->schedule;
+}
+const std::vector<PipelineStage>& Pipeline::stages() const {
+  return impl_->stages;
+}
+const dist::ProcessGroup& Pipeline::group() const {
+  return impl_->group;
+}
+int Pipeline::peak_activations() const {
+  return impl_->peak;
+}
+const std::vector<TracedAction>& Pipeline::trace() const {
+  return impl_->trace;
+}
+
+}  // namespace dtrain::pipeline

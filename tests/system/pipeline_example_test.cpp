@@ -1,0 +1,125 @@
+// examples/gpt --strategy pipeline end to end: every schedule on 2 stage
+// processes, and a 2 x 2 data x pipeline mesh on 4, end where `single` does on
+// the same global batches (the stages' saved parameters, concatenated in stage
+// order, against single's), with the tolerances of gpt_example_test.cpp.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "example_run.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using dtrain::testing::last_json_line;
+
+const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+std::string launch(int ranks) {
+  return std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
+}
+
+std::vector<float> read_floats(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<float> v(fs::exists(path) ? fs::file_size(path) / sizeof(float) : 0);
+  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+  return v;
+}
+
+bool have_corpus() {
+  const char* home = std::getenv("HOME");
+  const char* cache = std::getenv("DTRAIN_CACHE");
+  const std::string dir =
+      cache != nullptr ? std::string(cache) : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
+  return fs::exists(dir + "/shakespeare_char/meta.json");
+}
+
+}  // namespace
+
+TEST(GptPipelineExample, EveryScheduleAndTheMeshMatchSingle) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-pipeline-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string common =
+      "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --max-iters 4 --eval-interval 1000 --eval-iters 2 "
+      "--sample-tokens 0 --warmup-iters 2 --seed 5 --devices cpu --save-params ";
+  const auto single =
+      dtrain::testing::run_example(kExample, common + (dir / "single.f32").string() + " --batch-size 4", "");
+  ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
+  const std::vector<float> reference = read_floats(dir / "single.f32");
+  const double single_val = last_json_line(single.stdout_text)["val_loss"].get<double>();
+  struct Case {
+    std::string name, args;
+    int ranks, stages;
+  };
+  const std::vector<Case> cases{
+      {"gpipe", "--pp-schedule gpipe --micro-batches 4 --batch-size 4", 2, 2},
+      {"1f1b", "--pp-schedule 1f1b --micro-batches 2 --batch-size 4", 2, 2},
+      {"interleaved", "--pp-schedule interleaved --micro-batches 4 --batch-size 4", 2, 4},
+      {"zb", "--pp-schedule zb --micro-batches 4 --batch-size 4", 2, 2},
+      {"mesh2x2", "--pp-schedule 1f1b --micro-batches 2 --batch-size 2 --pp-size 2", 4, 2},
+  };
+  for (const auto& c : cases) {
+    const auto file = dir / (c.name + ".f32");
+    const auto r = dtrain::testing::run_example(kExample, common + file.string() + " --strategy pipeline " + c.args,
+                                                launch(c.ranks));
+    ASSERT_EQ(r.exit_code, 0) << c.name << ": " << r.stderr_text;
+    const auto done = last_json_line(r.stdout_text);
+    EXPECT_EQ(done.value("steps", 0), 4) << r.stdout_text;
+    EXPECT_NEAR(done["val_loss"].get<double>(), single_val, 1e-4) << c.name;
+    std::vector<float> params;
+    for (int s = 0; s < c.stages; ++s) {
+      const auto part = read_floats(file.string() + ".stage" + std::to_string(s));
+      ASSERT_FALSE(part.empty()) << c.name << " stage " << s;
+      params.insert(params.end(), part.begin(), part.end());
+    }
+    ASSERT_EQ(params.size(), reference.size()) << c.name;
+    double diff2 = 0, ref2 = 0;
+    std::size_t outside = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const double d = std::abs(static_cast<double>(params[i]) - reference[i]);
+      diff2 += d * d;
+      ref2 += static_cast<double>(reference[i]) * reference[i];
+      if (d > 1e-5 * std::abs(reference[i]) + 1e-6) ++outside;
+    }
+    EXPECT_EQ(outside, 0u) << c.name;
+    EXPECT_LT(std::sqrt(diff2 / ref2), 1e-5) << c.name;
+  }
+  fs::remove_all(dir);
+}
+
+// Under `dtrain run --max-restarts 1`, the last stage's process is SIGKILLed
+// at step 3 (checkpoints every 2 steps): the group restarts, every stage
+// resumes from step 2 and the run ends exactly where an uninterrupted one does.
+TEST(GptPipelineExample, KilledStageResumesFromTheLastCheckpoint) {
+  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-pipeline-resume-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string common =
+      "--strategy pipeline --pp-schedule 1f1b --micro-batches 2 --n-layer 2 --n-head 2 --n-embd 16 --block-size 8 "
+      "--batch-size 4 --eval-interval 2 --eval-iters 1 --warmup-iters 2 --max-iters 6 --sample-tokens 0 "
+      "--devices cpu --save-params ";
+  const auto whole = dtrain::testing::run_example(kExample, common + (dir / "whole.f32").string(), launch(2));
+  ASSERT_EQ(whole.exit_code, 0) << whole.stderr_text;
+  ::setenv("DTRAIN_GPT_KILL_LAST_STAGE_AT", "3", 1);
+  const auto killed = dtrain::testing::run_example(
+      kExample, common + (dir / "resumed.f32").string() + " --checkpoint-dir " + (dir / "ckpt").string(),
+      launch(2) + " --max-restarts 1");
+  ::unsetenv("DTRAIN_GPT_KILL_LAST_STAGE_AT");
+  ASSERT_EQ(killed.exit_code, 0) << killed.stderr_text;
+  EXPECT_NE(killed.stderr_text.find("resumed at step 2"), std::string::npos) << killed.stderr_text;
+  for (int s = 0; s < 2; ++s) {
+    const std::string suffix = ".stage" + std::to_string(s);
+    const auto a = read_floats((dir / "whole.f32").string() + suffix);
+    ASSERT_FALSE(a.empty());
+    EXPECT_EQ(a, read_floats((dir / "resumed.f32").string() + suffix)) << "stage " << s;
+  }
+  fs::remove_all(dir);
+}
