@@ -403,21 +403,22 @@ int run(Options opt) {
   if (opt.strategy == "pipeline") {
     const gpt::Corpus corpus = gpt::load_corpus(opt.data_dir, opt.model.block_size);
     opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
-    return gpt::train_pipeline({.model = opt.model,
-                                .schedule = opt.pp_schedule,
-                                .micro_batches = opt.micro_batches,
-                                .pp_size = opt.pp_size,
-                                .batch_size = opt.batch_size,
-                                .max_iters = opt.max_iters,
-                                .eval_interval = opt.eval_interval,
-                                .eval_iters = opt.eval_iters,
-                                .seed = opt.seed,
-                                .grad_clip = opt.grad_clip,
-                                .save_params = opt.save_params,
-                                .checkpoint_dir = opt.checkpoint_dir,
-                                .learning_rate = [&](std::int64_t it) { return learning_rate(opt, it); },
-                                .make_optimizer = [&](const auto& params) { return make_optimizer(opt, params); }},
-                               corpus);
+    return gpt::train_pipeline(
+        {.model = opt.model,
+         .schedule = opt.pp_schedule,
+         .micro_batches = opt.micro_batches,
+         .pp_size = opt.pp_size,
+         .batch_size = opt.batch_size,
+         .max_iters = opt.max_iters,
+         .eval_interval = opt.eval_interval,
+         .eval_iters = opt.eval_iters,
+         .seed = opt.seed,
+         .grad_clip = opt.grad_clip,
+         .save_params = opt.save_params,
+         .checkpoint_dir = opt.checkpoint_dir,
+         .learning_rate = [&](std::int64_t it) { return learning_rate(opt, it); },
+         .make_optimizer = [&](const auto& params) { return make_optimizer(opt, params, nullptr); }},
+        corpus);
   }
   Placement where = place(opt);
   at::set_num_threads(distributed(opt.strategy) ? 1 : at::get_num_threads());
