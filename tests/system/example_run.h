@@ -7,11 +7,13 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace dtrain::testing {
 
@@ -54,6 +56,26 @@ inline nlohmann::json last_json_line(const std::string& text) {
     start = end + 1;
   }
   return last;
+}
+
+// A float32 file written by an example's --save-params (empty when missing).
+inline std::vector<float> read_floats(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<float> v(std::filesystem::exists(path) ? std::filesystem::file_size(path) / sizeof(float) : 0);
+  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+  return v;
+}
+
+// Whether scripts/setup.sh has built examples/gpt's corpus (the example's
+// default --data-dir: $DTRAIN_CACHE, else $XDG_CACHE_HOME/dtrain, else ~/.cache/dtrain).
+inline bool have_gpt_corpus() {
+  const char* home = std::getenv("HOME");
+  const char* cache = std::getenv("DTRAIN_CACHE");
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const std::string dir = cache != nullptr ? std::string(cache)
+                          : xdg != nullptr ? std::string(xdg) + "/dtrain"
+                                           : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
+  return std::filesystem::exists(dir + "/shakespeare_char/meta.json");
 }
 
 }  // namespace dtrain::testing

@@ -20,6 +20,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using dtrain::testing::read_floats;
 
 using Result = dtrain::testing::ExampleResult;
 using dtrain::testing::last_json_line;
@@ -29,23 +30,6 @@ const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run 
 
 Result run(const std::string& args, const std::string& launcher = "") {
   return dtrain::testing::run_example(kExample, args, launcher);
-}
-
-std::vector<float> read_floats(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<float> v(fs::exists(path) ? fs::file_size(path) / sizeof(float) : 0);
-  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
-  return v;
-}
-
-bool have_corpus() {
-  const char* home = std::getenv("HOME");
-  const char* cache = std::getenv("DTRAIN_CACHE");
-  const char* xdg = std::getenv("XDG_CACHE_HOME");
-  const std::string dir = cache != nullptr ? std::string(cache)
-                          : xdg != nullptr ? std::string(xdg) + "/dtrain"
-                                           : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
-  return fs::exists(dir + "/shakespeare_char/meta.json");
 }
 
 }  // namespace
@@ -58,7 +42,7 @@ bool have_corpus() {
 // ~lr x 1e-3 on an element whose gradient is near zero: hence the 1e-6
 // absolute floor beside rtol 1e-5 per element, and a normwise rtol 1e-5.
 TEST(GptExample, EveryStrategyMatchesSingle) {
-  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-strategies-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   const std::string common =
@@ -108,7 +92,7 @@ TEST(GptExample, EveryStrategyMatchesSingle) {
 // a model whose attention, positions or optimizer is broken fails. It starts
 // near ln(vocabulary) = 4.43.
 TEST(GptExample, ShortRunBeatsBigramModel) {
-  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto r =
       run("--n-layer 2 --n-head 4 --n-embd 64 --block-size 32 --batch-size 16 --max-iters 400 --eval-interval 400 "
           "--lr 3e-3 --sample-tokens 200 --devices cpu");
@@ -127,7 +111,7 @@ TEST(GptExample, ShortRunBeatsBigramModel) {
 // uninterrupted 6-step run does (the schedule fixed by --lr-decay-iters):
 // weights, AdamW state, RNG and the batch sequence all carry over.
 TEST(GptExample, ResumedRunEqualsUninterrupted) {
-  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-resume-" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -150,7 +134,7 @@ TEST(GptExample, ResumedRunEqualsUninterrupted) {
 
 // bf16 autocast (forward and loss): a short run still learns.
 TEST(GptExample, AmpBf16Trains) {
-  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto r =
       run("--amp bf16 --n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 8 --max-iters 60 "
           "--eval-interval 60 --lr 3e-3 --warmup-iters 10 --sample-tokens 20 --devices cpu");

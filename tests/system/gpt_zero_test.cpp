@@ -15,6 +15,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using dtrain::testing::read_floats;
 
 const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
 const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
@@ -29,27 +30,10 @@ std::size_t count_outside(const std::vector<float>& a, const std::vector<float>&
   return outside;
 }
 
-std::vector<float> read_floats(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<float> v(fs::exists(path) ? fs::file_size(path) / sizeof(float) : 0);
-  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
-  return v;
-}
-
-bool have_corpus() {
-  const char* home = std::getenv("HOME");
-  const char* cache = std::getenv("DTRAIN_CACHE");
-  const char* xdg = std::getenv("XDG_CACHE_HOME");
-  const std::string dir = cache != nullptr ? std::string(cache)
-                          : xdg != nullptr ? std::string(xdg) + "/dtrain"
-                                           : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
-  return fs::exists(dir + "/shakespeare_char/meta.json");
-}
-
 // Four AdamW steps with clipping and a cosine schedule, evaluation included;
 // tolerance as in gpt_example_test.cpp (float rounding lifted by Adam).
 TEST(GptZero, EveryStageMatchesSingle) {
-  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-zero-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   const std::string common =
@@ -85,7 +69,7 @@ TEST(GptZero, EveryStageMatchesSingle) {
 // --checkpoint-dir under zero3: 3 steps on 2 ranks, then resumed on 1 rank
 // (the same global batch of 4), ends where an uninterrupted 2-rank run does.
 TEST(GptZero, CheckpointResumesOnAnotherWorldSize) {
-  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-zero-ckpt-" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);

@@ -19,31 +19,17 @@ namespace {
 
 namespace fs = std::filesystem;
 using dtrain::testing::last_json_line;
+using dtrain::testing::read_floats;
 
 const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
 std::string launch(int ranks) {
   return std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
 }
 
-std::vector<float> read_floats(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<float> v(fs::exists(path) ? fs::file_size(path) / sizeof(float) : 0);
-  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
-  return v;
-}
-
-bool have_corpus() {
-  const char* home = std::getenv("HOME");
-  const char* cache = std::getenv("DTRAIN_CACHE");
-  const std::string dir =
-      cache != nullptr ? std::string(cache) : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
-  return fs::exists(dir + "/shakespeare_char/meta.json");
-}
-
 }  // namespace
 
 TEST(GptPipelineExample, EveryScheduleAndTheMeshMatchSingle) {
-  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-pipeline-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   const std::string common =
@@ -98,7 +84,7 @@ TEST(GptPipelineExample, EveryScheduleAndTheMeshMatchSingle) {
 // at step 3 (checkpoints every 2 steps): the group restarts, every stage
 // resumes from step 2 and the run ends exactly where an uninterrupted one does.
 TEST(GptPipelineExample, KilledStageResumesFromTheLastCheckpoint) {
-  if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-pipeline-resume-" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
