@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -76,6 +77,26 @@ inline bool have_gpt_corpus() {
                           : xdg != nullptr ? std::string(xdg) + "/dtrain"
                                            : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
   return std::filesystem::exists(dir + "/shakespeare_char/meta.json");
+}
+
+// Parameters of a run against a reference run's: the elements differing by
+// more than 1e-5 relative (+1e-6 absolute: Adam lifts rounding near zero
+// gradients), and the relative L2 norm of the difference.
+struct ParamsDiff {
+  std::size_t outside = 0;
+  double relative_l2 = 0;
+};
+inline ParamsDiff compare_params(const std::vector<float>& params, const std::vector<float>& reference) {
+  ParamsDiff out;
+  double diff2 = 0, ref2 = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {  // callers assert equal sizes first
+    const double d = std::abs(static_cast<double>(params[i]) - reference[i]);
+    diff2 += d * d;
+    ref2 += static_cast<double>(reference[i]) * reference[i];
+    if (d > 1e-5 * std::abs(reference[i]) + 1e-6) ++out.outside;
+  }
+  out.relative_l2 = std::sqrt(diff2 / ref2);  // NaN for an all-zero reference: fails any bound
+  return out;
 }
 
 }  // namespace dtrain::testing

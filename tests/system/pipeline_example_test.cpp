@@ -66,16 +66,9 @@ TEST(GptPipelineExample, EveryScheduleAndTheMeshMatchSingle) {
       params.insert(params.end(), part.begin(), part.end());
     }
     ASSERT_EQ(params.size(), reference.size()) << c.name;
-    double diff2 = 0, ref2 = 0;
-    std::size_t outside = 0;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const double d = std::abs(static_cast<double>(params[i]) - reference[i]);
-      diff2 += d * d;
-      ref2 += static_cast<double>(reference[i]) * reference[i];
-      if (d > 1e-5 * std::abs(reference[i]) + 1e-6) ++outside;
-    }
-    EXPECT_EQ(outside, 0u) << c.name;
-    EXPECT_LT(std::sqrt(diff2 / ref2), 1e-5) << c.name;
+    const auto diff = dtrain::testing::compare_params(params, reference);
+    EXPECT_EQ(diff.outside, 0u) << c.name;
+    EXPECT_LT(diff.relative_l2, 1e-5) << c.name;
   }
   fs::remove_all(dir);
 }
