@@ -15,20 +15,23 @@
 // values; the arithmetic is ATen's (add, copy_) on tensors over the shared
 // memory. reduce_scatter and all_gather move each byte once each way, where
 // Gloo's reduce_scatter is an all-reduce plus a chunk (twice the traffic) and
-// both go through loopback TCP. Barriers spin briefly, then sleep; a peer
-// whose process is gone (checked through /proc by pid) fails the operation
-// at once, a peer that does not arrive fails it after the timeout: an error
-// naming the rank, never a hang.
+// both go through loopback TCP. Barriers spin briefly, then sleep on a futex
+// (Note [Barrier waits]); a peer whose process is gone (checked through /proc
+// by pid) fails the operation within milliseconds, a peer that does not
+// arrive fails it after the timeout: an error naming the rank, never a hang.
 #include "shm_transport.h"
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/from_blob.h>
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <climits>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -46,7 +49,26 @@ constexpr std::size_t kCacheLine = 64;
 struct alignas(kCacheLine) Control {
   std::atomic<std::uint64_t> phase;
   std::atomic<std::int64_t> pid;
+  // The futex word: the low 32 bits of `phase`, stored after it. Waiters
+  // count themselves in `waiters` so that an arriving rank makes the wake
+  // system call only when someone sleeps (Note [Barrier waits]).
+  std::atomic<std::uint32_t> word;
+  std::atomic<std::uint32_t> waiters;
 };
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free && sizeof(std::atomic<std::uint32_t>) == 4,
+              "futex words must be plain 32-bit integers");
+
+// Shared (not FUTEX_PRIVATE): the word lives in memory mapped by several processes.
+void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::chrono::microseconds timeout) {
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000) * 1000;
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<std::uint32_t>* word) {
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
 
 std::uint64_t host_identity() {
   char host[256] = {};
@@ -144,26 +166,55 @@ std::unique_ptr<SharedMemoryTransport> SharedMemoryTransport::create(const ShmBo
 
 SharedMemoryTransport::~SharedMemoryTransport() = default;
 
+// Note [Barrier waits]
+// A rank arriving at a barrier publishes its phase, then waits for every
+// peer's. Most peers arrive within microseconds (the ranks run the same
+// collective), so a waiter first spins briefly; after that it sleeps on the
+// peer's futex word, which the peer wakes when it arrives. That costs one
+// scheduler wake-up (tens of microseconds) instead of polling with sleeps,
+// whose granularity (timer slack, ~50 us) was the floor of every small
+// collective, and burns no CPU that a rank's compute threads could use. The
+// sleep is bounded (kNap) so that a dead peer (checked through /proc by pid)
+// or the group timeout is noticed: an error naming the rank, never a hang.
+// The waiter increments `waiters` before reading the word, the arriver
+// stores the word before reading `waiters` (both sequentially consistent),
+// so either the waiter sees the new word or the arriver sees the waiter.
 void SharedMemoryTransport::barrier() {
+  constexpr int kSpins = 4000;
+  constexpr std::chrono::microseconds kNap{2000};
   ++phase_;
-  region_->control[rank_].phase.store(phase_, std::memory_order_release);
+  Control& mine = region_->control[rank_];
+  mine.phase.store(phase_, std::memory_order_release);
+  mine.word.store(static_cast<std::uint32_t>(phase_));
+  if (mine.waiters.load() > 0) futex_wake_all(&mine.word);
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (int r = 0; r < size_; ++r) {
-    for (int spins = 0; region_->control[r].phase.load(std::memory_order_acquire) < phase_; ++spins) {
-      if (spins < 2000) continue;
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-      if ((spins & 1023) != 0) continue;
-      if (process_gone(region_->control[r].pid.load())) {
-        // Plain exceptions: the group wraps them into a CommunicationError naming the operation.
-        throw std::runtime_error("shared-memory transport: peer rank " + std::to_string(r) + " (pid " +
-                                 std::to_string(region_->control[r].pid.load()) + ") exited");
+    Control& peer = region_->control[r];
+    auto arrived = [&] { return peer.phase.load(std::memory_order_acquire) >= phase_; };
+    for (int spins = 0; spins < kSpins && !arrived(); ++spins) {
+    }
+    if (arrived()) continue;
+    peer.waiters.fetch_add(1);
+    for (int naps = 1; !arrived(); ++naps) {
+      const std::uint32_t seen = peer.word.load();
+      if (arrived()) break;
+      futex_wait(&peer.word, seen, kNap);
+      if (arrived() || (naps & 7) != 0) continue;
+      std::string failure;
+      if (process_gone(peer.pid.load())) {
+        failure = "shared-memory transport: peer rank " + std::to_string(r) + " (pid " +
+                  std::to_string(peer.pid.load()) + ") exited";
+      } else if (std::chrono::steady_clock::now() > deadline) {
+        failure = "shared-memory transport: peer rank " + std::to_string(r) + " did not arrive within " +
+                  log::format_seconds(timeout_) + " (timed out; it hung or issued different collectives)";
       }
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw std::runtime_error("shared-memory transport: peer rank " + std::to_string(r) + " did not arrive within " +
-                                 log::format_seconds(timeout_) +
-                                 " (timed out; it hung or issued different collectives)");
+      if (!failure.empty()) {
+        peer.waiters.fetch_sub(1);
+        // Plain exceptions: the group wraps them into a CommunicationError naming the operation.
+        throw std::runtime_error(failure);
       }
     }
+    peer.waiters.fetch_sub(1);
   }
 }
 
