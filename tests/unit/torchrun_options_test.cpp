@@ -77,6 +77,16 @@ TEST(TorchrunArguments, TeeTakesTorchrunsValueOrStaysDtrainsFlag) {
             (Args{"--log-dir", "--tee", "p"}));  // a value that looks like an option stays a value
 }
 
+TEST(TorchrunArguments, DoubleDashBeforeTheProgramIsASeparator) {
+  EXPECT_EQ(rewrite_torchrun_arguments({"--nnodes", "1", "--", "p", "--", "-x"}, fake({})).args,
+            (Args{"--nnodes", "1", "p", "--", "-x"}));
+  EXPECT_EQ(rewrite_torchrun_arguments({"--", "--p"}, fake({})).args, (Args{"--p"}));
+  const auto parsed = plan({"--nproc-per-node", "2", "--", "/bin/echo", "--", "--nnodes", "3"});
+  ASSERT_EQ(parsed.argv.size(), 4u);
+  EXPECT_EQ(parsed.argv.back(), "3");
+  EXPECT_EQ(parsed.argv[1], "--");  // the program's own separator stays
+}
+
 TEST(TorchrunOptions, KubeflowElasticPyTorchJob) {
   const auto p = plan({"/bin/true"}, {{"PET_NNODES", "1:3"},
                                       {"PET_RDZV_BACKEND", "c10d"},

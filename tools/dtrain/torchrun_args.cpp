@@ -112,6 +112,9 @@ TorchrunArguments rewrite_torchrun_arguments(const std::vector<std::string>& arg
     given.push_back(s);
     if (!s->flag && eq == std::string::npos && i + 1 < args.size()) user.push_back(args[++i]);
   }
+  // `dtrain run [options] -- PROGRAM ARGS` (as torchrun users type it): the
+  // separator is ours, not the program's; a later "--" is the program's.
+  if (i < args.size() && args[i] == "--") ++i;
   user.insert(user.end(), args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
 
   for (const auto& s : spellings()) {
