@@ -4,7 +4,6 @@
 // that refuses a wrong secret, no secret and a plain c10d client, whose
 // writes never reach it.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -18,10 +17,12 @@
 #include "dtrain/comm/store.h"
 #include "dtrain/elastic/rendezvous.h"
 #include "dtrain/error.h"
+#include "ranks.h"
 
 namespace {
 namespace auth = dtrain::elastic::auth;
 using dtrain::ConfigError;
+using dtrain::testing::free_port;
 
 std::string hex(const dtrain::crypto::Digest& d) {
   static const char* digits = "0123456789abcdef";
@@ -31,18 +32,6 @@ std::string hex(const dtrain::crypto::Digest& d) {
     out += digits[b & 15];
   }
   return out;
-}
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
 }
 
 // Runs the server side of a handshake on one end of a socket pair and the
