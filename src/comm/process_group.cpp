@@ -49,7 +49,7 @@ BackendKind resolve_backend(const GroupOptions& options) {
 }
 
 // Builds a group on `store` (this group's own key space) after the check-in.
-ProcessGroup make_group(Store store, int rank, int size, GroupOptions options, std::vector<int> world_ranks,
+ProcessGroup make_group(const Store& store, int rank, int size, GroupOptions options, std::vector<int> world_ranks,
                         const std::string& fingerprint) {
   const BackendKind kind = resolve_backend(options);
   const auto timeout = options.timeout.value_or(default_timeout());
@@ -87,7 +87,7 @@ std::vector<int> iota(int n) {
   return v;
 }
 
-ProcessGroup make_world(Store store, int rank, int world_size, GroupOptions options) {
+ProcessGroup make_world(const Store& store, int rank, int world_size, GroupOptions options) {
   validate(EnvContract{.rank = rank, .world_size = world_size, .local_rank = 0, .local_world_size = 1});
   log::set_rank(rank, world_size);
   if (options.gloo_host.empty() && std::getenv("GLOO_SOCKET_IFNAME") == nullptr &&
@@ -152,6 +152,7 @@ std::optional<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {
   const auto it = std::find(ranks.begin(), ranks.end(), state_->rank);
   if (it == ranks.end()) return std::nullopt;
   std::vector<int> world;
+  world.reserve(ranks.size());
   for (int r : ranks) world.push_back(state_->world_ranks[static_cast<size_t>(r)]);
   return make_group(sub.with_prefix("group"), static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()),
                     options, std::move(world), fingerprint);
@@ -159,8 +160,8 @@ std::optional<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {
 
 // ---- init ----
 
-ProcessGroup init_process_group(Store store, int rank, int world_size, const GroupOptions& options) {
-  return make_world(std::move(store), rank, world_size, options);
+ProcessGroup init_process_group(const Store& store, int rank, int world_size, const GroupOptions& options) {
+  return make_world(store, rank, world_size, options);
 }
 
 ProcessGroup init_process_group(const EnvContract& contract, const GroupOptions& options) {

@@ -23,7 +23,7 @@ std::uint32_t rotr(std::uint32_t x, int n) {
 
 void compress(std::uint32_t h[8], const std::uint8_t block[64]) {
   std::uint32_t w[64];
-  for (int i = 0; i < 16; ++i) {
+  for (std::size_t i = 0; i < 16; ++i) {
     w[i] = (std::uint32_t{block[4 * i]} << 24) | (std::uint32_t{block[4 * i + 1]} << 16) |
            (std::uint32_t{block[4 * i + 2]} << 8) | std::uint32_t{block[4 * i + 3]};
   }
@@ -66,9 +66,8 @@ Digest sha256(std::string_view data) {
   for (int i = 7; i >= 0; --i) m.push_back(static_cast<std::uint8_t>(bits >> (8 * i)));
   for (std::size_t off = 0; off < m.size(); off += 64) compress(h, m.data() + off);
   Digest out{};
-  for (int i = 0; i < 8; ++i) {
-    for (int j = 0; j < 4; ++j)
-      out[static_cast<std::size_t>(4 * i + j)] = static_cast<std::uint8_t>(h[i] >> (24 - 8 * j));
+  for (std::size_t i = 0; i < 8; ++i) {
+    for (std::size_t j = 0; j < 4; ++j) out[4 * i + j] = static_cast<std::uint8_t>(h[i] >> (24 - 8 * j));
   }
   return out;
 }

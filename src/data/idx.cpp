@@ -105,7 +105,8 @@ at::Tensor read_idx(const std::filesystem::path& path) {
   DTRAIN_CHECK(ndims >= 1, DataError, file << ": IDX header declares 0 dimensions.", "the file is corrupt");
 
   std::vector<std::uint8_t> raw_dims(static_cast<size_t>(ndims) * 4);
-  DTRAIN_CHECK(read_fully(f.get(), raw_dims.data(), ndims * 4, file) == ndims * 4, DataError,
+  const auto dims_bytes = static_cast<std::int64_t>(raw_dims.size());
+  DTRAIN_CHECK(read_fully(f.get(), raw_dims.data(), dims_bytes, file) == dims_bytes, DataError,
                file << ": truncated inside the IDX header (" << ndims << " dimensions declared).",
                "the file is cut short; re-download or reinstall it");
   std::vector<std::int64_t> dims;

@@ -105,7 +105,7 @@ std::string resolve_program(const std::string& program) {
   std::stringstream dirs(path != nullptr ? path : "");
   std::string dir;
   while (std::getline(dirs, dir, ':')) {
-    const std::string candidate = (dir.empty() ? "." : dir) + "/" + program;
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + program;
     if (executable(candidate)) return candidate;
   }
   throw ConfigError("cannot run '" + program + "': not found on PATH.", "give a path such as ./" + program);
@@ -166,12 +166,15 @@ void ProcessWorkerGroup::start(const std::vector<WorkerLaunch>& launches, int at
     // Everything the child needs is prepared before fork: after it, only
     // async-signal-safe calls.
     std::vector<std::string> env_strings;
+    env_strings.reserve(env.size());
     for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);
     std::vector<char*> envp;
+    envp.reserve(env_strings.size() + 1);
     for (auto& s : env_strings) envp.push_back(s.data());
     envp.push_back(nullptr);
     std::vector<std::string> args = options_.argv;
     std::vector<char*> argv;
+    argv.reserve(args.size() + 1);
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
 

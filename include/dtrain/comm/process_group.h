@@ -176,6 +176,6 @@ ProcessGroup init_process_group(const GroupOptions& options = {});
 ProcessGroup init_process_group(const EnvContract& contract, const GroupOptions& options = {});
 // The world group over an existing store, e.g. Store::in_memory() shared by
 // rank threads. The calling thread's log identity becomes this rank.
-ProcessGroup init_process_group(Store store, int rank, int world_size, const GroupOptions& options = {});
+ProcessGroup init_process_group(const Store& store, int rank, int world_size, const GroupOptions& options = {});
 
 }  // namespace dtrain::dist

@@ -203,7 +203,8 @@ struct DataParallelEngine::State {
   std::shared_ptr<ReplicaThreads> threads;
 };
 
-DataParallelEngine::DataParallelEngine(std::shared_ptr<torch::nn::Module> primary, DataParallelOptions options)
+DataParallelEngine::DataParallelEngine(const std::shared_ptr<torch::nn::Module>& primary,
+                                       const DataParallelOptions& options)
     : state_(std::make_unique<State>()) {
   auto& s = *state_;
   DTRAIN_CHECK(primary != nullptr, ConfigError, "DataParallel got an empty module.", "pass a constructed module");

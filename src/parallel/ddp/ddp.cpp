@@ -87,7 +87,7 @@ struct DDPSink : public torch::autograd::Function<DDPSink> {
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+                                                 const torch::autograd::variable_list& grads) {
     auto state = SinkRegistry::find(ctx->saved_data["state"].toInt());
     if (state && state->static_graph && !state->delay_enqueued) {
       if (auto reducer = state->reducer.lock()) {

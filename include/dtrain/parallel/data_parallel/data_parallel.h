@@ -63,7 +63,7 @@ namespace detail {
 // The untyped machinery behind DataParallel<M>.
 class DataParallelEngine {
  public:
-  DataParallelEngine(std::shared_ptr<torch::nn::Module> primary, DataParallelOptions options);
+  DataParallelEngine(const std::shared_ptr<torch::nn::Module>& primary, const DataParallelOptions& options);
   ~DataParallelEngine();
   DataParallelEngine(const DataParallelEngine&) = delete;
   DataParallelEngine& operator=(const DataParallelEngine&) = delete;
