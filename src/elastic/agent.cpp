@@ -120,6 +120,7 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
     result.restarts = plan.restart_count;
     ++result.rounds;
     std::vector<WorkerLaunch> launches;
+    launches.reserve(static_cast<std::size_t>(options_.nproc_per_node));
     for (int r = 0; r < options_.nproc_per_node; ++r) {
       launches.push_back({.local_rank = r, .global_rank = plan.rank_base + r, .env = worker_env(r, plan)});
     }

@@ -26,6 +26,7 @@
 // store, and the workers' store (MASTER_PORT) is separate.
 #include "rdzv_auth.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -109,7 +110,13 @@ bool write_all(int fd, const std::string& data) {
   return true;
 }
 
-int connect_to(const std::string& host, int port) {
+// The store on this host answers at once; only a wedged one takes longer.
+constexpr std::chrono::milliseconds kInnerConnectTimeout{5000};
+
+// A connection to host:port, or -1 when none is made within `timeout` (a
+// non-blocking connect: a host that drops packets must not hold the caller
+// for the kernel's SYN retries, minutes).
+int connect_to(const std::string& host, int port, std::chrono::milliseconds timeout) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -117,14 +124,23 @@ int connect_to(const std::string& host, int port) {
   if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0) return -1;
   int fd = -1;
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) continue;
-    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+    bool connected = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+    if (!connected && errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      int error = 0;
+      socklen_t len = sizeof error;
+      connected = ::poll(&p, 1, static_cast<int>(timeout.count())) == 1 &&
+                  ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0;
+    }
+    if (connected) break;
     ::close(fd);
     fd = -1;
   }
   ::freeaddrinfo(res);
   if (fd >= 0) {
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     const int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   }
@@ -261,7 +277,7 @@ void Gate::accept_loop() {
   }
 }
 
-void Gate::serve(int fd, std::string peer) {
+void Gate::serve(int fd, const std::string& peer) {
   if (!detail::server_handshake(fd, secret_)) {
     ++refused_;
     if (!stop_.load()) {
@@ -271,7 +287,7 @@ void Gate::serve(int fd, std::string peer) {
     ::shutdown(fd, SHUT_RDWR);
     return;
   }
-  const int inner = connect_to("127.0.0.1", inner_port_);
+  const int inner = connect_to("127.0.0.1", inner_port_, kInnerConnectTimeout);
   if (inner >= 0) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -312,9 +328,11 @@ Tunnel::~Tunnel() {
 
 void Tunnel::check() {
   const std::string where = host_ + ":" + std::to_string(port_);
-  const int fd = connect_to(host_, port_);
-  DTRAIN_CHECK(fd >= 0, TimeoutError, "could not reach the rendezvous store at " << where << ".",
-               "start the node whose address --rdzv-endpoint names first");
+  const int fd = connect_to(host_, port_, timeout_);
+  DTRAIN_CHECK(
+      fd >= 0, TimeoutError,
+      "could not reach the rendezvous store at " << where << " within " << log::format_seconds(timeout_) << ".",
+      "start the node whose address --rdzv-endpoint names first");
   try {
     detail::client_handshake(fd, secret_, where);
   } catch (...) {
@@ -334,7 +352,7 @@ void Tunnel::accept_loop() {
     open_fds_.push_back(local);
     threads_.emplace_back([this, local, id = log::identity()] {
       const log::ScopedIdentity scoped(id);
-      const int remote = connect_to(host_, port_);
+      const int remote = connect_to(host_, port_, timeout_);
       if (remote >= 0) {
         {
           std::lock_guard<std::mutex> inner(mutex_);

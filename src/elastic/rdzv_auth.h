@@ -34,7 +34,7 @@ class Gate {
 
  private:
   void accept_loop();
-  void serve(int fd, std::string peer);
+  void serve(int fd, const std::string& peer);
   int public_fd_;
   int inner_port_;
   std::string secret_;

@@ -73,7 +73,7 @@ at::Tensor grad_norm(const GradientSet& gradients, const ClipGradNormOptions& op
 at::Tensor clip_grad_norm_(const GradientSet& gradients, double max_norm, const ClipGradNormOptions& options) {
   at::NoGradGuard no_grad;
   const std::vector<at::Tensor> grads = grads_of(gradients.local_parameters());
-  const at::Tensor norm = total_norm(gradients, grads, options.norm_type);
+  at::Tensor norm = total_norm(gradients, grads, options.norm_type);  // not const: returned by move
   if (options.error_if_nonfinite) {
     const double value = norm.item<double>();
     DTRAIN_CHECK(std::isfinite(value), Error,

@@ -196,7 +196,7 @@ void resolve_backend(LaunchOptions& o, const NodeRange& nodes, elastic::AgentOpt
                "use --rdzv-backend c10d --rdzv-endpoint HOST:PORT (or static with --master-addr/--master-port)");
   DTRAIN_CHECK(backend == "c10d" || backend == "static", ConfigError, "--rdzv-backend " << backend << " is unknown.",
                "use c10d or static");
-  DTRAIN_CHECK(o.master_port < 0 || o.master_port <= 65535, ConfigError,
+  DTRAIN_CHECK(o.master_port == -1 || (o.master_port >= 1 && o.master_port <= 65535), ConfigError,
                "--master-port " << o.master_port << " is out of range.", "pass a port in 1..65535");
   if (o.standalone) return;  // as torchrun: the backend settings give way
   if (backend == "c10d") {
@@ -276,8 +276,10 @@ LaunchPlan plan_launch(const LaunchOptions& given, const dist::EnvLookup& env) {
     }
     for (const auto& d : devices) {
       if (!d.is_cuda()) continue;
-      const auto index = static_cast<size_t>(d.index());
-      visible += (visible.empty() ? "" : ",") + (index < physical.size() ? physical[index] : std::to_string(index));
+      const int index = d.index();  // NOLINT(bugprone-signed-char-misuse): DeviceIndex is an int8_t number
+      const bool known = index >= 0 && static_cast<std::size_t>(index) < physical.size();
+      visible +=
+          (visible.empty() ? "" : ",") + (known ? physical[static_cast<std::size_t>(index)] : std::to_string(index));
     }
     plan.agent.extra_env["CUDA_VISIBLE_DEVICES"] = cuda ? visible : "";
     // --nproc-per-node left at its default of 1: one worker per listed device.

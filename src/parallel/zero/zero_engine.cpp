@@ -301,8 +301,7 @@ at::Tensor ZeroEngine::forward(const at::Tensor& input) {
       const auto uu = static_cast<std::size_t>(u);
       if (grad && x.requires_grad()) {
         pending_output_hook = [this, x, uu] {
-          at::Tensor output = x;
-          output.register_hook([token = self_, uu](const at::Tensor&) {
+          x.register_hook([token = self_, uu](const at::Tensor&) {
             if (*token != nullptr) (*token)->pre_backward(uu);
           });
         };
