@@ -20,12 +20,14 @@ def load(path):
 
 ours, peers = load(sys.argv[1]), load(sys.argv[2])
 print("# memory per rank: parameters (peak during forward/backward) + gradients + optimizer state (MB, measured);")
-print("# resident: with the parameters held between steps (stage 3: shards only); formula: fp32 AdamW's")
-for case in ("ddp", "zero1", "zero2", "zero3"):
+print("# resident: with the parameters held between steps (stage 3: shards only); formula: fp32 AdamW's,")
+print("# for _bf16 mixed-precision Adam's (ZeRO paper: 4P + 12P/N, 2P + 14P/N, 16P/N)")
+CASES = ("ddp", "zero1", "zero2", "zero3", "zero1_bf16", "zero2_bf16", "zero3_bf16")
+for case in CASES:
     r = ours.get(case)
     if r:
         mb = lambda b: b / 2**20  # noqa: E731
-        print(f"{case:6s} params {mb(r['param_bytes']):6.2f}  grads {mb(r['grad_bytes']):6.2f}  "
+        print(f"{case:10s} params {mb(r['param_bytes']):6.2f}  grads {mb(r['grad_bytes']):6.2f}  "
               f"optimizer {mb(r['optimizer_bytes']):6.2f}  peak {mb(r['peak_bytes']):6.2f}  "
               f"resident {mb(r['resident_bytes']):6.2f}  formula {mb(r['formula_bytes']):6.2f}  "
               f"resident/formula {r['resident_bytes'] / r['formula_bytes']:.3f}  peak/formula {r['peak_bytes'] / r['formula_bytes']:.3f}")
@@ -42,10 +44,10 @@ pairs = [("ddp", "ddp"), ("zero3", "fsdp2"), ("zero2", "fsdp2"), ("zero1", "zero
 for mine, theirs in pairs:
     if mine in ours and theirs in peers:
         line(mine, "p50_ms", ours[mine]["p50_ms"], peers[theirs]["p50_ms"], peers[theirs]["impl"])
-for case in ("zero1", "zero2", "zero3"):  # against dtrain's own DDP: ratio = ddp / zero
+for case in CASES[1:]:  # against dtrain's own DDP: ratio = ddp / zero
     if case in ours and "ddp" in ours:
         line(case, "p50_ms_vs_dtrain_ddp", ours[case]["p50_ms"], ours["ddp"]["p50_ms"], "dtrain_ddp")
-for case in ("ddp", "zero1", "zero2", "zero3"):  # memory: ratio = formula / measured
+for case in CASES:  # memory: ratio = formula / measured
     if case in ours:
         line(case, "resident_bytes_vs_formula", ours[case]["resident_bytes"], ours[case]["formula_bytes"], "formula")
         line(case, "peak_bytes_vs_formula", ours[case]["peak_bytes"], ours[case]["formula_bytes"], "formula")

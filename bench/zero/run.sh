@@ -20,6 +20,10 @@ for round in 1 2 3; do  # three rounds, interleaved, so load drifts hit every ca
     launch_ranks "$ranks" "$tmp/one.jsonl" "$DTRAIN_BUILD/bench/bench_zero" --strategy "$s" --steps "$steps" "$@"
     sed "s/\"impl\":\"dtrain\"/\"impl\":\"dtrain\",\"round\":$round/" "$tmp/one.jsonl" >>"$tmp/dtrain.jsonl"
   done
+  for s in zero1 zero2 zero3; do  # mixed precision: bf16 parameters and reductions, fp32 master shards
+    launch_ranks "$ranks" "$tmp/one.jsonl" "$DTRAIN_BUILD/bench/bench_zero" --strategy "$s" --bf16 --steps "$steps" "$@"
+    sed "s/\"impl\":\"dtrain\"/\"impl\":\"dtrain\",\"round\":$round/" "$tmp/one.jsonl" >>"$tmp/dtrain.jsonl"
+  done
   for s in ddp fsdp2 zero_redundancy; do
     launch_ranks "$ranks" "$tmp/one.jsonl" "$DTRAIN_PYTHON" "$here/peer.py" --strategy "$s" --steps "$steps" "$@"
     sed "s/\"impl\"/\"round\":$round,\"impl\"/" "$tmp/one.jsonl" >>"$tmp/peer.jsonl"

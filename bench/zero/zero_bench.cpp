@@ -10,9 +10,12 @@
 // step; resident_bytes counts the parameters held between steps instead of
 // their peak (stage 3: its shards, without the units gathered for compute,
 // which come and go like activations); formula_bytes is fp32 AdamW's: DDP 16P, stage 1 8P + 8P/N, stage 2
-// 4P + 12P/N, stage 3 16P/N.
+// 4P + 12P/N, stage 3 16P/N. With --bf16 (ZeRO only: MixedPrecisionPolicy
+// bf16 parameters and reductions, fp32 master shards) it is the paper's
+// mixed-precision Adam: stage 1 4P + 12P/N, stage 2 2P + 14P/N, stage 3 16P/N
+// (case "zeroK_bf16").
 //
-//   zero_bench --strategy ddp|zero1|zero2|zero3 --steps 30 --batch 12 --block 64
+//   zero_bench --strategy ddp|zero1|zero2|zero3 [--bf16] --steps 30 --batch 12 --block 64
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/optim/adamw.h>
@@ -77,6 +80,8 @@ int main(int argc, char** argv) {
   app.add_option("--block", config.block_size);
   app.add_option("--n-layer", config.n_layer);
   app.add_option("--n-embd", config.n_embd);
+  bool bf16 = false;
+  app.add_flag("--bf16", bf16, "ZeRO with bf16 parameters and reductions, fp32 master shards");
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
@@ -94,7 +99,9 @@ int main(int argc, char** argv) {
       ddp.emplace(net, group, dtrain::DDPOptions{.gradient_as_bucket_view = true});
       opt_params = net->parameters();
     } else {
-      sdp.emplace(net, group, gpt::zero_options(strategy));
+      auto options = gpt::zero_options(strategy);
+      if (bf16) options.mixed_precision = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kBFloat16};
+      sdp.emplace(net, group, options);
       opt_params = sdp->parameters();
     }
     torch::optim::AdamW opt(opt_params, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
@@ -134,11 +141,15 @@ int main(int argc, char** argv) {
     }
     group.barrier();
     if (group.rank() == 0) {
-      const double p = static_cast<double>(numel) * 4.0, n = world;
-      const double formula = strategy == "ddp"     ? 4 * p
-                             : strategy == "zero1" ? 2 * p + 2 * p / n
-                             : strategy == "zero2" ? p + 3 * p / n
-                                                   : 4 * p / n;
+      const double p = static_cast<double>(numel) * 4.0, n = world;  // p: bytes of one fp32 copy (4 psi)
+      double formula = strategy == "ddp"     ? 4 * p
+                       : strategy == "zero1" ? 2 * p + 2 * p / n
+                       : strategy == "zero2" ? p + 3 * p / n
+                                             : 4 * p / n;
+      if (bf16) {
+        formula = strategy == "zero1" ? p + 3 * p / n : strategy == "zero2" ? p / 2 + 3.5 * p / n : 4 * p / n;
+      }
+      if (bf16 && strategy != "ddp") strategy += "_bf16";
       std::printf(
           "{\"impl\":\"dtrain\",\"case\":\"%s\",\"world\":%d,\"params\":%lld,\"p50_ms\":%.3f,\"p95_ms\":%.3f,"
           "\"param_bytes\":%lld,\"grad_bytes\":%lld,\"optimizer_bytes\":%lld,\"peak_bytes\":%lld,"

@@ -1,6 +1,6 @@
 // Trains a small CNN on Fashion-MNIST with dtrain::Trainer and reports test accuracy.
 //
-//   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel]
+//   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3]
 //                 [--devices all] [--epochs 2] [--batch-size 64] [--lr 1e-3] [--seed 0]
 //                 [--amp off|bf16|fp16] [--accumulate 1] [--clip-norm 0]
 //                 [--checkpoint-dir DIR [--checkpoint-every N]] [--tensorboard DIR] [--trace FILE]
@@ -17,6 +17,9 @@
 //   ddp-model-parallel  the hybrid: ddp, with each rank's model placed over its share of the
 //                       devices (CUDA devices are divided among a node's ranks; CPU lists are
 //                       used whole by every rank)
+//   zero1|zero2|zero3   ddp's processes and data, with ShardedDataParallel (ZeRO): the optimizer
+//                       state (1), also the gradients (2), also the parameters (3) split over
+//                       the ranks; checkpoints reshard onto another number of ranks
 // After the model is built, each rank seeds its generators with seed + rank
 // (dropout masks differ per rank); checkpoints restore each rank's own.
 //
@@ -107,7 +110,7 @@ int run(Options opt) {
   DTRAIN_LOG(kInfo) << opt.strategy << " training on " << dtrain::format_devices(where.devices) << ": " << per_rank
                     << " examples per rank, " << opt.epochs << " epochs, batch " << opt.batch_size << " per rank";
 
-  torch::optim::Adam optimizer(strategy->module().parameters(), torch::optim::AdamOptions(opt.lr));
+  torch::optim::Adam optimizer(strategy->parameters(), torch::optim::AdamOptions(opt.lr));
   std::optional<c10::ScalarType> amp;
   if (opt.amp == "bf16") amp = at::kBFloat16;
   if (opt.amp == "fp16") amp = at::kHalf;
@@ -136,6 +139,7 @@ int run(Options opt) {
   });
   const auto summary = trainer.fit();
   if (where.group) where.group->barrier();
+  const auto full = strategy->full_parameters();  // collective: ZeRO gathers its shards
   if (where.rank == 0) {
     std::cout << nlohmann::json{{"event", "done"},
                                 {"strategy", opt.strategy},
@@ -157,7 +161,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Train a small CNN on Fashion-MNIST with dtrain."};
   Options opt;
   app.add_option("--strategy", opt.strategy, "Parallelism strategy")
-      ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel"}))
+      ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3"}))
       ->capture_default_str();
   app.add_option("--devices", opt.devices,
                  "Devices: cpu, cuda, cuda:N, N, or all, comma-separated (cpu,cpu gives two CPU replicas or stages)")

@@ -16,8 +16,13 @@ struct PlacementOptions {
   std::string devices = "all";
 };
 
+// ZeRO stage of --strategy zero1|zero2|zero3, 0 otherwise.
+inline int zero_stage(const std::string& strategy) {
+  return strategy.size() == 5 && strategy.rfind("zero", 0) == 0 ? strategy[4] - '0' : 0;
+}
+
 inline bool distributed(const std::string& strategy) {
-  return strategy == "ddp" || strategy == "ddp-model-parallel";
+  return strategy == "ddp" || strategy == "ddp-model-parallel" || zero_stage(strategy) > 0;
 }
 
 // Where this process trains and which share of the data it sees.
@@ -25,7 +30,7 @@ struct Placement {
   std::vector<c10::Device> devices;  // this process's devices
   int rank = 0;
   int world = 1;
-  std::optional<dtrain::dist::ProcessGroup> group;  // ddp only
+  std::optional<dtrain::dist::ProcessGroup> group;  // ddp, zero only
 };
 
 inline Placement place(const PlacementOptions& opt) {
@@ -46,7 +51,7 @@ inline Placement place(const PlacementOptions& opt) {
                    << opt.strategy << " (or torchrun)");
   const auto env = dtrain::dist::read_env_contract();
   std::vector<c10::Device> devices;
-  if (opt.strategy == "ddp") {
+  if (opt.strategy == "ddp" || zero_stage(opt.strategy) > 0) {
     devices = {dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size)};
   } else {
     devices = dtrain::parse_devices(opt.devices);
@@ -79,6 +84,14 @@ inline std::shared_ptr<dtrain::Strategy> make_strategy(const PlacementOptions& o
     return std::make_shared<dtrain::ForwardStrategy>(dtrain::ForwardStrategy::Parts{
         "model-parallel", split.ptr(), [split](const at::Tensor& x) mutable { return split(x); }, first,
         split->output_device()});
+  }
+  if (const int stage = zero_stage(opt.strategy)) {
+    // ShardedDataParallel runs a Sequential unit by unit: the same layers and
+    // initialisation as SmallCnn (ModelParallelEqualsSingleDevice checks it).
+    auto layers = small_cnn_layers();
+    layers->to(first);
+    auto sdp = std::make_shared<dtrain::ShardedDataParallel>(layers, *where.group, dtrain::ZeroOptions{.stage = stage});
+    return std::make_shared<dtrain::ZeroStrategy>(sdp, first);
   }
   SmallCnn net;
   net->to(first);

@@ -238,6 +238,10 @@ std::shared_ptr<Stateful> optimizer_state(torch::optim::Optimizer& optimizer) {
   return std::make_shared<OptimizerState>(optimizer);
 }
 
+void ShardedStateful::load_state(torch::serialize::InputArchive& /*archive*/) {
+  DTRAIN_INTERNAL_ASSERT(false, "sharded state is loaded through load_parts");
+}
+
 Checkpointer::Checkpointer(CheckpointOptions options, std::optional<dist::ProcessGroup> group)
     : options_(std::move(options)), group_(std::move(group)) {
   DTRAIN_CHECK(!options_.dir.empty(), ConfigError, "the checkpoint directory is empty.", "pass a directory");
@@ -251,6 +255,9 @@ void Checkpointer::add_state(const std::string& name, std::shared_ptr<Stateful> 
                "checkpoint state name '" << name << "' is not allowed.",
                "use letters, digits, '_', '-' and '.', other than model, optimizer, state and rng");
   DTRAIN_CHECK(object != nullptr, ConfigError, "checkpoint state '" << name << "' is null.", "pass an object");
+  DTRAIN_CHECK(scope != StateScope::kSharded || dynamic_cast<ShardedStateful*>(object.get()) != nullptr, ConfigError,
+               "checkpoint state '" << name << "' is added as sharded but is not a ShardedStateful.",
+               "derive it from dtrain::ShardedStateful (load_parts reads every saved rank's part)");
   for (const auto& entry : added_) {
     DTRAIN_CHECK(entry.name != name, ConfigError, "checkpoint state '" << name << "' was added twice.",
                  "give each state its own name");
@@ -335,7 +342,7 @@ void Checkpointer::save_entries(const TrainingState& state, const std::vector<En
     fs::create_directories(tmp / rank_dir(rank));
     put(rank_dir(rank) + "/rng.pt", archive_bytes(RngState()));
     for (const auto& entry : entries) {
-      if (entry.scope == StateScope::kPerRank) {
+      if (entry.scope != StateScope::kReplicated) {
         put(rank_dir(rank) + "/" + entry.name + ".pt", archive_bytes(*entry.object));
       } else if (rank == 0) {
         put(entry.name + ".pt", archive_bytes(*entry.object));
@@ -420,6 +427,27 @@ std::optional<TrainingState> Checkpointer::load_entries(const std::vector<Entry>
   const auto meta = nlohmann::json::parse(read_all(dir / kStateFile));
   const int saved_world = meta.value("world_size", 1);
   for (const auto& entry : entries) {
+    if (entry.scope == StateScope::kSharded) {
+      std::vector<std::unique_ptr<torch::serialize::InputArchive>> parts(static_cast<std::size_t>(saved_world));
+      auto part = [&](int r) -> torch::serialize::InputArchive& {
+        DTRAIN_CHECK(r >= 0 && r < saved_world, DataError,
+                     "sharded state '" << entry.name << "' asked for the part of rank " << r << " of " << saved_world
+                                       << " in " << dir.string() << ".",
+                     "ask only for ranks below the saved world size");
+        auto& a = parts[static_cast<std::size_t>(r)];
+        if (!a) {
+          const fs::path file = dir / rank_dir(r) / (entry.name + ".pt");
+          DTRAIN_CHECK(fs::exists(file), DataError,
+                       "checkpoint " << dir.string() << " has no part of '" << entry.name << "' for rank " << r << ".",
+                       "it was written without it; add the same states when saving and loading");
+          a = std::make_unique<torch::serialize::InputArchive>();
+          a->load_from(file.string());
+        }
+        return *a;
+      };
+      dynamic_cast<ShardedStateful&>(*entry.object).load_parts(part, saved_world);
+      continue;
+    }
     fs::path file = dir / (entry.name + ".pt");
     if (entry.scope == StateScope::kPerRank) {
       file = dir / rank_dir(rank) / (entry.name + ".pt");

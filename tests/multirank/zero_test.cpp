@@ -188,7 +188,7 @@ INSTANTIATE_TEST_SUITE_P(Stages, ZeroPeerDeath, ::testing::Values(2, 3));
 namespace {
 
 // Mixed precision: fp64 compute over fp32 masters tracks the fp32 reference
-// closely; bf16 compute with fp32 reduction stays near it.
+// closely; bf16 compute with fp32 or bf16 reduction stays near it.
 TEST(Zero, MixedPrecisionPolicy) {
   constexpr int world = 2, kPerRank = 4;
   run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
@@ -199,7 +199,8 @@ TEST(Zero, MixedPrecisionPolicy) {
       double rtol;
     };
     for (const Case c : {Case{2, at::kDouble, at::kDouble, 1e-4}, Case{3, at::kDouble, at::kFloat, 1e-4},
-                         Case{1, at::kBFloat16, at::kFloat, 5e-2}, Case{3, at::kBFloat16, at::kFloat, 5e-2}}) {
+                         Case{1, at::kBFloat16, at::kFloat, 5e-2}, Case{3, at::kBFloat16, at::kFloat, 5e-2},
+                         Case{1, at::kBFloat16, at::kBFloat16, 5e-2}, Case{2, at::kBFloat16, at::kBFloat16, 5e-2}}) {
       SCOPED_TRACE("stage " + std::to_string(c.stage) + " " + c10::toString(c.param));
       auto model = make_model();
       auto reference = make_model();
@@ -214,6 +215,11 @@ TEST(Zero, MixedPrecisionPolicy) {
         const Batch mine = batch.slice(rank * kPerRank, kPerRank);
         opt->zero_grad();
         loss_of(sdp(mine.x.to(c.param)).to(at::kFloat), mine.y).backward();
+        for (const auto& s : sdp.parameters()) {  // 16-bit reductions stay 16-bit (ZeRO's mixed-precision memory)
+          if (s.grad().defined()) {
+            EXPECT_EQ(s.grad().scalar_type(), c.reduce == at::kBFloat16 ? c.reduce : at::kFloat);
+          }
+        }
         opt->step();
         ref_opt->zero_grad();
         loss_of(reference->forward(batch.x), batch.y).backward();

@@ -68,8 +68,22 @@ class Stateful {
 
 // Replicated: identical on every rank; rank 0 writes <name>.pt and every rank
 // loads it. Per-rank: each rank writes and loads its own rank_<R>/<name>.pt
-// (ZeRO shards, per-rank streams); loading with a rank that has no part is an error.
-enum class StateScope { kReplicated, kPerRank };
+// (per-rank streams); loading with a rank that has no part is an error.
+// Sharded: each rank writes rank_<R>/<name>.pt as per-rank state, but the
+// object (a ShardedStateful) loads from the parts of all the ranks that saved,
+// however many they were: it reshards (ZeRO's parameter and optimizer shards).
+enum class StateScope { kReplicated, kPerRank, kSharded };
+
+// State split over ranks that a different number of ranks can load
+// (StateScope::kSharded). save_state writes this rank's part; at load,
+// load_parts gets every saving rank's part (part(r) for r < saved_world,
+// opened on first use, verified by the MANIFEST) and takes what this rank needs.
+class ShardedStateful : public Stateful {
+ public:
+  virtual void load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) = 0;
+  // Sharded state is loaded through load_parts only.
+  void load_state(torch::serialize::InputArchive& archive) final;
+};
 
 // A Stateful from two functions over a text (e.g. JSON) representation.
 std::shared_ptr<Stateful> json_state(std::function<std::string()> save, std::function<void(const std::string&)> load);

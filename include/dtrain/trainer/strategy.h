@@ -45,8 +45,15 @@ class Strategy {
 
   virtual ~Strategy() = default;
   virtual std::string name() const = 0;
-  // The module being trained: its parameters go to the optimizer; train()/eval() modes.
+  // The module being trained (train()/eval() modes, its parameters' values).
   virtual torch::nn::Module& module() = 0;
+  // The tensors the optimizer steps on: the module's parameters, or this
+  // rank's shards of them (ZeRO).
+  virtual std::vector<at::Tensor> parameters() { return module().parameters(); }
+  // While the returned scope lives, module() holds the full, current
+  // parameters (e.g. to read or export them); nullptr when it always does.
+  // Collective where parameters are sharded: every rank calls it.
+  virtual std::unique_ptr<Scope> full_parameters() { return nullptr; }
   // Where inputs are put and where outputs (and so targets) come out.
   virtual c10::Device input_device() const = 0;
   virtual c10::Device output_device() const = 0;

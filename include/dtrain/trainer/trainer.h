@@ -99,7 +99,7 @@ class Trainer {
   using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
   using Dataset = data::Dataset<data::TensorExample>;
 
-  // The optimizer must be over strategy->module()'s parameters. Default loss: cross-entropy.
+  // The optimizer must be over strategy->parameters(). Default loss: cross-entropy.
   Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& optimizer,
           std::shared_ptr<const Dataset> train_set, TrainerOptions options);
   ~Trainer();

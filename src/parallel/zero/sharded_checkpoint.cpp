@@ -10,12 +10,15 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
+#include "dtrain/trainer/checkpoint.h"
 #include "zero_engine.h"
 
 namespace dtrain {
@@ -91,6 +94,157 @@ std::string unit_key(std::size_t u, const std::string& what) {
   return "u" + std::to_string(u) + "." + what;
 }
 
+// How the units were cut when a part was saved: enough to reshard.
+struct SavedLayout {
+  std::string kind;  // optimizer kind
+  std::vector<std::string> names;
+  std::vector<std::int64_t> numel;
+  std::vector<std::int64_t> shard;
+};
+
+// This rank's part: every unit's chunk (fp32 masters), its optimizer state
+// laid out like the chunk, the unit's optimizer step, and the layout.
+void write_part(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
+                torch::serialize::OutputArchive& archive) {
+  torch::NoGradGuard no_grad;
+  const std::string kind = kind_of(optimizer);
+  auto& units = engine.units();
+  auto& shards = engine.shards();
+  std::vector<std::int64_t> numel, shard;
+  std::string names;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    const detail::Unit& unit = units[u];
+    archive.write(unit_key(u, "param"), unit.chunk.to(at::kFloat).clone());
+    std::int64_t unit_step = 0;
+    for (const std::string& key : state_keys(kind)) {
+      at::Tensor flat = at::zeros({unit.shard}, at::kFloat);
+      bool any = false;
+      for (std::size_t i : unit.pieces) {
+        auto it = optimizer.state().find(shards[i].shard.unsafeGetTensorImpl());
+        if (it == optimizer.state().end()) continue;
+        at::Tensor t = state_tensor(it->second.get(), key, &unit_step);
+        if (!t.defined()) continue;
+        flat.narrow(0, engine.piece_chunk_offset(i), t.numel()).copy_(t.reshape(-1));
+        any = true;
+      }
+      if (any) archive.write(unit_key(u, key), flat);
+    }
+    archive.write(unit_key(u, "step"), at::full({1}, unit_step, at::kLong));
+    numel.push_back(unit.numel);
+    shard.push_back(unit.shard);
+    names += (u == 0 ? "" : "\n") + unit.name;
+  }
+  archive.write("layout.kind", c10::IValue(kind));
+  archive.write("layout.names", c10::IValue(names));
+  archive.write("layout.numel", at::tensor(numel, at::kLong));
+  archive.write("layout.shard", at::tensor(shard, at::kLong));
+}
+
+SavedLayout read_layout(torch::serialize::InputArchive& archive) {
+  SavedLayout layout;
+  c10::IValue kind, names;
+  at::Tensor numel, shard;
+  archive.read("layout.kind", kind);
+  archive.read("layout.names", names);
+  archive.read("layout.numel", numel);
+  archive.read("layout.shard", shard);
+  layout.kind = kind.toStringRef();
+  std::stringstream in(names.toStringRef());
+  for (std::string name; std::getline(in, name);) layout.names.push_back(name);
+  for (std::int64_t i = 0; i < numel.numel(); ++i) {
+    layout.numel.push_back(numel[i].item<std::int64_t>());
+    layout.shard.push_back(shard[i].item<std::int64_t>());
+  }
+  return layout;
+}
+
+// Fills this rank's chunks and optimizer state from the parts of the
+// `old_world` ranks that saved (any number): each rank reads, from the saved
+// chunks, the ranges its own chunk covers. `where` names the checkpoint in errors.
+void read_parts(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
+                const std::function<torch::serialize::InputArchive&(int)>& archive, int old_world,
+                const std::string& where) {
+  torch::NoGradGuard no_grad;
+  const SavedLayout layout = read_layout(archive(0));
+  const std::string& kind = layout.kind;
+  auto& units = engine.units();
+  auto& shards = engine.shards();
+  DTRAIN_CHECK(layout.numel.size() == units.size(), ConfigError,
+               "checkpoint " << where << " has " << layout.numel.size() << " units, the model " << units.size() << ".",
+               "load it into the model (and sharding policy) it was saved from");
+  DTRAIN_CHECK(kind == kind_of(optimizer) || kind == "other", ConfigError,
+               "checkpoint " << where << " holds the state of a " << kind << " optimizer, this run uses "
+                             << kind_of(optimizer) << ".",
+               "resume with the optimizer the checkpoint was saved with");
+  const int rank = engine.rank();
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    detail::Unit& unit = units[u];
+    DTRAIN_CHECK(layout.numel[u] == unit.numel, ConfigError,
+                 "checkpoint unit " << u << " (" << (u < layout.names.size() ? layout.names[u] : "?") << ") has "
+                                    << layout.numel[u] << " parameters, the model's " << unit.numel << ".",
+                 "load it into the model it was saved from");
+    const std::int64_t old_shard = layout.shard[u];
+    const std::int64_t begin = rank * unit.shard, end = std::min(begin + unit.shard, unit.numel);
+    // This rank's new chunk of `what`, from the old ranks' chunks covering it.
+    auto assemble = [&](const std::string& what, bool* found) {
+      at::Tensor out = at::zeros({unit.shard}, at::kFloat);
+      for (int r = 0; r < old_world; ++r) {
+        const std::int64_t lo = std::max(begin, r * old_shard), hi = std::min(end, (r + 1) * old_shard);
+        if (hi <= lo) continue;
+        at::Tensor t;
+        if (!archive(r).try_read(unit_key(u, what), t)) continue;
+        *found = true;
+        out.narrow(0, lo - begin, hi - lo).copy_(t.narrow(0, lo - r * old_shard, hi - lo));
+      }
+      return out;
+    };
+    bool found = false;
+    unit.chunk.copy_(assemble("param", &found));
+    std::int64_t unit_step = 0;
+    for (int r = 0; r < old_world; ++r) {
+      at::Tensor t;
+      if (archive(r).try_read(unit_key(u, "step"), t)) unit_step = std::max(unit_step, t.item<std::int64_t>());
+    }
+    std::map<std::string, at::Tensor> values;
+    for (const std::string& key : state_keys(kind)) {
+      bool has = false;
+      at::Tensor flat = assemble(key, &has);
+      if (has) values[key] = flat;
+    }
+    for (std::size_t i : unit.pieces) {
+      at::Tensor& shard = shards[i].shard;
+      auto* impl = shard.unsafeGetTensorImpl();
+      optimizer.state().erase(impl);
+      if (values.empty() || kind == "other") continue;
+      std::map<std::string, at::Tensor> mine;
+      for (const auto& [key, flat] : values) {
+        mine[key] = flat.narrow(0, engine.piece_chunk_offset(i), shard.numel()).clone();
+      }
+      optimizer.state()[impl] = make_state(kind, mine, unit_step);
+    }
+  }
+  engine.mark_dirty();
+}
+
+// The Trainer's Checkpointer's view of the same parts (StateScope::kSharded).
+class ZeroState : public ShardedStateful {
+ public:
+  ZeroState(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer) : sdp_(&sdp), optimizer_(&optimizer) {}
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    write_part(sdp_->engine(), *optimizer_, archive);
+  }
+  void load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) override {
+    read_parts(sdp_->engine(), *optimizer_, part, saved_world, "(sharded state)");
+    if (sdp_->engine().rank() == 0) {
+      DTRAIN_LOG(kInfo) << "loaded ZeRO shards saved by " << saved_world << " ranks onto " << sdp_->engine().world();
+    }
+  }
+
+ private:
+  ShardedDataParallel* sdp_;
+  torch::optim::Optimizer* optimizer_;
+};
+
 }  // namespace
 
 ShardedCheckpointer::ShardedCheckpointer(ShardedCheckpointOptions options, ShardedDataParallel& sdp,
@@ -112,27 +266,9 @@ void ShardedCheckpointer::save(std::int64_t step, const std::string& extra) {
   group.barrier();
 
   torch::serialize::OutputArchive archive;
-  auto& units = engine.units();
-  auto& shards = engine.shards();
+  write_part(engine, *optimizer_, archive);
   nlohmann::json manifest_units = nlohmann::json::array();
-  for (std::size_t u = 0; u < units.size(); ++u) {
-    const detail::Unit& unit = units[u];
-    archive.write(unit_key(u, "param"), unit.chunk.to(at::kFloat).clone());
-    std::int64_t unit_step = 0;
-    for (const std::string& key : state_keys(kind)) {
-      at::Tensor flat = at::zeros({unit.shard}, at::kFloat);
-      bool any = false;
-      for (std::size_t i : unit.pieces) {
-        auto it = optimizer_->state().find(shards[i].shard.unsafeGetTensorImpl());
-        if (it == optimizer_->state().end()) continue;
-        at::Tensor t = state_tensor(it->second.get(), key, &unit_step);
-        if (!t.defined()) continue;
-        flat.narrow(0, engine.piece_chunk_offset(i), t.numel()).copy_(t.reshape(-1));
-        any = true;
-      }
-      if (any) archive.write(unit_key(u, key), flat);
-    }
-    archive.write(unit_key(u, "step"), at::full({1}, unit_step, at::kLong));
+  for (const detail::Unit& unit : engine.units()) {
     manifest_units.push_back({{"name", unit.name}, {"numel", unit.numel}, {"shard", unit.shard}});
   }
   const fs::path file = tmp / ("rank_" + std::to_string(rank) + ".pt");
@@ -205,13 +341,6 @@ std::optional<ShardedCheckpointInfo> ShardedCheckpointer::load_latest() {
   const fs::path dir = step_dir(options_.dir, step);
   const auto manifest = nlohmann::json::parse(std::ifstream(dir / "MANIFEST"));
   const int old_world = manifest.at("world_size").get<int>();
-  const std::string kind = manifest.at("optimizer").get<std::string>();
-  auto& units = engine.units();
-  auto& shards = engine.shards();
-  DTRAIN_CHECK(
-      manifest.at("units").size() == units.size(), ConfigError,
-      "checkpoint " << dir << " has " << manifest.at("units").size() << " units, the model " << units.size() << ".",
-      "load it into the model (and sharding policy) it was saved from");
   std::vector<std::unique_ptr<torch::serialize::InputArchive>> archives(static_cast<std::size_t>(old_world));
   auto archive = [&](int r) -> torch::serialize::InputArchive& {
     auto& a = archives[static_cast<std::size_t>(r)];
@@ -221,61 +350,17 @@ std::optional<ShardedCheckpointInfo> ShardedCheckpointer::load_latest() {
     }
     return *a;
   };
+  read_parts(engine, *optimizer_, archive, old_world, dir.string());
   const int rank = engine.rank();
-  for (std::size_t u = 0; u < units.size(); ++u) {
-    detail::Unit& unit = units[u];
-    const auto& saved = manifest.at("units")[u];
-    DTRAIN_CHECK(saved.at("numel").get<std::int64_t>() == unit.numel, ConfigError,
-                 "checkpoint unit " << u << " (" << saved.at("name").get<std::string>() << ") has "
-                                    << saved.at("numel").get<std::int64_t>() << " parameters, the model's "
-                                    << unit.numel << ".",
-                 "load it into the model it was saved from");
-    const std::int64_t old_shard = saved.at("shard").get<std::int64_t>();
-    const std::int64_t begin = rank * unit.shard, end = std::min(begin + unit.shard, unit.numel);
-    // This rank's new chunk of `what`, from the old ranks' chunks covering it.
-    auto assemble = [&](const std::string& what, bool* found) {
-      at::Tensor out = at::zeros({unit.shard}, at::kFloat);
-      for (int r = 0; r < old_world; ++r) {
-        const std::int64_t lo = std::max(begin, r * old_shard), hi = std::min(end, (r + 1) * old_shard);
-        if (hi <= lo) continue;
-        at::Tensor t;
-        if (!archive(r).try_read(unit_key(u, what), t)) continue;
-        *found = true;
-        out.narrow(0, lo - begin, hi - lo).copy_(t.narrow(0, lo - r * old_shard, hi - lo));
-      }
-      return out;
-    };
-    bool found = false;
-    unit.chunk.copy_(assemble("param", &found));
-    std::int64_t unit_step = 0;
-    for (int r = 0; r < old_world; ++r) {
-      at::Tensor t;
-      if (archive(r).try_read(unit_key(u, "step"), t)) unit_step = std::max(unit_step, t.item<std::int64_t>());
-    }
-    std::map<std::string, at::Tensor> values;
-    for (const std::string& key : state_keys(kind)) {
-      bool has = false;
-      at::Tensor flat = assemble(key, &has);
-      if (has) values[key] = flat;
-    }
-    for (std::size_t i : unit.pieces) {
-      at::Tensor& shard = shards[i].shard;
-      auto* impl = shard.unsafeGetTensorImpl();
-      optimizer_->state().erase(impl);
-      if (values.empty() || kind == "other") continue;
-      std::map<std::string, at::Tensor> mine;
-      for (const auto& [key, flat] : values) {
-        mine[key] = flat.narrow(0, engine.piece_chunk_offset(i), shard.numel()).clone();
-      }
-      optimizer_->state()[impl] = make_state(kind, mine, unit_step);
-    }
-  }
-  engine.mark_dirty();
   if (rank == 0) {
     DTRAIN_LOG(kInfo) << "loaded ZeRO checkpoint of step " << step << " saved by " << old_world << " ranks";
   }
   return ShardedCheckpointInfo{
       .step = step, .saved_world_size = old_world, .extra = manifest.at("extra").get<std::string>()};
+}
+
+std::shared_ptr<ShardedStateful> zero_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer) {
+  return std::make_shared<ZeroState>(sdp, optimizer);
 }
 
 void ShardedCheckpointer::export_full_state_dict(const fs::path& path) {

@@ -119,9 +119,13 @@ void ZeroEngine::complete_reduction(std::size_t u) {
   Unit& unit = units_[u];
   unit.reduce_work.wait();
   unit.reduce_input = at::Tensor();
-  at::Tensor result = unit.reduce_output.to(c10::kFloat);
+  // Shard gradients stay in a 16-bit reduce dtype (the ZeRO paper's mixed-
+  // precision Adam counts 2 bytes for them; the reduced values are those
+  // anyway, and optimizers upcast per operation against the fp32 masters);
+  // wider reduce dtypes arrive as the masters' fp32.
+  at::Tensor result = unit.reduce_output.element_size() < 4 ? unit.reduce_output : unit.reduce_output.to(c10::kFloat);
   unit.reduce_output = at::Tensor();
-  if (options_.stage == 1 && unit.grad_flat.scalar_type() == c10::kFloat) {
+  if (options_.stage == 1 && unit.grad_flat.defined() && unit.grad_flat.scalar_type() == result.scalar_type()) {
     // this rank's averaged slice back into the full gradient buffer (see prepare_gradient_buffers)
     unit.grad_flat.narrow(0, rank_ * unit.shard, unit.shard).copy_(result);
     result = unit.grad_flat.narrow(0, rank_ * unit.shard, unit.shard);

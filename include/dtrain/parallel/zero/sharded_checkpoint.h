@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -31,6 +32,13 @@ class Optimizer;
 namespace dtrain {
 
 class ShardedDataParallel;
+class ShardedStateful;
+
+// The same shards (parameters and optimizer state, resharded on load) as a
+// state of the general Checkpointer (StateScope::kSharded): how the Trainer's
+// ZeroStrategy checkpoints, together with the schedule, scaler, sampler and
+// generators in one atomic commit.
+std::shared_ptr<ShardedStateful> zero_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer);
 
 struct ShardedCheckpointOptions {
   std::filesystem::path dir;

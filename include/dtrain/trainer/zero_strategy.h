@@ -1,0 +1,60 @@
+// The Trainer's strategy for sharded data parallelism (ZeRO stages 1-3):
+//
+//   auto sdp = std::make_shared<dtrain::ShardedDataParallel>(model, group, dtrain::ZeroOptions{.stage = 2});
+//   auto strategy = std::make_shared<dtrain::ZeroStrategy>(sdp, c10::kCPU);
+//   torch::optim::AdamW opt(strategy->parameters(), 1e-3);    // the same shards
+//   dtrain::Trainer trainer(strategy, opt, data, options);
+//
+// Forward and evaluation go through ShardedDataParallel (stage 3 gathers each
+// unit as it runs); accumulation's first micro-batches run under its no_sync
+// (full gradients kept until the last, memory as DDP); clipping sums the
+// shards' squares over the group (ShardedGradients); GradScaler's found-inf
+// is combined over the group. Checkpoints hold this rank's shards of the
+// parameters and optimizer state as StateScope::kSharded state of the
+// Trainer's Checkpointer (zero_state), committed with the sampler, schedule,
+// scaler and generators: a run saved on N ranks resumes on any number.
+#pragma once
+
+#include <memory>
+
+#include "dtrain/trainer/strategy.h"
+
+namespace dtrain {
+
+class ShardedDataParallel;
+
+class ZeroStrategy : public Strategy {
+ public:
+  // The optimizer given to the Trainer must be over sdp->parameters().
+  ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device device);
+  ~ZeroStrategy() override;
+
+  std::string name() const override;
+  torch::nn::Module& module() override;
+  std::vector<at::Tensor> parameters() override;
+  std::unique_ptr<Scope> full_parameters() override;
+  c10::Device input_device() const override { return device_; }
+  c10::Device output_device() const override { return device_; }
+  at::Tensor forward(const at::Tensor& input) override;
+  std::unique_ptr<Scope> no_sync() override;
+  void zero_grad(torch::optim::Optimizer& optimizer) override;
+  std::unique_ptr<GradientSet> gradients() override;
+  std::optional<dist::ProcessGroup> found_inf_group() override;
+  int data_rank() const override { return rank_; }
+  int data_world() const override { return world_; }
+  std::optional<dist::ProcessGroup> group() override;
+  void save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) override;
+  std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) override;
+
+  ShardedDataParallel& sdp() { return *sdp_; }
+
+ private:
+  void add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer);
+  std::shared_ptr<ShardedDataParallel> sdp_;
+  c10::Device device_;
+  int rank_ = 0;
+  int world_ = 1;
+  const Checkpointer* added_to_ = nullptr;  // the checkpointer holding our state
+};
+
+}  // namespace dtrain

@@ -1,0 +1,88 @@
+// The Trainer's ZeRO strategy (include/dtrain/trainer/zero_strategy.h).
+#include "dtrain/trainer/zero_strategy.h"
+
+#include "dtrain/error.h"
+#include "dtrain/parallel/zero/sharded_checkpoint.h"
+#include "dtrain/parallel/zero/sharded_data_parallel.h"
+
+namespace dtrain {
+
+ZeroStrategy::ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device device)
+    : sdp_(std::move(sdp)), device_(device) {
+  DTRAIN_CHECK(sdp_ != nullptr, ConfigError, "ZeroStrategy got no ShardedDataParallel.",
+               "pass std::make_shared<dtrain::ShardedDataParallel>(model, group, options)");
+  rank_ = sdp_->group().rank();
+  world_ = sdp_->group().size();
+}
+
+ZeroStrategy::~ZeroStrategy() = default;
+
+std::string ZeroStrategy::name() const {
+  return "zero" + std::to_string(sdp_->options().stage);
+}
+
+torch::nn::Module& ZeroStrategy::module() {
+  return sdp_->module();
+}
+
+std::vector<at::Tensor> ZeroStrategy::parameters() {
+  return sdp_->parameters();
+}
+
+std::unique_ptr<Strategy::Scope> ZeroStrategy::full_parameters() {
+  struct Guard : Scope {
+    explicit Guard(ShardedDataParallel& sdp) : guard(sdp.full_parameters()) {}
+    ShardedDataParallel::FullParameters guard;
+  };
+  return std::make_unique<Guard>(*sdp_);
+}
+
+at::Tensor ZeroStrategy::forward(const at::Tensor& input) {
+  return sdp_->forward(input);
+}
+
+std::unique_ptr<Strategy::Scope> ZeroStrategy::no_sync() {
+  struct Guard : Scope {
+    explicit Guard(ShardedDataParallel& sdp) : guard(sdp.no_sync()) {}
+    ShardedDataParallel::NoSync guard;
+  };
+  return std::make_unique<Guard>(*sdp_);
+}
+
+// The shards' gradients and any full gradients kept (stage 1, no_sync); the
+// optimizer's own zero_grad would not reach the latter.
+void ZeroStrategy::zero_grad(torch::optim::Optimizer& /*optimizer*/) {
+  sdp_->zero_grad();
+}
+
+std::unique_ptr<GradientSet> ZeroStrategy::gradients() {
+  return std::make_unique<ShardedGradients>(sdp_->parameters(), sdp_->group());
+}
+
+std::optional<dist::ProcessGroup> ZeroStrategy::found_inf_group() {
+  return sdp_->group();
+}
+
+std::optional<dist::ProcessGroup> ZeroStrategy::group() {
+  return sdp_->group();
+}
+
+void ZeroStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
+  if (added_to_ == &checkpointer) return;
+  DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "ZeroStrategy is used with a second Checkpointer.",
+               "use one Trainer (one checkpoint directory) per strategy");
+  checkpointer.add_state("zero", zero_state(*sdp_, optimizer), StateScope::kSharded);
+  added_to_ = &checkpointer;
+}
+
+void ZeroStrategy::save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) {
+  add_to(checkpointer, optimizer);
+  checkpointer.save(state);
+}
+
+std::optional<TrainingState> ZeroStrategy::load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
+  add_to(checkpointer, optimizer);
+  return checkpointer.load_latest();
+}
+
+}  // namespace dtrain
