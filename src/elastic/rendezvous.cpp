@@ -30,40 +30,47 @@
 //   collectives at once, and that must not be counted as a restart.
 // - Heartbeats are counters, not timestamps, so clocks need not agree.
 //
-// Note [Store-host failover] (design; not implemented yet, issue 15 item 3)
-// Today the store lives in the process of the node the endpoint names, and
-// losing that node ends the job ("lost the rendezvous store"). The plan:
-// - Generations. Keys move under dtrain/rdzv/g<G>/; the first store is G=0.
-//   Every node caches the last closed round it was a member of: its number,
-//   restart count, and the members' records (id, address, node rank), which
-//   every member already reads when the round closes.
-// - Successor. When a store operation fails (connection reset, or no answer
-//   within the heartbeat timeout), each surviving member walks the cached
-//   members in node-rank order, skipping the old host: the first candidate
-//   that answers on its address at the endpoint's port is the new host; a
-//   node that reaches no lower candidate within a heartbeat timeout hosts
-//   generation G+1 itself, seeded with run id, --nnodes, G+1, and the cached
-//   round and restart count. Candidates that have not hosted refuse
-//   connections, so a node can never join a store of the wrong generation.
+// Note [Store-host failover]
+// The store lives in the agent of the node the endpoint names. When that node
+// is lost, the others go on with a store of the next generation:
+// - What every node knows. Each member caches the last round it joined: its
+//   number, restart count and the members' records (id, address, node rank,
+//   and whether the node hosted the store), read when the round closed.
+// - Detection. A store operation of the rendezvous (heartbeat, poll, a
+//   failure report, joining) fails with CommunicationError: the host's
+//   process is gone (connection reset). The entry point then fails over
+//   (State::failover) instead of ending the job.
+// - Successor. Every survivor walks the cached members in node-rank order,
+//   skipping the old host. When the candidate is itself, it hosts generation
+//   G+1 at its own address and the endpoint's port, seeds it (run id,
+//   --nnodes, the cached round as closed and ended by a membership change
+//   with its restart count, the first round of G+1, the quorum) and writes
+//   `generation` last. Otherwise it connects to the candidate's address for
+//   up to 2 heartbeat timeouts + last call and accepts the store only if it
+//   says generation G+1 (a stale store or a half-seeded one is never joined);
+//   failing that it moves to the next candidate. All survivors compute the
+//   same order, so they meet at the same node.
 // - Quorum (no split brain). The first round of G+1 closes only with at least
-//   MIN nodes and more than half of the cached round's members. Under a
-//   partition at most one side holds a strict majority, so at most one side
-//   goes on; a side below MIN or without a majority stops with an error
-//   naming the lost nodes, never trains alone. Consequence: a 2-node job
-//   whose store host dies stops (1 of 2 is no majority) unless
-//   --rdzv-conf failover_quorum=min trades that guarantee for availability
-//   (safe whenever MIN > N/2, where the two conditions coincide).
+//   MIN nodes and a strict majority of the cached round's members. Under a
+//   partition at most one side holds a majority, so at most one side goes
+//   on; a side without one stops after --rdzv-timeout with a RendezvousError
+//   saying why. A 2-node job whose store host dies therefore stops (1 of 2 is
+//   no majority) unless --rdzv-conf failover_quorum=min trades that guarantee
+//   for availability (safe whenever MIN > N/2, where the two coincide).
 // - The round after a failover is a membership change: it uses no restart,
 //   and training resumes from the last checkpoint as after any lost node.
 //   The workers' store needs nothing new: node rank 0 of each round hosts it.
-// - Joining later. New nodes know only --rdzv-endpoint, the old host. Either
-//   the endpoint is a name that follows the host (a Kubernetes Service, a
-//   DNS name), or --rdzv-endpoint takes a list, tried in order, and each
-//   generation's host also answers there. A node that comes back from a
-//   partition with a stale generation reads the newer one from any member it
-//   reaches and rejoins as a new arrival.
-// - Authentication carries over: the new host gates its store with the same
-//   secret (Note [Rendezvous authentication]).
+// - Authentication carries over: the successor gates its store with the same
+//   secret (Note [Rendezvous authentication]); clients tunnel as before.
+// Limits: detection relies on the connection failing. A host cut off by a
+// partition (no reset) is noticed only when the store client's timeout
+// (--rdzv-timeout) expires. Survivors must have been members of the same
+// last round (true unless the host dies while a round is closing). New nodes
+// know only --rdzv-endpoint: after a failover they can join only if the
+// endpoint is a name that follows the host (a Kubernetes Service, DNS).
+// Tests: Elastic.LosingTheStoreHostIsSurvivedByTheOthers (loopback, with a
+// secret), Elastic.StoreHostLossIsSurvivedAcrossNetworkNamespaces,
+// Elastic.AStoreHostLossWithoutMajorityStopsUnlessQuorumIsMin.
 #include "dtrain/elastic/rendezvous.h"
 
 #include "../core/net.h"
@@ -148,6 +155,7 @@ struct NodeRecord {
   std::string addr;
   int nproc = 1;
   int node_rank = -1;
+  bool hosts = false;  // hosted the store when it joined
 };
 
 }  // namespace
@@ -166,6 +174,26 @@ struct StoreRendezvous::State {
   std::vector<Clock::time_point> peer_seen;
   Clock::time_point last_heartbeat{};
   Clock::time_point last_peer_check{};
+  int generation = 0;  // stores hosted so far after the first (Note [Store-host failover])
+
+  // The first round of this store's generation (0 for the first store).
+  int first_round() {
+    const auto v = store->try_get(key("first_round"));
+    return v ? std::stoi(*v) : 0;
+  }
+
+  // Nodes the first round of a generation needs besides MIN (0: none).
+  int quorum_for(int r) {
+    if (r != first_round()) return 0;
+    const auto v = store->try_get(key("quorum"));
+    return v ? std::stoi(*v) : 0;
+  }
+
+  // Note [Store-host failover]: after the store's host was lost, moves to the
+  // next generation's store, hosted by the surviving member of the last round
+  // with the lowest node rank; false when this node never was a member (it
+  // knows no one) or no candidate could host or be reached.
+  bool failover(const std::string& why);
 
   void heartbeat(bool force = false) {
     const auto now = Clock::now();
@@ -213,7 +241,7 @@ struct StoreRendezvous::State {
 
   // The newest round that has arrivals.
   int newest_round() {
-    int r = 0;
+    int r = first_round();
     while (exists(round_key(r + 1, "joined"))) ++r;
     return r;
   }
@@ -237,6 +265,66 @@ struct StoreRendezvous::State {
                        "start the other nodes with the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout");
   }
 };
+
+bool StoreRendezvous::State::failover(const std::string& why) {
+  if (!opt.reconnect || round < 0 || members.empty()) return false;
+  const int next_generation = generation + 1;
+  const std::string gen = std::to_string(next_generation);
+  DTRAIN_LOG(kWarning) << "lost the rendezvous store (" << why.substr(0, why.find('\n')) << "); moving to generation "
+                       << gen << ", hosted by the surviving node of round " << round << " with the lowest node rank";
+  for (const NodeRecord& c : members) {  // node-rank order
+    if (c.hosts) continue;               // the lost host
+    if (c.id == node_id) {
+      std::shared_ptr<RendezvousStore> next;
+      try {
+        next = opt.reconnect(opt.local_addr, opt.port, /*host_it=*/true, opt.heartbeat_timeout);
+      } catch (const std::exception& e) {
+        DTRAIN_LOG(kWarning) << "cannot host generation " << gen << " at " << opt.local_addr << ":" << opt.port << ": "
+                             << e.what() << "; trying the next candidate";
+        continue;
+      }
+      const std::string nodes = std::to_string(opt.min_nodes) + ":" + std::to_string(opt.max_nodes);
+      next->set(key("run_id"), opt.run_id);
+      next->set(key("nnodes"), nodes);
+      next->set(key("first_round"), std::to_string(round + 1));
+      // The last round, as ended by the loss: the next one counts restarts from it and uses none.
+      next->set(round_key(round, "closed"), std::to_string(members.size()));
+      next->set(round_key(round, "restarts"), std::to_string(restart_count));
+      next->set(round_key(round, "end"), encode({.kind = RoundEnding::Kind::kMembershipChange,
+                                                 .reason = "the node hosting the rendezvous store was lost"}));
+      next->set(key("quorum"), std::to_string(opt.failover_quorum_min ? 0 : static_cast<int>(members.size()) / 2 + 1));
+      next->set(key("generation"), gen);  // last: clients take the store once it is seeded
+      store = std::move(next);
+      generation = next_generation;
+      next_round = round + 1;
+      DTRAIN_LOG(kInfo) << "hosting the rendezvous store of generation " << gen << " at " << opt.local_addr << ":"
+                        << opt.port << " (failover)";
+      return true;
+    }
+    // A candidate gets a heartbeat timeout to notice the loss, and then some, to host.
+    const auto until = Clock::now() + 2 * opt.heartbeat_timeout + opt.last_call;
+    while (Clock::now() < until) {
+      try {
+        auto next = opt.reconnect(c.addr, opt.port, /*host_it=*/false, opt.heartbeat_timeout);
+        const auto g = next->try_get(key("generation"));
+        const auto first = next->try_get(key("first_round"));
+        if (g && first && std::stoi(*g) == next_generation) {
+          store = std::move(next);
+          generation = next_generation;
+          next_round = std::stoi(*first);
+          DTRAIN_LOG(kInfo) << "joined the rendezvous store of generation " << gen << " at " << c.addr << ":"
+                            << opt.port << " (failover)";
+          return true;
+        }
+      } catch (const std::exception&) {
+        // not up yet (or gone too): retry until the candidate's time is up
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    DTRAIN_LOG(kWarning) << "node " << c.id << " did not host generation " << gen << "; trying the next candidate";
+  }
+  return false;
+}
 
 StoreRendezvous::StoreRendezvous(std::shared_ptr<RendezvousStore> store, StoreRendezvousOptions options)
     : state_(std::make_unique<State>()) {
@@ -268,6 +356,17 @@ const std::string& StoreRendezvous::node_id() const {
 
 RoundPlan StoreRendezvous::next_round() {
   auto& s = *state_;
+  for (;;) {
+    try {
+      return join_round();
+    } catch (const CommunicationError& e) {
+      if (!s.failover(e.what())) throw;
+    }
+  }
+}
+
+RoundPlan StoreRendezvous::join_round() {
+  auto& s = *state_;
   s.heartbeat(/*force=*/true);
   int r = s.next_round;
   if (r < 0) {
@@ -277,11 +376,12 @@ RoundPlan StoreRendezvous::next_round() {
   for (;;) {
     auto deadline = Clock::now() + s.opt.timeout;
     const int index = static_cast<int>(s.store->add(round_key(r, "joined"), 1)) - 1;
-    s.store->set(
-        round_key(r, "node" + std::to_string(index)),
-        nlohmann::json{
-            {"id", s.node_id}, {"addr", s.opt.local_addr}, {"nproc", s.opt.nproc}, {"node_rank", s.opt.node_rank}}
-            .dump());
+    s.store->set(round_key(r, "node" + std::to_string(index)), nlohmann::json{{"id", s.node_id},
+                                                                              {"addr", s.opt.local_addr},
+                                                                              {"nproc", s.opt.nproc},
+                                                                              {"node_rank", s.opt.node_rank},
+                                                                              {"hosts", s.store->hosts_store()}}
+                                                                   .dump());
     DTRAIN_LOG(kInfo) << "node " << s.node_id << " joined rendezvous round " << r << " at " << s.opt.endpoint
                       << " (arrival " << index << ")";
     std::int64_t last_count = -1;
@@ -299,13 +399,23 @@ RoundPlan StoreRendezvous::next_round() {
         last_change = Clock::now();
       }
       const bool previous_over = r == 0 || s.exists(round_key(r - 1, "end")) || !s.exists(round_key(r - 1, "closed"));
+      const int quorum = s.quorum_for(r);
       const bool enough =
-          count >= s.opt.max_nodes || (count >= s.opt.min_nodes && Clock::now() - last_change >= s.opt.last_call);
+          count >= quorum &&
+          (count >= s.opt.max_nodes || (count >= s.opt.min_nodes && Clock::now() - last_change >= s.opt.last_call));
       if (previous_over && enough) {
         s.store->set(round_key(r, "restarts"), std::to_string(s.restarts_for(r)));
         s.store->create_if_absent(round_key(r, "closed"),
                                   std::to_string(std::min<std::int64_t>(count, s.opt.max_nodes)));
         continue;
+      }
+      if (Clock::now() > deadline && previous_over && count < quorum && count >= s.opt.min_nodes) {
+        throw RendezvousError(
+            "rendezvous after losing the store's host: round " + std::to_string(r) + " has " + std::to_string(count) +
+                " nodes, fewer than a majority (" + std::to_string(quorum) +
+                ") of the last round's, so this side stops rather than train apart from the others (no split brain).",
+            "the other nodes may be alive beyond a partition; restart the job, or pass --rdzv-conf "
+            "failover_quorum=min to go on with --nnodes MIN nodes");
       }
       if (Clock::now() > deadline && previous_over) {
         s.timed_out("round " + std::to_string(r) + " has " + std::to_string(count) + " of at least " +
@@ -329,8 +439,12 @@ RoundPlan StoreRendezvous::next_round() {
         std::this_thread::sleep_for(kPollSleep);
       }
       const auto j = nlohmann::json::parse(*rec);
-      members.push_back(
-          {.index = i, .id = j.at("id"), .addr = j.at("addr"), .nproc = j.at("nproc"), .node_rank = j.at("node_rank")});
+      members.push_back({.index = i,
+                         .id = j.at("id"),
+                         .addr = j.at("addr"),
+                         .nproc = j.at("nproc"),
+                         .node_rank = j.at("node_rank"),
+                         .hosts = j.value("hosts", false)});
     }
     std::stable_sort(members.begin(), members.end(), [](const NodeRecord& a, const NodeRecord& b) {
       return (a.node_rank < 0 ? INT_MAX : a.node_rank) < (b.node_rank < 0 ? INT_MAX : b.node_rank);
@@ -388,6 +502,16 @@ RoundPlan StoreRendezvous::next_round() {
 }
 
 std::optional<RoundEnding> StoreRendezvous::poll() {
+  try {
+    return poll_store();
+  } catch (const CommunicationError& e) {
+    if (!state_->failover(e.what())) throw;
+    return RoundEnding{.kind = RoundEnding::Kind::kMembershipChange,
+                       .reason = "the node hosting the rendezvous store was lost"};
+  }
+}
+
+std::optional<RoundEnding> StoreRendezvous::poll_store() {
   auto& s = *state_;
   s.heartbeat();
   if (auto e = s.ended()) return e;
@@ -407,6 +531,16 @@ std::optional<RoundEnding> StoreRendezvous::poll() {
 }
 
 RoundEnding StoreRendezvous::report_failure(const WorkerExit& failure) {
+  try {
+    return report_to_store(failure);
+  } catch (const CommunicationError& e) {
+    if (!state_->failover(e.what())) throw;
+    return RoundEnding{.kind = RoundEnding::Kind::kMembershipChange,
+                       .reason = "the node hosting the rendezvous store was lost (here: " + failure.describe() + ")"};
+  }
+}
+
+RoundEnding StoreRendezvous::report_to_store(const WorkerExit& failure) {
   auto& s = *state_;
   const auto deadline = Clock::now() + s.opt.heartbeat_timeout + 2 * s.opt.heartbeat_interval;
   while (s.members.size() > 1 && Clock::now() < deadline) {
@@ -427,7 +561,11 @@ RoundEnding StoreRendezvous::report_failure(const WorkerExit& failure) {
 void StoreRendezvous::finish() {
   auto& s = *state_;
   if (s.round < 0) return;
-  s.store->set(round_key(s.round, "left" + std::to_string(s.my_index)), "1");
+  try {
+    s.store->set(round_key(s.round, "left" + std::to_string(s.my_index)), "1");
+  } catch (const Error&) {
+    return;  // the store is gone: nobody is left to tell
+  }
   // Keep up what other members may still use until each is finished or lost:
   // the rendezvous store when this node hosts it, and the workers' store of
   // the last round when this node was its node rank 0 (Note [Worker store]

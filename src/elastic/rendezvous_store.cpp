@@ -126,21 +126,24 @@ std::shared_ptr<RendezvousStore> host_gated(const std::string& host, int port, s
 
 std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string& host, int port,
                                                               std::chrono::milliseconds timeout,
-                                                              const std::string& secret) {
-  if (!secret.empty() && net::names_this_machine(host)) {
+                                                              const std::string& secret, StoreRole role) {
+  const bool may_host = role == StoreRole::kHost || (role == StoreRole::kAuto && net::names_this_machine(host));
+  if (!secret.empty() && may_host) {
     try {
       return host_gated(host, port, timeout, secret);
     } catch (const ConfigError&) {
       // The port is taken, normally by the node that hosts the store: join it as a client.
+      if (role == StoreRole::kHost) throw;
     }
   }
-  if (secret.empty() && net::names_this_machine(host)) {
+  if (secret.empty() && may_host) {
     try {
       auto store = dist::Store::tcp({.host = host, .port = port, .is_server = true, .timeout = timeout});
       DTRAIN_LOG(kInfo) << "hosting the rendezvous store on port " << port;
       return std::make_shared<DistRendezvousStore>(std::move(store), true, host + ":" + std::to_string(port));
     } catch (const ConfigError&) {
       // The port is taken, normally by the node that hosts the store: join it as a client.
+      if (role == StoreRole::kHost) throw;
     }
   }
   // c10d's client does not bound its handshake by the timeout: a port held by
@@ -198,10 +201,11 @@ std::shared_ptr<RendezvousStore> make_memory_rendezvous_store() {
 
 // The entry point `dtrain run` looks up with dlsym (C linkage: an unmangled name).
 extern "C" __attribute__((visibility("default"))) void dtrain_connect_tcp_rendezvous_store(
-    const std::string* host, int port, long long timeout_ms, const std::string* secret,
+    const std::string* host, int port, long long timeout_ms, const std::string* secret, int role,
     std::shared_ptr<dtrain::elastic::RendezvousStore>* out) {
   // The launcher explains connection problems itself; c10d's warnings with
   // stack traces would bury that (workers keep their own log level).
   FLAGS_caffe2_log_level = 3;  // fatal only
-  *out = dtrain::elastic::connect_tcp_rendezvous_store(*host, port, std::chrono::milliseconds(timeout_ms), *secret);
+  *out = dtrain::elastic::connect_tcp_rendezvous_store(*host, port, std::chrono::milliseconds(timeout_ms), *secret,
+                                                       static_cast<dtrain::elastic::StoreRole>(role));
 }

@@ -203,42 +203,45 @@ TEST(Elastic, BadInputFailsClearly) {
 }
 
 namespace {
-// Two network namespaces joined by a veth pair (10.77.0.1 and 10.77.0.2, the
-// interface named dteth0 in both): two "machines" with their own addresses.
-// Needs root and iproute2; usable() is false where namespaces cannot be made.
-class NamespacePair {
+// n network namespaces on one bridge (in the root namespace): namespace i
+// has dteth0 at 10.77.0.<i+1>/24, so nodes are "machines" with real, distinct
+// addresses that reach each other only over the bridge. Needs root and
+// iproute2; usable() is false where namespaces cannot be made.
+class NamespaceLan {
  public:
-  NamespacePair() {
+  explicit NamespaceLan(int n) {
     const std::string id = std::to_string(::getpid() % 100000);
-    a_ = "dtrain_a" + id;
-    b_ = "dtrain_b" + id;
-    const std::string va = "dta" + id, vb = "dtb" + id;
-    ok_ = sh("ip netns add " + a_) && sh("ip netns add " + b_) &&
-          sh("ip link add " + va + " type veth peer name " + vb) && sh("ip link set " + va + " netns " + a_) &&
-          sh("ip link set " + vb + " netns " + b_) && sh("ip -n " + a_ + " link set " + va + " name dteth0") &&
-          sh("ip -n " + b_ + " link set " + vb + " name dteth0") &&
-          sh("ip -n " + a_ + " addr add 10.77.0.1/24 dev dteth0") &&
-          sh("ip -n " + b_ + " addr add 10.77.0.2/24 dev dteth0") && sh("ip -n " + a_ + " link set dteth0 up") &&
-          sh("ip -n " + b_ + " link set dteth0 up") && sh("ip -n " + a_ + " link set lo up") &&
-          sh("ip -n " + b_ + " link set lo up");
+    bridge_ = "dtbr" + id;
+    ok_ = sh("ip link add " + bridge_ + " type bridge") && sh("ip link set " + bridge_ + " up");
+    for (int i = 0; ok_ && i < n; ++i) {
+      const std::string ns = "dtrain_" + std::to_string(i) + "_" + id;
+      const std::string inside = "dtv" + std::to_string(i) + "i" + id, outside = "dtv" + std::to_string(i) + "o" + id;
+      names_.push_back(ns);
+      ok_ = sh("ip netns add " + ns) && sh("ip link add " + inside + " type veth peer name " + outside) &&
+            sh("ip link set " + inside + " netns " + ns) && sh("ip link set " + outside + " master " + bridge_) &&
+            sh("ip link set " + outside + " up") && sh("ip -n " + ns + " link set " + inside + " name dteth0") &&
+            sh("ip -n " + ns + " addr add " + address(i) + "/24 dev dteth0") &&
+            sh("ip -n " + ns + " link set dteth0 up") && sh("ip -n " + ns + " link set lo up");
+    }
   }
-  ~NamespacePair() {
-    sh("ip netns del " + a_);
-    sh("ip netns del " + b_);
+  ~NamespaceLan() {
+    for (const auto& ns : names_) sh("ip netns del " + ns);
+    sh("ip link del " + bridge_);
   }
   bool usable() const { return ok_; }
-  std::vector<std::string> in_a() const { return {"ip", "netns", "exec", a_}; }
-  std::vector<std::string> in_b() const { return {"ip", "netns", "exec", b_}; }
+  static std::string address(int i) { return "10.77.0." + std::to_string(i + 1); }
+  std::vector<std::string> in(int i) const { return {"ip", "netns", "exec", names_[static_cast<std::size_t>(i)]}; }
 
  private:
   static bool sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()) == 0; }
-  std::string a_, b_;
+  std::string bridge_;
+  std::vector<std::string> names_;
   bool ok_ = false;
 };
 }  // namespace
 
 TEST(Elastic, NodesOnTwoNetworkNamespacesTrainTogether) {
-  NamespacePair net;
+  NamespaceLan net(2);
   if (!net.usable()) GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
   Scratch s;
   ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
@@ -248,9 +251,9 @@ TEST(Elastic, NodesOnTwoNetworkNamespacesTrainTogether) {
   const std::vector<std::string> args = {
       "--nnodes",  "2",     "--nproc-per-node", "1",  "--rdzv-endpoint", "10.77.0.1:29400",
       "--rdzv-id", "netns", "--rdzv-timeout",   "30", "--tee",           kWorker};
-  Launch a(args, s, "a", net.in_a());
+  Launch a(args, s, "a", net.in(0));
   ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
-  Launch b(args, s, "b", net.in_b());
+  Launch b(args, s, "b", net.in(1));
   EXPECT_EQ(a.wait(), 0) << a.err();
   EXPECT_EQ(b.wait(), 0) << b.err();
   ::unsetenv("GLOO_SOCKET_IFNAME");
@@ -262,19 +265,122 @@ TEST(Elastic, NodesOnTwoNetworkNamespacesTrainTogether) {
   EXPECT_NE(b.err().find("joined rendezvous round 0 at 10.77.0.1:29400"), std::string::npos) << b.err();
 }
 
-TEST(Elastic, LosingTheNodeThatHostsTheStoreIsAClearError) {
+// Note [Store-host failover]: three nodes (one worker each), and the node
+// hosting the rendezvous store is SIGKILLed mid-training. The two survivors
+// move to a store hosted by the one with the lower node rank, form a 2-node
+// round as a membership change (--max-restarts 0), and finish every step.
+// Joins are authenticated (a shared secret) in both generations.
+TEST(Elastic, LosingTheStoreHostIsSurvivedByTheOthers) {
   Scratch s;
   const int port = free_port();
-  const auto worker = s.script("w.sh", "sleep 30\n");
-  const auto args = with_program(node_args(port, "1:2"), {worker});
-  Launch host(args, s, "host");
-  ASSERT_TRUE(wait_for([&] { return host.err().find("hosting the rendezvous store") != std::string::npos; }));
-  Launch other(args, s, "other");
-  ASSERT_TRUE(wait_for([&] { return other.err().find("round 0: node rank") != std::string::npos; })) << other.err();
-  ::kill(host.pid(), SIGKILL);
-  host.wait();
-  // The survivor cannot re-form without the store: it says so and stops its workers.
-  EXPECT_EQ(other.wait(std::chrono::seconds(60)), 2) << other.err();
-  EXPECT_NE(other.err().find("lost the rendezvous store at 127.0.0.1:" + std::to_string(port)), std::string::npos)
-      << other.err();
+  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
+  ::setenv("ELASTIC_STEPS", "150", 1);
+  ::setenv("ELASTIC_STEP_MS", "40", 1);
+  ::setenv("DTRAIN_TIMEOUT_SECONDS", "20", 1);
+  auto args = node_args(port, "2:3");
+  args[3] = "1";  // --nproc-per-node 1
+  {               // with a shared secret: the successor gates its store with it too
+    std::ofstream(s.path() / "secret") << "failover-secret-0123456789";
+  }
+  args.insert(args.end(), {"--rdzv-secret-file", (s.path() / "secret").string()});
+  args = with_program(args, {kWorker});
+  Launch a(args, s, "a");  // hosts the store of generation 0
+  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
+  Launch b(args, s, "b");
+  Launch c(args, s, "c");
+  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 3); })) << a.err() << b.err() << c.err();
+  const int formed = last_round(s.path());
+  ::kill(a.pid(), SIGKILL);
+  a.wait();
+  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 2, formed); })) << b.err() << c.err();
+  EXPECT_EQ(b.wait(), 0) << b.err();
+  EXPECT_EQ(c.wait(), 0) << c.err();
+  EXPECT_EQ(read_progress(s.path()).last_step, 149);
+  const std::string both = b.err() + c.err();
+  EXPECT_NE(both.find("hosting the rendezvous store of generation 1"), std::string::npos) << both;
+  EXPECT_NE(both.find("joined the rendezvous store of generation 1"), std::string::npos) << both;
+  EXPECT_EQ(both.find("restarting the workers"), std::string::npos) << both;
+}
+
+// With two nodes the survivor of a store-host loss is no majority of the last
+// round: it stops with an error that says why (a partition must not leave two
+// halves training) -- unless --rdzv-conf failover_quorum=min, when it trains on.
+TEST(Elastic, AStoreHostLossWithoutMajorityStopsUnlessQuorumIsMin) {
+  for (const bool min_quorum : {false, true}) {
+    SCOPED_TRACE(min_quorum ? "failover_quorum=min" : "majority");
+    Scratch s;
+    const int port = free_port();
+    ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
+    ::setenv("ELASTIC_STEPS", "100", 1);
+    ::setenv("ELASTIC_STEP_MS", "40", 1);
+    ::setenv("DTRAIN_TIMEOUT_SECONDS", "20", 1);
+    auto args = node_args(port, "1:2");
+    args[3] = "1";
+    args[9] = kConf + (min_quorum ? ",failover_quorum=min" : "");  // --rdzv-conf
+    args[11] = "10";                                               // --rdzv-timeout
+    args = with_program(args, {kWorker});
+    Launch a(args, s, "a");
+    ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; }));
+    Launch b(args, s, "b");
+    ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 2); })) << a.err() << b.err();
+    ::kill(a.pid(), SIGKILL);
+    a.wait();
+    if (min_quorum) {
+      EXPECT_EQ(b.wait(std::chrono::seconds(90)), 0) << b.err();
+      EXPECT_EQ(read_progress(s.path()).last_step, 99);
+      EXPECT_NE(b.err().find("hosting the rendezvous store of generation 1"), std::string::npos) << b.err();
+    } else {
+      EXPECT_NE(b.wait(std::chrono::seconds(90)), 0) << b.err();
+      EXPECT_NE(b.err().find("fewer than a majority (2)"), std::string::npos) << b.err();
+      EXPECT_NE(b.err().find("failover_quorum=min"), std::string::npos) << b.err();
+    }
+  }
+}
+
+// The same failover with real addresses: the successor hosts generation 1 at
+// its own address (10.77.0.2 or .3), and the other survivor finds it there.
+TEST(Elastic, StoreHostLossIsSurvivedAcrossNetworkNamespaces) {
+  NamespaceLan net(3);
+  if (!net.usable()) GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
+  Scratch s;
+  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
+  ::setenv("ELASTIC_STEPS", "150", 1);
+  ::setenv("ELASTIC_STEP_MS", "40", 1);
+  ::setenv("DTRAIN_TIMEOUT_SECONDS", "20", 1);
+  ::setenv("GLOO_SOCKET_IFNAME", "dteth0", 1);
+  const std::vector<std::string> args = {"--nnodes",
+                                         "2:3",
+                                         "--nproc-per-node",
+                                         "1",
+                                         "--rdzv-endpoint",
+                                         NamespaceLan::address(0) + ":29400",
+                                         "--rdzv-id",
+                                         "netns-failover",
+                                         "--rdzv-conf",
+                                         kConf,
+                                         "--rdzv-timeout",
+                                         "60",
+                                         "--max-restarts",
+                                         "0",
+                                         "--stop-grace",
+                                         "2",
+                                         kWorker};
+  Launch a(args, s, "a", net.in(0));
+  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
+  Launch b(args, s, "b", net.in(1));
+  Launch c(args, s, "c", net.in(2));
+  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 3); })) << a.err() << b.err() << c.err();
+  const int formed = last_round(s.path());
+  ::kill(a.pid(), SIGKILL);
+  a.wait();
+  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 2, formed); })) << b.err() << c.err();
+  EXPECT_EQ(b.wait(), 0) << b.err();
+  EXPECT_EQ(c.wait(), 0) << c.err();
+  ::unsetenv("GLOO_SOCKET_IFNAME");
+  EXPECT_EQ(read_progress(s.path()).last_step, 149);
+  const std::string both = b.err() + c.err();
+  EXPECT_TRUE(both.find("hosting the rendezvous store of generation 1 at 10.77.0.2:29400") != std::string::npos ||
+              both.find("hosting the rendezvous store of generation 1 at 10.77.0.3:29400") != std::string::npos)
+      << both;
+  EXPECT_NE(both.find("joined the rendezvous store of generation 1 at 10.77.0."), std::string::npos) << both;
 }

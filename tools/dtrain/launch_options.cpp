@@ -84,7 +84,13 @@ void parse_rdzv_conf(const std::string& text, elastic::StoreRendezvousOptions& o
       seconds = -1;
     }
     const std::string option = "--rdzv-conf " + name;
-    if (name == "join_timeout" || name == "timeout") {  // torchrun's names for --rdzv-timeout
+    if (name == "failover_quorum") {
+      const std::string value = item.substr(eq + 1);
+      DTRAIN_CHECK(value == "min" || value == "majority", ConfigError,
+                   "--rdzv-conf failover_quorum=" << value << " is not min or majority.",
+                   "majority (default: no split brain) or min (go on with MIN nodes after losing the store host)");
+      o.failover_quorum_min = value == "min";
+    } else if (name == "join_timeout" || name == "timeout") {  // torchrun's names for --rdzv-timeout
       o.timeout = seconds_option(option.c_str(), seconds);
     } else if (name == "keep_alive_interval") {  // torchrun's heartbeat_interval
       o.heartbeat_interval = seconds_option(option.c_str(), seconds);
@@ -99,10 +105,12 @@ void parse_rdzv_conf(const std::string& text, elastic::StoreRendezvousOptions& o
       o.heartbeat_timeout = seconds_option(option.c_str(), seconds);
       heartbeat_timeout_given = true;
     } else {
-      throw ConfigError("--rdzv-conf has unknown key '" + name + "'.",
-                        "known keys (seconds): last_call_timeout, heartbeat_interval, heartbeat_timeout, and "
-                        "torchrun's join_timeout, timeout, keep_alive_interval, keep_alive_max_attempt; torchrun's "
-                        "close_timeout, read_timeout, is_host and store_type have no counterpart in dtrain");
+      throw ConfigError(
+          "--rdzv-conf has unknown key '" + name + "'.",
+          "known keys (seconds): last_call_timeout, heartbeat_interval, heartbeat_timeout; failover_quorum "
+          "(majority|min); and "
+          "torchrun's join_timeout, timeout, keep_alive_interval, keep_alive_max_attempt; torchrun's "
+          "close_timeout, read_timeout, is_host and store_type have no counterpart in dtrain");
     }
   }
   if (keep_alive_interval && !heartbeat_timeout_given) {

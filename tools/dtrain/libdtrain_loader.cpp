@@ -61,7 +61,7 @@ Fn libdtrain_function(const char* name) {
   return reinterpret_cast<Fn>(dtrain::detail::module_symbol(libdtrain_handle(), libdtrain_path(), name, kHint));
 }
 
-using ConnectFn = void (*)(const std::string*, int, long long, const std::string*,
+using ConnectFn = void (*)(const std::string*, int, long long, const std::string*, int,
                            std::shared_ptr<elastic::RendezvousStore>*);
 using HostFn = void (*)(int, int, std::shared_ptr<void>*);
 
@@ -69,10 +69,11 @@ using HostFn = void (*)(int, int, std::shared_ptr<void>*);
 
 std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(const std::string& host, int port,
                                                                     std::chrono::milliseconds timeout,
-                                                                    const std::string& secret) {
+                                                                    const std::string& secret,
+                                                                    elastic::StoreRole role) {
   static const auto connect = libdtrain_function<ConnectFn>("dtrain_connect_tcp_rendezvous_store");
   std::shared_ptr<elastic::RendezvousStore> store;
-  connect(&host, port, static_cast<long long>(timeout.count()), &secret, &store);
+  connect(&host, port, static_cast<long long>(timeout.count()), &secret, static_cast<int>(role), &store);
   return store;
 }
 

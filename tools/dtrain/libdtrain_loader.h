@@ -17,9 +17,9 @@
 namespace dtrain::tools {
 
 // Connects to (or hosts) the rendezvous store at host:port through libdtrain.
-std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(const std::string& host, int port,
-                                                                    std::chrono::milliseconds timeout,
-                                                                    const std::string& secret = "");
+std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(
+    const std::string& host, int port, std::chrono::milliseconds timeout, const std::string& secret = "",
+    elastic::StoreRole role = elastic::StoreRole::kAuto);
 
 // Hosts the workers' store through libdtrain. serve() finds libdtrain at once
 // (ConfigError when there is none, before any worker starts) and then loads

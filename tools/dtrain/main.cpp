@@ -44,6 +44,12 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
                        : plan.rendezvous.local_addr;
     auto store = dtrain::tools::load_tcp_rendezvous_store(plan.rendezvous.host, plan.rendezvous.port, r.timeout,
                                                           plan.rendezvous.secret);
+    r.port = plan.rendezvous.port;
+    r.reconnect = [secret = plan.rendezvous.secret](const std::string& host, int port, bool host_it,
+                                                    std::chrono::milliseconds timeout) {
+      return dtrain::tools::load_tcp_rendezvous_store(host, port, timeout, secret,
+                                                      host_it ? el::StoreRole::kHost : el::StoreRole::kClient);
+    };
     rendezvous = std::make_unique<el::StoreRendezvous>(std::move(store), r);
   }
   el::Agent agent = rendezvous ? el::Agent(plan.agent, workers, worker_store, *rendezvous)

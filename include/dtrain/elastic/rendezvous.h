@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -109,6 +110,19 @@ struct StoreRendezvousOptions {
   std::chrono::milliseconds heartbeat_interval{500};
   // A node whose heartbeat has not changed for this long is lost.
   std::chrono::milliseconds heartbeat_timeout{3000};
+
+  // Store-host failover (Note [Store-host failover] in rendezvous.cpp): opens
+  // the store at host:port as its host (`host_it`; throws when the port cannot
+  // be bound) or as a client within `timeout`. Unset: losing the node that
+  // hosts the store ends the job, as in torch's c10d rendezvous.
+  std::function<std::shared_ptr<RendezvousStore>(const std::string& host, int port, bool host_it,
+                                                 std::chrono::milliseconds timeout)>
+      reconnect;
+  int port = 0;  // the endpoint's port: every generation's host serves on it, at its own address
+  // --rdzv-conf failover_quorum=min: after a failover the first round needs
+  // only MIN nodes instead of a majority of the last round's members. More
+  // available, but the two sides of a partition may then both go on.
+  bool failover_quorum_min = false;
 };
 
 // Several nodes over a shared store. Construction checks the run id and the
@@ -124,6 +138,11 @@ class StoreRendezvous : public Rendezvous {
   const std::string& node_id() const;
 
  private:
+  // The same against the current store; a lost store host (CommunicationError)
+  // makes the public ones fail over (Note [Store-host failover]).
+  RoundPlan join_round();
+  std::optional<RoundEnding> poll_store();
+  RoundEnding report_to_store(const WorkerExit& failure);
   struct State;
   std::unique_ptr<State> state_;
 };
@@ -135,9 +154,13 @@ class StoreRendezvous : public Rendezvous {
 // proves it knows the secret first (Note [Rendezvous authentication] in
 // src/elastic/rdzv_auth.cpp); ConfigError when this node's secret, or its
 // lack of one, does not match the host's. Implemented in libdtrain (it needs c10d).
+// `role` kHost: host it or throw ConfigError (a failover's successor);
+// kClient: never host (another node's address may also name this machine).
+enum class StoreRole { kAuto, kHost, kClient };
 std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string& host, int port,
                                                               std::chrono::milliseconds timeout,
-                                                              const std::string& secret = "");
+                                                              const std::string& secret = "",
+                                                              StoreRole role = StoreRole::kAuto);
 
 // An in-memory store for tests (shared by "nodes" that are threads). In libdtrain.
 std::shared_ptr<RendezvousStore> make_memory_rendezvous_store();
