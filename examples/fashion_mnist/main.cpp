@@ -4,6 +4,7 @@
 //                 [--devices all] [--epochs 2] [--batch-size 64] [--lr 1e-3] [--seed 0]
 //                 [--amp off|bf16|fp16] [--accumulate 1] [--clip-norm 0]
 //                 [--checkpoint-dir DIR [--checkpoint-every N]] [--tensorboard DIR] [--trace FILE]
+//                 [--sample-log FILE]
 //                 [--data-dir /usr/share/datasets/fashion-mnist]
 //
 // Strategies (--devices picks the devices; on CPU repeat cpu, e.g. cpu,cpu):
@@ -59,6 +60,7 @@ struct Options {
   double clip_norm = 0;
   std::string tensorboard;
   std::string trace;
+  std::string sample_log;
 };
 
 // FNV-1a over every parameter's bytes: equal exactly when the parameters are.
@@ -126,7 +128,8 @@ int run(Options opt) {
                            .checkpoint_dir = opt.checkpoint_dir,
                            .checkpoint_every = opt.checkpoint_every,
                            .tensorboard_dir = opt.tensorboard,
-                           .trace_file = opt.trace});
+                           .trace_file = opt.trace,
+                           .sample_log = opt.sample_log});
   trainer.set_eval_dataset(test);
   trainer.on_eval([&](const dtrain::EvalReport& report) {
     if (where.rank != 0) return;
@@ -194,6 +197,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--tensorboard", opt.tensorboard, "Write metrics as TensorBoard event files into this directory");
   app.add_option("--trace", opt.trace, "Write a Chrome trace timeline (one file per rank: NAME.rank<R>.json)");
+  app.add_option("--sample-log", opt.sample_log,
+                 "Append the examples each step trained on (JSON lines, one file per rank: NAME.rank<R>.EXT)");
   app.add_option("--train-limit", opt.train_limit, "Train on the first N examples only (0: all)")
       ->check(CLI::NonNegativeNumber);
   try {

@@ -175,6 +175,14 @@ struct StoreRendezvous::State {
   Clock::time_point last_heartbeat{};
   Clock::time_point last_peer_check{};
   int generation = 0;  // stores hosted so far after the first (Note [Store-host failover])
+  // The last closed round this node knows (as a member, or the one before the
+  // round it waits in): who would host the next generation.
+  int known_round = -1;
+  int known_restarts = 0;
+  std::vector<NodeRecord> known_members;  // in node-rank order
+
+  // Round r's `closed` members from their records, in node-rank order.
+  std::vector<NodeRecord> read_members(int r, int closed, Clock::time_point deadline);
 
   // The first round of this store's generation (0 for the first store).
   int first_round() {
@@ -266,14 +274,38 @@ struct StoreRendezvous::State {
   }
 };
 
+std::vector<NodeRecord> StoreRendezvous::State::read_members(int r, int closed, Clock::time_point deadline) {
+  std::vector<NodeRecord> out;
+  for (int i = 0; i < closed; ++i) {
+    std::optional<std::string> rec;
+    while (!(rec = store->try_get(round_key(r, "node" + std::to_string(i))))) {
+      if (Clock::now() > deadline)
+        timed_out("arrival " + std::to_string(i) + " of round " + std::to_string(r) + " never registered");
+      std::this_thread::sleep_for(kPollSleep);
+    }
+    const auto j = nlohmann::json::parse(*rec);
+    out.push_back({.index = i,
+                   .id = j.at("id"),
+                   .addr = j.at("addr"),
+                   .nproc = j.at("nproc"),
+                   .node_rank = j.at("node_rank"),
+                   .hosts = j.value("hosts", false)});
+  }
+  std::stable_sort(out.begin(), out.end(), [](const NodeRecord& a, const NodeRecord& b) {
+    return (a.node_rank < 0 ? INT_MAX : a.node_rank) < (b.node_rank < 0 ? INT_MAX : b.node_rank);
+  });
+  return out;
+}
+
 bool StoreRendezvous::State::failover(const std::string& why) {
-  if (!opt.reconnect || round < 0 || members.empty()) return false;
+  if (!opt.reconnect || known_round < 0 || known_members.empty()) return false;
   const int next_generation = generation + 1;
   const std::string gen = std::to_string(next_generation);
   DTRAIN_LOG(kWarning) << "lost the rendezvous store (" << why.substr(0, why.find('\n')) << "); moving to generation "
-                       << gen << ", hosted by the surviving node of round " << round << " with the lowest node rank";
-  for (const NodeRecord& c : members) {  // node-rank order
-    if (c.hosts) continue;               // the lost host
+                       << gen << ", hosted by the surviving node of round " << known_round
+                       << " with the lowest node rank";
+  for (const NodeRecord& c : known_members) {  // node-rank order
+    if (c.hosts) continue;                     // the lost host
     if (c.id == node_id) {
       std::shared_ptr<RendezvousStore> next;
       try {
@@ -286,17 +318,18 @@ bool StoreRendezvous::State::failover(const std::string& why) {
       const std::string nodes = std::to_string(opt.min_nodes) + ":" + std::to_string(opt.max_nodes);
       next->set(key("run_id"), opt.run_id);
       next->set(key("nnodes"), nodes);
-      next->set(key("first_round"), std::to_string(round + 1));
+      next->set(key("first_round"), std::to_string(known_round + 1));
       // The last round, as ended by the loss: the next one counts restarts from it and uses none.
-      next->set(round_key(round, "closed"), std::to_string(members.size()));
-      next->set(round_key(round, "restarts"), std::to_string(restart_count));
-      next->set(round_key(round, "end"), encode({.kind = RoundEnding::Kind::kMembershipChange,
-                                                 .reason = "the node hosting the rendezvous store was lost"}));
-      next->set(key("quorum"), std::to_string(opt.failover_quorum_min ? 0 : static_cast<int>(members.size()) / 2 + 1));
+      next->set(round_key(known_round, "closed"), std::to_string(known_members.size()));
+      next->set(round_key(known_round, "restarts"), std::to_string(known_restarts));
+      next->set(round_key(known_round, "end"), encode({.kind = RoundEnding::Kind::kMembershipChange,
+                                                       .reason = "the node hosting the rendezvous store was lost"}));
+      next->set(key("quorum"),
+                std::to_string(opt.failover_quorum_min ? 0 : static_cast<int>(known_members.size()) / 2 + 1));
       next->set(key("generation"), gen);  // last: clients take the store once it is seeded
       store = std::move(next);
       generation = next_generation;
-      next_round = round + 1;
+      next_round = known_round + 1;
       DTRAIN_LOG(kInfo) << "hosting the rendezvous store of generation " << gen << " at " << opt.local_addr << ":"
                         << opt.port << " (failover)";
       return true;
@@ -342,6 +375,7 @@ StoreRendezvous::StoreRendezvous(std::shared_ptr<RendezvousStore> store, StoreRe
                "give every node of a job the same --rdzv-id, and each job its own --rdzv-endpoint");
   const std::string nodes = std::to_string(s.opt.min_nodes) + ":" + std::to_string(s.opt.max_nodes);
   const std::string config = s.store->create_if_absent(key("nnodes"), nodes);
+  s.generation = std::stoi(s.store->try_get(key("generation")).value_or("0"));
   DTRAIN_CHECK(config == nodes, ConfigError,
                "run '" << s.opt.run_id << "' was started with --nnodes " << config << ", but this node has --nnodes "
                        << nodes << ".",
@@ -384,6 +418,15 @@ RoundPlan StoreRendezvous::join_round() {
                                                                    .dump());
     DTRAIN_LOG(kInfo) << "node " << s.node_id << " joined rendezvous round " << r << " at " << s.opt.endpoint
                       << " (arrival " << index << ")";
+    // A node that was never a member learns who would host after a failover
+    // from the round before this one (its members computed the same list).
+    if (s.known_round < r - 1 && r > 0) {
+      if (const auto c = s.store->try_get(round_key(r - 1, "closed"))) {
+        s.known_members = s.read_members(r - 1, std::stoi(*c), deadline);
+        s.known_round = r - 1;
+        s.known_restarts = std::stoi(s.store->try_get(round_key(r - 1, "restarts")).value_or("0"));
+      }
+    }
     std::int64_t last_count = -1;
     auto last_change = Clock::now();
     int closed = -1;
@@ -429,32 +472,16 @@ RoundPlan StoreRendezvous::join_round() {
       continue;
     }
 
-    // The members, in node-rank order.
-    std::vector<NodeRecord> members;
-    for (int i = 0; i < closed; ++i) {
-      std::optional<std::string> rec;
-      while (!(rec = s.store->try_get(round_key(r, "node" + std::to_string(i))))) {
-        if (Clock::now() > deadline)
-          s.timed_out("arrival " + std::to_string(i) + " of round " + std::to_string(r) + " never registered");
-        std::this_thread::sleep_for(kPollSleep);
-      }
-      const auto j = nlohmann::json::parse(*rec);
-      members.push_back({.index = i,
-                         .id = j.at("id"),
-                         .addr = j.at("addr"),
-                         .nproc = j.at("nproc"),
-                         .node_rank = j.at("node_rank"),
-                         .hosts = j.value("hosts", false)});
-    }
-    std::stable_sort(members.begin(), members.end(), [](const NodeRecord& a, const NodeRecord& b) {
-      return (a.node_rank < 0 ? INT_MAX : a.node_rank) < (b.node_rank < 0 ? INT_MAX : b.node_rank);
-    });
+    const std::vector<NodeRecord> members = s.read_members(r, closed, deadline);
     s.round = r;
     s.next_round = r + 1;
     s.members = members;
     s.my_index = index;
     s.track_peers();
     s.restart_count = std::stoi(s.store->try_get(round_key(r, "restarts")).value_or("0"));
+    s.known_round = r;
+    s.known_members = members;
+    s.known_restarts = s.restart_count;
 
     RoundPlan plan;
     plan.round = r;

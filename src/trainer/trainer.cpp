@@ -5,6 +5,9 @@
 #include <torch/nn/functional/loss.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/amp/grad_scaler.h"
@@ -146,11 +149,14 @@ struct Trainer::Run {
   std::unique_ptr<amp::GradScaler> scaler;
   std::optional<Checkpointer> checkpoints;
   std::unique_ptr<Tracer> tracer;
-  std::optional<MetricsLogger> metrics;  // rank 0
+  std::ofstream sample_log;
+  std::vector<std::int64_t> step_indices;  // the current step's examples, for sample_log
+  std::optional<MetricsLogger> metrics;    // rank 0
   TrainingState position;
   TrainSummary summary;
   at::Tensor last_norm;
   std::int64_t last_eval_step = -1;
+  std::int64_t last_saved_step = -1;
   double eval_loss_sum = 0;  // step losses since the last evaluation
   std::int64_t eval_loss_steps = 0;
 
@@ -181,6 +187,13 @@ struct Trainer::Run {
         .enabled = o.grad_scaler.value_or(o.amp_dtype == at::kHalf), .found_inf_group = s.found_inf_group()});
     if (!o.checkpoint_dir.empty()) resume();
     st.step = position.step;
+    if (!o.sample_log.empty()) {
+      const auto& f = o.sample_log;
+      const auto path = f.parent_path() / (f.stem().string() + ".rank" + std::to_string(rank) + f.extension().string());
+      sample_log.open(path, std::ios::app);
+      DTRAIN_CHECK(sample_log.good(), ConfigError, "cannot open the sample log " << path.string() << ".",
+                   "check that the sample log's folder exists and is writable");
+    }
     if (!o.trace_file.empty()) {
       tracer = std::make_unique<Tracer>(per_rank_path(o.trace_file, rank, world), rank);
       s.set_tracer(tracer.get());
@@ -211,6 +224,7 @@ struct Trainer::Run {
     }
     if (auto resumed = s.load(*checkpoints, st.optimizer)) {
       position = *resumed;
+      last_saved_step = position.step;
       loader->load_state(resumed->sampler);
     }
   }
@@ -218,6 +232,7 @@ struct Trainer::Run {
   void save() {
     position.sampler = loader->state();
     s.save(*checkpoints, position, st.optimizer);
+    last_saved_step = position.step;
   }
 
   void evaluate(std::int64_t epoch) {
@@ -245,6 +260,10 @@ struct Trainer::Run {
       window.data_wait += seconds_since(wait_start);
     }
     DTRAIN_INTERNAL_ASSERT(batch.has_value(), "the loader ran out inside a planned step");
+    if (sample_log.is_open()) {
+      const auto indices = loader->last_indices();
+      step_indices.insert(step_indices.end(), indices.begin(), indices.end());
+    }
     const at::Tensor input = batch->data.to(s.input_device());
     const at::Tensor target = batch->target.to(s.output_device());
     auto no_sync = m + 1 < o.accumulate ? s.no_sync() : nullptr;
@@ -259,6 +278,24 @@ struct Trainer::Run {
     auto span = Tracer::span(tracer.get(), "backward", "compute");
     s.backward(scaler->scale(loss));
     return loss.detach().to(at::kFloat);
+  }
+
+  void log_samples() {
+    const char* round = std::getenv("DTRAIN_RDZV_ROUND");
+    const auto t =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
+    sample_log << nlohmann::json{{"round", round != nullptr ? std::atoi(round) : -1},
+                                 {"rank", rank},
+                                 {"world", world},
+                                 {"epoch", loader->state().epoch},
+                                 {"step", position.step},
+                                 {"t_ns", t},
+                                 {"indices", step_indices}}
+                      .dump()
+               << '\n'
+               << std::flush;
+    step_indices.clear();
   }
 
   // One optimizer step over `accumulate` micro-batches; returns its loss.
@@ -284,6 +321,7 @@ struct Trainer::Run {
     }
     ++position.step;
     st.step = position.step;
+    if (sample_log.is_open()) log_samples();
     return loss.item<double>();
   }
 
@@ -347,6 +385,8 @@ struct Trainer::Run {
     setup();
     bool more = o.max_steps == 0 || position.step < o.max_steps;
     for (std::int64_t e = position.sampler.epoch; e < o.epochs && more; ++e) more = epoch(e);
+    // The end is always checkpointed: a finished run resumed (or restarted) trains nothing again.
+    if (checkpoints && position.step > 0 && last_saved_step != position.step) save();
     if (o.eval_every > 0 && last_eval_step != position.step && position.step > 0) evaluate(position.sampler.epoch);
     if (tracer) tracer->write();
     summary.steps = position.step;

@@ -114,6 +114,8 @@ TEST(Trainer, ResumeEqualsUninterruptedBitForBit) {
   interrupted.checkpoint_dir = dir;
   interrupted.checkpoint_every = 3;
   train_single(1, interrupted);
+  ASSERT_TRUE(fs::exists(dir / "step_7")) << "the end of a run is checkpointed";
+  fs::remove_all(dir / "step_7");  // as if it had crashed after step 7: resume from step 6
   auto resumed = base;
   resumed.checkpoint_dir = dir;
   resumed.checkpoint_every = 3;

@@ -152,6 +152,7 @@ class DataLoader {
       ready_.erase(k);
     }
     ++next_to_return_;
+    last_indices_ = plan_[k].indices;
     sampler_->advance_to(plan_[k].global_end);
     lock.unlock();
     cv_.notify_all();  // a prefetch slot opened
@@ -165,6 +166,11 @@ class DataLoader {
     return static_cast<std::int64_t>(plan_.size() - next_to_return_);
   }
   SamplerState state() const { return sampler_->state(); }
+  // The example indices of the batch next() returned last (empty before the first).
+  std::vector<std::int64_t> last_indices() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return last_indices_;
+  }
   void load_state(const SamplerState& state) { sampler_->load_state(state); }
   const DataLoaderOptions& options() const { return options_; }
 
@@ -173,6 +179,7 @@ class DataLoader {
     std::optional<BatchT> batch;
     std::exception_ptr error;
   };
+  std::vector<std::int64_t> last_indices_;  // guarded by mutex_
 
   Slot load(const std::vector<std::int64_t>& indices) const {
     // Loading never needs autograd: skipping its dispatch layer saves a

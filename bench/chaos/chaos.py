@@ -1,0 +1,364 @@
+"""Chaos soak (issue 15 item 5): three `dtrain run` nodes, each in its own
+network namespace on a bridge (loopback when namespaces cannot be made),
+train examples/fashion_mnist with DDP and checkpoints while this driver
+injects faults at random times drawn from a fixed seed:
+
+  worker_kill      SIGKILL of one worker
+  worker_stop      SIGSTOP of one worker (a hung rank: the others' collectives time out)
+  node_kill        SIGKILL of a whole node (launcher and, by PDEATHSIG, its workers); restarted later
+  store_host_kill  SIGKILL of the node hosting the rendezvous store (store-host failover); restarted later
+  link_cut         `ip link set dteth0 down` in a node's namespace for twice the heartbeat timeout
+  disk_full        the checkpoint directory (a small tmpfs) filled for a while, then freed
+
+A killed node is started again after a pause, pointed at the current store
+host (what a Kubernetes Service in front of the rendezvous gives a real job).
+Faults come one at a time: the next is due a random 5-9 s after the last and
+waits until all three nodes train together again.
+
+At the end it checks that training finished, that the final checkpoint loads
+(a single process resumes it and reports the same parameters as the run), and
+that in every epoch no example was trained on twice or skipped, across world
+size changes: per step, the examples of the step's last execution (the one
+its checkpoints hold, from the ranks' --sample-log records) are taken, and
+each epoch's union must have no duplicates and miss fewer than one global
+batch (drop_last). It prints a table and one JSON line with the figures:
+faults injected and survived per kind, time lost per kind (from the fault
+until the first step of the group re-formed after it), restarts used.
+"""
+import argparse
+import glob
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+KINDS = ["worker_kill", "worker_stop", "node_kill", "store_host_kill", "link_cut", "disk_full"]
+CONF = "last_call_timeout=1,heartbeat_interval=0.25,heartbeat_timeout=3"
+HEARTBEAT_TIMEOUT = 3.0
+
+
+def sh(cmd):
+    return subprocess.run(cmd, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+
+class Lan:
+    """n namespaces on a bridge; node i at 10.77.1.<i+1>. usable False without root/iproute2."""
+
+    def __init__(self, n):
+        tag = str(os.getpid() % 100000)
+        self.bridge = "dtcbr" + tag
+        self.names = []
+        self.usable = sh(f"ip link add {self.bridge} type bridge") and sh(f"ip link set {self.bridge} up")
+        for i in range(n):
+            if not self.usable:
+                break
+            ns, inside, outside = f"dtchaos{i}_{tag}", f"dtc{i}i{tag}", f"dtc{i}o{tag}"
+            self.names.append(ns)
+            self.usable = all(sh(c) for c in [
+                f"ip netns add {ns}", f"ip link add {inside} type veth peer name {outside}",
+                f"ip link set {inside} netns {ns}", f"ip link set {outside} master {self.bridge}",
+                f"ip link set {outside} up", f"ip -n {ns} link set {inside} name dteth0",
+                f"ip -n {ns} addr add {self.address(i)}/24 dev dteth0", f"ip -n {ns} link set dteth0 up",
+                f"ip -n {ns} link set lo up"])
+
+    def address(self, i):
+        return f"10.77.1.{i + 1}" if self.names else "127.0.0.1"
+
+    def wrap(self, i):
+        return ["ip", "netns", "exec", self.names[i]] if self.usable else []
+
+    def close(self):
+        for ns in self.names:
+            sh(f"ip netns del {ns}")
+        sh(f"ip link del {self.bridge}")
+
+
+class Node:
+    def __init__(self, index, soak):
+        self.index, self.soak, self.proc, self.starts = index, soak, None, 0
+
+    def start(self, endpoint_host):
+        s = self.soak
+        self.starts += 1
+        self.log = os.path.join(s.dir, f"node{self.index}.{self.starts}.log")
+        args = s.lan.wrap(self.index) + [
+            s.dtrain, "run", "--nnodes", "2:3", "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"{endpoint_host}:{s.port}", "--rdzv-id", "chaos", "--rdzv-conf", CONF,
+            "--rdzv-timeout", "60", "--max-restarts", str(s.args.max_restarts), "--stop-grace", "2",
+            s.example, "--strategy", "ddp", "--devices", "cpu", "--epochs", str(s.args.epochs),
+            "--train-limit", str(s.args.train_limit), "--batch-size", str(s.args.batch_size),
+            "--seed", "3", "--checkpoint-dir", s.ckpt, "--checkpoint-every", str(s.args.checkpoint_every),
+            "--sample-log", os.path.join(s.dir, "samples.jsonl")]
+        env = dict(os.environ, OMP_NUM_THREADS="1", DTRAIN_TIMEOUT_SECONDS="10")
+        if s.lan.usable:
+            env["GLOO_SOCKET_IFNAME"] = "dteth0"
+        self.proc = subprocess.Popen(args, stdout=open(self.log + ".out", "w"), stderr=open(self.log, "w"),
+                                     env=env, start_new_session=True)
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def text(self):
+        return open(self.log, errors="replace").read() if self.proc else ""
+
+    def workers(self):
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        return [int(p) for p in out]
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.dir = tempfile.mkdtemp(prefix="dtrain-chaos-")
+        self.ckpt = os.path.join(self.dir, "ckpt")
+        os.makedirs(self.ckpt)
+        self.tmpfs = sh(f"mount -t tmpfs -o size={args.ckpt_mb}m tmpfs {self.ckpt}")
+        self.lan = Lan(3)
+        self.port = 29000 + os.getpid() % 1000
+        self.dtrain = os.path.join(args.build, "tools", "dtrain")
+        self.example = os.path.join(args.build, "examples", "fashion_mnist")
+        self.nodes = [Node(i, self) for i in range(3)]
+        self.events = []  # (time, kind, step at the fault)
+
+    def close(self):
+        for n in self.nodes:
+            if n.alive():
+                os.killpg(n.proc.pid, signal.SIGKILL)
+        if self.tmpfs:
+            sh(f"umount {self.ckpt}")
+        self.lan.close()
+
+    # ---- observation ----
+    def records(self):
+        out = []
+        for path in glob.glob(os.path.join(self.dir, "samples.rank*.jsonl")):
+            with open(path) as f:
+                for line in f:
+                    if line.endswith("\n"):
+                        out.append(json.loads(line))
+        return out
+
+    def step_now(self):
+        r = self.records()
+        return max((x["step"] for x in r), default=0)
+
+    def host(self):
+        """Index of the live node hosting the store of the newest generation (0 for the first store)."""
+        best, best_gen = 0, -1
+        for n in self.nodes:
+            if not n.alive():
+                continue
+            text = n.text()
+            gens = [int(g) for g in re.findall(r"hosting the rendezvous store of generation (\d+)", text)]
+            if "hosting the rendezvous store on port" in text:
+                gens.append(0)
+            if gens and max(gens) > best_gen:
+                best, best_gen = n.index, max(gens)
+        return best
+
+    def restarts(self):
+        used = 0
+        for path in glob.glob(os.path.join(self.dir, "node*.log")):
+            for m in re.finditer(r"restarts so far (\d+)", open(path, errors="replace").read()):
+                used = max(used, int(m.group(1)))
+        return used
+
+    def recovered(self):
+        """Faults come one at a time: the next waits until all three nodes train together again
+        (a step logged after the last fault by a group of world 3)."""
+        since = self.events[-1]["t"] if self.events else 0.0
+        return any(r["t_ns"] / 1e9 > since and r["world"] == 3 for r in self.records())
+
+    # ---- faults ----
+    def inject(self, kind, rng):
+        alive = [n for n in self.nodes if n.alive()]
+        host = self.host()
+        if kind in ("worker_kill", "worker_stop"):
+            node = rng.choice(alive)
+            pids = node.workers()
+            if not pids:
+                return False
+            os.kill(rng.choice(pids), signal.SIGKILL if kind == "worker_kill" else signal.SIGSTOP)
+            return True
+        if kind in ("node_kill", "store_host_kill"):
+            candidates = [n for n in alive if (n.index == host) == (kind == "store_host_kill")]
+            if not candidates or len(alive) < 3:
+                return False
+            node = rng.choice(candidates)
+            os.killpg(node.proc.pid, signal.SIGKILL)
+            node.proc.wait()
+            self.pending_restart = (time.time() + self.args.restart_after, node)
+            return True
+        if kind == "link_cut":
+            if not self.lan.usable:
+                return False
+            candidates = [n for n in alive if n.index != host]
+            if not candidates:
+                return False
+            ns = self.lan.names[rng.choice(candidates).index]
+            sh(f"ip -n {ns} link set dteth0 down")
+            self.pending_link = (time.time() + 2 * HEARTBEAT_TIMEOUT, ns)
+            return True
+        if kind == "disk_full":
+            if not self.tmpfs:
+                return False
+            sh(f"dd if=/dev/zero of={self.ckpt}/filler bs=1M count={self.args.ckpt_mb * 2}")
+            self.pending_disk = time.time() + self.args.disk_full_seconds
+            return True
+        raise ValueError(kind)
+
+    def housekeeping(self):
+        now = time.time()
+        if getattr(self, "pending_restart", None) and now >= self.pending_restart[0]:
+            node = self.pending_restart[1]
+            node.start(self.lan.address(self.host()))
+            self.pending_restart = None
+        if getattr(self, "pending_link", None) and now >= self.pending_link[0]:
+            sh(f"ip -n {self.pending_link[1]} link set dteth0 up")
+            self.pending_link = None
+        if getattr(self, "pending_disk", None) and now >= self.pending_disk:
+            try:
+                os.remove(os.path.join(self.ckpt, "filler"))
+            except FileNotFoundError:
+                pass
+            self.pending_disk = None
+
+    def run(self):
+        a = self.args
+        rng = random.Random(a.seed)
+        kinds = [k for k in a.kinds.split(",") if k]
+        plan = [kinds[i % len(kinds)] for i in range(a.faults)]
+        rng.shuffle(plan)
+        self.nodes[0].start(self.lan.address(0))
+        time.sleep(1.0)
+        self.nodes[1].start(self.lan.address(0))
+        self.nodes[2].start(self.lan.address(0))
+        start = time.time()
+        while self.step_now() < 1 and time.time() - start < 120:
+            time.sleep(0.2)
+        t_first = time.time()
+        next_fault = t_first + rng.uniform(a.gap_min, a.gap_max)
+        deadline = t_first + a.timeout
+        while time.time() < deadline:
+            self.housekeeping()
+            if not any(n.alive() for n in self.nodes) and not getattr(self, "pending_restart", None):
+                break
+            busy = any(getattr(self, p, None) for p in ("pending_restart", "pending_link", "pending_disk"))
+            if plan and not busy and time.time() >= next_fault and self.recovered():
+                kind = plan[0]
+                step = self.step_now()
+                if self.inject(kind, rng):
+                    self.events.append({"kind": kind, "t": time.time(), "step": step})
+                    print(f"[chaos] t={time.time() - t_first:6.1f}s {kind} at step {step}", flush=True)
+                    plan.pop(0)
+                next_fault = time.time() + rng.uniform(a.gap_min, a.gap_max)
+            time.sleep(0.1)
+        self.t_end = time.time()
+        self.unfired = plan
+        return self.check()
+
+    # ---- verdict ----
+    def check(self):
+        a = self.args
+        codes = [n.proc.poll() for n in self.nodes if n.proc is not None]
+        finished = bool(codes) and all(c == 0 for c in codes)
+        done = None
+        for n in self.nodes:
+            for path in glob.glob(n.log.rsplit(".", 2)[0] + ".*.log.out"):
+                for line in open(path):
+                    if line.startswith('{"event":"done"'):
+                        done = json.loads(line)
+        # The final checkpoint loads: one process resumes it (nothing left to train) and reports the parameters.
+        resumed = subprocess.run(
+            [self.example, "--strategy", "single", "--devices", "cpu", "--epochs", str(a.epochs), "--train-limit",
+             str(a.train_limit), "--batch-size", str(a.batch_size), "--seed", "3", "--checkpoint-dir", self.ckpt],
+            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        loaded = None
+        for line in resumed.stdout.splitlines():
+            if line.startswith('{"event":"done"'):
+                loaded = json.loads(line)
+        checkpoint_ok = bool(done and loaded and loaded["params_fnv"] == done["params_fnv"])
+        # Sample audit.
+        recs = self.records()
+        latest = {}  # step -> (t, round)
+        for r in recs:
+            if r["step"] not in latest or r["t_ns"] > latest[r["step"]][0]:
+                latest[r["step"]] = (r["t_ns"], r["round"])
+        per_epoch, batch_max = {}, {}
+        for r in recs:
+            if latest[r["step"]][1] == r["round"]:
+                per_epoch.setdefault(r["epoch"], []).extend(r["indices"])
+                batch_max[r["epoch"]] = max(batch_max.get(r["epoch"], 0), len(r["indices"]) * r["world"])
+        steps = sorted(latest)
+        contiguous = steps == list(range(1, len(steps) + 1))
+        audit = {}
+        for e, idx in sorted(per_epoch.items()):
+            audit[e] = {"examples": len(idx), "duplicates": len(idx) - len(set(idx)),
+                        "missing": a.train_limit - len(set(idx)), "global_batch": batch_max[e]}
+        samples_ok = contiguous and len(audit) == a.epochs and all(
+            v["duplicates"] == 0 and 0 <= v["missing"] < v["global_batch"] for v in audit.values())
+        # Time lost: from the fault until the first step of a round formed after it (the group
+        # re-formed and trains again); when no new round formed (the fault cost nothing), until the next step.
+        lost = {}
+        for ev in self.events:
+            before = [r["round"] for r in recs if r["t_ns"] / 1e9 <= ev["t"]]
+            round_at = max(before, default=-1)
+            later = [r["t_ns"] / 1e9 for r in recs if r["round"] > round_at and r["t_ns"] / 1e9 > ev["t"]]
+            nxt = [r["t_ns"] / 1e9 for r in recs if r["t_ns"] / 1e9 > ev["t"]]
+            back = min(later) if later else (min(nxt) if nxt else self.t_end)
+            lost.setdefault(ev["kind"], []).append(round(back - ev["t"], 2))
+        injected = {k: sum(1 for e in self.events if e["kind"] == k) for k in KINDS}
+        survived = {k: (injected[k] if finished else 0) for k in KINDS}
+        result = {"bench": "chaos", "finished": finished, "exit_codes": codes, "checkpoint_loads": checkpoint_ok,
+                  "samples_ok": samples_ok, "steps": len(steps), "audit": audit, "injected": injected,
+                  "survived": survived, "not_fired": self.unfired, "time_lost_s": lost,
+                  "restarts_used": self.restarts(), "namespaces": self.lan.usable, "tmpfs": self.tmpfs,
+                  "wall_s": round(self.t_end - (self.events[0]["t"] if self.events else self.t_end), 1)}
+        return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--build", required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--faults", type=int, default=12)
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--train-limit", type=int, default=48000)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--max-restarts", type=int, default=40)
+    p.add_argument("--gap-min", type=float, default=5.0)
+    p.add_argument("--gap-max", type=float, default=9.0)
+    p.add_argument("--restart-after", type=float, default=4.0)
+    p.add_argument("--disk-full-seconds", type=float, default=6.0)
+    p.add_argument("--ckpt-mb", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, records)")
+    a = p.parse_args()
+    soak = Soak(a)
+    try:
+        result = soak.run()
+    finally:
+        soak.close()
+    print(f"[chaos] scratch: {soak.dir}")
+    print("kind              injected  survived  time lost (s, each)")
+    for k in KINDS:
+        print(f"{k:18s}{result['injected'][k]:>8d}{result['survived'][k]:>10d}  {result['time_lost_s'].get(k, [])}")
+    print(f"finished {result['finished']}  checkpoint loads {result['checkpoint_loads']}  samples ok "
+          f"{result['samples_ok']}  steps {result['steps']}  restarts used {result['restarts_used']}")
+    print(json.dumps(result))
+    if not a.keep:
+        shutil.rmtree(soak.dir, ignore_errors=True)
+    ok = result["finished"] and result["checkpoint_loads"] and result["samples_ok"] and not result["not_fired"]
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
