@@ -307,12 +307,23 @@ bool StoreRendezvous::State::failover(const std::string& why) {
   for (const NodeRecord& c : known_members) {  // node-rank order
     if (c.hosts) continue;                     // the lost host
     if (c.id == node_id) {
+      // The port may stay bound for a moment after its holder died (its
+      // processes are still being torn down): retry within the others' wait.
       std::shared_ptr<RendezvousStore> next;
-      try {
-        next = opt.reconnect(opt.local_addr, opt.port, /*host_it=*/true, opt.heartbeat_timeout);
-      } catch (const std::exception& e) {
+      const auto until = Clock::now() + 2 * opt.heartbeat_timeout;
+      std::string problem;
+      while (!next) {
+        try {
+          next = opt.reconnect(opt.local_addr, opt.port, /*host_it=*/true, opt.heartbeat_timeout);
+        } catch (const std::exception& e) {
+          problem = e.what();
+          if (Clock::now() > until) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+      }
+      if (!next) {
         DTRAIN_LOG(kWarning) << "cannot host generation " << gen << " at " << opt.local_addr << ":" << opt.port << ": "
-                             << e.what() << "; trying the next candidate";
+                             << problem << "; trying the next candidate";
         continue;
       }
       const std::string nodes = std::to_string(opt.min_nodes) + ":" + std::to_string(opt.max_nodes);
