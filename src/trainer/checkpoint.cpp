@@ -325,7 +325,11 @@ void Checkpointer::save_entries(const TrainingState& state, const std::vector<En
   if (rank == 0) {
     try {
       fs::create_directories(options_.dir);
-      fs::remove_all(tmp);
+      // Temporary folders left by saves that crashed (any step) go now: one
+      // Checkpointer saves into a directory at a time, so none is in use.
+      for (const auto& entry : fs::directory_iterator(options_.dir)) {
+        if (entry.path().filename().string().rfind(".tmp_step_", 0) == 0) fs::remove_all(entry.path());
+      }
       fs::create_directories(tmp);
     } catch (...) {
       error = std::current_exception();

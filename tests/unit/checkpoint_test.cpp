@@ -103,6 +103,10 @@ TEST(Checkpoint, PartialAndCorruptCheckpointsAreSkipped) {
   Net other;
   torch::optim::Adam other_opt(other->parameters(), 1e-2);
   EXPECT_EQ(ckpt.load_latest(*other, other_opt)->step, 3);
+  // The next save clears what crashed saves left behind.
+  ckpt.save({.step = 4}, *other, other_opt);
+  EXPECT_FALSE(fs::exists(dir / ".tmp_step_12_999"));
+  EXPECT_EQ(ckpt.complete_steps().front(), 4);
   fs::remove_all(dir);
 }
 
