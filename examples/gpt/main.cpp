@@ -2,7 +2,8 @@
 // works of Shakespeare and prints a generated sample and the val loss.
 //
 //   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
-//       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0] (pipeline_strategy.h)
+//       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
+//       [--dp-reduce ddp|zero1|zero2|allreduce] (pipeline_strategy.h)
 //       [--max-iters 2000] [--eval-interval 250] [--eval-iters 20] [--batch-size 12]
 //       [--block-size 64] [--n-layer 4] [--n-head 4] [--n-embd 128] [--dropout 0]
 //       [--lr 1e-3] [--min-lr 1e-4] [--warmup-iters 100] [--weight-decay 0.1]
@@ -77,6 +78,7 @@ struct Options {
   std::string pp_schedule = "1f1b";  // --strategy pipeline (pipeline_strategy.h)
   int micro_batches = 4;
   int pp_size = 0;
+  std::string dp_reduce = "ddp";
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -408,6 +410,7 @@ int run(Options opt) {
          .schedule = opt.pp_schedule,
          .micro_batches = opt.micro_batches,
          .pp_size = opt.pp_size,
+         .dp_reduce = opt.dp_reduce,
          .batch_size = opt.batch_size,
          .max_iters = opt.max_iters,
          .eval_interval = opt.eval_interval,
@@ -417,7 +420,7 @@ int run(Options opt) {
          .save_params = opt.save_params,
          .checkpoint_dir = opt.checkpoint_dir,
          .learning_rate = [&](std::int64_t it) { return learning_rate(opt, it); },
-         .make_optimizer = [&](const auto& params) { return make_optimizer(opt, params, nullptr); }},
+         .make_optimizer = [&](const auto& params, const auto& decays) { return make_optimizer(opt, params, decays); }},
         corpus);
   }
   Placement where = place(opt);
@@ -490,6 +493,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
   app.add_option("--pp-size", opt.pp_size, "Ranks per pipeline (0: all; the rest replicate it, DP x PP)")
+      ->capture_default_str();
+  app.add_option("--dp-reduce", opt.dp_reduce,
+                 "DP x PP: how each stage's gradients are averaged over its replicas (ddp: bucketed, overlapped; "
+                 "zero1/zero2: sharded optimizer state / and gradients; allreduce: once after the schedule)")
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "allreduce"}))
       ->capture_default_str();
   app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
       ->capture_default_str();

@@ -2,7 +2,11 @@
 // the ranks (pipeline_stages.h), trained by a schedule (gpipe, 1f1b,
 // interleaved with 2 stages per rank, zb), on a data x pipeline mesh when the
 // world holds several pipelines (--pp-size; each replica trains its share of
-// the step's batch and averages gradients per stage over its data group).
+// the step's batch and averages gradients per stage over its data group, by
+// --dp-reduce: ddp (DDP per stage, bucketed and overlapped with the stage's
+// last backward), zero1 / zero2 (ShardedDataParallel per stage: optimizer
+// state, and gradients, sharded over the data group) or allreduce (one
+// all-reduce after the schedule)).
 //
 // The step's global batch is batch x replicas sequences (as DDP's is batch x
 // world), so `--strategy pipeline` on any mesh ends where `single` does with
@@ -42,6 +46,7 @@
 #include "dtrain/trainer/checkpoint.h"
 #include "model.h"
 #include "pipeline_stages.h"
+#include "zero_strategy.h"
 
 namespace gpt {
 
@@ -49,13 +54,17 @@ struct PipelineRun {
   GptConfig model;
   std::string schedule = "1f1b";
   int micro_batches = 4;
-  int pp_size = 0;  // ranks per pipeline; 0: the whole world
+  int pp_size = 0;                // ranks per pipeline; 0: the whole world
+  std::string dp_reduce = "ddp";  // ddp | zero1 | zero2 | allreduce (DP x PP)
   std::int64_t batch_size = 12, max_iters = 0, eval_interval = 250, eval_iters = 20;
   std::uint64_t seed = 1337;
   double grad_clip = 1.0;
   std::string save_params, checkpoint_dir;
   std::function<double(std::int64_t)> learning_rate;
-  std::function<std::unique_ptr<torch::optim::AdamW>(const std::vector<at::Tensor>&)> make_optimizer;
+  // The parameters, and which of them decay (null: the 2-D ones).
+  std::function<std::unique_ptr<torch::optim::AdamW>(const std::vector<at::Tensor>&,
+                                                     const std::function<bool(const at::Tensor&)>&)>
+      make_optimizer;
 };
 
 // A module holding a rank's stages (and a tied copy), for checkpoints.
@@ -71,6 +80,26 @@ struct StagesHolderImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(StagesHolder);
+
+inline dtrain::pipeline::PipelineOptions pipeline_options(const PipelineRun& run,
+                                                          std::optional<dtrain::dist::ProcessGroup> data_group) {
+  using dtrain::pipeline::StageReduction;
+  dtrain::pipeline::PipelineOptions options{.schedule = dtrain::pipeline::parse_schedule_kind(run.schedule),
+                                            .micro_batches = run.micro_batches,
+                                            .data_parallel_group = std::move(data_group)};
+  if (run.dp_reduce == "ddp") {
+    options.data_parallel_reduction = StageReduction::kDDP;
+  } else if (run.dp_reduce == "zero1" || run.dp_reduce == "zero2") {
+    options.data_parallel_reduction = StageReduction::kSharded;
+    options.zero.stage = run.dp_reduce.back() - '0';
+  } else if (run.dp_reduce == "allreduce") {
+    options.data_parallel_reduction = StageReduction::kAllReduce;
+  } else {
+    DTRAIN_CHECK(false, ConfigError, "unknown --dp-reduce '" << run.dp_reduce << "'",
+                 "use ddp, zero1, zero2 or allreduce");
+  }
+  return options;
+}
 
 inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
   DTRAIN_CHECK(dtrain::dist::launched_by_launcher(), ConfigError,
@@ -90,10 +119,24 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
   const int replicas = mesh.shape().data, replica = mesh.data_index();
   std::optional<dtrain::dist::ProcessGroup> data_group;
   if (replicas > 1) data_group = mesh.data_group();
-  dtrain::pipeline::Pipeline pipe(
-      pipeline_stages(layers, pp, v, mesh.pipeline_index()), mesh.pipeline_group(),
-      {.schedule = kind, .micro_batches = run.micro_batches, .data_parallel_group = data_group}, lm_loss);
-  auto optimizer = run.make_optimizer(pipe.parameters());
+  dtrain::pipeline::Pipeline pipe(pipeline_stages(layers, pp, v, mesh.pipeline_index()), mesh.pipeline_group(),
+                                  pipeline_options(run, data_group), lm_loss);
+  // Sharded stages: the optimizer steps on 1-D shards, so which decay is
+  // decided on their full parameters; and the full parameters are brought up
+  // to date (all-gathered) before anything reads them.
+  std::function<bool(const at::Tensor&)> decays;
+  const std::vector<dtrain::ShardedDataParallel*> sharded = pipe.sharded_stages();
+  if (!sharded.empty()) {
+    std::vector<std::function<bool(const at::Tensor&)>> each;
+    for (const auto* sdp : sharded) each.push_back(zero_decays(*sdp));
+    decays = [each](const at::Tensor& p) {
+      return std::any_of(each.begin(), each.end(), [&](const auto& d) { return d(p); });
+    };
+  }
+  auto gather_full = [&] {
+    for (auto* sdp : sharded) sdp->pre_forward();
+  };
+  auto optimizer = run.make_optimizer(pipe.parameters(), decays);
   const bool lead = world.rank() == 0;
   const bool loss_here =
       replica == 0 && pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == mesh.pipeline_index();
@@ -157,15 +200,19 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
     const at::Tensor loss = pipe.step(b.data, b.target);
     if (run.grad_clip > 0) pipe.clip_grad_norm_(run.grad_clip);
     optimizer->step();
-    optimizer->zero_grad();
+    pipe.zero_grad();
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++trained;
     if (loss.defined()) loss_sum += loss.item<double>();
     ++loss_count;
-    if (checkpoints && (step + 1) % run.eval_interval == 0) checkpoints->save({.step = step + 1, .sampler = {}});
+    if (checkpoints && (step + 1) % run.eval_interval == 0) {
+      gather_full();
+      checkpoints->save({.step = step + 1, .sampler = {}});
+    }
   }
   val_loss = evaluate(run.max_iters, loss_count ? from_loss_rank(loss_sum) / double(loss_count) : NAN);
   if (checkpoints && run.max_iters % run.eval_interval != 0) checkpoints->save({.step = run.max_iters, .sampler = {}});
+  gather_full();
   if (!run.save_params.empty() && replica == 0) {
     const auto stages = pipe.schedule().stages_of_rank(mesh.pipeline_index());
     for (std::size_t k = 0; k < stages.size(); ++k) {
@@ -182,6 +229,7 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
                                 {"strategy", "pipeline"},
                                 {"schedule", run.schedule},
                                 {"mesh", mesh.describe()},
+                                {"dp_reduce", replicas > 1 ? run.dp_reduce : "none"},
                                 {"world_size", world.size()},
                                 {"steps", run.max_iters},
                                 {"val_loss", val_loss},

@@ -9,7 +9,9 @@
 //   - GradScaler (found-inf over all stages, an inf on one stage skips the
 //     step everywhere) and global-norm clipping across stages equal the
 //     single-process scaler and clipping;
-//   - DP x PP on a 2 x 2 mesh equals one process on the whole batch;
+//   - DP x PP on a 2 x 2 mesh equals one process on the whole batch, for
+//     every schedule and every data-parallel reduction (DDP, ZeRO 1-2, one
+//     all-reduce), clipping included;
 //   - a stage process killed mid-step: the others get a CommunicationError
 //     naming their peer and stop, within the timeout (processes).
 #include <gtest/gtest.h>
@@ -286,44 +288,77 @@ TEST(PipelineTraining, GradScalerAndClippingAcrossStagesEqualSingleProcess) {
   });
 }
 
-// 4 ranks as 2 replicas x 2 stages: replica d trains on half d of each batch;
-// stage gradients are averaged over the data groups. Equals one process on
-// the whole batch.
+// 4 ranks as 2 replicas x 2 ranks of stages: replica d trains on half d of
+// each batch; stage gradients are averaged over the data groups by each
+// reduction (DDP, ZeRO 1 and 2 per stage, one all-reduce), for every
+// schedule, with global-norm clipping across the mesh. Two steps, then
+// evaluation, equal one process on the whole batch.
 TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
   constexpr int kWorld = 4, kSteps = 2, kBatch = 8;
+  constexpr double kMaxNorm = 0.05;  // below the gradients' norm: clipping acts
+  using dtrain::pipeline::StageReduction;
+  struct Reduction {
+    StageReduction kind;
+    int zero_stage;
+    const char* name;
+  };
+  const Reduction reductions[] = {{StageReduction::kDDP, 0, "ddp"},
+                                  {StageReduction::kSharded, 1, "zero1"},
+                                  {StageReduction::kSharded, 2, "zero2"},
+                                  {StageReduction::kAllReduce, 0, "all-reduce"}};
   run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
     auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = std::chrono::seconds(30)});
     dtrain::dist::DeviceMesh mesh(world, {.data = 2, .pipeline = 2});
     EXPECT_EQ(mesh.pipeline_group().size(), 2);
     EXPECT_EQ(mesh.data_group().size(), 2);
-    const gpt::GptConfig config = tiny_config(2);
-    torch::nn::Sequential layers = gpt::gpt_layers(config);
-    gpt::init_weights(*layers, config.n_layer, 7);
-    Pipeline pipe(gpt::pipeline_stages(layers, 2, 1, mesh.pipeline_index()), mesh.pipeline_group(),
-                  {.schedule = ScheduleKind::k1F1B, .micro_batches = 2, .data_parallel_group = mesh.data_group()},
-                  gpt::lm_loss);
-    torch::optim::SGD opt(pipe.parameters(), 0.1);
-    gpt::Gpt reference(config);
-    gpt::init_weights(*reference, config.n_layer, 7);
-    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
-    for (int step = 0; step < kSteps; ++step) {
-      const Batch b = batch_for(config, kBatch, step);
-      const auto half = [&](const at::Tensor& t) { return t.chunk(2, 0)[mesh.data_index()]; };
-      opt.zero_grad();
-      pipe.step(half(b.x), half(b.y));
-      opt.step();
-      ref_opt.zero_grad();
-      gpt::lm_loss(reference->forward(b.x), b.y).backward();
-      ref_opt.step();
-    }
-    auto ref_params = reference->layers->named_parameters();
-    for (const auto& stage : pipe.stages()) {
-      for (const auto& item : stage.module->named_parameters()) {
-        expect_close(item.value().detach(), ref_params[item.key()].detach(),
-                     "rank " + std::to_string(rank) + " " + item.key());
+    for (const ScheduleKind kind : kKinds) {
+      for (const Reduction& reduction : reductions) {
+        const std::string where = to_string(kind) + " " + reduction.name + " rank " + std::to_string(rank);
+        const int v = stages_per_rank(kind);
+        const gpt::GptConfig config = tiny_config(2 * v);
+        torch::nn::Sequential layers = gpt::gpt_layers(config);
+        gpt::init_weights(*layers, config.n_layer, 7);
+        dtrain::pipeline::PipelineOptions options{.schedule = kind,
+                                                  .micro_batches = 2,
+                                                  .data_parallel_group = mesh.data_group(),
+                                                  .data_parallel_reduction = reduction.kind};
+        if (reduction.zero_stage) options.zero.stage = reduction.zero_stage;
+        Pipeline pipe(gpt::pipeline_stages(layers, 2, v, mesh.pipeline_index()), mesh.pipeline_group(), options,
+                      gpt::lm_loss);
+        EXPECT_EQ(pipe.sharded_stages().size(), reduction.zero_stage ? std::size_t(v) : 0) << where;
+        torch::optim::SGD opt(pipe.parameters(), 0.1);
+        gpt::Gpt reference(config);
+        gpt::init_weights(*reference, config.n_layer, 7);
+        torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+        for (int step = 0; step < kSteps; ++step) {
+          const Batch b = batch_for(config, kBatch, step);
+          const auto half = [&](const at::Tensor& t) { return t.chunk(2, 0)[mesh.data_index()]; };
+          pipe.zero_grad();
+          pipe.step(half(b.x), half(b.y));
+          const at::Tensor norm = pipe.clip_grad_norm_(kMaxNorm);
+          opt.step();
+          ref_opt.zero_grad();
+          gpt::lm_loss(reference->forward(b.x), b.y).backward();
+          const at::Tensor ref_norm = dtrain::clip_grad_norm_(reference->parameters(), kMaxNorm);
+          ref_opt.step();
+          expect_close(norm, ref_norm, where + " global norm at step " + std::to_string(step));
+        }
+        // Evaluation (which also brings sharded stages' full parameters and
+        // the borrowed tied copies up to date) equals the reference's forward.
+        const Batch eval = batch_for(config, 4, 99);
+        const at::Tensor out = pipe.forward(eval.x);
+        if (mesh.pipeline_index() == 1) {
+          at::NoGradGuard no_grad;
+          expect_close(out, reference->forward(eval.x), where + " eval output");
+        }
+        auto ref_params = reference->layers->named_parameters();
+        for (const auto& stage : pipe.stages()) {
+          for (const auto& item : stage.module->named_parameters())
+            expect_close(item.value().detach(), ref_params[item.key()].detach(), where + " " + item.key());
+          for (const auto& tied : stage.tied)
+            expect_close(tied.parameter.detach(), ref_params["embed.wte.weight"].detach(), where + " tied");
+        }
       }
-      for (const auto& tied : stage.tied)
-        expect_close(tied.parameter.detach(), ref_params["embed.wte.weight"].detach(), "tied");
     }
   });
 }

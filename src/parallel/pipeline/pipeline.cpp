@@ -22,6 +22,7 @@
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "split_backward.h"
+#include "stage_replica.h"
 
 namespace dtrain::pipeline {
 
@@ -64,6 +65,22 @@ std::vector<std::int64_t> meta_from(const at::Tensor& t) {
   return {c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel()};
 }
 
+// Shards of each stage over its data group, stages over the pipeline: a
+// partial sum (or max) is combined over the data group, then the pipeline.
+class MeshGradients : public GradientSet {
+ public:
+  MeshGradients(std::vector<at::Tensor> parameters, dist::ProcessGroup pipeline, dist::ProcessGroup data)
+      : over_pipeline_(std::move(parameters), std::move(pipeline)), over_data_({}, std::move(data)) {}
+  std::vector<at::Tensor> local_parameters() const override { return over_pipeline_.local_parameters(); }
+  void combine(at::Tensor& partial, bool max) const override {
+    over_data_.combine(partial, max);
+    over_pipeline_.combine(partial, max);
+  }
+
+ private:
+  ShardedGradients over_pipeline_, over_data_;
+};
+
 }  // namespace
 
 struct Pipeline::Impl {
@@ -71,7 +88,7 @@ struct Pipeline::Impl {
     at::Tensor input, output, grad_output, grad_input;
     std::shared_ptr<detail::SplitBackward> split;  // between I and W
   };
-  enum Tag { kActivation = 0, kGradient = 1, kMeta = 2 };
+  enum Tag { kActivation = 0, kGradient = 1, kMeta = 2, kTieGradient = 3, kTieWeight = 4 };
   explicit Impl(dist::ProcessGroup g) : group(std::move(g)) {}
 
   std::vector<PipelineStage> stages;
@@ -82,6 +99,19 @@ struct Pipeline::Impl {
   int p = 1, n = 1, m = 1, rank = 0;
   std::map<int, std::size_t> local;  // stage -> index in stages
   std::vector<std::vector<at::Tensor>> stage_params;
+  // Data-parallel replication of each local stage (empty without a data
+  // group of 2+ ranks): see stage_replica.h.
+  std::vector<std::unique_ptr<detail::StageReplica>> replicas;
+  // Per local stage: the index in this rank's action list of its last B or
+  // W (the backward that completes its gradients), and whether its first
+  // forward of the step has run.
+  std::vector<std::size_t> last_param_backward;
+  std::vector<bool> forwarded;
+  std::size_t action_index = 0;
+  // Tied copies that are not among any local stage's module parameters
+  // (the borrowers' copies): DDP and sharding do not see them.
+  std::vector<std::pair<std::size_t, std::size_t>> borrowed;  // (local stage, tie index)
+  std::unique_ptr<GradientSet> counted_gradients;
   // Agreed on the first training step: each received stage input's and each
   // sent stage output's meta, and the micro-batch input's.
   std::map<int, std::vector<std::int64_t>> input_meta, output_meta;
@@ -98,6 +128,13 @@ struct Pipeline::Impl {
   std::vector<TracedAction> trace;
 
   int tag(Tag kind, int stage, int micro) const { return 1 + (int(kind) * n + stage) * m + micro; }
+  // Ties: one tag per (kind, owner stage, tie index), above every activation tag.
+  int tie_tag(Tag kind, int owner_stage, std::size_t index) const {
+    return 1 + 3 * n * m + ((int(kind) - int(kTieGradient)) * n + owner_stage) * 64 + int(index);
+  }
+  bool replicated() const { return !replicas.empty(); }
+  StageReduction reduction() const { return options.data_parallel_reduction; }
+  bool sharded() const { return replicated() && reduction() == StageReduction::kSharded; }
   bool remote(int stage) const { return schedule.rank_of_stage(stage) != rank; }
   Micro& at(int stage, int micro) { return state[local.at(stage)][micro]; }
 
@@ -110,6 +147,8 @@ struct Pipeline::Impl {
   void post_ahead(const std::vector<Action>& actions, std::size_t from);
   void check_batch(const at::Tensor& micro_input);
   void finish_gradients();
+  void exchange_ties();
+  void refresh_borrowed_weights();
   void split_batch(const at::Tensor& input, const at::Tensor& target);
   std::vector<at::Tensor> parameters() const;
 };
@@ -161,6 +200,47 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
   s.stages = std::move(stages);
   s.options = std::move(options);
   s.loss_fn = std::move(loss_fn);
+  const std::vector<Action>& actions = s.schedule.actions[s.rank];
+  s.last_param_backward.assign(s.stages.size(), actions.size());
+  for (std::size_t k = 0; k < actions.size(); ++k) {
+    if (actions[k].kind == ActionKind::kBackward || actions[k].kind == ActionKind::kBackwardWeight)
+      s.last_param_backward[s.local.at(actions[k].stage)] = k;
+  }
+  for (std::size_t k = 0; k < s.stages.size(); ++k) {
+    for (std::size_t j = 0; j < s.stages[k].tied.size(); ++j) {
+      const at::Tensor& param = s.stages[k].tied[j].parameter;
+      bool in_module = false;
+      for (const PipelineStage& stage : s.stages) {
+        for (const at::Tensor& p : stage.module->parameters()) in_module = in_module || p.is_same(param);
+      }
+      if (!in_module) s.borrowed.emplace_back(k, j);
+    }
+  }
+  auto& dp = s.options.data_parallel_group;
+  if (dp && dp->size() > 1 && s.options.data_parallel_reduction != StageReduction::kAllReduce) {
+    for (const PipelineStage& stage : s.stages)
+      s.replicas.push_back(std::make_unique<detail::StageReplica>(stage.module, *dp, s.options));
+    // The borrowers' copies start alike on every replica, like the modules.
+    at::NoGradGuard no_grad;
+    for (const auto& [k, j] : s.borrowed) dp->broadcast(s.stages[k].tied[j].parameter, 0).wait();
+  }
+  // Global norms: each parameter once over the pipeline (tied copies on their
+  // owner); sharded, each shard once over the data group too.
+  std::vector<at::Tensor> counted;
+  for (std::size_t k = 0; k < s.stages.size(); ++k) {
+    if (s.sharded()) {
+      for (const at::Tensor& shard : s.replicas[k]->sharded()->parameters()) counted.push_back(shard);
+      continue;
+    }
+    for (const at::Tensor& param : s.stages[k].module->parameters()) {
+      if (param.requires_grad()) counted.push_back(param);
+    }
+  }
+  if (s.sharded()) {
+    s.counted_gradients = std::make_unique<MeshGradients>(std::move(counted), s.group, *dp);
+  } else {
+    s.counted_gradients = std::make_unique<ShardedGradients>(std::move(counted), s.group);
+  }
 }
 
 Pipeline::~Pipeline() = default;
@@ -208,6 +288,7 @@ at::Tensor Pipeline::step(const at::Tensor& input, const at::Tensor& target, amp
   // found-inf is reduced over found_inf_group.
   if (scaler && s.remote(s.n - 1)) scaler->scale(at::zeros({}, at::TensorOptions().device(s.group.device())));
   s.split_batch(input, target);
+  if (s.sharded()) s.refresh_borrowed_weights();
   s.exchange_meta = s.output_meta.empty() && s.input_meta.empty();
   s.loss_sum = at::Tensor();
   s.run(s.schedule.actions[s.rank]);
@@ -222,6 +303,7 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
   at::NoGradGuard no_grad;
   s.training = false;
   s.split_batch(input, at::Tensor());
+  if (s.sharded()) s.refresh_borrowed_weights();
   s.exchange_meta = true;
   s.eval_outputs.clear();
   // Evaluation agrees on its own shapes; training's stay as they were.
@@ -239,8 +321,10 @@ void Pipeline::Impl::run(const std::vector<Action>& actions) {
   trace.clear();
   in_flight = peak = 0;
   posted.clear();
+  forwarded.assign(stages.size(), false);
   for (std::size_t k = 0; k < actions.size(); ++k) {
     const Action& a = actions[k];
+    action_index = k;
     post_ahead(actions, k);
     const auto start = std::chrono::steady_clock::now();
     switch (a.kind) {
@@ -275,7 +359,14 @@ void Pipeline::Impl::forward(const Action& a) {
   } else {
     x = mb.input;
   }
-  at::Tensor out = stages[local.at(a.stage)].module->forward(x);
+  const std::size_t k = local.at(a.stage);
+  at::Tensor out;
+  if (replicated()) {
+    out = replicas[k]->forward(x, training && !forwarded[k]);
+    forwarded[k] = true;
+  } else {
+    out = stages[k].module->forward(x);
+  }
   if (a.stage == n - 1) {
     if (!training) {
       eval_outputs.push_back(out);
@@ -303,8 +394,15 @@ void Pipeline::Impl::backward(const Action& a) {
   const at::Tensor grad = grad_of_output(a.stage, a.micro);
   std::vector<at::Tensor> grads;
   if (grad.defined()) grads.push_back(grad);
-  const std::vector<at::Tensor>& params = stage_params[local.at(a.stage)];
+  const std::size_t k = local.at(a.stage);
+  const std::vector<at::Tensor>& params = stage_params[k];
   const bool has_input = a.stage > 0 && mb.input.defined() && mb.input.requires_grad();
+  const bool last = action_index == last_param_backward[k];
+  if (last && replicated()) {
+    replicas[k]->last_backward();
+    // One autograd run (see Note [Stage gradients over the data-parallel group]).
+    if (replicas[k]->needs_single_run()) mb.split.reset();
+  }
   if (a.kind == ActionKind::kBackwardInput) {
     if (has_input) {
       mb.split = detail::SplitBackward::prepare(mb.output, mb.input, params);
@@ -413,20 +511,67 @@ void Pipeline::Impl::recv(const Action& a) {
   }
 }
 
-// Tied copies: the two ranks swap their gradients and both add. Then
-// data-parallel averaging of every gradient.
+// Data-parallel averaging, then tied copies. kAllReduce: every gradient in
+// one coalesced all-reduce; kDDP: the stage replicas have averaged the
+// modules' gradients, the borrowers' copies are averaged here; then the two
+// ranks of each tie swap their (averaged) gradients and both add (averaging
+// is linear, so the order does not matter). Sharded: see exchange_ties().
 void Pipeline::Impl::finish_gradients() {
-  const int tie_tag_base = 1 + 3 * n * m;
+  auto& dp = options.data_parallel_group;
+  if (dp && dp->size() > 1 && !sharded()) {
+    std::vector<at::Tensor> grads;
+    auto add = [&](const at::Tensor& param) {
+      if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
+      grads.push_back(param.grad());
+    };
+    if (replicated()) {
+      for (const auto& [k, j] : borrowed) add(stages[k].tied[j].parameter);
+    } else {
+      for (const at::Tensor& param : parameters()) add(param);
+    }
+    if (!grads.empty()) dp->all_reduce_coalesced(grads, dist::ReduceOp::kAvg).wait();
+  }
+  exchange_ties();
+}
+
+// Not sharded: each tie's two ranks swap their gradients and both add.
+// Sharded, the owner's copy is a module parameter the owner's strategy has
+// reduce-scattered into shards, so the borrower (whose copy is not stepped:
+// parameters() leaves it out) sends its data-averaged gradient to the owner,
+// which adds it to its shards' pieces; the borrower's copy then gets the
+// owner's weight at the start of each step (refresh_borrowed_weights).
+void Pipeline::Impl::exchange_ties() {
   for (std::size_t k = 0; k < stages.size(); ++k) {
     const int stage = schedule.stages_of_rank(rank)[k];
     for (std::size_t j = 0; j < stages[k].tied.size(); ++j) {
       const TiedParameter& tied = stages[k].tied[j];
       at::Tensor param = tied.parameter;
-      if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
       const int peer = schedule.rank_of_stage(tied.other_stage);
       if (peer == rank) continue;  // both stages here: one tensor, autograd summed it
-      const int owner_stage = tied.owner ? stage : tied.other_stage;
-      const int t = tie_tag_base + owner_stage * 64 + int(j);
+      const int t = tie_tag(kTieGradient, tied.owner ? stage : tied.other_stage, j);
+      if (sharded()) {
+        if (!tied.owner) {
+          if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
+          options.data_parallel_group->all_reduce(param.mutable_grad(), dist::ReduceOp::kAvg).wait();
+          group.send(param.mutable_grad(), peer, t);
+          param.mutable_grad() = at::Tensor();  // not stepped, so nobody else clears it
+          continue;
+        }
+        at::Tensor other = at::empty_like(param);
+        group.recv(other, peer, t);
+        const at::Tensor flat = other.flatten();
+        for (const ParameterShard& piece : replicas[k]->sharded()->parameter_shards()) {
+          if (!piece.parameter.is_same(param)) continue;
+          at::Tensor part = flat.narrow(0, piece.offset, piece.shard.numel()).to(piece.shard.scalar_type());
+          if (piece.shard.grad().defined()) {
+            piece.shard.mutable_grad().add_(part);
+          } else {
+            piece.shard.mutable_grad() = part.clone();
+          }
+        }
+        continue;
+      }
+      if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
       at::Tensor other = at::empty_like(param.grad());
       // One exchange, both ways at once; a + b == b + a in IEEE arithmetic,
       // so both copies get bitwise the same sum.
@@ -437,13 +582,29 @@ void Pipeline::Impl::finish_gradients() {
       param.mutable_grad().copy_(mine + other);
     }
   }
-  if (options.data_parallel_group && options.data_parallel_group->size() > 1) {
-    std::vector<at::Tensor> grads;
-    for (const at::Tensor& param : parameters()) {
-      if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
-      grads.push_back(param.grad());
+}
+
+// Sharded: the owner brings its full parameters up to date (the strategy
+// all-gathers them after an optimizer step) and sends each tied weight to its
+// borrower, which copies it into its copy before anything runs.
+void Pipeline::Impl::refresh_borrowed_weights() {
+  for (std::size_t k = 0; k < stages.size(); ++k) {
+    const int stage = schedule.stages_of_rank(rank)[k];
+    for (std::size_t j = 0; j < stages[k].tied.size(); ++j) {
+      const TiedParameter& tied = stages[k].tied[j];
+      const int peer = schedule.rank_of_stage(tied.other_stage);
+      if (peer == rank) continue;
+      const int t = tie_tag(kTieWeight, tied.owner ? stage : tied.other_stage, j);
+      at::NoGradGuard no_grad;
+      if (tied.owner) {
+        replicas[k]->sharded()->pre_forward();
+        group.send(tied.parameter.detach().contiguous(), peer, t);
+      } else {
+        at::Tensor weight = at::empty_like(tied.parameter);
+        group.recv(weight, peer, t);
+        tied.parameter.detach().copy_(weight);
+      }
     }
-    options.data_parallel_group->all_reduce_coalesced(grads, dist::ReduceOp::kAvg).wait();
   }
 }
 
@@ -453,6 +614,12 @@ std::vector<at::Tensor> Pipeline::parameters() const {
 
 std::vector<at::Tensor> Pipeline::Impl::parameters() const {
   std::vector<at::Tensor> all;
+  if (sharded()) {
+    for (const auto& replica : replicas) {
+      for (const at::Tensor& shard : replica->sharded()->parameters()) all.push_back(shard);
+    }
+    return all;
+  }
   for (const auto& params : stage_params) {
     for (const at::Tensor& param : params) {
       const bool seen = std::any_of(all.begin(), all.end(), [&](const at::Tensor& t) { return t.is_same(param); });
@@ -462,14 +629,27 @@ std::vector<at::Tensor> Pipeline::Impl::parameters() const {
   return all;
 }
 
-ShardedGradients Pipeline::gradient_set() const {
-  std::vector<at::Tensor> counted;
-  for (std::size_t k = 0; k < impl_->stages.size(); ++k) {
-    for (const at::Tensor& param : impl_->stages[k].module->parameters()) {
-      if (param.requires_grad()) counted.push_back(param);
+const GradientSet& Pipeline::gradient_set() const {
+  return *impl_->counted_gradients;
+}
+
+void Pipeline::zero_grad() {
+  Impl& s = *impl_;
+  for (std::size_t k = 0; k < s.stages.size(); ++k) {
+    if (s.replicated()) {
+      s.replicas[k]->zero_grad();
+    } else {
+      for (at::Tensor& param : s.stages[k].module->parameters()) param.mutable_grad() = at::Tensor();
     }
+    for (TiedParameter& tied : s.stages[k].tied) tied.parameter.mutable_grad() = at::Tensor();
   }
-  return ShardedGradients(counted, impl_->group);
+}
+
+std::vector<ShardedDataParallel*> Pipeline::sharded_stages() {
+  std::vector<ShardedDataParallel*> all;
+  if (!impl_->sharded()) return all;
+  for (auto& replica : impl_->replicas) all.push_back(replica->sharded());
+  return all;
 }
 
 std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int stage_count, std::vector<LayerCost> costs,
@@ -525,8 +705,11 @@ std::vector<torch::nn::Sequential> split_stages(const torch::nn::Sequential& lay
 }
 
 at::Tensor Pipeline::clip_grad_norm_(double max_norm, const ClipGradNormOptions& options) {
-  const ShardedGradients counted = gradient_set();
+  const GradientSet& counted = gradient_set();
   at::Tensor norm = dtrain::clip_grad_norm_(counted, max_norm, options);
+  // Sharded: the borrowers' copies are not stepped, and the owners' module
+  // gradients may alias the shards' (stage 1): nothing more to scale.
+  if (impl_->sharded()) return norm;
   // clip.cpp's factor, spelled the same way, for the copies it did not see.
   const at::Tensor factor = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
   const std::vector<at::Tensor> seen = counted.local_parameters();
