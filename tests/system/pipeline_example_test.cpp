@@ -78,29 +78,43 @@ TEST(GptPipelineExample, EveryScheduleAndTheMeshMatchSingle) {
 // Under `dtrain run --max-restarts 1`, the last stage's process is SIGKILLed
 // at step 3 (checkpoints every 2 steps): the group restarts, every stage
 // resumes from step 2 and the run ends exactly where an uninterrupted one does.
-TEST(GptPipelineExample, KilledStageResumesFromTheLastCheckpoint) {
-  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-pipeline-resume-" + std::to_string(::getpid()));
+namespace {
+
+// `extra` arguments on `ranks` processes: a run SIGKILLed at step 3 and
+// restarted resumes from the step-2 checkpoint and ends bit for bit where an
+// uninterrupted run does.
+void expect_killed_stage_resumes(const std::string& name, const std::string& extra, int ranks) {
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-pipeline-resume-" + name + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string common =
       "--strategy pipeline --pp-schedule 1f1b --micro-batches 2 --n-layer 2 --n-head 2 --n-embd 16 --block-size 8 "
       "--batch-size 4 --eval-interval 2 --eval-iters 1 --warmup-iters 2 --max-iters 6 --sample-tokens 0 "
-      "--devices cpu --save-params ";
-  const auto whole = dtrain::testing::run_example(kExample, common + (dir / "whole.f32").string(), launch(2));
-  ASSERT_EQ(whole.exit_code, 0) << whole.stderr_text;
+      "--devices cpu " +
+      extra + " --save-params ";
+  const auto whole = dtrain::testing::run_example(kExample, common + (dir / "whole.f32").string(), launch(ranks));
+  ASSERT_EQ(whole.exit_code, 0) << name << ": " << whole.stderr_text;
   ::setenv("DTRAIN_GPT_KILL_LAST_STAGE_AT", "3", 1);
   const auto killed = dtrain::testing::run_example(
       kExample, common + (dir / "resumed.f32").string() + " --checkpoint-dir " + (dir / "ckpt").string(),
-      launch(2) + " --max-restarts 1");
+      launch(ranks) + " --max-restarts 1");
   ::unsetenv("DTRAIN_GPT_KILL_LAST_STAGE_AT");
-  ASSERT_EQ(killed.exit_code, 0) << killed.stderr_text;
-  EXPECT_NE(killed.stderr_text.find("resumed at step 2"), std::string::npos) << killed.stderr_text;
+  ASSERT_EQ(killed.exit_code, 0) << name << ": " << killed.stderr_text;
+  EXPECT_NE(killed.stderr_text.find("resumed at step 2"), std::string::npos) << name << ": " << killed.stderr_text;
   for (int s = 0; s < 2; ++s) {
     const std::string suffix = ".stage" + std::to_string(s);
     const auto a = read_floats((dir / "whole.f32").string() + suffix);
-    ASSERT_FALSE(a.empty());
-    EXPECT_EQ(a, read_floats((dir / "resumed.f32").string() + suffix)) << "stage " << s;
+    ASSERT_FALSE(a.empty()) << name;
+    EXPECT_EQ(a, read_floats((dir / "resumed.f32").string() + suffix)) << name << " stage " << s;
   }
   fs::remove_all(dir);
+}
+
+}  // namespace
+
+TEST(GptPipelineExample, KilledStageResumesFromTheLastCheckpoint) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  expect_killed_stage_resumes("p2", "", 2);
+  // 2 x 2 with sharded stages: each rank's shard of the optimizer state is its part.
+  expect_killed_stage_resumes("mesh-zero2", "--pp-size 2 --dp-reduce zero2", 4);
 }
