@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <thread>
 
@@ -200,6 +201,14 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
         busy += std::chrono::duration<double, std::milli>(t.end - t.start).count() / steps;
     }
     std::fprintf(stderr, "rank %d: compute %.1f ms of each step\n", group.rank(), busy);
+    if (std::getenv("DTRAIN_BENCH_TRACE") != nullptr) {
+      // The last step's compute actions: start offset and duration (ms).
+      const auto origin = pipe.trace().front().start;
+      for (const TracedAction& t : pipe.trace())
+        std::fprintf(stderr, "rank %d %s at %.1f for %.1f\n", group.rank(), to_string(t.action).c_str(),
+                     std::chrono::duration<double, std::milli>(t.start - origin).count(),
+                     std::chrono::duration<double, std::milli>(t.end - t.start).count());
+    }
     if (group.rank() != p - 1) return 0;
   }
   double mean = 0;
