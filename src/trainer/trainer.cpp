@@ -61,6 +61,10 @@ Trainer::Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& op
                                          << o.log_every << ", max_steps " << o.max_steps << ", clip_norm "
                                          << o.clip_norm << ".",
                "counts must be at least 1 (max_steps and clip_norm at least 0)");
+  DTRAIN_CHECK(!strategy_->fuses_loss() || o.accumulate == 1, ConfigError,
+               "TrainerOptions::accumulate is " << o.accumulate << ", but strategy '" << strategy_->name()
+                                                << "' splits each batch into micro-batches itself",
+               "set accumulate to 1 and give the strategy more micro-batches (e.g. PipelineOptions::micro_batches)");
   DTRAIN_CHECK(!o.amp_dtype || *o.amp_dtype == at::kBFloat16 || *o.amp_dtype == at::kHalf, ConfigError,
                "TrainerOptions::amp_dtype must be bfloat16 or float16.", "use at::kBFloat16 on CPU");
 }
@@ -92,7 +96,7 @@ EvalResult Trainer::evaluate() {
   const std::int64_t begin = n * s.data_rank() / s.data_world();
   const std::int64_t end = n * (s.data_rank() + 1) / s.data_world();
   double loss_sum = 0;
-  std::int64_t correct = 0;
+  std::int64_t correct = 0, examples = 0;
   for (std::int64_t start = begin; start < end; start += o.eval_batch_size) {
     std::vector<std::int64_t> indices;
     for (std::int64_t i = start; i < std::min(end, start + o.eval_batch_size); ++i) indices.push_back(i);
@@ -103,14 +107,15 @@ EvalResult Trainer::evaluate() {
       std::optional<amp::Autocast> autocast;
       if (o.amp_dtype) autocast.emplace(s.input_device().type(), amp::AutocastOptions{.dtype = o.amp_dtype});
       output = s.eval_forward(batch.data.to(s.input_device()));
-      loss = state_->loss(output, target);
+      if (output.defined()) loss = state_->loss(output, target);
     }
+    if (!output.defined()) continue;  // another rank of this pipeline has the outputs
     loss_sum += loss.item<double>() * static_cast<double>(indices.size());
     correct += output.argmax(-1).eq(target).sum().item<std::int64_t>();
+    examples += static_cast<std::int64_t>(indices.size());
   }
   s.module().train();
-  at::Tensor totals =
-      at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(end - begin)}, at::kDouble);
+  at::Tensor totals = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(examples)}, at::kDouble);
   if (auto group = s.group()) {
     totals = totals.to(group->device());
     group->all_reduce(totals).wait();
@@ -266,6 +271,12 @@ struct Trainer::Run {
     }
     const at::Tensor input = batch->data.to(s.input_device());
     const at::Tensor target = batch->target.to(s.output_device());
+    if (s.fuses_loss()) {
+      auto span = Tracer::span(tracer.get(), "forward_backward", "compute");
+      std::optional<amp::Autocast> autocast;
+      if (o.amp_dtype) autocast.emplace(s.input_device().type(), amp::AutocastOptions{.dtype = o.amp_dtype});
+      return s.forward_backward(input, target, scaler->is_enabled() ? scaler.get() : nullptr).to(at::kFloat);
+    }
     auto no_sync = m + 1 < o.accumulate ? s.no_sync() : nullptr;
     at::Tensor loss;
     {
@@ -312,8 +323,7 @@ struct Trainer::Run {
       auto span = Tracer::span(tracer.get(), "optimizer", "compute");
       if (o.clip_norm > 0 || (want_metrics && log_now)) {
         scaler->unscale_(st.optimizer);
-        const auto gradients = s.gradients();
-        last_norm = o.clip_norm > 0 ? clip_grad_norm_(*gradients, o.clip_norm) : grad_norm(*gradients);
+        last_norm = o.clip_norm > 0 ? s.clip_grad_norm(o.clip_norm) : grad_norm(*s.gradients());
       }
       if (!scaler->step(st.optimizer)) ++summary.skipped_steps;
       scaler->update();

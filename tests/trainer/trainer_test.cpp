@@ -30,11 +30,16 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
+#include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
+#include "dtrain/parallel/pipeline/pipeline.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
+#include "dtrain/trainer/pipeline_strategy.h"
 #include "dtrain/trainer/trainer.h"
 #include "dtrain/trainer/zero_strategy.h"
 #include "ranks.h"
@@ -367,4 +372,139 @@ TEST(ZeroTrainer, SavedOnTwoRanksResumesOnThreeEqualToUninterrupted) {
   const at::Tensor got = zero_run(3, 2, other, second);
   EXPECT_TRUE(at::allclose(got, expected, 1e-5, 1e-6)) << (got - expected).abs().max();
   fs::remove_all(dir);
+}
+
+namespace {
+
+const dtrain::TrainerOptions kPipelineOptions{
+    .epochs = 2, .max_steps = 6, .batch_size = 12, .accumulate = 1, .seed = 5, .clip_norm = 0.3, .progress = false};
+
+struct PipelineRunResult {
+  std::map<std::string, at::Tensor> parameters;  // by name in zero_net(), from the stage that holds each
+  double eval_loss = 0;
+  std::int64_t eval_examples = 0;
+};
+
+// One process on global batches of 12, with evaluation on 30 examples.
+PipelineRunResult pipeline_reference(torch::nn::Sequential& init) {
+  auto net = zero_net();
+  copy_parameters(*net, *init);
+  auto opt = zero_test_optimizer(net->parameters());
+  dtrain::Trainer trainer(std::make_shared<dtrain::SingleDeviceStrategy<torch::nn::Sequential>>(net, c10::kCPU), opt,
+                          std::make_shared<Blobs>(96), kPipelineOptions);
+  trainer.set_eval_dataset(std::make_shared<Blobs>(30));
+  const auto summary = trainer.fit();
+  PipelineRunResult result{.eval_loss = summary.last_eval->loss, .eval_examples = summary.last_eval->examples};
+  for (const auto& item : net->named_parameters()) result.parameters[item.key()] = item.value().detach().clone();
+  return result;
+}
+
+// 4 rank threads as 2 replicas x 2 stages (Linear+ReLU | Linear), batches of
+// 6 per replica in 2 micro-batches, the replicas reduced by `reduction`.
+PipelineRunResult pipeline_run(torch::nn::Sequential& init, dtrain::pipeline::StageReduction reduction,
+                               dtrain::TrainerOptions options) {
+  constexpr int kWorld = 4;
+  options.batch_size = kPipelineOptions.batch_size / 2;
+  PipelineRunResult result;
+  std::mutex mutex;
+  dtrain::testing::run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
+    auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = std::chrono::seconds(60)});
+    dtrain::dist::DeviceMesh mesh(world, {.data = 2, .pipeline = 2});
+    auto net = zero_net();
+    copy_parameters(*net, *init);
+    const auto stages = dtrain::pipeline::split_stages(net, {0, 0, 1});
+    auto loss = [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); };
+    auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
+        std::vector<dtrain::pipeline::PipelineStage>{{.module = stages[mesh.pipeline_index()]}}, mesh.pipeline_group(),
+        dtrain::pipeline::PipelineOptions{
+            .micro_batches = 2, .data_parallel_group = mesh.data_group(), .data_parallel_reduction = reduction},
+        loss);
+    auto strategy = std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
+    EXPECT_EQ(strategy->data_world(), 2);
+    auto opt = zero_test_optimizer(strategy->parameters());
+    dtrain::Trainer trainer(strategy, opt, std::make_shared<Blobs>(96), options);
+    trainer.set_eval_dataset(std::make_shared<Blobs>(30));
+    const auto summary = trainer.fit();
+    strategy->full_parameters();
+    std::lock_guard<std::mutex> lock(mutex);
+    if (rank == 0) {
+      result.eval_loss = summary.last_eval->loss;
+      result.eval_examples = summary.last_eval->examples;
+    }
+    if (mesh.data_index() != 0) return;
+    for (const auto& item : stages[mesh.pipeline_index()]->named_parameters())
+      result.parameters[item.key()] = item.value().detach().clone();
+  });
+  return result;
+}
+
+void expect_same_training(const PipelineRunResult& got, const PipelineRunResult& want, const std::string& what) {
+  ASSERT_EQ(got.parameters.size(), want.parameters.size()) << what;
+  for (const auto& [name, value] : want.parameters) {
+    const at::Tensor& mine = got.parameters.at(name);
+    EXPECT_TRUE(at::allclose(mine, value, 1e-5, 1e-6)) << what << " " << name << ": " << (mine - value).abs().max();
+  }
+  EXPECT_EQ(got.eval_examples, want.eval_examples) << what;
+  EXPECT_NEAR(got.eval_loss, want.eval_loss, 1e-5) << what;
+}
+
+}  // namespace
+
+// The Trainer over a 2 x 2 data x pipeline mesh, stages reduced by DDP, ZeRO-2
+// or one all-reduce, equals the single-process Trainer on the global batches
+// (parameters after 6 steps with clipping, and the evaluation, whose 30
+// examples do not split into whole micro-batches on every replica).
+TEST(PipelineTrainer, DataTimesPipelineEqualsOneProcess) {
+  torch::manual_seed(13);
+  auto init = zero_net();
+  const PipelineRunResult expected = pipeline_reference(init);
+  using dtrain::pipeline::StageReduction;
+  expect_same_training(pipeline_run(init, StageReduction::kDDP, kPipelineOptions), expected, "ddp");
+  expect_same_training(pipeline_run(init, StageReduction::kSharded, kPipelineOptions), expected, "zero2");
+  expect_same_training(pipeline_run(init, StageReduction::kAllReduce, kPipelineOptions), expected, "all-reduce");
+}
+
+// Saved at step 3 (per-rank parts) and resumed from other initial weights:
+// ends where an uninterrupted run does.
+TEST(PipelineTrainer, ResumedEqualsUninterrupted) {
+  const auto dir = temp_dir("pipeline-resume");
+  torch::manual_seed(14);
+  auto init = zero_net();
+  const PipelineRunResult expected = pipeline_reference(init);
+  using dtrain::pipeline::StageReduction;
+  auto first = kPipelineOptions;
+  first.max_steps = 3;
+  first.checkpoint_dir = dir;
+  first.checkpoint_every = 3;
+  pipeline_run(init, StageReduction::kSharded, first);
+  torch::manual_seed(98);
+  auto other = zero_net();
+  auto second = kPipelineOptions;
+  second.checkpoint_dir = dir;
+  second.checkpoint_every = 3;
+  expect_same_training(pipeline_run(other, StageReduction::kSharded, second), expected, "resumed");
+  fs::remove_all(dir);
+}
+
+TEST(PipelineTrainer, AccumulationIsRefusedWithAClearError) {
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto world = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(30)});
+    dtrain::dist::DeviceMesh mesh(world, {.data = 1, .pipeline = 2});
+    auto net = zero_net();
+    const auto stages = dtrain::pipeline::split_stages(net, {0, 0, 1});
+    auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
+        std::vector<dtrain::pipeline::PipelineStage>{{.module = stages[rank]}}, mesh.pipeline_group(),
+        dtrain::pipeline::PipelineOptions{.micro_batches = 2},
+        [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); });
+    auto strategy = std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
+    auto opt = zero_test_optimizer(strategy->parameters());
+    auto options = kPipelineOptions;
+    options.accumulate = 2;
+    try {
+      dtrain::Trainer trainer(strategy, opt, std::make_shared<Blobs>(96), options);
+      ADD_FAILURE() << "accumulate 2 was accepted";
+    } catch (const dtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("micro-batches"), std::string::npos) << e.what();
+    }
+  });
 }

@@ -8,9 +8,9 @@
 // norm), which ranks must agree on skipped steps (GradScaler), which share of
 // the data this rank reads, and what goes into a checkpoint. The sharded
 // (ZeRO) and pipeline strategies implement the same interface: ZeRO returns
-// ShardedGradients, a found-inf group and per-rank checkpoint state; a
-// pipeline runs forward and backward of its micro-batches inside
-// forward_backward.
+// ShardedGradients, a found-inf group and sharded checkpoint state; a
+// pipeline (pipeline_strategy.h), whose loss lives on its last stage, runs
+// forward, loss and backward of its micro-batches in forward_backward.
 //
 // Every strategy is also usable without the Trainer: they are thin, and the
 // pieces they call (DistributedDataParallel, DataParallel, no_sync,
@@ -35,6 +35,9 @@
 namespace dtrain {
 
 class Tracer;
+namespace amp {
+class GradScaler;
+}
 
 class Strategy {
  public:
@@ -60,10 +63,24 @@ class Strategy {
 
   // The training forward (through the strategy's communication).
   virtual at::Tensor forward(const at::Tensor& input) = 0;
-  // The evaluation forward (no gradients, model in eval mode); default forward().
+  // The evaluation forward (no gradients, model in eval mode); default
+  // forward(). An undefined result: the outputs are on another rank (a
+  // pipeline's last stage), and this rank adds nothing to the metrics.
   virtual at::Tensor eval_forward(const at::Tensor& input) { return forward(input); }
   // Backward of a (scaled) loss; default loss.backward().
   virtual void backward(const at::Tensor& loss) { loss.backward(); }
+  // Strategies that cannot hand the Trainer an output to take the loss of
+  // (a pipeline computes it on its last stage) return true and implement
+  // forward_backward; the Trainer then calls it once per step instead of
+  // forward, loss and backward (and refuses accumulation: the strategy
+  // micro-batches itself).
+  virtual bool fuses_loss() const { return false; }
+  // Forward, loss and backward of `scaler`-scaled loss of one batch; returns
+  // the batch's (unscaled, detached) loss on every rank of the strategy.
+  virtual at::Tensor forward_backward(const at::Tensor& /*input*/, const at::Tensor& /*target*/,
+                                      amp::GradScaler* /*scaler*/) {
+    return {};
+  }
   // While the returned scope lives, backward does not synchronise gradients
   // (accumulation's first k-1 micro-batches); nullptr when nothing syncs.
   virtual std::unique_ptr<Scope> no_sync() { return nullptr; }
@@ -72,6 +89,9 @@ class Strategy {
   virtual std::unique_ptr<GradientSet> gradients() {
     return std::make_unique<ReplicatedGradients>(module().parameters());
   }
+  // Clips by global norm (returns the norm before clipping); strategies with
+  // gradient copies outside gradients() (a pipeline's tied weights) scale those too.
+  virtual at::Tensor clip_grad_norm(double max_norm) { return clip_grad_norm_(*gradients(), max_norm); }
   // Ranks whose GradScaler found-inf flags must be combined (nullopt: the
   // gradients are identical where they are checked, e.g. after DDP's all-reduce).
   virtual std::optional<dist::ProcessGroup> found_inf_group() { return std::nullopt; }

@@ -641,8 +641,10 @@ void Pipeline::zero_grad() {
     } else {
       for (at::Tensor& param : s.stages[k].module->parameters()) param.mutable_grad() = at::Tensor();
     }
-    for (TiedParameter& tied : s.stages[k].tied) tied.parameter.mutable_grad() = at::Tensor();
   }
+  // The borrowers' copies; the owners' are module parameters, cleared above
+  // by their strategy (which may keep them as views of its buffers).
+  for (const auto& [k, j] : s.borrowed) s.stages[k].tied[j].parameter.mutable_grad() = at::Tensor();
 }
 
 std::vector<ShardedDataParallel*> Pipeline::sharded_stages() {

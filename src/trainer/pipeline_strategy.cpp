@@ -1,0 +1,144 @@
+// The Trainer's pipeline strategy (include/dtrain/trainer/pipeline_strategy.h).
+#include "dtrain/trainer/pipeline_strategy.h"
+
+#include <ATen/ATen.h>
+
+#include "dtrain/error.h"
+#include "dtrain/parallel/pipeline/pipeline.h"
+
+namespace dtrain {
+
+namespace {
+
+// Gradients of the pipeline's gradient_set(), which the pipeline owns.
+class BorrowedGradients : public GradientSet {
+ public:
+  explicit BorrowedGradients(const GradientSet& inner) : inner_(inner) {}
+  std::vector<at::Tensor> local_parameters() const override { return inner_.local_parameters(); }
+  void combine(at::Tensor& partial, bool max) const override { inner_.combine(partial, max); }
+
+ private:
+  const GradientSet& inner_;
+};
+
+}  // namespace
+
+PipelineStrategy::PipelineStrategy(std::shared_ptr<pipeline::Pipeline> pipe, dist::DeviceMesh& mesh)
+    : pipe_(std::move(pipe)), world_(mesh.group()), pipeline_group_(mesh.pipeline_group()) {
+  DTRAIN_CHECK(pipe_ != nullptr, ConfigError, "PipelineStrategy got no Pipeline.",
+               "pass std::make_shared<dtrain::pipeline::Pipeline>(stages, mesh.pipeline_group(), options, loss)");
+  DTRAIN_CHECK(pipe_->group().size() == mesh.shape().pipeline && pipe_->group().rank() == mesh.pipeline_index(),
+               ConfigError,
+               "the Pipeline's group (rank " << pipe_->group().rank() << " of " << pipe_->group().size()
+                                             << ") is not the mesh's pipeline group (" << mesh.describe() << ")",
+               "build the Pipeline on mesh.pipeline_group()");
+  data_rank_ = mesh.data_index();
+  data_world_ = mesh.shape().data;
+  const pipeline::Schedule& schedule = pipe_->schedule();
+  loss_rank_ = schedule.rank_of_stage(schedule.stage_count() - 1);
+  // module(): this rank's stages (train/eval modes, per-rank checkpoints)
+  // and the borrowed tied copies that are no stage's parameters.
+  holder_ = std::make_shared<torch::nn::Module>("PipelineStages");
+  const auto stages = schedule.stages_of_rank(pipe_->group().rank());
+  for (std::size_t k = 0; k < stages.size(); ++k) {
+    holder_->register_module("stage" + std::to_string(stages[k]), pipe_->stages()[k].module.ptr());
+    const auto& ties = pipe_->stages()[k].tied;
+    for (std::size_t j = 0; j < ties.size(); ++j) {
+      if (!ties[j].owner)
+        holder_->register_parameter("tied" + std::to_string(stages[k]) + "_" + std::to_string(j), ties[j].parameter);
+    }
+  }
+}
+
+PipelineStrategy::~PipelineStrategy() = default;
+
+std::string PipelineStrategy::name() const {
+  return "pipeline";
+}
+
+torch::nn::Module& PipelineStrategy::module() {
+  return *holder_;
+}
+
+std::vector<at::Tensor> PipelineStrategy::parameters() {
+  return pipe_->parameters();
+}
+
+void PipelineStrategy::gather_full() {
+  for (ShardedDataParallel* sdp : pipe_->sharded_stages()) sdp->pre_forward();
+}
+
+std::unique_ptr<Strategy::Scope> PipelineStrategy::full_parameters() {
+  gather_full();  // stages 1-2 keep them afterwards until the next optimizer step
+  return nullptr;
+}
+
+c10::Device PipelineStrategy::input_device() const {
+  return pipeline_group_.device();
+}
+c10::Device PipelineStrategy::output_device() const {
+  return pipeline_group_.device();
+}
+
+at::Tensor PipelineStrategy::forward(const at::Tensor& /*input*/) {
+  DTRAIN_CHECK(false, ConfigError,
+               "PipelineStrategy has no separate training forward: the loss lives on the last stage",
+               "train through forward_backward (the Trainer does)");
+  return {};
+}
+
+// Pads the batch to a multiple of the micro-batches (repeating its last
+// example) and drops the padding's outputs.
+at::Tensor PipelineStrategy::eval_forward(const at::Tensor& input) {
+  const int m = pipe_->schedule().options.micro_batches;
+  const std::int64_t n = input.size(0);
+  const std::int64_t padded = (n + m - 1) / m * m;
+  at::Tensor x = input;
+  if (padded != n) x = at::cat({input, input.narrow(0, n - 1, 1).expand_as(input.narrow(0, 0, padded - n))}, 0);
+  at::Tensor out = pipe_->forward(x);
+  return out.defined() ? out.narrow(0, 0, n) : out;
+}
+
+at::Tensor PipelineStrategy::forward_backward(const at::Tensor& input, const at::Tensor& target,
+                                              amp::GradScaler* scaler) {
+  at::Tensor loss = pipe_->step(input, target, scaler);
+  at::Tensor shared = loss.defined() ? loss.detach().to(at::kFloat).reshape({1}).clone()
+                                     : at::zeros({1}, at::TensorOptions(at::kFloat).device(input_device()));
+  if (pipeline_group_.size() > 1) pipeline_group_.broadcast(shared, loss_rank_).wait();
+  return shared.reshape({});
+}
+
+void PipelineStrategy::zero_grad(torch::optim::Optimizer& /*optimizer*/) {
+  pipe_->zero_grad();
+}
+
+std::unique_ptr<GradientSet> PipelineStrategy::gradients() {
+  return std::make_unique<BorrowedGradients>(pipe_->gradient_set());
+}
+
+at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
+  return pipe_->clip_grad_norm_(max_norm);
+}
+
+void PipelineStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
+  if (added_to_ == &checkpointer) return;
+  DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "PipelineStrategy is used with a second Checkpointer.",
+               "use one Trainer (one checkpoint directory) per strategy");
+  checkpointer.add_state("pipeline_stages", module_state(*holder_), StateScope::kPerRank);
+  checkpointer.add_state("pipeline_optimizer", optimizer_state(optimizer), StateScope::kPerRank);
+  added_to_ = &checkpointer;
+}
+
+void PipelineStrategy::save(Checkpointer& checkpointer, const TrainingState& state,
+                            torch::optim::Optimizer& optimizer) {
+  add_to(checkpointer, optimizer);
+  gather_full();  // the stages' module parameters are what is written
+  checkpointer.save(state);
+}
+
+std::optional<TrainingState> PipelineStrategy::load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
+  add_to(checkpointer, optimizer);
+  return checkpointer.load_latest();
+}
+
+}  // namespace dtrain
