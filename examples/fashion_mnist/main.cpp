@@ -1,7 +1,8 @@
 // Trains a small CNN on Fashion-MNIST with dtrain::Trainer and reports test accuracy.
 //
-//   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3]
-//                 [--devices all] [--epochs 2] [--batch-size 64] [--lr 1e-3] [--seed 0]
+//   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline]
+//                 [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--devices all] [--epochs 2]
+//                 [--batch-size 64] [--lr 1e-3] [--seed 0]
 //                 [--amp off|bf16|fp16] [--accumulate 1] [--clip-norm 0]
 //                 [--checkpoint-dir DIR [--checkpoint-every N]] [--tensorboard DIR] [--trace FILE]
 //                 [--sample-log FILE]
@@ -21,6 +22,10 @@
 //   zero1|zero2|zero3   ddp's processes and data, with ShardedDataParallel (ZeRO): the optimizer
 //                       state (1), also the gradients (2), also the parameters (3) split over
 //                       the ranks; checkpoints reshard onto another number of ranks
+//   pipeline            one process per rank, the layers cut into one stage per rank (two when
+//                       interleaved) by the placement planner; every batch of --batch-size runs
+//                       as --micro-batches micro-batches through --pp-schedule (the Trainer's
+//                       PipelineStrategy; --accumulate must stay 1)
 // After the model is built, each rank seeds its generators with seed + rank
 // (dropout masks differ per rank); checkpoints restore each rank's own.
 //
@@ -45,6 +50,8 @@ namespace {
 struct Options {
   std::string strategy = "single";
   std::string devices = "all";
+  std::string pp_schedule = "1f1b";
+  int micro_batches = 4;
   int epochs = 2;
   int batch_size = 64;
   double lr = 1e-3;
@@ -80,7 +87,10 @@ std::string params_fingerprint(torch::nn::Module& model) {
 }
 
 int run(Options opt) {
-  const PlacementOptions placement{.strategy = opt.strategy, .devices = opt.devices};
+  const PlacementOptions placement{.strategy = opt.strategy,
+                                   .devices = opt.devices,
+                                   .pp_schedule = opt.pp_schedule,
+                                   .micro_batches = opt.micro_batches};
   Placement where = place(placement);
   torch::manual_seed(opt.seed);
   auto strategy = make_strategy(placement, where);
@@ -88,14 +98,19 @@ int run(Options opt) {
   auto train = std::make_shared<dtrain::data::FashionMnist>(opt.data_dir, dtrain::data::Split::kTrain);
   auto test = std::make_shared<dtrain::data::FashionMnist>(opt.data_dir, dtrain::data::Split::kTest);
   const std::int64_t n = opt.train_limit > 0 ? std::min(opt.train_limit, train->size()) : train->size();
-  const std::int64_t per_rank = n / where.world;
-  DTRAIN_CHECK(per_rank > 0, ConfigError, n << " training examples cannot be shared by " << where.world << " ranks.",
+  const std::int64_t per_rank = n / strategy->data_world();
+  DTRAIN_CHECK(per_rank > 0, ConfigError,
+               n << " training examples cannot be shared by " << strategy->data_world() << " data-parallel ranks.",
                "raise --train-limit or use fewer ranks");
   if (opt.tune_workers) {
     const auto tuning = dtrain::data::tune_num_workers(
         [&](int workers) {
-          auto sampler = std::make_shared<dtrain::data::DistributedSampler>(dtrain::data::DistributedSamplerOptions{
-              .dataset_size = n, .num_replicas = where.world, .rank = where.rank, .seed = opt.seed, .drop_last = true});
+          auto sampler = std::make_shared<dtrain::data::DistributedSampler>(
+              dtrain::data::DistributedSamplerOptions{.dataset_size = n,
+                                                      .num_replicas = strategy->data_world(),
+                                                      .rank = strategy->data_rank(),
+                                                      .seed = opt.seed,
+                                                      .drop_last = true});
           return dtrain::data::make_tensor_loader(train, sampler,
                                                   {.batch_size = opt.batch_size, .num_workers = workers});
         },
@@ -164,7 +179,15 @@ int main(int argc, char** argv) {
   CLI::App app{"Train a small CNN on Fashion-MNIST with dtrain."};
   Options opt;
   app.add_option("--strategy", opt.strategy, "Parallelism strategy")
-      ->check(CLI::IsMember({"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3"}))
+      ->check(CLI::IsMember(
+          {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
+      ->capture_default_str();
+  app.add_option("--pp-schedule", opt.pp_schedule, "Pipeline schedule (--strategy pipeline)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb"}))
+      ->capture_default_str();
+  app.add_option("--micro-batches", opt.micro_batches,
+                 "Pipeline micro-batches per batch (--strategy pipeline; divides --batch-size)")
+      ->check(CLI::Range(1, 4096))
       ->capture_default_str();
   app.add_option("--devices", opt.devices,
                  "Devices: cpu, cuda, cuda:N, N, or all, comma-separated (cpu,cpu gives two CPU replicas or stages)")

@@ -8,12 +8,17 @@
 #include <string>
 #include <vector>
 
+#include <torch/nn/functional/loss.h>
+
 #include "dtrain/dtrain.h"
 #include "model.h"
 
 struct PlacementOptions {
   std::string strategy = "single";
   std::string devices = "all";
+  // --strategy pipeline: the world as one pipeline, stages cut by the planner.
+  std::string pp_schedule = "1f1b";
+  int micro_batches = 4;
 };
 
 // ZeRO stage of --strategy zero1|zero2|zero3, 0 otherwise.
@@ -22,7 +27,7 @@ inline int zero_stage(const std::string& strategy) {
 }
 
 inline bool distributed(const std::string& strategy) {
-  return strategy == "ddp" || strategy == "ddp-model-parallel" || zero_stage(strategy) > 0;
+  return strategy == "ddp" || strategy == "ddp-model-parallel" || strategy == "pipeline" || zero_stage(strategy) > 0;
 }
 
 // Where this process trains and which share of the data it sees.
@@ -51,7 +56,7 @@ inline Placement place(const PlacementOptions& opt) {
                    << opt.strategy << " (or torchrun)");
   const auto env = dtrain::dist::read_env_contract();
   std::vector<c10::Device> devices;
-  if (opt.strategy == "ddp" || zero_stage(opt.strategy) > 0) {
+  if (opt.strategy == "ddp" || opt.strategy == "pipeline" || zero_stage(opt.strategy) > 0) {
     devices = {dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size)};
   } else {
     devices = dtrain::parse_devices(opt.devices);
@@ -84,6 +89,24 @@ inline std::shared_ptr<dtrain::Strategy> make_strategy(const PlacementOptions& o
     return std::make_shared<dtrain::ForwardStrategy>(dtrain::ForwardStrategy::Parts{
         "model-parallel", split.ptr(), [split](const at::Tensor& x) mutable { return split(x); }, first,
         split->output_device()});
+  }
+  if (opt.strategy == "pipeline") {
+    // The layers cut into one stage per rank (v per rank when interleaved) by
+    // the placement planner; every rank builds the whole model alike and
+    // keeps its stages.
+    auto layers = small_cnn_layers();
+    layers->to(first);
+    const auto kind = dtrain::pipeline::parse_schedule_kind(opt.pp_schedule);
+    const int v = kind == dtrain::pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1;
+    const auto stages = dtrain::pipeline::split_stages(layers, dtrain::pipeline::plan_stages(layers, where.world * v));
+    std::vector<dtrain::pipeline::PipelineStage> mine;
+    for (int s = where.rank; s < where.world * v; s += where.world) mine.push_back({.module = stages[s]});
+    dtrain::dist::DeviceMesh mesh(*where.group, {.data = 1, .pipeline = where.world});
+    auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
+        std::move(mine), mesh.pipeline_group(),
+        dtrain::pipeline::PipelineOptions{.schedule = kind, .micro_batches = opt.micro_batches},
+        [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); });
+    return std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
   }
   if (const int stage = zero_stage(opt.strategy)) {
     // ShardedDataParallel runs a Sequential unit by unit: the same layers and

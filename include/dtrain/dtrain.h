@@ -30,6 +30,7 @@
 #include "dtrain/trainer/accumulate.h"
 #include "dtrain/trainer/checkpoint.h"
 #include "dtrain/trainer/clip.h"
+#include "dtrain/trainer/pipeline_strategy.h"
 #include "dtrain/trainer/progress.h"
 #include "dtrain/trainer/trainer.h"        // issue 12: Trainer, strategies, schedules (metrics.h, trace.h separately)
 #include "dtrain/trainer/zero_strategy.h"  // issue 13: the Trainer over ShardedDataParallel

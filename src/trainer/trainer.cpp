@@ -186,8 +186,9 @@ struct Trainer::Run {
                  "use more examples or fewer ranks");
     auto sampler = std::make_shared<data::DistributedSampler>(data::DistributedSamplerOptions{
         .dataset_size = n, .num_replicas = s.data_world(), .rank = s.data_rank(), .seed = o.seed, .drop_last = true});
-    loader =
-        data::make_tensor_loader(st.train_set, sampler, {.batch_size = o.batch_size, .num_workers = o.num_workers});
+    loader = data::make_tensor_loader(
+        st.train_set, sampler,
+        {.batch_size = o.batch_size, .drop_last = s.needs_whole_batches(), .num_workers = o.num_workers});
     scaler = std::make_unique<amp::GradScaler>(amp::GradScalerOptions{
         .enabled = o.grad_scaler.value_or(o.amp_dtype == at::kHalf), .found_inf_group = s.found_inf_group()});
     if (!o.checkpoint_dir.empty()) resume();

@@ -116,6 +116,25 @@ TEST(FashionMnistExample, ZeroStagesEqualDdp) {
   }
 }
 
+// The Trainer's PipelineStrategy: the CNN cut into two stages on two
+// processes learns (each stage's dropout draws from its own rank's generator,
+// so the check is accuracy; equality with one process is tested on
+// dropout-free models in PipelineTrainer.*), and a batch that does not split
+// into the micro-batches is a clear error.
+TEST(FashionMnistExample, PipelineTrains) {
+  if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
+  const auto r =
+      run("--strategy pipeline --micro-batches 4 --devices cpu --epochs 1 --train-limit 6000 --seed 1", kLaunch + " 2");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const auto done = last_json_line(r.stdout_text);
+  EXPECT_EQ(done["strategy"], "pipeline");
+  EXPECT_GE(done["test_accuracy"].get<double>(), 0.72) << r.stdout_text;
+  const auto bad =
+      run("--strategy pipeline --micro-batches 5 --devices cpu --epochs 1 --train-limit 256 --seed 1", kLaunch + " 2");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.stderr_text.find("does not split into 5 equal micro-batches"), std::string::npos) << bad.stderr_text;
+}
+
 // DataParallel over two CPU replicas learns (dropout masks differ from the
 // single-device run, so the check is accuracy, not equality; equality is
 // covered by the unit tests on a dropout-free model).

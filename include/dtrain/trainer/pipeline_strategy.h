@@ -9,7 +9,8 @@
 //   trainer.set_loss(loss_fn);   // the same loss, for evaluation on the last stage
 //
 // Every rank of a pipeline reads the same batches (its replica's share: the
-// mesh's data index); the first stage uses the inputs, the last the targets.
+// mesh's data index; an epoch's last, partial batch is dropped, since the
+// pipeline's shapes are fixed); the first stage uses the inputs, the last the targets.
 // One Trainer step is one Pipeline::step (its micro-batches are the
 // accumulation, so TrainerOptions::accumulate must be 1); the loss is
 // broadcast from the last stage over the pipeline, so every rank reports it.
@@ -47,6 +48,7 @@ class PipelineStrategy : public Strategy {
   at::Tensor forward(const at::Tensor& input) override;
   at::Tensor eval_forward(const at::Tensor& input) override;
   bool fuses_loss() const override { return true; }
+  bool needs_whole_batches() const override { return true; }
   at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& target, amp::GradScaler* scaler) override;
   void zero_grad(torch::optim::Optimizer& optimizer) override;
   std::unique_ptr<GradientSet> gradients() override;

@@ -75,6 +75,9 @@ class Strategy {
   // forward, loss and backward (and refuses accumulation: the strategy
   // micro-batches itself).
   virtual bool fuses_loss() const { return false; }
+  // Whether every training batch must have the same size (a pipeline agrees
+  // its shapes once); the Trainer then drops an epoch's last, partial batch.
+  virtual bool needs_whole_batches() const { return false; }
   // Forward, loss and backward of `scaler`-scaled loss of one batch; returns
   // the batch's (unscaled, detached) loss on every rank of the strategy.
   virtual at::Tensor forward_backward(const at::Tensor& /*input*/, const at::Tensor& /*target*/,
