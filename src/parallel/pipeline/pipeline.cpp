@@ -56,12 +56,14 @@ at::Tensor empty_of(const std::vector<std::int64_t>& meta, c10::Device device) {
   return at::empty(sizes, at::TensorOptions(static_cast<c10::ScalarType>(meta[1])).device(device));
 }
 
-at::Tensor meta_tensor(const std::vector<std::int64_t>& meta) {
-  return at::tensor(meta, at::kLong);
+// Small integer messages live on the group's device: NCCL moves device
+// tensors only.
+at::Tensor meta_tensor(const std::vector<std::int64_t>& meta, c10::Device device) {
+  return at::tensor(meta, at::kLong).to(device);
 }
 
 std::vector<std::int64_t> meta_from(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
+  const at::Tensor c = t.to(at::kCPU).contiguous();
   return {c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel()};
 }
 
@@ -164,7 +166,8 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
                "give every rank of the pipeline group its stages (schedule.stages_of_rank)");
   // Every rank must run the same schedule: compare (kind, v, m) once.
   const at::Tensor mine = at::tensor({std::int64_t(options.schedule), std::int64_t(v), std::int64_t(s.m)}, at::kLong);
-  for (const at::Tensor& other : group.all_gather(mine)) {
+  for (const at::Tensor& gathered : group.all_gather(mine.to(group.device()))) {
+    const at::Tensor other = gathered.to(at::kCPU);
     DTRAIN_CHECK(at::equal(other, mine), ConfigError,
                  "pipeline ranks disagree on (schedule, stages per rank, micro-batches): this rank has "
                      << mine << ", another " << other,
@@ -265,7 +268,9 @@ void Pipeline::Impl::split_batch(const at::Tensor& input, const at::Tensor& targ
 // Every step: the first stage's rank tells every rank the micro-batch's
 // meta; a change from the agreed one fails on all ranks alike.
 void Pipeline::Impl::check_batch(const at::Tensor& micro_input) {
-  at::Tensor meta = micro_input.defined() ? meta_tensor(meta_of(micro_input)) : at::zeros({kMetaLength}, at::kLong);
+  at::Tensor meta = micro_input.defined()
+                        ? meta_tensor(meta_of(micro_input), group.device())
+                        : at::zeros({kMetaLength}, at::TensorOptions(at::kLong).device(group.device()));
   if (p > 1) group.broadcast(meta, schedule.rank_of_stage(0)).wait();
   const std::vector<std::int64_t> now = meta_from(meta);
   if (!training) return;  // evaluation agrees on its own shapes each call
@@ -439,7 +444,7 @@ void Pipeline::Impl::send(const Action& a) {
     auto agreed = output_meta.find(a.stage);
     if (exchange_meta || agreed == output_meta.end()) {
       if (a.micro == 0) {
-        at::Tensor header = meta_tensor(meta);
+        at::Tensor header = meta_tensor(meta, group.device());
         sends.emplace_back(group.isend(header, peer, tag(kMeta, a.stage + 1, 0)), header);
       }
       output_meta[a.stage] = meta;
@@ -496,7 +501,7 @@ void Pipeline::Impl::recv(const Action& a) {
   } else {
     const int peer = schedule.rank_of_stage(activation ? a.stage - 1 : a.stage + 1);
     if (activation && exchange_meta && a.micro == 0) {
-      at::Tensor header = at::empty({kMetaLength}, at::kLong);
+      at::Tensor header = at::empty({kMetaLength}, at::TensorOptions(at::kLong).device(group.device()));
       group.recv(header, peer, tag(kMeta, a.stage, 0));
       input_meta[a.stage] = meta_from(header);
     }
