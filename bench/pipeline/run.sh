@@ -9,6 +9,11 @@
 #     (`dtrain run`) and torch.distributed.pipelining (torchrun, gloo) back to
 #     back per schedule, same cut of the layers; and the unpipelined model in
 #     one process on both sides. One intra-op thread per process.
+# (c) DP x PP on 4 processes (2 replicas x 2 stages), the GPT example
+#     (examples/gpt --strategy pipeline --pp-size 2, 1F1B, 4 micro-batches,
+#     8 sequences per replica): tokens/s for each --dp-reduce (ddp, zero1,
+#     zero2, allreduce), and the val loss each ends at (equal: the reductions
+#     compute the same step). dtrain only: no Python peer runs this mesh.
 # DTRAIN_BENCH_QUICK=1: fewer steps.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -46,3 +51,14 @@ PY
 echo "# comparisons (ratio > 1: dtrain better)"
 "$DTRAIN_PYTHON" "$here/../common/compare.py" --bench pipeline --dtrain "$tmp/dtrain.jsonl" --peer "$tmp/peer.jsonl" \
   --metric tokens_per_second:higher
+
+echo "# (c) DP x PP 2 x 2, examples/gpt: tokens/s per data-parallel reduction of the stages"
+mesh_steps=$((steps * 2))
+for r in ddp zero1 zero2 allreduce; do
+  "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 4 "$DTRAIN_BUILD/examples/gpt" --strategy pipeline --pp-size 2 \
+    --dp-reduce "$r" --micro-batches 4 --batch-size 8 --max-iters "$mesh_steps" --eval-interval 100000 \
+    --eval-iters 1 --sample-tokens 0 2>/dev/null | grep '"done"' |
+    "$DTRAIN_PYTHON" -c 'import json, sys
+d = json.loads(sys.stdin.read())
+print(json.dumps({"bench": "pipeline", "case": "mesh2x2_" + d["dp_reduce"], "tokens_per_second": round(d["tokens_per_second"]), "val_loss": round(d["val_loss"], 5)}))'
+done
