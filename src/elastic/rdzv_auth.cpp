@@ -244,43 +244,55 @@ void client_handshake(int fd, const std::string& secret, const std::string& wher
 
 }  // namespace detail
 
-Gate::Gate(int public_fd, int inner_port, std::string secret)
-    : public_fd_(public_fd), inner_port_(inner_port), secret_(std::move(secret)) {
+Acceptor::Acceptor(int listen_fd, Serve serve) : listen_fd_(listen_fd), serve_(std::move(serve)) {
   acceptor_ = std::thread([this, id = log::identity()] {
     const log::ScopedIdentity scoped(id);
     accept_loop();
   });
 }
 
-Gate::~Gate() {
+Acceptor::~Acceptor() {
   stop_ = true;
-  ::shutdown(public_fd_, SHUT_RDWR);
+  ::shutdown(listen_fd_, SHUT_RDWR);
   if (acceptor_.joinable()) acceptor_.join();
   finish(mutex_, open_fds_, threads_);
-  ::close(public_fd_);
+  ::close(listen_fd_);
 }
 
-void Gate::accept_loop() {
-  pollfd p{public_fd_, POLLIN, 0};
+void Acceptor::track(int fd) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  open_fds_.push_back(fd);
+}
+
+void Acceptor::accept_loop() {
+  pollfd p{listen_fd_, POLLIN, 0};
   while (!stop_.load()) {
     if (::poll(&p, 1, 200) <= 0) continue;
     sockaddr_storage addr{};
     socklen_t len = sizeof addr;
-    const int fd = ::accept4(public_fd_, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC);
+    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC);
     if (fd < 0) continue;
     std::lock_guard<std::mutex> lock(mutex_);
     open_fds_.push_back(fd);
     threads_.emplace_back([this, fd, peer = peer_name(addr), id = log::identity()] {
       const log::ScopedIdentity scoped(id);
-      serve(fd, peer);
+      serve_(*this, fd, peer);
     });
   }
 }
 
-void Gate::serve(int fd, const std::string& peer) {
+Gate::Gate(int public_fd, int inner_port, std::string secret)
+    : inner_port_(inner_port),
+      secret_(std::move(secret)),
+      acceptor_(std::make_unique<Acceptor>(
+          public_fd, [this](Acceptor& self, int fd, const std::string& peer) { serve(self, fd, peer); })) {}
+
+Gate::~Gate() = default;
+
+void Gate::serve(Acceptor& acceptor, int fd, const std::string& peer) {
   if (!detail::server_handshake(fd, secret_)) {
     ++refused_;
-    if (!stop_.load()) {
+    if (!acceptor.stopping().load()) {
       DTRAIN_LOG(kWarning) << "refused a rendezvous connection from " << peer
                            << ": it did not prove the job's shared secret";
     }
@@ -289,11 +301,8 @@ void Gate::serve(int fd, const std::string& peer) {
   }
   const int inner = connect_to("127.0.0.1", inner_port_, kInnerConnectTimeout);
   if (inner >= 0) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      open_fds_.push_back(inner);
-    }
-    relay(fd, inner, stop_);
+    acceptor.track(inner);
+    relay(fd, inner, acceptor.stopping());
     ::shutdown(inner, SHUT_RDWR);
   }
   ::shutdown(fd, SHUT_RDWR);
@@ -301,30 +310,23 @@ void Gate::serve(int fd, const std::string& peer) {
 
 Tunnel::Tunnel(std::string host, int port, std::string secret, std::chrono::milliseconds timeout)
     : host_(std::move(host)), port_(port), secret_(std::move(secret)), timeout_(timeout) {
-  listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int listen_fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  DTRAIN_CHECK(listen_fd_ >= 0 && ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-                   ::listen(listen_fd_, 64) == 0,
-               ConfigError, "cannot open a loopback port for the rendezvous tunnel: " << std::strerror(errno),
+  const bool ok = listen_fd >= 0 && ::bind(listen_fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  ::listen(listen_fd, 64) == 0;
+  if (!ok && listen_fd >= 0) ::close(listen_fd);
+  DTRAIN_CHECK(ok, ConfigError, "cannot open a loopback port for the rendezvous tunnel: " << std::strerror(errno),
                "check the machine's loopback interface");
   socklen_t len = sizeof a;
-  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+  ::getsockname(listen_fd, reinterpret_cast<sockaddr*>(&a), &len);
   local_port_ = ntohs(a.sin_port);
-  acceptor_ = std::thread([this, id = log::identity()] {
-    const log::ScopedIdentity scoped(id);
-    accept_loop();
-  });
+  acceptor_ = std::make_unique<Acceptor>(
+      listen_fd, [this](Acceptor& self, int fd, const std::string& /*peer*/) { serve(self, fd); });
 }
 
-Tunnel::~Tunnel() {
-  stop_ = true;
-  ::shutdown(listen_fd_, SHUT_RDWR);
-  if (acceptor_.joinable()) acceptor_.join();
-  finish(mutex_, open_fds_, threads_);
-  ::close(listen_fd_);
-}
+Tunnel::~Tunnel() = default;
 
 void Tunnel::check() {
   const std::string where = host_ + ":" + std::to_string(port_);
@@ -342,33 +344,19 @@ void Tunnel::check() {
   ::close(fd);
 }
 
-void Tunnel::accept_loop() {
-  pollfd p{listen_fd_, POLLIN, 0};
-  while (!stop_.load()) {
-    if (::poll(&p, 1, 200) <= 0) continue;
-    const int local = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (local < 0) continue;
-    std::lock_guard<std::mutex> lock(mutex_);
-    open_fds_.push_back(local);
-    threads_.emplace_back([this, local, id = log::identity()] {
-      const log::ScopedIdentity scoped(id);
-      const int remote = connect_to(host_, port_, timeout_);
-      if (remote >= 0) {
-        {
-          std::lock_guard<std::mutex> inner(mutex_);
-          open_fds_.push_back(remote);
-        }
-        try {
-          detail::client_handshake(remote, secret_, host_ + ":" + std::to_string(port_));
-          relay(local, remote, stop_);
-        } catch (const Error& e) {
-          DTRAIN_LOG(kError) << e.message();
-        }
-        ::shutdown(remote, SHUT_RDWR);
-      }
-      ::shutdown(local, SHUT_RDWR);
-    });
+void Tunnel::serve(Acceptor& acceptor, int local) {
+  const int remote = connect_to(host_, port_, timeout_);
+  if (remote >= 0) {
+    acceptor.track(remote);
+    try {
+      detail::client_handshake(remote, secret_, host_ + ":" + std::to_string(port_));
+      relay(local, remote, acceptor.stopping());
+    } catch (const Error& e) {
+      DTRAIN_LOG(kError) << e.message();
+    }
+    ::shutdown(remote, SHUT_RDWR);
   }
+  ::shutdown(local, SHUT_RDWR);
 }
 
 }  // namespace dtrain::elastic::auth

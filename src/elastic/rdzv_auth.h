@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -21,6 +22,35 @@ namespace dtrain::elastic::auth {
 // is shorter than 16 bytes.
 std::string read_secret(const std::string& file);
 
+// Accepts connections on `listen_fd` (taken over) until destroyed, serving
+// each on a thread of its own with `serve(*this, fd, peer address)` (the
+// acceptor is passed in: it may run before its owner has stored it). Destruction
+// shuts down the listening socket, every accepted socket and every socket a
+// handler registered with track() (so relays blocked on them return), joins
+// the threads and closes all of them. One door for the gate and the tunnel.
+class Acceptor {
+ public:
+  using Serve = std::function<void(Acceptor& self, int fd, const std::string& peer)>;
+  Acceptor(int listen_fd, Serve serve);
+  ~Acceptor();
+  Acceptor(const Acceptor&) = delete;
+  Acceptor& operator=(const Acceptor&) = delete;
+  // Another socket to shut down and close with this acceptor's.
+  void track(int fd);
+  // Set once destruction began: handlers' relays watch it.
+  const std::atomic<bool>& stopping() const { return stop_; }
+
+ private:
+  void accept_loop();
+  int listen_fd_;
+  Serve serve_;
+  std::atomic<bool> stop_{false};
+  std::mutex mutex_;
+  std::vector<std::thread> threads_;
+  std::vector<int> open_fds_;
+  std::thread acceptor_;
+};
+
 // Host side: accepts on `public_fd` (taken over), checks each connection's
 // proof, and relays the good ones to 127.0.0.1:`inner_port`; refused ones are
 // logged with their address and closed before a byte reaches the store.
@@ -30,20 +60,15 @@ class Gate {
   ~Gate();
   Gate(const Gate&) = delete;
   Gate& operator=(const Gate&) = delete;
+  // Connections refused so far.
   int refused() const { return refused_.load(); }
 
  private:
-  void accept_loop();
-  void serve(int fd, const std::string& peer);
-  int public_fd_;
+  void serve(Acceptor& acceptor, int fd, const std::string& peer);
   int inner_port_;
   std::string secret_;
-  std::atomic<bool> stop_{false};
   std::atomic<int> refused_{0};
-  std::mutex mutex_;
-  std::vector<std::thread> threads_;
-  std::vector<int> open_fds_;
-  std::thread acceptor_;
+  std::unique_ptr<Acceptor> acceptor_;  // last: its threads use the members above
 };
 
 // Client side: listens on 127.0.0.1:port(); each connection made there is
@@ -60,18 +85,13 @@ class Tunnel {
   void check();
 
  private:
-  void accept_loop();
+  void serve(Acceptor& acceptor, int local);
   std::string host_;
   int port_;
   std::string secret_;
   std::chrono::milliseconds timeout_;
-  int listen_fd_ = -1;
   int local_port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::mutex mutex_;
-  std::vector<std::thread> threads_;
-  std::vector<int> open_fds_;
-  std::thread acceptor_;
+  std::unique_ptr<Acceptor> acceptor_;  // last: its threads use the members above
 };
 
 namespace detail {

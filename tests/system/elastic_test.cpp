@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <functional>
 #include <regex>
 #include <set>
 
@@ -66,15 +67,22 @@ int last_round(const fs::path& dir) {
   const auto p = read_progress(dir);
   return p.rounds.empty() ? -1 : p.rounds.back().first;
 }
+
+// elastic_worker's settings for this test (inherited by every launcher):
+// its folder, the steps to reach, the time of one step; and the workers'
+// collective timeout when `timeout_seconds` is given.
+void worker_env(const Scratch& s, int steps, int step_ms, int timeout_seconds = 0) {
+  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
+  ::setenv("ELASTIC_STEPS", std::to_string(steps).c_str(), 1);
+  ::setenv("ELASTIC_STEP_MS", std::to_string(step_ms).c_str(), 1);
+  if (timeout_seconds > 0) ::setenv("DTRAIN_TIMEOUT_SECONDS", std::to_string(timeout_seconds).c_str(), 1);
+}
 }  // namespace
 
 TEST(Elastic, TwoNodesFormAGroupThatShrinksAndGrowsWithoutRestarts) {
   Scratch s;
   const int port = free_port();
-  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
-  ::setenv("ELASTIC_STEPS", "160", 1);
-  ::setenv("ELASTIC_STEP_MS", "40", 1);
-  ::setenv("DTRAIN_TIMEOUT_SECONDS", "20", 1);
+  worker_env(s, 160, 40, 20);
   const auto args = with_program(node_args(port, "1:2"), {kWorker});
 
   Launch a(args, s, "a");  // hosts the store (first to bind the endpoint's port)
@@ -238,15 +246,41 @@ class NamespaceLan {
   std::vector<std::string> names_;
   bool ok_ = false;
 };
+
+constexpr int kFailoverSteps = 150;
+
+// Note [Store-host failover]: three nodes (one worker each) run `args`, each
+// launcher through `wrap(i)` (e.g. into its network namespace); once the
+// 3-node group trains, the first node (hosting the store) is SIGKILLed. The
+// two survivors must form a 2-node round on a generation-1 store and finish
+// every step. Returns the survivors' logs for further checks.
+std::string expect_store_host_loss_survived(const std::vector<std::string>& args, const Scratch& s,
+                                            const std::function<std::vector<std::string>(int)>& wrap) {
+  Launch a(args, s, "a", wrap(0));  // hosts the store of generation 0
+  EXPECT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
+  Launch b(args, s, "b", wrap(1));
+  Launch c(args, s, "c", wrap(2));
+  EXPECT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 3); })) << a.err() << b.err() << c.err();
+  const int formed = last_round(s.path());
+  ::kill(a.pid(), SIGKILL);
+  a.wait();
+  EXPECT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 2, formed); })) << b.err() << c.err();
+  EXPECT_EQ(b.wait(), 0) << b.err();
+  EXPECT_EQ(c.wait(), 0) << c.err();
+  EXPECT_EQ(read_progress(s.path()).last_step, kFailoverSteps - 1);
+  const std::string both = b.err() + c.err();
+  EXPECT_NE(both.find("hosting the rendezvous store of generation 1"), std::string::npos) << both;
+  EXPECT_NE(both.find("joined the rendezvous store of generation 1"), std::string::npos) << both;
+  EXPECT_EQ(both.find("restarting the workers"), std::string::npos) << both;
+  return both;
+}
 }  // namespace
 
 TEST(Elastic, NodesOnTwoNetworkNamespacesTrainTogether) {
   NamespaceLan net(2);
   if (!net.usable()) GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
   Scratch s;
-  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
-  ::setenv("ELASTIC_STEPS", "20", 1);
-  ::setenv("ELASTIC_STEP_MS", "10", 1);
+  worker_env(s, 20, 10);
   ::setenv("GLOO_SOCKET_IFNAME", "dteth0", 1);  // the workers' Gloo transport
   const std::vector<std::string> args = {
       "--nnodes",  "2",     "--nproc-per-node", "1",  "--rdzv-endpoint", "10.77.0.1:29400",
@@ -273,33 +307,14 @@ TEST(Elastic, NodesOnTwoNetworkNamespacesTrainTogether) {
 TEST(Elastic, LosingTheStoreHostIsSurvivedByTheOthers) {
   Scratch s;
   const int port = free_port();
-  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
-  ::setenv("ELASTIC_STEPS", "150", 1);
-  ::setenv("ELASTIC_STEP_MS", "40", 1);
-  ::setenv("DTRAIN_TIMEOUT_SECONDS", "20", 1);
+  worker_env(s, kFailoverSteps, 40, 20);
   auto args = node_args(port, "2:3");
   args[3] = "1";  // --nproc-per-node 1
   {               // with a shared secret: the successor gates its store with it too
     std::ofstream(s.path() / "secret") << "failover-secret-0123456789";
   }
   args.insert(args.end(), {"--rdzv-secret-file", (s.path() / "secret").string()});
-  args = with_program(args, {kWorker});
-  Launch a(args, s, "a");  // hosts the store of generation 0
-  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
-  Launch b(args, s, "b");
-  Launch c(args, s, "c");
-  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 3); })) << a.err() << b.err() << c.err();
-  const int formed = last_round(s.path());
-  ::kill(a.pid(), SIGKILL);
-  a.wait();
-  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 2, formed); })) << b.err() << c.err();
-  EXPECT_EQ(b.wait(), 0) << b.err();
-  EXPECT_EQ(c.wait(), 0) << c.err();
-  EXPECT_EQ(read_progress(s.path()).last_step, 149);
-  const std::string both = b.err() + c.err();
-  EXPECT_NE(both.find("hosting the rendezvous store of generation 1"), std::string::npos) << both;
-  EXPECT_NE(both.find("joined the rendezvous store of generation 1"), std::string::npos) << both;
-  EXPECT_EQ(both.find("restarting the workers"), std::string::npos) << both;
+  expect_store_host_loss_survived(with_program(args, {kWorker}), s, [](int) { return std::vector<std::string>{}; });
 }
 
 // With two nodes the survivor of a store-host loss is no majority of the last
@@ -310,10 +325,7 @@ TEST(Elastic, AStoreHostLossWithoutMajorityStopsUnlessQuorumIsMin) {
     SCOPED_TRACE(min_quorum ? "failover_quorum=min" : "majority");
     Scratch s;
     const int port = free_port();
-    ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
-    ::setenv("ELASTIC_STEPS", "100", 1);
-    ::setenv("ELASTIC_STEP_MS", "40", 1);
-    ::setenv("DTRAIN_TIMEOUT_SECONDS", "20", 1);
+    worker_env(s, 100, 40, 20);
     auto args = node_args(port, "1:2");
     args[3] = "1";
     args[9] = kConf + (min_quorum ? ",failover_quorum=min" : "");  // --rdzv-conf
@@ -343,10 +355,7 @@ TEST(Elastic, StoreHostLossIsSurvivedAcrossNetworkNamespaces) {
   NamespaceLan net(3);
   if (!net.usable()) GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
   Scratch s;
-  ::setenv("ELASTIC_DIR", s.path().c_str(), 1);
-  ::setenv("ELASTIC_STEPS", "150", 1);
-  ::setenv("ELASTIC_STEP_MS", "40", 1);
-  ::setenv("DTRAIN_TIMEOUT_SECONDS", "20", 1);
+  worker_env(s, kFailoverSteps, 40, 20);
   ::setenv("GLOO_SOCKET_IFNAME", "dteth0", 1);
   const std::vector<std::string> args = {"--nnodes",
                                          "2:3",
@@ -365,20 +374,8 @@ TEST(Elastic, StoreHostLossIsSurvivedAcrossNetworkNamespaces) {
                                          "--stop-grace",
                                          "2",
                                          kWorker};
-  Launch a(args, s, "a", net.in(0));
-  ASSERT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
-  Launch b(args, s, "b", net.in(1));
-  Launch c(args, s, "c", net.in(2));
-  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 3); })) << a.err() << b.err() << c.err();
-  const int formed = last_round(s.path());
-  ::kill(a.pid(), SIGKILL);
-  a.wait();
-  ASSERT_TRUE(wait_for([&] { return has_round_with_world(s.path(), 2, formed); })) << b.err() << c.err();
-  EXPECT_EQ(b.wait(), 0) << b.err();
-  EXPECT_EQ(c.wait(), 0) << c.err();
+  const std::string both = expect_store_host_loss_survived(args, s, [&](int i) { return net.in(i); });
   ::unsetenv("GLOO_SOCKET_IFNAME");
-  EXPECT_EQ(read_progress(s.path()).last_step, 149);
-  const std::string both = b.err() + c.err();
   EXPECT_TRUE(both.find("hosting the rendezvous store of generation 1 at 10.77.0.2:29400") != std::string::npos ||
               both.find("hosting the rendezvous store of generation 1 at 10.77.0.3:29400") != std::string::npos)
       << both;
