@@ -230,13 +230,5 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   // Uncaught errors and fatal signals reach the launcher's error file.
-  return dtrain::elastic::run_recording_errors([&] {
-    try {
-      return run(opt);
-    } catch (const dtrain::Error& e) {
-      dtrain::elastic::write_error_file(e.what());
-      std::cerr << "fashion_mnist: error: " << e.what() << std::endl;
-      return 1;
-    }
-  });
+  return dtrain::elastic::run_recording_errors([&] { return run(opt); }, "fashion_mnist");
 }

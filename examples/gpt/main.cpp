@@ -563,16 +563,13 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  return dtrain::elastic::run_recording_errors([&] {
-    try {
-      DTRAIN_CHECK(opt.model.n_embd % opt.model.n_head == 0, ConfigError,
-                   "--n-embd " << opt.model.n_embd << " is not a multiple of --n-head " << opt.model.n_head << ".",
-                   "pick a width divisible by the head count");
-      return run(opt);
-    } catch (const dtrain::Error& e) {
-      dtrain::elastic::write_error_file(e.what());
-      std::cerr << "gpt: error: " << e.what() << std::endl;
-      return 1;
-    }
-  });
+  // Uncaught errors and fatal signals reach the launcher's error file.
+  return dtrain::elastic::run_recording_errors(
+      [&] {
+        DTRAIN_CHECK(opt.model.n_embd % opt.model.n_head == 0, ConfigError,
+                     "--n-embd " << opt.model.n_embd << " is not a multiple of --n-head " << opt.model.n_head << ".",
+                     "pick a width divisible by the head count");
+        return run(opt);
+      },
+      "gpt");
 }

@@ -86,13 +86,15 @@ void install_error_handlers() {
   for (int sig : {SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL}) std::signal(sig, on_fatal_signal);
 }
 
-int run_recording_errors(const std::function<int()>& main) {
+int run_recording_errors(const std::function<int()>& main, const std::string& program) {
   install_error_handlers();
   try {
     return main();
   } catch (const std::exception& e) {
     write_error_file(e.what());
-    std::cerr << log::rank_tag() << (log::rank_tag().empty() ? "" : " ") << "error: " << e.what() << std::endl;
+    const std::string what = e.what(), tag = log::rank_tag();
+    const bool tagged = tag.empty() || what.rfind(tag, 0) == 0;
+    std::cerr << (program.empty() ? "" : program + ": ") << "error: " << (tagged ? "" : tag + " ") << what << std::endl;
     return 1;
   }
 }

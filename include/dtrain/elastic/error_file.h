@@ -5,7 +5,7 @@
 // and the launcher prints it as the root cause of the failure.
 //
 //   int main(int argc, char** argv) {
-//     return dtrain::elastic::run_recording_errors([&] { return real_main(argc, argv); });
+//     return dtrain::elastic::run_recording_errors([&] { return real_main(argc, argv); }, "my_program");
 //   }
 #pragma once
 
@@ -28,7 +28,9 @@ std::string read_error_message(const std::string& path);
 void install_error_handlers();
 
 // Runs `main` with the handlers installed; an escaping exception is recorded,
-// printed with the rank tag, and turned into exit code 1.
-int run_recording_errors(const std::function<int()>& main);
+// printed as "<program>: error: [rank r/w] <message>" (the rank tag when the
+// message does not start with it already, as dtrain::Error's do), and turned
+// into exit code 1.
+int run_recording_errors(const std::function<int()>& main, const std::string& program = "");
 
 }  // namespace dtrain::elastic
