@@ -170,10 +170,21 @@ class Soak:
         return used
 
     def recovered(self):
-        """Faults come one at a time: the next waits until all three nodes train together again
-        (a step logged after the last fault by a group of world 3)."""
-        since = self.events[-1]["t"] if self.events else 0.0
-        return any(r["t_ns"] / 1e9 > since and r["world"] == 3 for r in self.records())
+        """Faults come one at a time: the next waits until all three nodes train together again.
+        A step a group of world 3 logs after the fault is not enough: the step in flight when a
+        process died can still complete on the others. After a fault that ends the round (a
+        process killed), recovery is a world-3 step of a later round; after the others, a
+        world-3 step at least two past the step at the fault."""
+        if not self.events:
+            return True
+        ev = self.events[-1]
+        regroup = ev["kind"] in ("worker_kill", "node_kill", "store_host_kill")
+        for r in self.records():
+            if r["t_ns"] / 1e9 <= ev["t"] or r["world"] != 3:
+                continue
+            if (r["round"] > ev["round"]) if regroup else (r["step"] >= ev["step"] + 2):
+                return True
+        return False
 
     # ---- faults ----
     def inject(self, kind, rng):
@@ -252,9 +263,11 @@ class Soak:
             busy = any(getattr(self, p, None) for p in ("pending_restart", "pending_link", "pending_disk"))
             if plan and not busy and time.time() >= next_fault and self.recovered():
                 kind = plan[0]
-                step = self.step_now()
+                recs = self.records()
+                step = max((x["step"] for x in recs), default=0)
+                round_now = max((x["round"] for x in recs), default=-1)
                 if self.inject(kind, rng):
-                    self.events.append({"kind": kind, "t": time.time(), "step": step})
+                    self.events.append({"kind": kind, "t": time.time(), "step": step, "round": round_now})
                     print(f"[chaos] t={time.time() - t_first:6.1f}s {kind} at step {step}", flush=True)
                     plan.pop(0)
                 next_fault = time.time() + rng.uniform(a.gap_min, a.gap_max)

@@ -79,6 +79,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -297,6 +298,27 @@ std::vector<NodeRecord> StoreRendezvous::State::read_members(int r, int closed, 
   return out;
 }
 
+namespace {
+
+// Calls `attempt` until it returns a store, then every `pause` until `until`
+// has passed (at least once); an exception counts as "not yet", and the last
+// one's message is left in `problem`. nullptr when time ran out.
+std::shared_ptr<RendezvousStore> retry_until(Clock::time_point until, std::chrono::milliseconds pause,
+                                             const std::function<std::shared_ptr<RendezvousStore>()>& attempt,
+                                             std::string& problem) {
+  for (;;) {
+    try {
+      if (auto store = attempt()) return store;
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    if (Clock::now() >= until) return nullptr;
+    std::this_thread::sleep_for(pause);
+  }
+}
+
+}  // namespace
+
 bool StoreRendezvous::State::failover(const std::string& why) {
   if (!opt.reconnect || known_round < 0 || known_members.empty()) return false;
   const int next_generation = generation + 1;
@@ -309,18 +331,10 @@ bool StoreRendezvous::State::failover(const std::string& why) {
     if (c.id == node_id) {
       // The port may stay bound for a moment after its holder died (its
       // processes are still being torn down): retry within the others' wait.
-      std::shared_ptr<RendezvousStore> next;
-      const auto until = Clock::now() + 2 * opt.heartbeat_timeout;
       std::string problem;
-      while (!next) {
-        try {
-          next = opt.reconnect(opt.local_addr, opt.port, /*host_it=*/true, opt.heartbeat_timeout);
-        } catch (const std::exception& e) {
-          problem = e.what();
-          if (Clock::now() > until) break;
-          std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        }
-      }
+      std::shared_ptr<RendezvousStore> next = retry_until(
+          Clock::now() + 2 * opt.heartbeat_timeout, std::chrono::milliseconds(100),
+          [&] { return opt.reconnect(opt.local_addr, opt.port, /*host_it=*/true, opt.heartbeat_timeout); }, problem);
       if (!next) {
         DTRAIN_LOG(kWarning) << "cannot host generation " << gen << " at " << opt.local_addr << ":" << opt.port << ": "
                              << problem << "; trying the next candidate";
@@ -345,25 +359,28 @@ bool StoreRendezvous::State::failover(const std::string& why) {
                         << opt.port << " (failover)";
       return true;
     }
-    // A candidate gets a heartbeat timeout to notice the loss, and then some, to host.
-    const auto until = Clock::now() + 2 * opt.heartbeat_timeout + opt.last_call;
-    while (Clock::now() < until) {
-      try {
-        auto next = opt.reconnect(c.addr, opt.port, /*host_it=*/false, opt.heartbeat_timeout);
-        const auto g = next->try_get(key("generation"));
-        const auto first = next->try_get(key("first_round"));
-        if (g && first && std::stoi(*g) == next_generation) {
-          store = std::move(next);
-          generation = next_generation;
-          next_round = std::stoi(*first);
-          DTRAIN_LOG(kInfo) << "joined the rendezvous store of generation " << gen << " at " << c.addr << ":"
-                            << opt.port << " (failover)";
-          return true;
-        }
-      } catch (const std::exception&) {
-        // not up yet (or gone too): retry until the candidate's time is up
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    // A candidate gets a heartbeat timeout to notice the loss, and then some,
+    // to host; until then its store is not up (or not seeded) yet.
+    std::string problem;
+    int first_round = 0;
+    std::shared_ptr<RendezvousStore> next = retry_until(
+        Clock::now() + 2 * opt.heartbeat_timeout + opt.last_call, std::chrono::milliseconds(200),
+        [&]() -> std::shared_ptr<RendezvousStore> {
+          auto candidate = opt.reconnect(c.addr, opt.port, /*host_it=*/false, opt.heartbeat_timeout);
+          const auto g = candidate->try_get(key("generation"));
+          const auto first = candidate->try_get(key("first_round"));
+          if (!g || !first || std::stoi(*g) != next_generation) return nullptr;
+          first_round = std::stoi(*first);
+          return candidate;
+        },
+        problem);
+    if (next) {
+      store = std::move(next);
+      generation = next_generation;
+      next_round = first_round;
+      DTRAIN_LOG(kInfo) << "joined the rendezvous store of generation " << gen << " at " << c.addr << ":" << opt.port
+                        << " (failover)";
+      return true;
     }
     DTRAIN_LOG(kWarning) << "node " << c.id << " did not host generation " << gen << "; trying the next candidate";
   }
