@@ -386,12 +386,13 @@ struct PipelineRunResult {
 };
 
 // One process on global batches of 12, with evaluation on 30 examples.
-PipelineRunResult pipeline_reference(torch::nn::Sequential& init) {
+PipelineRunResult pipeline_reference(torch::nn::Sequential& init,
+                                     const dtrain::TrainerOptions& options = kPipelineOptions) {
   auto net = zero_net();
   copy_parameters(*net, *init);
   auto opt = zero_test_optimizer(net->parameters());
   dtrain::Trainer trainer(std::make_shared<dtrain::SingleDeviceStrategy<torch::nn::Sequential>>(net, c10::kCPU), opt,
-                          std::make_shared<Blobs>(96), kPipelineOptions);
+                          std::make_shared<Blobs>(96), options);
   trainer.set_eval_dataset(std::make_shared<Blobs>(30));
   const auto summary = trainer.fit();
   PipelineRunResult result{.eval_loss = summary.last_eval->loss, .eval_examples = summary.last_eval->examples};
@@ -462,6 +463,21 @@ TEST(PipelineTrainer, DataTimesPipelineEqualsOneProcess) {
   expect_same_training(pipeline_run(init, StageReduction::kDDP, kPipelineOptions), expected, "ddp");
   expect_same_training(pipeline_run(init, StageReduction::kSharded, kPipelineOptions), expected, "zero2");
   expect_same_training(pipeline_run(init, StageReduction::kAllReduce, kPipelineOptions), expected, "all-reduce");
+}
+
+// With a GradScaler (fp32, so scaling by powers of two is exact): each stage
+// scales its micro-batch losses, found-inf is combined over the world, and
+// sharded stages unscale their shards; still the single-process run with the
+// same scaler.
+TEST(PipelineTrainer, WithAGradScalerEqualsOneProcess) {
+  torch::manual_seed(15);
+  auto init = zero_net();
+  auto options = kPipelineOptions;
+  options.grad_scaler = true;
+  const PipelineRunResult expected = pipeline_reference(init, options);
+  using dtrain::pipeline::StageReduction;
+  expect_same_training(pipeline_run(init, StageReduction::kDDP, options), expected, "ddp + scaler");
+  expect_same_training(pipeline_run(init, StageReduction::kSharded, options), expected, "zero2 + scaler");
 }
 
 // Saved at step 3 (per-rank parts) and resumed from other initial weights:
