@@ -1,7 +1,8 @@
 // Trains a small CNN on Fashion-MNIST with dtrain::Trainer and reports test accuracy.
 //
 //   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline]
-//                 [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--devices all] [--epochs 2]
+//                 [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
+//                 [--dp-reduce ddp|zero1|zero2|allreduce] [--devices all] [--epochs 2]
 //                 [--batch-size 64] [--lr 1e-3] [--seed 0]
 //                 [--amp off|bf16|fp16] [--accumulate 1] [--clip-norm 0]
 //                 [--checkpoint-dir DIR [--checkpoint-every N]] [--tensorboard DIR] [--trace FILE]
@@ -25,7 +26,9 @@
 //   pipeline            one process per rank, the layers cut into one stage per rank (two when
 //                       interleaved) by the placement planner; every batch of --batch-size runs
 //                       as --micro-batches micro-batches through --pp-schedule (the Trainer's
-//                       PipelineStrategy; --accumulate must stay 1)
+//                       PipelineStrategy; --accumulate must stay 1); with --pp-size P below the
+//                       world, a data x pipeline mesh whose stage replicas are averaged by
+//                       --dp-reduce
 // After the model is built, each rank seeds its generators with seed + rank
 // (dropout masks differ per rank); checkpoints restore each rank's own.
 //
@@ -52,6 +55,8 @@ struct Options {
   std::string devices = "all";
   std::string pp_schedule = "1f1b";
   int micro_batches = 4;
+  int pp_size = 0;
+  std::string dp_reduce = "ddp";
   int epochs = 2;
   int batch_size = 64;
   double lr = 1e-3;
@@ -90,7 +95,9 @@ int run(Options opt) {
   const PlacementOptions placement{.strategy = opt.strategy,
                                    .devices = opt.devices,
                                    .pp_schedule = opt.pp_schedule,
-                                   .micro_batches = opt.micro_batches};
+                                   .micro_batches = opt.micro_batches,
+                                   .pp_size = opt.pp_size,
+                                   .dp_reduce = opt.dp_reduce};
   Placement where = place(placement);
   torch::manual_seed(opt.seed);
   auto strategy = make_strategy(placement, where);
@@ -188,6 +195,12 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batches", opt.micro_batches,
                  "Pipeline micro-batches per batch (--strategy pipeline; divides --batch-size)")
       ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app.add_option("--pp-size", opt.pp_size, "Ranks per pipeline (0: all; the rest replicate it, DP x PP)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--dp-reduce", opt.dp_reduce, "DP x PP: how stage replicas average gradients")
+      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "allreduce"}))
       ->capture_default_str();
   app.add_option("--devices", opt.devices,
                  "Devices: cpu, cuda, cuda:N, N, or all, comma-separated (cpu,cpu gives two CPU replicas or stages)")

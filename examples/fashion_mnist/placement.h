@@ -16,9 +16,12 @@
 struct PlacementOptions {
   std::string strategy = "single";
   std::string devices = "all";
-  // --strategy pipeline: the world as one pipeline, stages cut by the planner.
+  // --strategy pipeline: pipelines of pp_size ranks (0: the whole world),
+  // stages cut by the planner; replicas of them averaged by dp_reduce.
   std::string pp_schedule = "1f1b";
   int micro_batches = 4;
+  int pp_size = 0;
+  std::string dp_reduce = "ddp";
 };
 
 // ZeRO stage of --strategy zero1|zero2|zero3, 0 otherwise.
@@ -96,15 +99,27 @@ inline std::shared_ptr<dtrain::Strategy> make_strategy(const PlacementOptions& o
     // keeps its stages.
     auto layers = small_cnn_layers();
     layers->to(first);
+    const int pp = opt.pp_size > 0 ? opt.pp_size : where.world;
+    DTRAIN_CHECK(where.world % pp == 0, ConfigError,
+                 "--pp-size " << pp << " does not divide the world of " << where.world << " ranks",
+                 "run a multiple of --pp-size ranks");
+    dtrain::dist::DeviceMesh mesh(*where.group, {.data = where.world / pp, .pipeline = pp});
     const auto kind = dtrain::pipeline::parse_schedule_kind(opt.pp_schedule);
     const int v = kind == dtrain::pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1;
-    const auto stages = dtrain::pipeline::split_stages(layers, dtrain::pipeline::plan_stages(layers, where.world * v));
+    const auto stages = dtrain::pipeline::split_stages(layers, dtrain::pipeline::plan_stages(layers, pp * v));
     std::vector<dtrain::pipeline::PipelineStage> mine;
-    for (int s = where.rank; s < where.world * v; s += where.world) mine.push_back({.module = stages[s]});
-    dtrain::dist::DeviceMesh mesh(*where.group, {.data = 1, .pipeline = where.world});
+    for (int s = mesh.pipeline_index(); s < pp * v; s += pp) mine.push_back({.module = stages[s]});
+    dtrain::pipeline::PipelineOptions options{.schedule = kind, .micro_batches = opt.micro_batches};
+    if (mesh.shape().data > 1) {
+      using dtrain::pipeline::StageReduction;
+      options.data_parallel_group = mesh.data_group();
+      options.data_parallel_reduction = opt.dp_reduce == "allreduce" ? StageReduction::kAllReduce
+                                        : opt.dp_reduce == "ddp"     ? StageReduction::kDDP
+                                                                     : StageReduction::kSharded;
+      if (opt.dp_reduce == "zero1" || opt.dp_reduce == "zero2") options.zero.stage = opt.dp_reduce.back() - '0';
+    }
     auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
-        std::move(mine), mesh.pipeline_group(),
-        dtrain::pipeline::PipelineOptions{.schedule = kind, .micro_batches = opt.micro_batches},
+        std::move(mine), mesh.pipeline_group(), options,
         [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); });
     return std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
   }

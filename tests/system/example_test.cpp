@@ -117,10 +117,9 @@ TEST(FashionMnistExample, ZeroStagesEqualDdp) {
 }
 
 // The Trainer's PipelineStrategy: the CNN cut into two stages on two
-// processes learns (each stage's dropout draws from its own rank's generator,
-// so the check is accuracy; equality with one process is tested on
-// dropout-free models in PipelineTrainer.*), and a batch that does not split
-// into the micro-batches is a clear error.
+// processes learns, and so does a 2 x 2 mesh with ZeRO-2 stage replicas (each stage's dropout draws from its own rank's
+// generator, so the check is accuracy; equality with one process is tested on dropout-free models in
+// PipelineTrainer.*), and a batch that does not split into the micro-batches is a clear error.
 TEST(FashionMnistExample, PipelineTrains) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
   const auto r =
@@ -129,6 +128,13 @@ TEST(FashionMnistExample, PipelineTrains) {
   const auto done = last_json_line(r.stdout_text);
   EXPECT_EQ(done["strategy"], "pipeline");
   EXPECT_GE(done["test_accuracy"].get<double>(), 0.72) << r.stdout_text;
+  // 2 x 2: two pipelines, their stages sharded over the replicas (ZeRO-2).
+  const auto mesh =
+      run("--strategy pipeline --pp-size 2 --dp-reduce zero2 --micro-batches 4 --devices cpu --epochs 1 "
+          "--train-limit 6000 --batch-size 32 --seed 1",
+          kLaunch + " 4");
+  ASSERT_EQ(mesh.exit_code, 0) << mesh.stderr_text;
+  EXPECT_GE(last_json_line(mesh.stdout_text)["test_accuracy"].get<double>(), 0.72) << mesh.stdout_text;
   const auto bad =
       run("--strategy pipeline --micro-batches 5 --devices cpu --epochs 1 --train-limit 256 --seed 1", kLaunch + " 2");
   EXPECT_NE(bad.exit_code, 0);
