@@ -111,12 +111,8 @@ inline std::shared_ptr<dtrain::Strategy> make_strategy(const PlacementOptions& o
     for (int s = mesh.pipeline_index(); s < pp * v; s += pp) mine.push_back({.module = stages[s]});
     dtrain::pipeline::PipelineOptions options{.schedule = kind, .micro_batches = opt.micro_batches};
     if (mesh.shape().data > 1) {
-      using dtrain::pipeline::StageReduction;
       options.data_parallel_group = mesh.data_group();
-      options.data_parallel_reduction = opt.dp_reduce == "allreduce" ? StageReduction::kAllReduce
-                                        : opt.dp_reduce == "ddp"     ? StageReduction::kDDP
-                                                                     : StageReduction::kSharded;
-      if (opt.dp_reduce == "zero1" || opt.dp_reduce == "zero2") options.zero.stage = opt.dp_reduce.back() - '0';
+      dtrain::pipeline::set_stage_reduction(options, opt.dp_reduce);
     }
     auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
         std::move(mine), mesh.pipeline_group(), options,

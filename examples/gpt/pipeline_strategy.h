@@ -83,21 +83,10 @@ TORCH_MODULE(StagesHolder);
 
 inline dtrain::pipeline::PipelineOptions pipeline_options(const PipelineRun& run,
                                                           std::optional<dtrain::dist::ProcessGroup> data_group) {
-  using dtrain::pipeline::StageReduction;
   dtrain::pipeline::PipelineOptions options{.schedule = dtrain::pipeline::parse_schedule_kind(run.schedule),
                                             .micro_batches = run.micro_batches,
                                             .data_parallel_group = std::move(data_group)};
-  if (run.dp_reduce == "ddp") {
-    options.data_parallel_reduction = StageReduction::kDDP;
-  } else if (run.dp_reduce == "zero1" || run.dp_reduce == "zero2") {
-    options.data_parallel_reduction = StageReduction::kSharded;
-    options.zero.stage = run.dp_reduce.back() - '0';
-  } else if (run.dp_reduce == "allreduce") {
-    options.data_parallel_reduction = StageReduction::kAllReduce;
-  } else {
-    DTRAIN_CHECK(false, ConfigError, "unknown --dp-reduce '" << run.dp_reduce << "'",
-                 "use ddp, zero1, zero2 or allreduce");
-  }
+  dtrain::pipeline::set_stage_reduction(options, run.dp_reduce);
   return options;
 }
 

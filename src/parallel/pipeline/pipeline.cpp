@@ -659,6 +659,20 @@ std::vector<ShardedDataParallel*> Pipeline::sharded_stages() {
   return all;
 }
 
+void set_stage_reduction(PipelineOptions& options, const std::string& name) {
+  if (name == "ddp") {
+    options.data_parallel_reduction = StageReduction::kDDP;
+  } else if (name == "zero1" || name == "zero2") {
+    options.data_parallel_reduction = StageReduction::kSharded;
+    options.zero.stage = name.back() - '0';
+  } else {
+    DTRAIN_CHECK(name == "allreduce", ConfigError,
+                 "unknown data-parallel reduction '" << name << "' for pipeline stages",
+                 "use ddp, zero1, zero2 or allreduce");
+    options.data_parallel_reduction = StageReduction::kAllReduce;
+  }
+}
+
 std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int stage_count, std::vector<LayerCost> costs,
                                      const std::vector<std::int64_t>& budgets) {
   const auto count = static_cast<int>(layers->size());

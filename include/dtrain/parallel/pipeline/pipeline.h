@@ -36,6 +36,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
@@ -120,6 +121,11 @@ struct PipelineOptions {
   // Record each compute action's start and end in step() (see trace()).
   bool record_trace = false;
 };
+
+// Sets `options`' data-parallel reduction by name, as the examples' --dp-reduce
+// spells it: "ddp", "zero1", "zero2" (kSharded at that ZeRO stage) or
+// "allreduce"; ConfigError for anything else.
+void set_stage_reduction(PipelineOptions& options, const std::string& name);
 
 // One compute action of the last step, in the order run (record_trace).
 struct TracedAction {
