@@ -53,10 +53,7 @@ namespace {
 struct Options {
   std::string strategy = "single";
   std::string devices = "all";
-  std::string pp_schedule = "1f1b";
-  int micro_batches = 4;
-  int pp_size = 0;
-  std::string dp_reduce = "ddp";
+  examples::PipelineCli pipeline;  // --strategy pipeline
   int epochs = 2;
   int batch_size = 64;
   double lr = 1e-3;
@@ -92,12 +89,7 @@ std::string params_fingerprint(torch::nn::Module& model) {
 }
 
 int run(Options opt) {
-  const PlacementOptions placement{.strategy = opt.strategy,
-                                   .devices = opt.devices,
-                                   .pp_schedule = opt.pp_schedule,
-                                   .micro_batches = opt.micro_batches,
-                                   .pp_size = opt.pp_size,
-                                   .dp_reduce = opt.dp_reduce};
+  const PlacementOptions placement{.strategy = opt.strategy, .devices = opt.devices, .pipeline = opt.pipeline};
   Placement where = place(placement);
   torch::manual_seed(opt.seed);
   auto strategy = make_strategy(placement, where);
@@ -189,19 +181,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember(
           {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
       ->capture_default_str();
-  app.add_option("--pp-schedule", opt.pp_schedule, "Pipeline schedule (--strategy pipeline)")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb"}))
-      ->capture_default_str();
-  app.add_option("--micro-batches", opt.micro_batches,
-                 "Pipeline micro-batches per batch (--strategy pipeline; divides --batch-size)")
-      ->check(CLI::Range(1, 4096))
-      ->capture_default_str();
-  app.add_option("--pp-size", opt.pp_size, "Ranks per pipeline (0: all; the rest replicate it, DP x PP)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--dp-reduce", opt.dp_reduce, "DP x PP: how stage replicas average gradients")
-      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "allreduce"}))
-      ->capture_default_str();
+  opt.pipeline.add_to(app);
   app.add_option("--devices", opt.devices,
                  "Devices: cpu, cuda, cuda:N, N, or all, comma-separated (cpu,cpu gives two CPU replicas or stages)")
       ->capture_default_str();

@@ -12,16 +12,13 @@
 
 #include "dtrain/dtrain.h"
 #include "model.h"
+#include "pipeline_cli.h"
 
 struct PlacementOptions {
   std::string strategy = "single";
   std::string devices = "all";
-  // --strategy pipeline: pipelines of pp_size ranks (0: the whole world),
-  // stages cut by the planner; replicas of them averaged by dp_reduce.
-  std::string pp_schedule = "1f1b";
-  int micro_batches = 4;
-  int pp_size = 0;
-  std::string dp_reduce = "ddp";
+  // --strategy pipeline: stages cut by the planner, on a mesh of pipelines.
+  examples::PipelineCli pipeline;
 };
 
 // ZeRO stage of --strategy zero1|zero2|zero3, 0 otherwise.
@@ -99,23 +96,13 @@ inline std::shared_ptr<dtrain::Strategy> make_strategy(const PlacementOptions& o
     // keeps its stages.
     auto layers = small_cnn_layers();
     layers->to(first);
-    const int pp = opt.pp_size > 0 ? opt.pp_size : where.world;
-    DTRAIN_CHECK(where.world % pp == 0, ConfigError,
-                 "--pp-size " << pp << " does not divide the world of " << where.world << " ranks",
-                 "run a multiple of --pp-size ranks");
-    dtrain::dist::DeviceMesh mesh(*where.group, {.data = where.world / pp, .pipeline = pp});
-    const auto kind = dtrain::pipeline::parse_schedule_kind(opt.pp_schedule);
-    const int v = kind == dtrain::pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1;
+    dtrain::dist::DeviceMesh mesh(*where.group, opt.pipeline.mesh_shape(where.world));
+    const int pp = mesh.shape().pipeline, v = opt.pipeline.stages_per_rank();
     const auto stages = dtrain::pipeline::split_stages(layers, dtrain::pipeline::plan_stages(layers, pp * v));
     std::vector<dtrain::pipeline::PipelineStage> mine;
     for (int s = mesh.pipeline_index(); s < pp * v; s += pp) mine.push_back({.module = stages[s]});
-    dtrain::pipeline::PipelineOptions options{.schedule = kind, .micro_batches = opt.micro_batches};
-    if (mesh.shape().data > 1) {
-      options.data_parallel_group = mesh.data_group();
-      dtrain::pipeline::set_stage_reduction(options, opt.dp_reduce);
-    }
     auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
-        std::move(mine), mesh.pipeline_group(), options,
+        std::move(mine), mesh.pipeline_group(), opt.pipeline.options(mesh),
         [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); });
     return std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
   }

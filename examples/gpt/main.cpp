@@ -73,12 +73,9 @@ struct Options {
   std::int64_t sample_tokens = 500;
   double temperature = 0.8;
   std::int64_t top_k = 200;
-  bool ddp_shared_memory = true;     // DDP's intra-host shared-memory all-reduce (else Gloo)
-  std::string save_params;           // write the final parameters here (raw float32, in order) for tests
-  std::string pp_schedule = "1f1b";  // --strategy pipeline (pipeline_strategy.h)
-  int micro_batches = 4;
-  int pp_size = 0;
-  std::string dp_reduce = "ddp";
+  bool ddp_shared_memory = true;   // DDP's intra-host shared-memory all-reduce (else Gloo)
+  std::string save_params;         // write the final parameters here (raw float32, in order) for tests
+  examples::PipelineCli pipeline;  // --strategy pipeline (pipeline_strategy.h)
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -407,10 +404,7 @@ int run(Options opt) {
     opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
     return gpt::train_pipeline(
         {.model = opt.model,
-         .schedule = opt.pp_schedule,
-         .micro_batches = opt.micro_batches,
-         .pp_size = opt.pp_size,
-         .dp_reduce = opt.dp_reduce,
+         .pipeline = opt.pipeline,
          .batch_size = opt.batch_size,
          .max_iters = opt.max_iters,
          .eval_interval = opt.eval_interval,
@@ -486,19 +480,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember(
           {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
       ->capture_default_str();
-  app.add_option("--pp-schedule", opt.pp_schedule, "Pipeline schedule (--strategy pipeline)")
-      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb"}))
-      ->capture_default_str();
-  app.add_option("--micro-batches", opt.micro_batches, "Pipeline micro-batches per step")
-      ->check(CLI::Range(1, 4096))
-      ->capture_default_str();
-  app.add_option("--pp-size", opt.pp_size, "Ranks per pipeline (0: all; the rest replicate it, DP x PP)")
-      ->capture_default_str();
-  app.add_option("--dp-reduce", opt.dp_reduce,
-                 "DP x PP: how each stage's gradients are averaged over its replicas (ddp: bucketed, overlapped; "
-                 "zero1/zero2: sharded optimizer state / and gradients; allreduce: once after the schedule)")
-      ->check(CLI::IsMember({"ddp", "zero1", "zero2", "allreduce"}))
-      ->capture_default_str();
+  opt.pipeline.add_to(app);
   app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
       ->capture_default_str();
   app.add_option("--max-iters", opt.max_iters, "Optimizer steps")

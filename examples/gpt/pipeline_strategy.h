@@ -45,6 +45,7 @@
 #include "dtrain/parallel/pipeline/pipeline.h"
 #include "dtrain/trainer/checkpoint.h"
 #include "model.h"
+#include "pipeline_cli.h"
 #include "pipeline_stages.h"
 #include "zero_strategy.h"
 
@@ -52,10 +53,7 @@ namespace gpt {
 
 struct PipelineRun {
   GptConfig model;
-  std::string schedule = "1f1b";
-  int micro_batches = 4;
-  int pp_size = 0;                // ranks per pipeline; 0: the whole world
-  std::string dp_reduce = "ddp";  // ddp | zero1 | zero2 | allreduce (DP x PP)
+  examples::PipelineCli pipeline;  // schedule, micro-batches, mesh, --dp-reduce
   std::int64_t batch_size = 12, max_iters = 0, eval_interval = 250, eval_iters = 20;
   std::uint64_t seed = 1337;
   double grad_clip = 1.0;
@@ -81,35 +79,19 @@ struct StagesHolderImpl : torch::nn::Module {
 };
 TORCH_MODULE(StagesHolder);
 
-inline dtrain::pipeline::PipelineOptions pipeline_options(const PipelineRun& run,
-                                                          std::optional<dtrain::dist::ProcessGroup> data_group) {
-  dtrain::pipeline::PipelineOptions options{.schedule = dtrain::pipeline::parse_schedule_kind(run.schedule),
-                                            .micro_batches = run.micro_batches,
-                                            .data_parallel_group = std::move(data_group)};
-  dtrain::pipeline::set_stage_reduction(options, run.dp_reduce);
-  return options;
-}
-
 inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
   DTRAIN_CHECK(dtrain::dist::launched_by_launcher(), ConfigError,
                "--strategy pipeline runs one process per stage, but RANK and WORLD_SIZE are not set.",
                "start it through a launcher: dtrain run --nproc-per-node 2 gpt --strategy pipeline");
   at::set_num_threads(1);
   auto world = dtrain::dist::init_process_group();
-  const int pp = run.pp_size > 0 ? run.pp_size : world.size();
-  DTRAIN_CHECK(world.size() % pp == 0, ConfigError,
-               "--pp-size " << pp << " does not divide the world of " << world.size() << " ranks",
-               "run a multiple of --pp-size ranks");
-  dtrain::dist::DeviceMesh mesh(world, {.data = world.size() / pp, .pipeline = pp});
-  const auto kind = dtrain::pipeline::parse_schedule_kind(run.schedule);
-  const int v = kind == dtrain::pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1;
+  dtrain::dist::DeviceMesh mesh(world, run.pipeline.mesh_shape(world.size()));
   torch::nn::Sequential layers = gpt_layers(run.model);
   init_weights(*layers, run.model.n_layer, run.seed);
   const int replicas = mesh.shape().data, replica = mesh.data_index();
-  std::optional<dtrain::dist::ProcessGroup> data_group;
-  if (replicas > 1) data_group = mesh.data_group();
-  dtrain::pipeline::Pipeline pipe(pipeline_stages(layers, pp, v, mesh.pipeline_index()), mesh.pipeline_group(),
-                                  pipeline_options(run, data_group), lm_loss);
+  dtrain::pipeline::Pipeline pipe(
+      pipeline_stages(layers, mesh.shape().pipeline, run.pipeline.stages_per_rank(), mesh.pipeline_index()),
+      mesh.pipeline_group(), run.pipeline.options(mesh), lm_loss);
   // Sharded stages: the optimizer steps on 1-D shards, so which decay is
   // decided on their full parameters; and the full parameters are brought up
   // to date (all-gathered) before anything reads them.
@@ -216,9 +198,9 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
   if (lead) {
     std::cout << nlohmann::json{{"event", "done"},
                                 {"strategy", "pipeline"},
-                                {"schedule", run.schedule},
+                                {"schedule", run.pipeline.schedule},
                                 {"mesh", mesh.describe()},
-                                {"dp_reduce", replicas > 1 ? run.dp_reduce : "none"},
+                                {"dp_reduce", replicas > 1 ? run.pipeline.dp_reduce : "none"},
                                 {"world_size", world.size()},
                                 {"steps", run.max_iters},
                                 {"val_loss", val_loss},
