@@ -24,7 +24,8 @@ StageReplica::StageReplica(torch::nn::Sequential module, dist::ProcessGroup grou
                    "leave it unset");
       sharded_ = std::make_unique<ShardedDataParallel>(module_.ptr(), std::move(group), options.zero);
       break;
-    case StageReduction::kAllReduce: break;
+    case StageReduction::kAllReduce:
+      DTRAIN_INTERNAL_ASSERT(false, "kAllReduce stages have no replica: the pipeline all-reduces them itself");
   }
 }
 
@@ -57,10 +58,8 @@ void StageReplica::last_backward() {
 void StageReplica::zero_grad() {
   if (sharded_) {
     sharded_->zero_grad();
-  } else if (ddp_) {
-    ddp_->zero_grad(/*set_to_none=*/true);
   } else {
-    for (at::Tensor& param : module_->parameters()) param.mutable_grad() = at::Tensor();
+    ddp_->zero_grad(/*set_to_none=*/true);
   }
 }
 

@@ -36,6 +36,7 @@ class StageReplica {
  public:
   // Collective over `group` (DDP's model check and broadcast, sharding's
   // layout): every replica builds its stage replicas in the same order.
+  // Only for kDDP and kSharded (kAllReduce needs no replica).
   StageReplica(torch::nn::Sequential module, dist::ProcessGroup group, const PipelineOptions& options);
   ~StageReplica();
   StageReplica(const StageReplica&) = delete;
@@ -51,7 +52,6 @@ class StageReplica {
   bool needs_single_run() const { return sharded_ != nullptr; }
 
   ShardedDataParallel* sharded() { return sharded_.get(); }
-  const ShardedDataParallel* sharded() const { return sharded_.get(); }
   void zero_grad();
 
  private:
