@@ -104,12 +104,10 @@ struct Pipeline::Impl {
   // Data-parallel replication of each local stage (empty without a data
   // group of 2+ ranks): see stage_replica.h.
   std::vector<std::unique_ptr<detail::StageReplica>> replicas;
-  // Per local stage: the index in this rank's action list of its last B or
-  // W (the backward that completes its gradients), and whether its first
-  // forward of the step has run.
-  std::vector<std::size_t> last_param_backward;
-  std::vector<bool> forwarded;
-  std::size_t action_index = 0;
+  // Per local stage: the indices in this rank's action list of its first
+  // forward and of its last B or W (the backward that completes its gradients).
+  std::vector<std::size_t> first_forward, last_param_backward;
+  std::size_t action_index = 0;  // of the action running (training)
   // Tied copies that are not among any local stage's module parameters
   // (the borrowers' copies): DDP and sharding do not see them.
   std::vector<std::pair<std::size_t, std::size_t>> borrowed;  // (local stage, tie index)
@@ -204,10 +202,13 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
   s.options = std::move(options);
   s.loss_fn = std::move(loss_fn);
   const std::vector<Action>& actions = s.schedule.actions[s.rank];
+  s.first_forward.assign(s.stages.size(), actions.size());
   s.last_param_backward.assign(s.stages.size(), actions.size());
   for (std::size_t k = 0; k < actions.size(); ++k) {
+    const std::size_t stage = s.local.at(actions[k].stage);
+    if (actions[k].kind == ActionKind::kForward) s.first_forward[stage] = std::min(s.first_forward[stage], k);
     if (actions[k].kind == ActionKind::kBackward || actions[k].kind == ActionKind::kBackwardWeight)
-      s.last_param_backward[s.local.at(actions[k].stage)] = k;
+      s.last_param_backward[stage] = k;
   }
   for (std::size_t k = 0; k < s.stages.size(); ++k) {
     for (std::size_t j = 0; j < s.stages[k].tied.size(); ++j) {
@@ -326,7 +327,6 @@ void Pipeline::Impl::run(const std::vector<Action>& actions) {
   trace.clear();
   in_flight = peak = 0;
   posted.clear();
-  forwarded.assign(stages.size(), false);
   for (std::size_t k = 0; k < actions.size(); ++k) {
     const Action& a = actions[k];
     action_index = k;
@@ -367,8 +367,7 @@ void Pipeline::Impl::forward(const Action& a) {
   const std::size_t k = local.at(a.stage);
   at::Tensor out;
   if (replicated()) {
-    out = replicas[k]->forward(x, training && !forwarded[k]);
-    forwarded[k] = true;
+    out = replicas[k]->forward(x, training && action_index == first_forward[k]);
   } else {
     out = stages[k].module->forward(x);
   }
