@@ -29,6 +29,8 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include "dtrain/nn/linear.h"
+
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -66,6 +68,13 @@ inline torch::nn::Linear make_linear(std::int64_t in, std::int64_t out, bool bia
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 
+// A Linear's product through dtrain::nn::linear (oneDNN's matmul on the CPU in
+// fp32, at::linear elsewhere): the module holds the parameters, so names and
+// checkpoints are those of torch::nn::Linear.
+inline at::Tensor apply_linear(const torch::nn::Linear& layer, const at::Tensor& x) {
+  return dtrain::nn::linear(x, layer->weight, layer->bias);
+}
+
 struct EmbedImpl : torch::nn::Cloneable<EmbedImpl> {
   explicit EmbedImpl(const GptConfig& c) : config(c) { reset(); }
   void reset() override {
@@ -96,11 +105,11 @@ struct CausalSelfAttentionImpl : torch::nn::Cloneable<CausalSelfAttentionImpl> {
   }
   at::Tensor forward(const at::Tensor& x) {
     const auto b = x.size(0), t = x.size(1), c = x.size(2), h = config.n_head;
-    auto qkv = c_attn(x).split(c, 2);  // each [B, T, C] -> [B, h, T, C / h]
+    auto qkv = apply_linear(c_attn, x).split(c, 2);  // each [B, T, C] -> [B, h, T, C / h]
     auto heads = [&](const at::Tensor& m) { return m.view({b, t, h, c / h}).transpose(1, 2); };
     at::Tensor y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
                                                     is_training() ? config.dropout : 0.0, /*is_causal=*/true);
-    return resid_drop(c_proj(y.transpose(1, 2).contiguous().view({b, t, c})));
+    return resid_drop(apply_linear(c_proj, y.transpose(1, 2).contiguous().view({b, t, c})));
   }
 
   GptConfig config;
@@ -116,7 +125,7 @@ struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
     c_proj = register_module("c_proj", make_linear(4 * config.n_embd, config.n_embd, config.bias));
     drop = register_module("drop", torch::nn::Dropout(config.dropout));
   }
-  at::Tensor forward(const at::Tensor& x) { return drop(c_proj(at::gelu(c_fc(x)))); }
+  at::Tensor forward(const at::Tensor& x) { return drop(apply_linear(c_proj, at::gelu(apply_linear(c_fc, x)))); }
 
   GptConfig config;
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
@@ -153,7 +162,7 @@ struct HeadImpl : torch::nn::Cloneable<HeadImpl> {
   void reset() override { ln_f = register_module("ln_f", LayerNorm(config.n_embd, config.bias)); }
   at::Tensor forward(const at::Tensor& x) {
     const at::Tensor h = ln_f(x);
-    return at::linear(h, embed->wte->weight.to(h.device()));
+    return dtrain::nn::linear(h, embed->wte->weight.to(h.device()));
   }
 
   GptConfig config;

@@ -1,0 +1,36 @@
+// dtrain::nn::linear: y = x W^T + b, differentiable, a drop-in for at::linear
+// that picks a faster matrix product where LibTorch's default is slow.
+//
+// Why: ATen's fp32 CPU matmul goes to MKL's sgemm, which on AMD processors
+// takes a code path far below the machine (on this project's AMD EPYC, family
+// 26, AVX-512: ~100 GFLOP/s on one core), while oneDNN's matmul, also shipped
+// inside LibTorch, reaches ~230 GFLOP/s on the same shapes. linear() runs the
+// forward product and both backward products (dx = dy W, dW = dy^T x) on
+// oneDNN's matmul when it can, and is at::linear otherwise. The results are
+// those of a different summation order: equal to at::linear's within fp32
+// rounding, not bit for bit. bench/matmul prints both kernels' figures.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace dtrain::nn {
+
+// x: [..., in], weight: [out, in], bias: [out] or undefined -> [..., out].
+// Takes the oneDNN path when linear_uses_onednn(x, weight, bias); otherwise
+// returns at::linear(x, weight, bias). Gradients flow to all three as through
+// at::linear; only the inputs that need one get a gradient computed (the
+// zero-bubble pipeline asks for dx and dW separately). Under create_graph the
+// backward is built from differentiable ATen ops, so higher derivatives work.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+
+// True when linear() would use oneDNN for these tensors: LibTorch was built
+// with oneDNN, all are dense fp32 CPU tensors, weight is 2-D, and CPU autocast
+// is off (under autocast linear() defers to at::linear, which autocast casts).
+bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
+
+// The product a @ b of two fp32 CPU matrices on oneDNN (row- or column-major
+// operands are taken as they are, others are made contiguous first). Used by
+// linear() and by the benchmark that compares it with at::mm.
+at::Tensor onednn_mm(const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace dtrain::nn
