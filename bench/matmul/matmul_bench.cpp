@@ -1,0 +1,68 @@
+// The products of the GPT's Linears (nanoGPT's CPU config: 12 x 64 tokens,
+// width 128), forward and both backward, on one thread: ATen's default fp32
+// CPU matmul (at::mm) and dtrain::nn::onednn_mm, the kernel dtrain::nn::linear
+// uses. Prints one JSON line per case and kernel:
+//   {"case": "fc.fwd", "impl": "dtrain" | "aten", "us": ..., "gflops": ...}
+// (bench/matmul/peer.py times torch.mm on the same shapes from Python).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../common/timing.h"
+#include "dtrain/nn/linear.h"
+
+namespace {
+
+using dtrain::bench::Clock;
+using dtrain::bench::ms_since;
+
+// Median microseconds of `f` over `reps` runs of `inner` calls, after warm-up.
+double median_us(const std::function<void()>& f) {
+  constexpr int kWarmup = 20, kReps = 15, kInner = 20;
+  for (int i = 0; i < kWarmup; ++i) f();
+  std::vector<double> us;
+  for (int r = 0; r < kReps; ++r) {
+    const auto t = Clock::now();
+    for (int i = 0; i < kInner; ++i) f();
+    us.push_back(ms_since(t) * 1000.0 / kInner);
+  }
+  return dtrain::bench::percentile(us, 0.5);
+}
+
+struct Case {
+  std::string name;
+  at::Tensor a, b;  // a @ b
+};
+
+}  // namespace
+
+int main() {
+  at::set_num_threads(1);
+  const std::int64_t tokens = 12 * 64, width = 128;
+  std::vector<Case> cases;
+  auto add = [&](const std::string& layer, std::int64_t in, std::int64_t out) {
+    const at::Tensor x = at::randn({tokens, in}), w = at::randn({out, in}), dy = at::randn({tokens, out});
+    cases.push_back({layer + ".fwd", x, w.t()});  // x W^T
+    cases.push_back({layer + ".dx", dy, w});      // dy W
+    cases.push_back({layer + ".dw", dy.t(), x});  // dy^T x
+  };
+  add("attn", width, 3 * width);
+  add("proj", width, width);
+  add("fc", width, 4 * width);
+  add("mlp_proj", 4 * width, width);
+  add("head", width, 65);
+  for (const auto& c : cases) {
+    const double flops = 2.0 * static_cast<double>(c.a.size(0) * c.a.size(1) * c.b.size(1));
+    const double aten = median_us([&] { at::mm(c.a, c.b); });
+    const double ours = median_us([&] { dtrain::nn::onednn_mm(c.a, c.b); });
+    for (const auto& [impl, us] : {std::pair{"dtrain", ours}, std::pair{"aten", aten}}) {
+      std::printf("{\"case\": \"%s\", \"impl\": \"%s\", \"us\": %.1f, \"gflops\": %.1f}\n", c.name.c_str(), impl, us,
+                  flops / us / 1e3);
+    }
+  }
+  return 0;
+}
