@@ -189,6 +189,7 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
                   group, {.schedule = kind, .micro_batches = m, .record_trace = true}, gpt::lm_loss);
     torch::optim::SGD opt(pipe.parameters(), 1e-3);
     double busy = 0;
+    Clock::time_point last_start, last_end;
     for (int step = 0; step < warmup + steps; ++step) {
       group.barrier();
       const auto start = Clock::now();
@@ -197,13 +198,18 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
       opt.step();
       if (step < warmup) continue;
       times.push_back(ms_since(start));
+      last_start = start;
+      last_end = Clock::now();
       for (const TracedAction& t : pipe.trace())
         busy += std::chrono::duration<double, std::milli>(t.end - t.start).count() / steps;
     }
     std::fprintf(stderr, "rank %d: compute %.1f ms of each step\n", group.rank(), busy);
     if (std::getenv("DTRAIN_BENCH_TRACE") != nullptr) {
-      // The last step's compute actions: start offset and duration (ms).
-      const auto origin = pipe.trace().front().start;
+      // The last step's compute actions: start offset and duration (ms),
+      // from the step's start (after the barrier).
+      const auto origin = last_start;
+      std::fprintf(stderr, "rank %d step ends at %.1f\n", group.rank(),
+                   std::chrono::duration<double, std::milli>(last_end - origin).count());
       for (const TracedAction& t : pipe.trace())
         std::fprintf(stderr, "rank %d %s at %.1f for %.1f\n", group.rank(), to_string(t.action).c_str(),
                      std::chrono::duration<double, std::milli>(t.start - origin).count(),

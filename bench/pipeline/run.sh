@@ -17,7 +17,7 @@
 # DTRAIN_BENCH_QUICK=1: fewer steps.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-steps=20
+steps=60
 sleep_steps=2
 if [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ]; then steps=5; sleep_steps=1; fi
 bin="$DTRAIN_BUILD/bench/bench_pipeline"
@@ -53,7 +53,7 @@ echo "# comparisons (ratio > 1: dtrain better)"
   --metric tokens_per_second:higher
 
 echo "# (c) DP x PP 2 x 2, examples/gpt: tokens/s per data-parallel reduction of the stages"
-mesh_steps=$((steps * 2))
+mesh_steps=40
 for r in ddp zero1 zero2 allreduce; do
   "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 4 "$DTRAIN_BUILD/examples/gpt" --strategy pipeline --pp-size 2 \
     --dp-reduce "$r" --micro-batches 4 --batch-size 8 --max-iters "$mesh_steps" --eval-interval 100000 \

@@ -473,6 +473,7 @@ int run(Options opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  dtrain::retain_freed_host_memory();  // no page faults per step after an evaluation (host_memory.h)
   CLI::App app{"Train a character-level GPT on Shakespeare with dtrain (nanoGPT's shakespeare_char)."};
   Options opt;
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // scripts add defaults, users override

@@ -33,7 +33,9 @@ at::Tensor matrix_operand(const at::Tensor& t) {
   return t.contiguous();
 }
 
-at::Tensor flatten_rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
+at::Tensor flatten_rows(const at::Tensor& t) {
+  return t.reshape({-1, t.size(-1)});
+}
 
 // x W^T and its backward, the products on oneDNN (the bias is added outside:
 // an autograd Function takes no undefined tensor).
@@ -73,8 +75,7 @@ bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at:
 
 at::Tensor onednn_mm(const at::Tensor& a, const at::Tensor& b) {
   DTRAIN_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), ConfigError,
-               "onednn_mm: cannot multiply " << a.sizes() << " by " << b.sizes(),
-               "pass matrices [m, k] and [k, n]");
+               "onednn_mm: cannot multiply " << a.sizes() << " by " << b.sizes(), "pass matrices [m, k] and [k, n]");
   DTRAIN_CHECK(at::hasMKLDNN() && is_dense_cpu_float(a) && is_dense_cpu_float(b), ConfigError,
                "onednn_mm: takes dense fp32 CPU matrices (got " << a.toString() << " and " << b.toString() << ")",
                "use at::mm for other tensors");

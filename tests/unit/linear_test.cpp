@@ -48,7 +48,7 @@ TEST(Linear, MatchesAtLinearForwardAndBackward) {
       {at::randn({6, 7}), at::randn({3, 7}), {}},
       {at::randn({2, 5, 7}), at::randn({3, 7}), at::randn({3})},
       {at::randn({4, 2, 5, 33}), at::randn({65, 33}), {}},
-      {at::randn({7, 6}).t(), at::randn({7, 3}).t(), {}},  // column-major x and weight
+      {at::randn({7, 6}).t(), at::randn({7, 3}).t(), {}},              // column-major x and weight
       {at::randn({6, 14}).slice(1, 0, 14, 2), at::randn({3, 7}), {}},  // neither rows nor columns contiguous
   };
   for (std::size_t i = 0; i < cases.size(); ++i) {
