@@ -1,10 +1,15 @@
 """The Python peer of bench/allreduce/allreduce.cpp: torch.distributed (gloo)
 all-reduce latency, same sizes, iterations and output format."""
 import json
+import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from torch_exit import exit_without_teardown  # noqa: E402
 
 CASES = [("4KiB", 1024), ("1MiB", 256 * 1024), ("16MiB", 4 * 1024 * 1024)]
 
@@ -38,3 +43,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

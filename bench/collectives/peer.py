@@ -2,10 +2,15 @@
 (gloo) all_reduce, reduce_scatter_tensor and all_gather_into_tensor, same
 sizes, iterations, timing and output format."""
 import json
+import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from torch_exit import exit_without_teardown  # noqa: E402
 
 SIZES = [("4KiB", 4 << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20), ("64MiB", 64 << 20)]
 OPS = ["all_reduce", "reduce_scatter", "all_gather"]
@@ -63,3 +68,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

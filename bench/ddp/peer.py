@@ -2,6 +2,8 @@
 data shapes, steps and measurements, same output format."""
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -9,6 +11,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from torch_exit import exit_without_teardown  # noqa: E402
 
 
 def percentile(values, p):
@@ -92,3 +97,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

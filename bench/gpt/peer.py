@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -27,6 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from torch_exit import exit_without_teardown  # noqa: E402
 
 
 class Config:
@@ -331,3 +335,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

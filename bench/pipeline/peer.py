@@ -23,6 +23,9 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpt"))
 import peer as gpt  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from torch_exit import exit_without_teardown  # noqa: E402
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -101,3 +104,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

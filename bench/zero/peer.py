@@ -11,10 +11,14 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from torch_exit import exit_without_teardown  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "gpt_peer", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpt", "peer.py"))
@@ -84,3 +88,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
