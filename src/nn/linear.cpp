@@ -24,7 +24,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 bool is_dense_cpu_float(const at::Tensor& t) {
-  return t.device().is_cpu() && t.layout() == at::kStrided && t.scalar_type() == at::kFloat && !t.is_mkldnn();
+  return t.device().is_cpu() && t.layout() == at::kStrided &&
+         t.scalar_type() == at::kFloat;  // oneDNN-layout tensors are kMkldnn
 }
 
 // oneDNN reads a matrix whose rows or columns are contiguous.
