@@ -25,6 +25,7 @@
 #include "../../examples/gpt/pipeline_stages.h"
 #include "../common/timing.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/host_memory.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
 
 using namespace dtrain::pipeline;
@@ -161,8 +162,10 @@ std::vector<std::size_t> parse_split(const std::string& text) {
   return out;
 }
 
-int gpt_mode(const std::string& schedule, int m, int batch, const std::string& split, int steps, int warmup) {
+int gpt_mode(const std::string& schedule, int m, int batch, const std::string& split, int steps, int warmup,
+             const std::string& transport) {
   at::set_num_threads(1);
+  dtrain::retain_freed_host_memory();  // as examples/gpt does (host_memory.h)
   const gpt::GptConfig config{.vocab_size = 65, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128};
   torch::nn::Sequential layers = gpt::gpt_layers(config);
   gpt::init_weights(*layers, config.n_layer, 1337);
@@ -180,7 +183,9 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
       if (step >= warmup) times.push_back(ms_since(start));
     }
   } else {
-    auto group = dtrain::dist::init_process_group();
+    // "gloo": activations and gradients through Gloo's loopback TCP instead
+    // of the shared-memory rings (shm_p2p.cpp), to show what they change.
+    auto group = dtrain::dist::init_process_group({.intra_host_shared_memory = transport != "gloo"});
     const ScheduleKind kind = parse_schedule_kind(schedule);
     const int v = kind == ScheduleKind::kInterleaved1F1B ? 2 : 1;
     const int p = group.size();
@@ -220,9 +225,9 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
   double mean = 0;
   for (double t : times) mean += t / double(times.size());
   std::printf(
-      "{\"impl\":\"dtrain\",\"schedule\":\"%s\",\"micro_batches\":%d,\"batch\":%d,\"step_ms\":%.2f,"
-      "\"tokens_per_second\":%.0f}\n",
-      schedule.c_str(), m, batch, mean, batch * 64 * 1000.0 / mean);
+      "{\"impl\":\"dtrain\",\"schedule\":\"%s\",\"transport\":\"%s\",\"micro_batches\":%d,\"batch\":%d,"
+      "\"step_ms\":%.2f,\"tokens_per_second\":%.0f}\n",
+      schedule.c_str(), transport.c_str(), m, batch, mean, batch * 64 * 1000.0 / mean);
   return 0;
 }
 
@@ -230,7 +235,7 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
 
 int main(int argc, char** argv) {
   CLI::App app{"pipeline schedules benchmark"};
-  std::string mode = "sleep", schedule = "1f1b", split;
+  std::string mode = "sleep", schedule = "1f1b", split, transport = "shm";
   int p = 4, steps = 2, m = 4, batch = 16, warmup = 3;
   double unit = 10;
   app.add_option("--mode", mode, "sleep | gpt");
@@ -242,7 +247,8 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batches", m, "gpt: micro-batches");
   app.add_option("--batch", batch, "gpt: sequences per step");
   app.add_option("--split", split, "gpt: stage of each layer, comma-separated (default: planned)");
+  app.add_option("--transport", transport, "gpt: shm (default: shared-memory send/recv on one host) | gloo");
   CLI11_PARSE(app, argc, argv);
   if (mode == "sleep") return sleep_mode(p, unit, steps);
-  return gpt_mode(schedule, m, batch, split, steps, warmup);
+  return gpt_mode(schedule, m, batch, split, steps, warmup, transport);
 }

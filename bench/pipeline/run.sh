@@ -9,6 +9,11 @@
 #     (`dtrain run`) and torch.distributed.pipelining (torchrun, gloo) back to
 #     back per schedule, same cut of the layers; and the unpipelined model in
 #     one process on both sides. One intra-op thread per process.
+#     dtrain's stages send activations and gradients through its shared-memory
+#     rings (src/comm/shm_p2p.cpp); one more 1F1B run sends them through Gloo
+#     (--transport gloo) to show what the rings change. The dtrain side calls
+#     retain_freed_host_memory() as examples/gpt does (the same mallopt in the
+#     Python peer measured no different).
 # (c) DP x PP on 4 processes (2 replicas x 2 stages), the GPT example
 #     (examples/gpt --strategy pipeline --pp-size 2, 1F1B, 4 micro-batches,
 #     8 sequences per replica): tokens/s for each --dp-reduce (ddp, zero1,
@@ -48,6 +53,9 @@ for case in ours:
     d, t = ours[case]["step_ms"], theirs.get(case, {}).get("step_ms", float("nan"))
     print(f"{case:12}{d:11.1f}{t:10.1f}{ours['none']['step_ms'] / d:20.2f}x{theirs['none']['step_ms'] / t:18.2f}x")
 PY
+echo "# dtrain 1F1B with activations and gradients through Gloo instead of shared memory"
+"$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 "$bin" --mode gpt --schedule 1f1b --micro-batches 4 \
+  --split "$(split_for 1f1b)" --steps "$steps" --transport gloo | grep '^{'
 echo "# comparisons (ratio > 1: dtrain better)"
 "$DTRAIN_PYTHON" "$here/../common/compare.py" --bench pipeline --dtrain "$tmp/dtrain.jsonl" --peer "$tmp/peer.jsonl" \
   --metric tokens_per_second:higher

@@ -24,6 +24,7 @@
 #include "../core/serial_executor.h"
 #include "dtrain/error.h"
 #include "group_state.h"
+#include "shm_p2p.h"
 #include "shm_transport.h"
 
 namespace dtrain::dist {

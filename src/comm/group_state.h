@@ -27,6 +27,7 @@ namespace dtrain::dist {
 namespace detail {
 
 class SharedMemoryTransport;
+class SharedMemoryP2P;
 
 struct StoreImpl {
   c10::intrusive_ptr<c10d::Store> store;
@@ -59,6 +60,9 @@ struct GroupState {
   SharedMemoryState shm_state = SharedMemoryState::kUndecided;
   std::unique_ptr<SharedMemoryTransport> shm;
   std::unique_ptr<SerialExecutor> shm_executor;  // runs shared-memory collectives in issue order
+  // Point-to-point through shared memory for peers on this host (shm_p2p.h);
+  // null for NCCL groups, one-rank groups, or with intra_host_shared_memory off.
+  std::unique_ptr<SharedMemoryP2P> p2p;
 
   // Out of line: the transport's types are complete only in collectives.cpp.
   GroupState();

@@ -7,6 +7,7 @@
 
 #include "dtrain/error.h"
 #include "group_state.h"
+#include "shm_p2p.h"
 
 namespace dtrain::dist {
 namespace {
@@ -28,22 +29,33 @@ void check_p2p(const detail::GroupState& s, const detail::OpInfo& info, const at
   }
 }
 
+// Dense CPU tensors of a group with a shared-memory channel go through it
+// (Note [Shared-memory point-to-point], shm_p2p.cpp); the two sides of a
+// transfer must agree, which they do when both tensors are on the CPU.
+bool use_shared_memory(const detail::GroupState& s, const at::Tensor& tensor) {
+  return s.p2p != nullptr && tensor.is_cpu() && !tensor.is_sparse();
+}
+
 }  // namespace
 
 Work ProcessGroup::isend(const at::Tensor& tensor, int peer, int tag) {
   auto info = p2p_info("send", tensor, peer, tag);
   check_p2p(*state_, info, tensor, peer);
   std::vector<at::Tensor> tensors{tensor};
-  return detail::make_work(state_, std::move(info), c10::IValue(tensor),
-                           [&] { return state_->backend->send(tensors, peer, tag); });
+  return detail::make_work(state_, std::move(info), c10::IValue(tensor), [&] {
+    return use_shared_memory(*state_, tensor) ? state_->p2p->send(tensor, peer, tag)
+                                              : state_->backend->send(tensors, peer, tag);
+  });
 }
 
 Work ProcessGroup::irecv(at::Tensor& tensor, int peer, int tag) {
   auto info = p2p_info("recv", tensor, peer, tag);
   check_p2p(*state_, info, tensor, peer);
   std::vector<at::Tensor> tensors{tensor};
-  return detail::make_work(state_, std::move(info), c10::IValue(tensor),
-                           [&] { return state_->backend->recv(tensors, peer, tag); });
+  return detail::make_work(state_, std::move(info), c10::IValue(tensor), [&] {
+    return use_shared_memory(*state_, tensor) ? state_->p2p->recv(tensor, peer, tag)
+                                              : state_->backend->recv(tensors, peer, tag);
+  });
 }
 
 std::vector<Work> ProcessGroup::batch_isend_irecv(std::vector<P2POp>& ops) {

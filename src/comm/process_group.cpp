@@ -9,6 +9,7 @@
 #include "dtrain/log.h"
 #include "group_state.h"
 #include "membership.h"
+#include "shm_p2p.h"
 
 namespace dtrain::dist {
 
@@ -55,6 +56,8 @@ ProcessGroup make_group(const Store& store, int rank, int size, GroupOptions opt
   const auto timeout = options.timeout.value_or(default_timeout());
   options.timeout = timeout;
 
+  const bool shared_p2p = kind == BackendKind::kGloo && options.intra_host_shared_memory && size > 1;
+  if (shared_p2p) detail::SharedMemoryP2P::announce(store.with_prefix("p2p"), rank);
   auto checkin_store = store.with_prefix("checkin");
   detail::check_in(checkin_store,
                    {.rank = rank, .size = size, .timeout = timeout, .group = options.name, .fingerprint = fingerprint});
@@ -78,6 +81,20 @@ ProcessGroup make_group(const Store& store, int rank, int size, GroupOptions opt
   state->store = store;
   state->identity = log::identity();
   state->options = std::move(options);
+  if (shared_p2p) {
+    c10::intrusive_ptr<c10d::Backend> backend = state->backend;
+    state->p2p = std::make_unique<detail::SharedMemoryP2P>(
+        detail::SharedMemoryP2P::Options{
+            .rank = rank, .size = size, .timeout = timeout, .store = store.with_prefix("p2p")},
+        [backend](const at::Tensor& tensor, int peer, int tag) {
+          std::vector<at::Tensor> tensors{tensor};
+          return backend->send(tensors, peer, tag);
+        },
+        [backend](at::Tensor& tensor, int peer, int tag) {
+          std::vector<at::Tensor> tensors{tensor};
+          return backend->recv(tensors, peer, tag);
+        });
+  }
   return ProcessGroup(std::move(state));
 }
 

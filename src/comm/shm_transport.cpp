@@ -24,21 +24,18 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/from_blob.h>
 #include <fcntl.h>
-#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <climits>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <thread>
 
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "shm_util.h"
 
 namespace dtrain::dist::detail {
 namespace {
@@ -55,41 +52,6 @@ struct alignas(kCacheLine) Control {
   std::atomic<std::uint32_t> word;
   std::atomic<std::uint32_t> waiters;
 };
-static_assert(std::atomic<std::uint32_t>::is_always_lock_free && sizeof(std::atomic<std::uint32_t>) == 4,
-              "futex words must be plain 32-bit integers");
-
-// Shared (not FUTEX_PRIVATE): the word lives in memory mapped by several processes.
-void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::chrono::microseconds timeout) {
-  timespec ts{};
-  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000);
-  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000) * 1000;
-  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void futex_wake_all(std::atomic<std::uint32_t>* word) {
-  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
-
-std::uint64_t host_identity() {
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  std::string boot_id;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
-  struct stat ns {};
-  ::stat("/proc/self/ns/pid", &ns);  // pids are compared only within one pid namespace
-  return std::hash<std::string>{}(std::string(host) + "/" + boot_id + "/" + std::to_string(ns.st_ino));
-}
-
-// A process that exited (gone, or a zombie not yet reaped) will never arrive.
-bool process_gone(std::int64_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat) return true;
-  std::string line;
-  std::getline(stat, line);
-  const auto close = line.rfind(')');
-  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] == 'Z' || line[close + 2] == 'X';
-}
-
 }  // namespace
 
 struct SharedMemoryTransport::Region {

@@ -73,6 +73,10 @@ struct GroupOptions {
   // avg), reduce_scatter and all_gather go through a shared-memory region
   // instead of loopback TCP (set up at the first such call; falls back to
   // Gloo where /dev/shm has no room). Results are bitwise equal on all ranks.
+  // Likewise send/recv of CPU tensors between two ranks on one host go
+  // through a ring in /dev/shm (4 MiB per direction of a pair that talks,
+  // made at its first send), not loopback TCP; pairs on two hosts use Gloo.
+  // Both sides of a transfer must pass CPU tensors (or both not).
   bool intra_host_shared_memory = true;
 };
 

@@ -467,7 +467,10 @@ void Pipeline::Impl::send(const Action& a) {
 // the data) to every hop of the pipeline's critical path; instead the
 // receives of the next kLookahead actions are posted early, into buffers of
 // the agreed shapes, so data lands while this rank computes. Before shapes
-// are agreed (the first step) receives are posted at their action.
+// are agreed (the first step) receives are posted at their action. Between
+// stages on one host the group's shared-memory rings carry the data instead
+// (src/comm/shm_p2p.cpp): a send lands in the ring whether or not its receive
+// is posted, and posting ahead only fixes the buffers early.
 constexpr std::size_t kLookahead = 8;
 
 void Pipeline::Impl::post_ahead(const std::vector<Action>& actions, std::size_t from) {

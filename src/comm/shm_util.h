@@ -1,0 +1,30 @@
+// Private to src/comm/: what the shared-memory transports (collectives in
+// shm_transport.cpp, point-to-point in shm_p2p.cpp) share: futex waits on
+// words in memory mapped by several processes, the host identity that
+// decides whether two ranks can share memory, and the liveness check of a
+// peer process.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace dtrain::dist::detail {
+
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free && sizeof(std::atomic<std::uint32_t>) == 4,
+              "futex words must be plain 32-bit integers");
+
+// Shared (not FUTEX_PRIVATE) futex operations: the word may live in memory
+// mapped by several processes. futex_wait returns after a wake, a change of
+// the word from `expected`, a signal, or `timeout`.
+void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::chrono::microseconds timeout);
+void futex_wake_all(std::atomic<std::uint32_t>* word);
+
+// Equal on two ranks exactly when they run on one host (same host name and
+// boot id) in one pid namespace, so that /dev/shm is shared and pids compare.
+std::uint64_t host_identity();
+
+// A process that exited (gone, or a zombie not yet reaped) will never arrive.
+bool process_gone(std::int64_t pid);
+
+}  // namespace dtrain::dist::detail
