@@ -8,7 +8,8 @@
 #     SGD) on p = 2 processes, every schedule with 4 micro-batches, dtrain
 #     (`dtrain run`) and torch.distributed.pipelining (torchrun, gloo) back to
 #     back per schedule, same cut of the layers; and the unpipelined model in
-#     one process on both sides. One intra-op thread per process.
+#     one process on both sides. One intra-op thread per process. Three rounds
+#     over all cases; each case's figure is the median of its three runs.
 #     dtrain's stages send activations and gradients through its shared-memory
 #     rings (src/comm/shm_p2p.cpp); one more 1F1B run sends them through Gloo
 #     (--transport gloo) to show what the rings change. The dtrain side calls
@@ -24,7 +25,8 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 steps=60
 sleep_steps=2
-if [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ]; then steps=5; sleep_steps=1; fi
+reps=3
+if [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ]; then steps=5; sleep_steps=1; reps=1; fi
 bin="$DTRAIN_BUILD/bench/bench_pipeline"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -35,23 +37,53 @@ echo "# (a) calibrated-sleep stages"
 
 echo "# (b) GPT, p = 2, m = 4: step time (ms), dtrain vs torch.distributed.pipelining"
 split_for() { if [ "$1" = interleaved ]; then echo 0,0,1,2,3,3; else echo 0,0,0,1,1,1; fi; }
-"$bin" --mode gpt --schedule none --steps "$steps" | sed 's/"schedule":"none"/"case":"none","schedule":"none"/' >>"$tmp/dtrain.jsonl"
-"$DTRAIN_PYTHON" "$here/peer.py" --schedule none --steps "$steps" | sed 's/"schedule": "none"/"case": "none", "schedule": "none"/' >>"$tmp/peer.jsonl"
-for s in gpipe 1f1b interleaved zb; do
-  "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 "$bin" --mode gpt --schedule "$s" --micro-batches 4 \
-    --split "$(split_for "$s")" --steps "$steps" | grep '^{' | sed "s/^{/{\"case\":\"$s\",/" >>"$tmp/dtrain.jsonl"
-  "$DTRAIN_PYTHON" -m torch.distributed.run --nproc-per-node 2 --standalone "$here/peer.py" --schedule "$s" \
-    --micro-batches 4 --split "$(split_for "$s")" --steps "$steps" 2>/dev/null | grep '^{' |
-    sed "s/^{/{\"case\": \"$s\", /" >>"$tmp/peer.jsonl"
+# Each case runs `reps` times, dtrain and torch alternating, so both sides see
+# the same machine; a run's figure is its mean step (throughput), a case's the
+# median over its runs (one run caught by a burst of other load does not
+# decide it). Every run's pair is printed too.
+for rep in $(seq "$reps"); do
+  "$bin" --mode gpt --schedule none --steps "$steps" | grep '^{' | sed "s/^{/{\"case\":\"none\",\"rep\":$rep,/" >>"$tmp/dtrain_runs.jsonl"
+  "$DTRAIN_PYTHON" "$here/peer.py" --schedule none --steps "$steps" | grep '^{' |
+    sed "s/^{/{\"case\": \"none\", \"rep\": $rep, /" >>"$tmp/peer_runs.jsonl"
+  for s in gpipe 1f1b interleaved zb; do
+    "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 "$bin" --mode gpt --schedule "$s" --micro-batches 4 \
+      --split "$(split_for "$s")" --steps "$steps" | grep '^{' | sed "s/^{/{\"case\":\"$s\",\"rep\":$rep,/" >>"$tmp/dtrain_runs.jsonl"
+    "$DTRAIN_PYTHON" -m torch.distributed.run --nproc-per-node 2 --standalone "$here/peer.py" --schedule "$s" \
+      --micro-batches 4 --split "$(split_for "$s")" --steps "$steps" 2>/dev/null | grep '^{' |
+      sed "s/^{/{\"case\": \"$s\", \"rep\": $rep, /" >>"$tmp/peer_runs.jsonl"
+  done
 done
-"$DTRAIN_PYTHON" - "$tmp/dtrain.jsonl" "$tmp/peer.jsonl" <<'PY'
-import json, sys
-ours = {r["case"]: r for r in map(json.loads, open(sys.argv[1]))}
-theirs = {r["case"]: r for r in map(json.loads, open(sys.argv[2]))}
-print(f"{'case':12}{'dtrain ms':>11}{'torch ms':>10}{'dtrain/unpipelined':>20}{'torch/unpipelined':>19}")
+"$DTRAIN_PYTHON" - "$tmp" <<'PY'
+import json, os, statistics, sys
+tmp = sys.argv[1]
+def runs(name):
+    out = {}
+    for r in map(json.loads, open(os.path.join(tmp, name))):
+        out.setdefault(r["case"], []).append(r)
+    return out
+ours, theirs = runs("dtrain_runs.jsonl"), runs("peer_runs.jsonl")
+print("# every run: dtrain ms / torch ms (ratio = dtrain's throughput over torch's)")
 for case in ours:
-    d, t = ours[case]["step_ms"], theirs.get(case, {}).get("step_ms", float("nan"))
-    print(f"{case:12}{d:11.1f}{t:10.1f}{ours['none']['step_ms'] / d:20.2f}x{theirs['none']['step_ms'] / t:18.2f}x")
+    pairs = zip(ours[case], theirs.get(case, []))
+    print(f"{case:12}" + "  ".join(f"{d['step_ms']:.1f} / {t['step_ms']:.1f} ({t['step_ms'] / d['step_ms']:.2f}x)"
+                                    for d, t in pairs))
+def median_lines(runs_of, path):
+    with open(path, "w") as f:
+        for case, rs in runs_of.items():
+            r = dict(min(rs, key=lambda r: abs(r["step_ms"] - statistics.median(x["step_ms"] for x in rs))))
+            r["step_ms"] = statistics.median(x["step_ms"] for x in rs)
+            r["tokens_per_second"] = round(r["batch"] * 64 * 1000 / r["step_ms"])
+            r.pop("rep", None)
+            f.write(json.dumps(r) + "\n")
+median_lines(ours, os.path.join(tmp, "dtrain.jsonl"))
+median_lines(theirs, os.path.join(tmp, "peer.jsonl"))
+mine = {r["case"]: r for r in map(json.loads, open(os.path.join(tmp, "dtrain.jsonl")))}
+peer = {r["case"]: r for r in map(json.loads, open(os.path.join(tmp, "peer.jsonl")))}
+print("# medians")
+print(f"{'case':12}{'dtrain ms':>11}{'torch ms':>10}{'dtrain/unpipelined':>20}{'torch/unpipelined':>19}")
+for case in mine:
+    d, t = mine[case]["step_ms"], peer.get(case, {}).get("step_ms", float("nan"))
+    print(f"{case:12}{d:11.1f}{t:10.1f}{mine['none']['step_ms'] / d:20.2f}x{peer['none']['step_ms'] / t:18.2f}x")
 PY
 echo "# dtrain 1F1B with activations and gradients through Gloo instead of shared memory"
 "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 "$bin" --mode gpt --schedule 1f1b --micro-batches 4 \
