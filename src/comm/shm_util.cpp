@@ -1,5 +1,6 @@
 #include "shm_util.h"
 
+#include <dirent.h>
 #include <linux/futex.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -41,6 +42,24 @@ bool process_gone(std::int64_t pid) {
   std::getline(stat, line);
   const auto close = line.rfind(')');
   return close == std::string::npos || close + 2 >= line.size() || line[close + 2] == 'Z' || line[close + 2] == 'X';
+}
+
+std::string p2p_ring_prefix(std::int64_t pid) {
+  return "/dev/shm/dtrain-p2p-" + std::to_string(pid) + "-";
+}
+
+int remove_p2p_rings_of(std::int64_t pid) {
+  const std::string prefix = p2p_ring_prefix(pid);
+  const std::string dir = "/dev/shm/", name_prefix = prefix.substr(dir.size());
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return 0;
+  int removed = 0;
+  while (const dirent* entry = ::readdir(d)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(name_prefix, 0) == 0 && ::unlink((dir + name).c_str()) == 0) ++removed;
+  }
+  ::closedir(d);
+  return removed;
 }
 
 }  // namespace dtrain::dist::detail

@@ -1,13 +1,15 @@
-// Private to src/comm/: what the shared-memory transports (collectives in
+// Private to src/: what the shared-memory transports (collectives in
 // shm_transport.cpp, point-to-point in shm_p2p.cpp) share: futex waits on
 // words in memory mapped by several processes, the host identity that
-// decides whether two ranks can share memory, and the liveness check of a
-// peer process.
+// decides whether two ranks can share memory, the liveness check of a peer
+// process, and the rings' names (which the launcher sweeps). No LibTorch:
+// part of dtrain_base, which `dtrain run` links.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <string>
 
 namespace dtrain::dist::detail {
 
@@ -26,5 +28,16 @@ std::uint64_t host_identity();
 
 // A process that exited (gone, or a zombie not yet reaped) will never arrive.
 bool process_gone(std::int64_t pid);
+
+// The name prefix of the point-to-point rings process `pid` makes:
+// "/dev/shm/dtrain-p2p-<pid>-" (shm_p2p.cpp names them from it).
+std::string p2p_ring_prefix(std::int64_t pid);
+
+// Removes the rings `pid` made that no receiver mapped (a receiver unlinks a
+// ring once mapped; a sender whose ring was read unlinks it at the end).
+// What is left came from a rank that exited before its peer read, or that
+// crashed: the launcher calls this once every rank of a round has exited,
+// when nobody can read them any more. Returns how many files went.
+int remove_p2p_rings_of(std::int64_t pid);
 
 }  // namespace dtrain::dist::detail

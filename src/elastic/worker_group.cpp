@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "../comm/shm_util.h"
 #include "dtrain/error.h"
 
 extern char** environ;
@@ -120,6 +121,7 @@ struct ProcessWorkerGroup::Worker {
   std::string error_file;
   std::optional<Clock::time_point> stopped_since;
   bool done = false;
+  bool swept = false;  // its leftover shared-memory rings removed
   WorkerExit exit;
 };
 
@@ -335,6 +337,14 @@ void ProcessWorkerGroup::stop(int signal, std::chrono::milliseconds grace) {
       pump_output(std::chrono::milliseconds(0));
       ::close(w.out_fd);
       w.out_fd = -1;
+    }
+  }
+  // Every worker of the round has exited: point-to-point rings they made
+  // that no peer read can go (dist/shm_util.h).
+  for (auto& w : workers_) {
+    if (w.pid > 0 && w.done && !w.swept) {
+      dist::detail::remove_p2p_rings_of(w.pid);
+      w.swept = true;
     }
   }
 }

@@ -60,6 +60,30 @@ TEST(Launcher, ExhaustedRestartsGiveTheWorkersExitCodeAndRootCause) {
       << err;
 }
 
+TEST(Launcher, RemovesSharedMemoryRingsItsWorkersLeft) {
+  // Rings a rank made that no peer mapped (src/comm/shm_util.h) go once
+  // every rank has exited; other files in /dev/shm stay.
+  Scratch s;
+  const auto worker = s.script("w.sh",
+                               "touch /dev/shm/dtrain-p2p-$$-77-to-1 /dev/shm/dtrain-p2p-x$$-kept\n"
+                               "echo \"pid $$\"\n"
+                               "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 5; fi\n");
+  Launch l({"--nproc-per-node", "2", "--tee", "--max-restarts", "1", "--monitor-interval", "0.05", worker}, s);
+  ASSERT_EQ(l.wait(), 0) << l.err();
+  std::istringstream out(l.out());
+  int workers = 0;
+  for (std::string line; std::getline(out, line);) {
+    const auto at = line.find("pid ");
+    if (at == std::string::npos) continue;
+    const std::string pid = line.substr(at + 4);
+    ++workers;
+    EXPECT_FALSE(std::filesystem::exists("/dev/shm/dtrain-p2p-" + pid + "-77-to-1")) << "rank pid " << pid;
+    EXPECT_TRUE(std::filesystem::exists("/dev/shm/dtrain-p2p-x" + pid + "-kept")) << "rank pid " << pid;
+    std::filesystem::remove("/dev/shm/dtrain-p2p-x" + pid + "-kept");
+  }
+  EXPECT_EQ(workers, 4) << l.out();  // two rounds of two
+}
+
 TEST(Launcher, KilledWorkerIsReportedWithItsSignal) {
   Scratch s;
   const auto worker = s.script("w.sh", "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi\nsleep 30\n");
