@@ -169,7 +169,7 @@ class DoneWork : public c10d::Work {
 // know the name without asking anyone, so a receiver finds a ring whose
 // sender (and the store) is gone.
 std::string ring_path(const PeerInfo& sender, int receiver) {
-  return p2p_ring_prefix(sender.pid) + std::to_string(sender.token) + "-to-" + std::to_string(receiver);
+  return shm_file_prefix(sender.pid) + "p2p-" + std::to_string(sender.token) + "-to-" + std::to_string(receiver);
 }
 
 }  // namespace

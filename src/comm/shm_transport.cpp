@@ -1,6 +1,7 @@
 // Note [Shared-memory transport]
 // Ranks on one host share a region (a /dev/shm file, unlinked as soon as all
-// have mapped it, so nothing is left behind by a crash): a control block with
+// have mapped it, so nothing is left behind by a crash after that; one before
+// it is swept by the launcher, see shm_util.h): a control block with
 // one phase counter and one pid per rank, then one slot per rank of
 // kSlotBytes. Operations go stripe by stripe, in steps separated by barriers:
 //   all_reduce:     every rank copies its stripe into its slot | rank r sums
@@ -77,10 +78,14 @@ std::unique_ptr<SharedMemoryTransport> SharedMemoryTransport::create(const ShmBo
   std::int64_t id = -1;
   std::string path;
   int fd = -1;
+  // The id carries rank 0's pid (high 32 bits; Linux pids fit in 22) and a
+  // random number: the name starts with shm_file_prefix(pid), so the
+  // launcher can remove the file if a rank dies before every rank mapped it.
+  auto path_of = [](std::int64_t id) { return shm_file_prefix(id >> 32) + "comm-" + std::to_string(id & 0xffffffff); };
   if (b.rank == 0) {
     std::random_device rd;
-    const std::int64_t candidate = ((static_cast<std::int64_t>(rd()) << 20) ^ rd() ^ ::getpid()) & INT64_MAX;
-    path = "/dev/shm/dtrain-comm-" + std::to_string(candidate);
+    const std::int64_t candidate = (static_cast<std::int64_t>(::getpid()) << 32) | rd();
+    path = path_of(candidate);
     fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     // fallocate, not only ftruncate: a full /dev/shm (64 MB in a default
     // container) must fail here, not raise SIGBUS at the first write.
@@ -101,7 +106,7 @@ std::unique_ptr<SharedMemoryTransport> SharedMemoryTransport::create(const ShmBo
     return nullptr;
   }
   if (b.rank != 0) {
-    path = "/dev/shm/dtrain-comm-" + std::to_string(id);
+    path = path_of(id);
     fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   }
   void* base = fd >= 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;

@@ -44,12 +44,12 @@ bool process_gone(std::int64_t pid) {
   return close == std::string::npos || close + 2 >= line.size() || line[close + 2] == 'Z' || line[close + 2] == 'X';
 }
 
-std::string p2p_ring_prefix(std::int64_t pid) {
-  return "/dev/shm/dtrain-p2p-" + std::to_string(pid) + "-";
+std::string shm_file_prefix(std::int64_t pid) {
+  return "/dev/shm/dtrain-" + std::to_string(pid) + "-";
 }
 
-int remove_p2p_rings_of(std::int64_t pid) {
-  const std::string prefix = p2p_ring_prefix(pid);
+int remove_shared_memory_of(std::int64_t pid) {
+  const std::string prefix = shm_file_prefix(pid);
   const std::string dir = "/dev/shm/", name_prefix = prefix.substr(dir.size());
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) return 0;

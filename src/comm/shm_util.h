@@ -29,15 +29,16 @@ std::uint64_t host_identity();
 // A process that exited (gone, or a zombie not yet reaped) will never arrive.
 bool process_gone(std::int64_t pid);
 
-// The name prefix of the point-to-point rings process `pid` makes:
-// "/dev/shm/dtrain-p2p-<pid>-" (shm_p2p.cpp names them from it).
-std::string p2p_ring_prefix(std::int64_t pid);
+// The name prefix of every /dev/shm file process `pid` makes:
+// "/dev/shm/dtrain-<pid>-" (then "comm-..." for a group's collective region,
+// shm_transport.cpp; "p2p-..." for a point-to-point ring, shm_p2p.cpp).
+std::string shm_file_prefix(std::int64_t pid);
 
-// Removes the rings `pid` made that no receiver mapped (a receiver unlinks a
-// ring once mapped; a sender whose ring was read unlinks it at the end).
-// What is left came from a rank that exited before its peer read, or that
-// crashed: the launcher calls this once every rank of a round has exited,
-// when nobody can read them any more. Returns how many files went.
-int remove_p2p_rings_of(std::int64_t pid);
+// Removes the files `pid` made that are still there. Each is unlinked once
+// every rank that needs it mapped it, so what is left came from a rank that
+// died before its peers mapped it, or from a ring no receiver came for. The
+// launcher calls this once every rank of a round has exited, when nobody can
+// map them any more. Returns how many files went.
+int remove_shared_memory_of(std::int64_t pid);
 
 }  // namespace dtrain::dist::detail

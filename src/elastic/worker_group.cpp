@@ -121,7 +121,7 @@ struct ProcessWorkerGroup::Worker {
   std::string error_file;
   std::optional<Clock::time_point> stopped_since;
   bool done = false;
-  bool swept = false;  // its leftover shared-memory rings removed
+  bool swept = false;  // its leftover shared-memory files removed
   WorkerExit exit;
 };
 
@@ -339,11 +339,11 @@ void ProcessWorkerGroup::stop(int signal, std::chrono::milliseconds grace) {
       w.out_fd = -1;
     }
   }
-  // Every worker of the round has exited: point-to-point rings they made
-  // that no peer read can go (dist/shm_util.h).
+  // Every worker of the round has exited: shared-memory files they made
+  // that were never unlinked can go (src/comm/shm_util.h).
   for (auto& w : workers_) {
     if (w.pid > 0 && w.done && !w.swept) {
-      dist::detail::remove_p2p_rings_of(w.pid);
+      dist::detail::remove_shared_memory_of(w.pid);
       w.swept = true;
     }
   }

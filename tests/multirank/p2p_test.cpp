@@ -118,10 +118,10 @@ TEST(PointToPoint, ReceiverGetsWhatAnExitedSenderSentAndNoFileIsLeft) {
     if (!at::equal(in, at::arange(1000, at::kFloat))) throw std::runtime_error("wrong data");
   });
   for (const auto& o : outcomes) EXPECT_EQ(o.exit_code, 0) << o.output;
-  // The sender's rings are named after its pid.
+  // The sender's files are named after its pid.
   const auto at = outcomes[0].output.find("sender pid ");
   ASSERT_NE(at, std::string::npos) << outcomes[0].output;
-  const std::string prefix = "dtrain-p2p-" + std::to_string(std::stol(outcomes[0].output.substr(at + 11))) + "-";
+  const std::string prefix = "dtrain-" + std::to_string(std::stol(outcomes[0].output.substr(at + 11))) + "-";
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
     EXPECT_NE(entry.path().filename().string().rfind(prefix, 0), 0u) << entry.path() << " was left behind";
   }

@@ -60,14 +60,17 @@ TEST(Launcher, ExhaustedRestartsGiveTheWorkersExitCodeAndRootCause) {
       << err;
 }
 
-TEST(Launcher, RemovesSharedMemoryRingsItsWorkersLeft) {
-  // Rings a rank made that no peer mapped (src/comm/shm_util.h) go once
-  // every rank has exited; other files in /dev/shm stay.
+TEST(Launcher, RemovesSharedMemoryFilesItsWorkersLeft) {
+  // Files a rank made in /dev/shm and nobody unlinked (a ring no peer
+  // mapped, a collective region a rank died before mapping;
+  // src/comm/shm_util.h) go once every rank has exited; others stay.
   Scratch s;
-  const auto worker = s.script("w.sh",
-                               "touch /dev/shm/dtrain-p2p-$$-77-to-1 /dev/shm/dtrain-p2p-x$$-kept\n"
-                               "echo \"pid $$\"\n"
-                               "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 5; fi\n");
+  const auto worker =
+      s.script("w.sh",
+               "touch /dev/shm/dtrain-$$-p2p-77-to-1 /dev/shm/dtrain-$$-comm-5 /dev/shm/dtrain-x$$-kept\n"
+               "echo \"pid $$\"\n"
+               "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 0.5; exit 5; fi\n");
+  // Round 0 fails (rank 1, after rank 0 is done), round 1 succeeds.
   Launch l({"--nproc-per-node", "2", "--tee", "--max-restarts", "1", "--monitor-interval", "0.05", worker}, s);
   ASSERT_EQ(l.wait(), 0) << l.err();
   std::istringstream out(l.out());
@@ -77,9 +80,10 @@ TEST(Launcher, RemovesSharedMemoryRingsItsWorkersLeft) {
     if (at == std::string::npos) continue;
     const std::string pid = line.substr(at + 4);
     ++workers;
-    EXPECT_FALSE(std::filesystem::exists("/dev/shm/dtrain-p2p-" + pid + "-77-to-1")) << "rank pid " << pid;
-    EXPECT_TRUE(std::filesystem::exists("/dev/shm/dtrain-p2p-x" + pid + "-kept")) << "rank pid " << pid;
-    std::filesystem::remove("/dev/shm/dtrain-p2p-x" + pid + "-kept");
+    EXPECT_FALSE(std::filesystem::exists("/dev/shm/dtrain-" + pid + "-p2p-77-to-1")) << "rank pid " << pid;
+    EXPECT_FALSE(std::filesystem::exists("/dev/shm/dtrain-" + pid + "-comm-5")) << "rank pid " << pid;
+    EXPECT_TRUE(std::filesystem::exists("/dev/shm/dtrain-x" + pid + "-kept")) << "rank pid " << pid;
+    std::filesystem::remove("/dev/shm/dtrain-x" + pid + "-kept");
   }
   EXPECT_EQ(workers, 4) << l.out();  // two rounds of two
 }
