@@ -292,9 +292,10 @@ struct SharedMemoryP2P::Channel {
   void receive(at::Tensor& tensor, std::uint64_t tag, std::uint64_t ticket, Clock::time_point deadline) {
     if (recv_error) std::rethrow_exception(recv_error);
     if (auto it = early.find({tag, ticket}); it != early.end()) {
-      check_size(tensor, tag, it->second.nbytes());
-      std::memcpy(tensor.data_ptr(), it->second.data_ptr(), it->second.nbytes());
+      const at::Tensor kept = std::move(it->second);
       early.erase(it);
+      check_size(tensor, tag, kept.nbytes());
+      std::memcpy(tensor.data_ptr(), kept.data_ptr(), kept.nbytes());
       return;
     }
     Ring& ring = *in;
@@ -344,7 +345,10 @@ struct SharedMemoryP2P::Channel {
         early.emplace(std::make_pair(header.tag, index), std::move(keep));
       }
     } catch (...) {
-      recv_error = std::current_exception();  // the ring's position is lost: every later receive fails alike
+      // Sticky, even for a timeout between records: the failed receive's
+      // ticket would otherwise take the next message of its tag, and a
+      // later receive would silently get the one after.
+      recv_error = std::current_exception();
       throw;
     }
     check_size(tensor, tag, received);  // the record was consumed whole: the channel stays usable
@@ -445,6 +449,7 @@ c10::intrusive_ptr<c10d::Work> SharedMemoryP2P::send(const at::Tensor& tensor, i
   const std::shared_ptr<Channel> held = channel(peer);
   Channel& ch = *held;
   std::unique_lock<std::mutex> lock(ch.send_mutex);
+  if (ch.send_error) std::rethrow_exception(ch.send_error);
   if (ch.send_mode == Channel::Mode::kUnknown) {
     ch.send_mode = Channel::Mode::kBackend;
     if (ch.info.host == host_) {
@@ -461,10 +466,15 @@ c10::intrusive_ptr<c10d::Work> SharedMemoryP2P::send(const at::Tensor& tensor, i
       if (!ch.out && fd >= 0) static_cast<void>(::ftruncate(fd, 0));
       if (fd >= 0) ::close(fd);
       if (fd < 0 || ::rename(temporary.c_str(), path.c_str()) != 0) {
+        const std::string cause = std::strerror(errno);
         ::unlink(temporary.c_str());
         ch.out.reset();
-        throw std::runtime_error("shared-memory point-to-point: cannot create " + path + ": " + std::strerror(errno) +
-                                 " (set intra_host_shared_memory = false to use Gloo)");
+        // Sticky: the receiver finds neither a ring nor the "use the
+        // backend" mark, so no later send may quietly take another way.
+        ch.send_error = std::make_exception_ptr(std::runtime_error(
+            "shared-memory point-to-point: cannot create " + path + ": " + cause +
+            " (make /dev/shm writable, or set GroupOptions::intra_host_shared_memory = false to use Gloo)"));
+        std::rethrow_exception(ch.send_error);
       }
       if (ch.out) {
         ch.out_path = path;

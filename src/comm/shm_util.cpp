@@ -32,7 +32,10 @@ std::uint64_t host_identity() {
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
   struct stat ns {};
   ::stat("/proc/self/ns/pid", &ns);  // pids are compared only within one pid namespace
-  return std::hash<std::string>{}(std::string(host) + "/" + boot_id + "/" + std::to_string(ns.st_ino));
+  struct stat shm {};
+  ::stat("/dev/shm", &shm);  // containers of one host name may each mount their own
+  return std::hash<std::string>{}(std::string(host) + "/" + boot_id + "/" + std::to_string(ns.st_ino) + "/" +
+                                  std::to_string(shm.st_dev) + ":" + std::to_string(shm.st_ino));
 }
 
 bool process_gone(std::int64_t pid) {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <unistd.h>
+#include <atomic>
 #include <csignal>
 #include <filesystem>
 #include <iostream>
@@ -100,6 +101,33 @@ TEST(PointToPoint, WrongSizeIsAClearErrorAndTheChannelStaysUsable) {
     at::Tensor next = at::empty({2});
     group.recv(next, 0, 4);
     EXPECT_TRUE(at::equal(next, at::full({2}, 5.0)));
+  });
+}
+
+TEST(PointToPoint, AfterATimedOutReceiveLaterOnesFailAtOnceNotWithAnotherMessage) {
+  // The timed-out receive took its place in the order of its tag; handing
+  // the next message to the receive after it would skip one silently.
+  std::atomic<bool> timed_out{false};
+  run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(1)});
+    if (rank == 0) {
+      group.send(at::ones({4}), 1, 1);  // makes the ring
+      while (!timed_out) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      group.send(at::full({4}, 2.0), 1, 1);
+      return;
+    }
+    at::Tensor in = at::empty({4});
+    group.recv(in, 0, 1);
+    EXPECT_THROW(group.recv(in, 0, 1), dtrain::CommunicationError);  // nothing comes within the timeout
+    timed_out = true;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      group.recv(in, 0, 1);
+      ADD_FAILURE() << "a receive after a timed-out one completed with " << in;
+    } catch (const dtrain::CommunicationError& e) {
+      EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
   });
 }
 
