@@ -45,6 +45,7 @@
 #include "fused_adamw.h"
 #include "model.h"
 #include "pipeline_strategy.h"
+#include "sample.h"
 #include "zero_strategy.h"
 
 namespace {
@@ -134,7 +135,13 @@ Placement place(const Options& opt) {
 struct Trainee {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;  // training forward (through DDP/DP)
-  std::function<at::Tensor(const at::Tensor&)> plain;    // evaluation and sampling (no DDP)
+  std::function<at::Tensor(const at::Tensor&)> plain;    // evaluation (no DDP)
+  // Whether `plain` is collective (ZeRO gathers parameters in forward): then
+  // every rank runs the same number of evaluation forwards.
+  bool collective_forward = false;
+  // Sampling on rank 0 alone, after full_parameters() where that is set:
+  // a forward that needs no other rank (empty: `plain`).
+  std::function<at::Tensor(const at::Tensor&)> local;
   // Runs a micro-step's forward and backward without gradient sync (DDP's
   // no_sync); empty where there is nothing to skip.
   std::function<void(const std::function<void()>&)> without_sync;
@@ -159,12 +166,18 @@ double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where,
   torch::NoGradGuard no_grad;
   model.module->eval();
   double sum = 0;
-  for (std::int64_t k = where.rank; k < opt.eval_iters; k += where.world) {
-    const auto offsets =
-        gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world, gpt::val_batch_seed(opt.seed, k));
+  // A collective forward runs as often on every rank: a rank past the last
+  // batch evaluates one again and leaves it out of the sum.
+  const std::int64_t rounds = (opt.eval_iters + where.world - 1) / where.world;
+  for (std::int64_t round = 0; round < rounds; ++round) {
+    const std::int64_t k = round * where.world + where.rank;
+    if (k >= opt.eval_iters && !model.collective_forward) break;
+    const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world,
+                                           gpt::val_batch_seed(opt.seed, std::min(k, opt.eval_iters - 1)));
     const auto batch = gpt::make_batch(*corpus.val, offsets);
     gpt::CpuAutocast autocast(opt.amp == "bf16");
-    sum += gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
+    const double loss = gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
+    if (k < opt.eval_iters) sum += loss;
   }
   model.module->train();
   if (where.group) {
@@ -175,25 +188,12 @@ double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where,
   return sum / static_cast<double>(opt.eval_iters);
 }
 
-// Samples `n` tokens after a newline: temperature, top-k, a fixed seed.
-std::string generate(const Options& opt, const gpt::Corpus& corpus, Trainee& model) {
-  torch::NoGradGuard no_grad;
-  model.module->eval();
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
-  const auto newline = static_cast<std::int64_t>(corpus.vocab.find('\n'));
-  at::Tensor idx = at::full({1, 1}, newline, at::kLong);
-  for (std::int64_t i = 0; i < opt.sample_tokens; ++i) {
-    const at::Tensor context = idx.slice(1, std::max<std::int64_t>(0, idx.size(1) - opt.model.block_size));
-    at::Tensor logits = model.plain(context.to(model.input_device)).select(1, -1).to(at::kCPU, at::kFloat);
-    logits = logits / opt.temperature;
-    if (opt.top_k > 0 && opt.top_k < logits.size(-1)) {
-      const at::Tensor kth = std::get<0>(logits.topk(opt.top_k)).select(1, -1).unsqueeze(1);
-      logits = logits.masked_fill(logits < kth, -INFINITY);
-    }
-    idx = at::cat({idx, at::multinomial(at::softmax(logits, -1), 1, false, gen)}, 1);
-  }
-  model.module->train();
-  return corpus.decode(idx.slice(1, 1));
+gpt::SampleOptions sample_options(const Options& opt) {
+  return {.tokens = opt.sample_tokens,
+          .block_size = opt.model.block_size,
+          .temperature = opt.temperature,
+          .top_k = opt.top_k,
+          .seed = opt.seed};
 }
 
 // Mean milliseconds per step of each phase, from step `skip` on.
@@ -349,17 +349,20 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
   if (model.save_checkpoint && !opt.checkpoint_dir.empty() && opt.max_iters % opt.eval_interval != 0) {
     model.save_checkpoint(*optimizer, state.step);
   }
-  if (!opt.save_params.empty() && model.full_parameters) model.full_parameters();
+  // Collective where set: every rank takes part, then rank 0 reads and
+  // samples alone through `local`.
+  const bool sampling = opt.sample_tokens > 0;
+  if ((!opt.save_params.empty() || sampling) && model.full_parameters) model.full_parameters();
   if (!opt.save_params.empty() && lead) write_params(opt.save_params, *model.module);
   std::string sample;
-  if (lead && opt.sample_tokens > 0) sample = generate(opt, corpus, model);
+  if (lead && sampling) {
+    model.module->eval();
+    sample = gpt::generate(sample_options(opt), corpus, model.local ? model.local : model.plain, model.input_device);
+    model.module->train();
+  }
   if (where.group) where.group->barrier();
   if (!lead) return 0;
-  if (!sample.empty()) {
-    std::cout << "--- sample (temperature " << opt.temperature << ", top-k " << opt.top_k << ", seed " << opt.seed
-              << ") ---\n"
-              << sample << "\n--- end of sample ---" << std::endl;
-  }
+  if (!sample.empty()) gpt::print_sample(std::cout, sample_options(opt), sample);
   const double n = times.steps > 0 ? static_cast<double>(times.steps) : 1.0;
   std::cout << nlohmann::json{{"event", "done"},
                               {"strategy", opt.strategy},
@@ -457,6 +460,8 @@ int run(Options opt) {
     std::optional<dtrain::ShardedDataParallel::FullParameters> full;
     model.forward = [&](const at::Tensor& x) { return sdp(x); };
     model.plain = model.forward;  // evaluation runs without grad: stage 3 gathers unit by unit
+    model.collective_forward = true;
+    model.local = [&](const at::Tensor& x) { return net(x); };  // after full_parameters()
     model.without_sync = [&](const std::function<void()>& body) {
       auto guard = sdp.no_sync();
       body();
