@@ -416,6 +416,7 @@ int run(Options opt) {
          .grad_clip = opt.grad_clip,
          .save_params = opt.save_params,
          .checkpoint_dir = opt.checkpoint_dir,
+         .sample = sample_options(opt),
          .learning_rate = [&](std::int64_t it) { return learning_rate(opt, it); },
          .make_optimizer = [&](const auto& params, const auto& decays) { return make_optimizer(opt, params, decays); }},
         corpus);

@@ -101,6 +101,8 @@ TEST(GptExample, EveryStrategyRunsItsDefaultsToTheEnd) {
       {"--strategy zero2", bound + kLaunch},
       {"--strategy zero3", bound + kLaunch},
       {"--strategy zero3 --eval-iters 3", bound + kLaunch},
+      {"--strategy pipeline", bound + kLaunch},
+      {"--strategy pipeline --pp-schedule interleaved", bound + kLaunch},
   };
   for (const auto& c : cases) {
     const auto r = run("--max-iters 20 --eval-interval 10 " + c.args, c.launcher);
