@@ -108,13 +108,13 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
                "start it through a launcher: dtrain run --nproc-per-node 2 gpt --strategy pipeline");
   at::set_num_threads(1);
   auto world = dtrain::dist::init_process_group();
-  dtrain::dist::DeviceMesh mesh(world, run.pipeline.mesh_shape(world.size()));
+  dtrain::dist::DeviceMesh mesh(world, run.pipeline.mesh_dims(world.size()));
   torch::nn::Sequential layers = gpt_layers(run.model);
   init_weights(*layers, run.model.n_layer, run.seed);
-  const int replicas = mesh.shape().data, replica = mesh.data_index(), pp_index = mesh.pipeline_index();
-  dtrain::pipeline::Pipeline pipe(
-      pipeline_stages(layers, mesh.shape().pipeline, run.pipeline.stages_per_rank(), pp_index), mesh.pipeline_group(),
-      run.pipeline.options(mesh), lm_loss);
+  auto& data = mesh.join({"dp_replicate", "dp_shard"});
+  const int replicas = data.size(), replica = data.rank(), pp_index = mesh.coordinate("pp");
+  dtrain::pipeline::Pipeline pipe(pipeline_stages(layers, mesh.size("pp"), run.pipeline.stages_per_rank(), pp_index),
+                                  mesh["pp"], run.pipeline.options(mesh), lm_loss);
   // Sharded stages: the optimizer steps on 1-D shards, so which decay is
   // decided on their full parameters; and the full parameters are brought up
   // to date (all-gathered) before anything reads them.
