@@ -115,10 +115,10 @@ void validate_applied(const ParallelPlan& p) {
                "set tp 1 and sequence_parallel false");
   DTRAIN_CHECK(p.cp == 1, ConfigError, "cp " << p.cp << ": no applier in this build handles the cp dimension yet.",
                "set cp 1");
-  DTRAIN_CHECK(p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,
-               "dp_replicate " << p.dp_replicate << " x dp_shard " << p.dp_shard
-                               << " (HSDP): no applier in this build composes DDP across ZeRO groups yet.",
-               "put the data-parallel ranks on one of dp_replicate or dp_shard");
+  DTRAIN_CHECK(p.pp == 1 || p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,
+               "dp_replicate " << p.dp_replicate << " x dp_shard " << p.dp_shard << " (HSDP) inside a pipeline (pp "
+                               << p.pp << "): no applier in this build composes them yet.",
+               "put each stage's data-parallel ranks on one of dp_replicate or dp_shard");
   DTRAIN_CHECK(!(p.pp > 1 && p.zero_stage == 3), ConfigError,
                "ZeRO stage 3 inside a pipeline (pp " << p.pp << "): not in this build yet.",
                "use zero_stage 1 or 2 for pipeline stages");

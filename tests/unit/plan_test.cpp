@@ -81,6 +81,8 @@ TEST(ParallelPlan, PlansThatRunValidate) {
   EXPECT_NO_THROW((ParallelPlan{.dp_replicate = 4, .global_batch = 48}.validate({.world = 4, .model = kGpt})));
   EXPECT_NO_THROW((ParallelPlan{.dp_shard = 3, .zero_stage = 3}.validate({.world = 3, .model = kGpt})));
   EXPECT_NO_THROW(
+      (ParallelPlan{.dp_replicate = 2, .dp_shard = 2, .zero_stage = 3}.validate({.world = 4, .model = kGpt})));
+  EXPECT_NO_THROW(
       (ParallelPlan{.pp = 2, .dp_shard = 2, .zero_stage = 2, .pipeline = {.micro_batches = 4}, .global_batch = 16}
            .validate({.world = 4, .model = kGpt})));
   EXPECT_NO_THROW((
@@ -101,7 +103,7 @@ TEST(ParallelPlan, PlansThatCannotWorkSayWhatToChange) {
             std::string::npos);
   EXPECT_NE(invalid({.tp = 3}, {.world = 3, .model = kGpt}).find("does not divide the model's 4 attention heads"),
             std::string::npos);
-  EXPECT_NE(invalid({.dp_replicate = 2, .dp_shard = 2, .zero_stage = 3}, {.world = 4}).find("(HSDP)"),
+  EXPECT_NE(invalid({.pp = 2, .dp_replicate = 2, .dp_shard = 2, .zero_stage = 2}, {.world = 8}).find("(HSDP) inside"),
             std::string::npos);
   EXPECT_NE(invalid({.pp = 2, .dp_shard = 2, .zero_stage = 3}, {.world = 4}).find("ZeRO stage 3 inside a pipeline"),
             std::string::npos);
