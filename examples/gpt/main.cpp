@@ -4,6 +4,7 @@
 //   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
 //       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
 //       [--dp-reduce ddp|zero1|zero2|allreduce] (pipeline_strategy.h)
+//       [--plan FILE | --dp-replicate N --dp-shard N --pp N --zero-stage K] [--global-batch-size G]
 //       [--max-iters 2000] [--eval-interval 250] [--eval-iters 20] [--batch-size 12]
 //       [--block-size 64] [--n-layer 4] [--n-head 4] [--n-embd 128] [--dropout 0]
 //       [--lr 1e-3] [--min-lr 1e-4] [--warmup-iters 100] [--weight-decay 0.1]
@@ -45,6 +46,7 @@
 #include "fused_adamw.h"
 #include "model.h"
 #include "pipeline_strategy.h"
+#include "plan_cli.h"
 #include "sample.h"
 #include "zero_strategy.h"
 
@@ -77,6 +79,8 @@ struct Options {
   bool ddp_shared_memory = true;   // DDP's intra-host shared-memory all-reduce (else Gloo)
   std::string save_params;         // write the final parameters here (raw float32, in order) for tests
   examples::PipelineCli pipeline;  // --strategy pipeline (pipeline_strategy.h)
+  examples::PlanCli plan;          // --plan or the degrees; --global-batch-size
+  int hsdp_replicas = 1;           // zero1-3 on a dp_replicate x dp_shard mesh (from a plan)
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -401,7 +405,55 @@ int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Hol
   return train(opt, where, model, corpus);
 }
 
+// The world's size as the launcher gave it (1 when not launched).
+int launched_world() {
+  return dtrain::dist::launched_by_launcher() ? dtrain::dist::read_env_contract().world_size : 1;
+}
+
+// A plan given by --plan or the degree flags picks the strategy that runs
+// it (--strategy names are shorthands for plans: ddp is dp_replicate = world,
+// zeroK dp_shard = world at stage K, pipeline pp = --pp-size). A global batch
+// sets the per-rank (per-replica under a pipeline) batch.
+void apply_plan(Options& opt) {
+  const int world = launched_world();
+  int data_parallel = distributed(opt.strategy) ? world : 1;
+  if (opt.strategy == "pipeline") data_parallel = world / (opt.pipeline.pp_size > 0 ? opt.pipeline.pp_size : world);
+  if (opt.plan.given()) {
+    const dtrain::ParallelPlan plan = opt.plan.resolve(world, opt.pipeline,
+                                                       {.layers = opt.model.n_layer + 2,
+                                                        .heads = opt.model.n_head,
+                                                        .width = opt.model.n_embd,
+                                                        .seq = opt.model.block_size},
+                                                       opt.accumulate);
+    if (plan.pp > 1) {
+      opt.strategy = "pipeline";
+      opt.pipeline.pp_size = plan.pp;
+      opt.pipeline.schedule = plan.pipeline.schedule;
+      opt.pipeline.micro_batches = plan.pipeline.micro_batches;
+      opt.pipeline.dp_reduce = plan.dp_shard > 1 ? "zero" + std::to_string(plan.zero_stage) : "ddp";
+    } else if (plan.dp_shard > 1) {
+      opt.strategy = "zero" + std::to_string(plan.zero_stage);
+      opt.hsdp_replicas = plan.dp_replicate;
+    } else {
+      opt.strategy = plan.dp_replicate > 1 ? "ddp" : "single";
+    }
+    data_parallel = plan.data_parallel();
+    if (dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
+      DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << plan.table();
+    }
+  }
+  if (opt.plan.global_batch > 0) {
+    const std::int64_t per = static_cast<std::int64_t>(data_parallel) * opt.accumulate;
+    DTRAIN_CHECK(opt.plan.global_batch % per == 0, ConfigError,
+                 "--global-batch-size " << opt.plan.global_batch << " does not split over " << data_parallel
+                                        << " data-parallel ranks x --accumulate " << opt.accumulate << ".",
+                 "choose a multiple of " << per);
+    opt.batch_size = opt.plan.global_batch / per;
+  }
+}
+
 int run(Options opt) {
+  apply_plan(opt);
   if (opt.strategy == "pipeline") {
     const gpt::Corpus corpus = gpt::load_corpus(opt.data_dir, opt.model.block_size);
     opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
@@ -447,7 +499,18 @@ int run(Options opt) {
     return train(opt, where, model, corpus);
   }
   if (gpt::is_zero_strategy(opt.strategy)) {
-    dtrain::ShardedDataParallel sdp(net, *where.group, gpt::zero_options(opt.strategy));
+    // HSDP: ZeRO over dp_shard, replicas of it over dp_replicate (ranks
+    // row-major, so a rank's data-parallel index is its world rank).
+    std::optional<dtrain::dist::DeviceMesh> mesh;
+    dtrain::ZeroOptions zero = gpt::zero_options(opt.strategy);
+    dtrain::dist::ProcessGroup shard_group = *where.group;
+    if (opt.hsdp_replicas > 1) {
+      mesh.emplace(*where.group, std::vector<dtrain::dist::MeshDim>{{"dp_replicate", opt.hsdp_replicas},
+                                                                    {"dp_shard", where.world / opt.hsdp_replicas}});
+      shard_group = (*mesh)["dp_shard"];
+      zero.replicate_group = (*mesh)["dp_replicate"];
+    }
+    dtrain::ShardedDataParallel sdp(net, shard_group, zero);
     std::optional<dtrain::ShardedCheckpointer> sharded;  // resharding checkpoints: any world size resumes
     auto sharded_for = [&](torch::optim::Optimizer& o) -> dtrain::ShardedCheckpointer& {
       if (!sharded) sharded.emplace(dtrain::ShardedCheckpointOptions{.dir = opt.checkpoint_dir}, sdp, o);
@@ -488,6 +551,7 @@ int main(int argc, char** argv) {
           {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
       ->capture_default_str();
   opt.pipeline.add_to(app);
+  opt.plan.add_to(app);
   app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
       ->capture_default_str();
   app.add_option("--max-iters", opt.max_iters, "Optimizer steps")
