@@ -130,6 +130,11 @@ void validate_applied(const ParallelPlan& p) {
 }  // namespace
 
 void ParallelPlan::validate(const PlanContext& c) const {
+  check_well_formed(c);
+  validate_applied(*this);
+}
+
+void ParallelPlan::check_well_formed(const PlanContext& c) const {
   validate_values(*this);
   DTRAIN_CHECK(world() == c.world, ConfigError,
                "the plan's degrees (" << degrees_of(*this) << ") make " << world() << " ranks, but the world has "
@@ -160,7 +165,6 @@ void ParallelPlan::validate(const PlanContext& c) const {
                  "choose a global batch that is a multiple of " << per);
   }
   validate_pipeline(*this, c);
-  validate_applied(*this);
 }
 
 std::string ParallelPlan::table() const {

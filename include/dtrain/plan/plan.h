@@ -13,8 +13,10 @@
 // Degrees multiply to the world. dp_replicate ranks hold whole replicas and
 // average gradients (DDP); dp_shard ranks shard by `zero_stage` (1:
 // optimizer state, 2: + gradients, 3: + parameters); both together are HSDP.
-// validate() refuses what no applier implements yet, saying so, rather than
-// failing mid-run.
+// check_well_formed() accepts every plan that makes sense (the planner costs
+// them all); validate() also refuses what no applier in this build
+// implements yet (tp, cp, HSDP, ZeRO-3 in a pipeline, recompute), saying so,
+// rather than failing mid-run.
 #pragma once
 
 #include <cstdint>
@@ -67,7 +69,10 @@ struct ParallelPlan {
   // The mesh of the degrees above 1, outermost first (a world of 1: none).
   std::vector<dist::MeshDim> mesh_dims() const;
 
-  // ConfigError naming what is wrong and what to change.
+  // ConfigError naming what is wrong and what to change: degrees, batch
+  // split, pipeline cut and schedule, whatever this build can run.
+  void check_well_formed(const PlanContext& context) const;
+  // check_well_formed(), and a ConfigError for what this build cannot run.
   void validate(const PlanContext& context) const;
   // One row per field, aligned, for logs.
   std::string table() const;
