@@ -20,18 +20,26 @@
 // Strategies as in examples/fashion_mnist: single; dp (each batch split over
 // --devices); model-parallel (the blocks placed over --devices); ddp and
 // ddp-model-parallel (one process per rank under `dtrain run`/torchrun);
-// zero1-3: ZeRO stages 1-3 (ShardedDataParallel, one process per rank).
+// zero1-3: ZeRO stages 1-3 (ShardedDataParallel, one process per rank);
+// pipeline (pipeline_strategy.h). A plan (--plan or the degree flags) picks
+// the strategy that runs it.
+//
+// Every strategy is trained by dtrain::Trainer: this file holds the model,
+// its data (a StepStream of random windows, a function of the global step
+// only, and fixed val batches), the schedule, and its flags; the loop,
+// clipping, evaluation, checkpoints and the progress bar are the Trainer's.
 //
 // Progress goes to stderr; stdout gets a JSON line per evaluation, the sample,
 // and last {"event":"done","val_loss":...,"tokens_per_second":...,...} with
-// the mean step-time breakdown (forward, backward, optimizer; under DDP also
-// the backward's exposed communication).
+// the mean step-time breakdown (forward, backward, optimizer; a pipeline's
+// fused forward and backward count as forward).
 #include <ATen/ATen.h>
 #include <torch/utils.h>
 
 #include <CLI/CLI.hpp>
-#include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -41,8 +49,9 @@
 #include <optional>
 
 #include "corpus.h"
-#include "cpu_autocast.h"
 #include "dtrain/dtrain.h"
+#include "dtrain/trainer/pipeline_strategy.h"
+#include "dtrain/trainer/zero_strategy.h"
 #include "fused_adamw.h"
 #include "model.h"
 #include "pipeline_strategy.h"
@@ -84,16 +93,25 @@ struct Options {
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
-double learning_rate(const Options& o, std::int64_t it) {
-  const std::int64_t decay_iters = o.lr_decay_iters > 0 ? o.lr_decay_iters : o.max_iters;
-  if (it < o.warmup_iters) return o.lr * static_cast<double>(it + 1) / static_cast<double>(o.warmup_iters + 1);
-  if (it > decay_iters) return o.min_lr;
-  const double ratio = static_cast<double>(it - o.warmup_iters) / static_cast<double>(decay_iters - o.warmup_iters);
-  return o.min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (o.lr - o.min_lr);
-}
+class GptSchedule : public dtrain::ScheduledLR {
+ public:
+  GptSchedule(torch::optim::Optimizer& optimizer, const Options& o) : ScheduledLR(optimizer), o_(o) { apply_initial(); }
+
+ protected:
+  double lr_at(double /*base_lr*/, std::int64_t it) const override {
+    const std::int64_t decay_iters = o_.lr_decay_iters > 0 ? o_.lr_decay_iters : o_.max_iters;
+    if (it < o_.warmup_iters) return o_.lr * static_cast<double>(it + 1) / static_cast<double>(o_.warmup_iters + 1);
+    if (it > decay_iters) return o_.min_lr;
+    const double ratio = static_cast<double>(it - o_.warmup_iters) / static_cast<double>(decay_iters - o_.warmup_iters);
+    return o_.min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (o_.lr - o_.min_lr);
+  }
+
+ private:
+  Options o_;
+};
 
 bool distributed(const std::string& s) {
-  return s == "ddp" || s == "ddp-model-parallel" || gpt::is_zero_strategy(s);
+  return s == "ddp" || s == "ddp-model-parallel" || gpt::is_zero_strategy(s) || s == "pipeline";
 }
 
 // Where this process trains and which ranks it trains with.
@@ -115,7 +133,7 @@ Placement place(const Options& opt) {
                "start it through a launcher: dtrain run --nproc-per-node 2 gpt --strategy " << opt.strategy);
   const auto env = dtrain::dist::read_env_contract();
   std::vector<c10::Device> devices;
-  if (opt.strategy == "ddp" || gpt::is_zero_strategy(opt.strategy)) {
+  if (opt.strategy != "ddp-model-parallel") {
     devices = {dtrain::device_for_local_rank(opt.devices, env.local_rank, env.local_world_size)};
   } else {
     devices = dtrain::parse_devices(opt.devices);
@@ -134,77 +152,120 @@ Placement place(const Options& opt) {
   return {.devices = devices, .rank = env.rank, .world = env.world_size, .group = std::move(group)};
 }
 
-// What the loop drives: the module (parameters, mode, checkpoints), the
-// strategy's forward, and the strategy's way to skip gradient sync.
+// The strategy a run trains through, and what the example does around the
+// Trainer with it: the sample and --save-params read full weights on rank 0.
 struct Trainee {
-  std::shared_ptr<torch::nn::Module> module;
-  std::function<at::Tensor(const at::Tensor&)> forward;  // training forward (through DDP/DP)
-  std::function<at::Tensor(const at::Tensor&)> plain;    // evaluation (no DDP)
-  // Whether `plain` is collective (ZeRO gathers parameters in forward): then
-  // every rank runs the same number of evaluation forwards.
-  bool collective_forward = false;
-  // Sampling on rank 0 alone, after full_parameters() where that is set:
-  // a forward that needs no other rank (empty: `plain`).
+  std::shared_ptr<dtrain::Strategy> strategy;
+  std::vector<std::shared_ptr<void>> keep;        // objects the strategy's forward refers to
+  std::function<bool(const at::Tensor&)> decays;  // null: the 2-D parameters decay
+  // Collective: makes the full weights readable on rank 0 for as long as the
+  // returned scope lives, and gives rank 0's local forward of the whole network.
+  std::function<std::shared_ptr<void>()> gather_full;
   std::function<at::Tensor(const at::Tensor&)> local;
-  // Runs a micro-step's forward and backward without gradient sync (DDP's
-  // no_sync); empty where there is nothing to skip.
-  std::function<void(const std::function<void()>&)> without_sync;
-  c10::Device input_device{c10::kCPU};
-  // Sharded strategies (ZeRO): what the optimizer steps on (empty: the
-  // module's parameters), which of those decay, global-norm clipping, and a
-  // collective that makes the module's parameters full (before saving them).
-  std::vector<at::Tensor> params;
-  std::function<bool(const at::Tensor&)> decays;
-  std::function<void(double)> clip;
-  std::function<void()> full_parameters;
-  // Sharded strategies' own checkpoints (each rank writes its shard): save at
-  // a step; load the newest, returning its step.
-  std::function<void(torch::optim::Optimizer&, std::int64_t)> save_checkpoint;
-  std::function<std::optional<std::int64_t>(torch::optim::Optimizer&)> load_checkpoint;
+  std::function<void(const std::string&)> save_params;  // collective where gather_full is
+  std::shared_ptr<gpt::GptPipeline> pipeline;
 };
 
-// Mean val loss over the fixed val batches (of batch x world sequences, so
-// every strategy of one global batch evaluates the same); under DDP the ranks
-// share them.
-double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where, Trainee& model) {
-  torch::NoGradGuard no_grad;
-  model.module->eval();
-  double sum = 0;
-  // A collective forward runs as often on every rank: a rank past the last
-  // batch evaluates one again and leaves it out of the sum.
-  const std::int64_t rounds = (opt.eval_iters + where.world - 1) / where.world;
-  for (std::int64_t round = 0; round < rounds; ++round) {
-    const std::int64_t k = round * where.world + where.rank;
-    if (k >= opt.eval_iters && !model.collective_forward) break;
-    const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world,
-                                           gpt::val_batch_seed(opt.seed, std::min(k, opt.eval_iters - 1)));
-    const auto batch = gpt::make_batch(*corpus.val, offsets);
-    gpt::CpuAutocast autocast(opt.amp == "bf16");
-    const double loss = gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
-    if (k < opt.eval_iters) sum += loss;
+// Raw float32 parameters in order (tests compare strategies with it).
+void write_params(const std::string& path, torch::nn::Module& module) {
+  std::ofstream out(path, std::ios::binary);
+  for (const auto& p : module.parameters()) {
+    const at::Tensor t = p.detach().to(at::kCPU, at::kFloat).contiguous();
+    out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
   }
-  model.module->train();
-  if (where.group) {
-    at::Tensor total = at::full({1}, sum, at::kDouble);
-    where.group->all_reduce(total).wait();
-    sum = total.item<double>();
-  }
-  return sum / static_cast<double>(opt.eval_iters);
 }
 
-gpt::SampleOptions sample_options(const Options& opt) {
-  return {.tokens = opt.sample_tokens,
-          .block_size = opt.model.block_size,
-          .temperature = opt.temperature,
-          .top_k = opt.top_k,
-          .seed = opt.seed};
+// A strategy over one module whose forward rank 0 can run alone once
+// `full` (the strategy's full_parameters) is in scope.
+template <typename Holder>
+void whole_model(Trainee& t, Holder module, bool lead) {
+  t.gather_full = [s = t.strategy] { return std::shared_ptr<void>(s->full_parameters()); };
+  t.local = [module](const at::Tensor& x) mutable { return module(x); };
+  t.save_params = [s = t.strategy, lead](const std::string& path) {
+    auto full = s->full_parameters();
+    if (lead) write_params(path, s->module());
+  };
 }
 
-// Mean milliseconds per step of each phase, from step `skip` on.
-struct Breakdown {
-  double forward = 0, backward = 0, optimizer = 0;
-  std::int64_t steps = 0;
-};
+Trainee build(const Options& opt, Placement& where) {
+  Trainee t;
+  const c10::Device first = where.devices.front();
+  const bool lead = where.rank == 0;
+  if (opt.strategy == "pipeline") {
+    auto p = std::make_shared<gpt::GptPipeline>(gpt::build_pipeline(opt.model, opt.seed, opt.pipeline, *where.group));
+    t.pipeline = p;
+    t.strategy = p->strategy;
+    t.decays = p->decays;
+    t.gather_full = [p, world = *where.group]() mutable {
+      auto full = std::shared_ptr<void>(p->strategy->full_parameters());
+      gpt::gather_layers(*p, world);
+      return full;
+    };
+    t.local = [layers = p->layers](const at::Tensor& x) mutable { return layers->forward(x); };
+    t.save_params = [p](const std::string& path) {
+      auto full = p->strategy->full_parameters();
+      gpt::write_stage_params(*p, path);
+    };
+    return t;
+  }
+  if (opt.strategy == "model-parallel" || opt.strategy == "ddp-model-parallel") {
+    dtrain::ModelParallel split(gpt::gpt_layers(opt.model), dtrain::ModelParallelOptions{.devices = where.devices});
+    gpt::init_weights(*split, opt.model.n_layer, opt.seed);
+    if (lead) {
+      DTRAIN_LOG(kInfo) << "layers placed on " << dtrain::format_devices(split->device_of_layer());
+    }
+    if (where.group) {
+      t.strategy = std::make_shared<dtrain::DdpStrategy<dtrain::ModelParallel>>(split, *where.group, first,
+                                                                                split->output_device());
+    } else {
+      t.strategy = std::make_shared<dtrain::ForwardStrategy>(
+          dtrain::ForwardStrategy::Parts{.name = "model-parallel",
+                                         .module = split.ptr(),
+                                         .forward = [split](const at::Tensor& x) mutable { return split(x); },
+                                         .input_device = first,
+                                         .output_device = split->output_device()});
+    }
+    whole_model(t, split, lead);
+    return t;
+  }
+  gpt::Gpt net(opt.model);
+  gpt::init_weights(*net, opt.model.n_layer, opt.seed);
+  net->to(first);
+  if (opt.strategy == "dp") {
+    auto dp =
+        std::make_shared<dtrain::DataParallel<gpt::Gpt>>(net, dtrain::DataParallelOptions{.devices = where.devices});
+    t.strategy = std::make_shared<dtrain::ForwardStrategy>(
+        dtrain::ForwardStrategy::Parts{.name = "dp",
+                                       .module = net.ptr(),
+                                       .forward = [dp](const at::Tensor& x) { return (*dp)(x); },
+                                       .input_device = first,
+                                       .output_device = first});
+  } else if (gpt::is_zero_strategy(opt.strategy)) {
+    // HSDP: ZeRO over dp_shard, replicas of it over dp_replicate (ranks
+    // row-major, so a rank's data-parallel index is its world rank).
+    dtrain::ZeroOptions zero = gpt::zero_options(opt.strategy);
+    dtrain::dist::ProcessGroup shard_group = *where.group;
+    std::optional<dtrain::dist::ProcessGroup> world;
+    if (opt.hsdp_replicas > 1) {
+      auto mesh = std::make_shared<dtrain::dist::DeviceMesh>(
+          *where.group, std::vector<dtrain::dist::MeshDim>{{"dp_replicate", opt.hsdp_replicas},
+                                                           {"dp_shard", where.world / opt.hsdp_replicas}});
+      shard_group = (*mesh)["dp_shard"];
+      zero.replicate_group = (*mesh)["dp_replicate"];
+      world = *where.group;
+      t.keep.push_back(mesh);
+    }
+    auto sdp = std::make_shared<dtrain::ShardedDataParallel>(net, shard_group, zero);
+    t.decays = gpt::zero_decays(*sdp);
+    t.strategy = std::make_shared<dtrain::ZeroStrategy>(sdp, first, world);
+  } else if (where.group) {
+    t.strategy = std::make_shared<dtrain::DdpStrategy<gpt::Gpt>>(net, *where.group, first, first);
+  } else {
+    t.strategy = std::make_shared<dtrain::SingleDeviceStrategy<gpt::Gpt>>(net, first);
+  }
+  whole_model(t, net, lead);
+  return t;
+}
 
 // AdamW with weight decay on matrices and embeddings only (nanoGPT's two groups).
 std::unique_ptr<torch::optim::AdamW> make_optimizer(const Options& opt, const std::vector<at::Tensor>& params,
@@ -221,188 +282,126 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(const Options& opt, const st
   return std::make_unique<torch::optim::AdamW>(groups, adamw);
 }
 
-// One optimizer step: --accumulate micro-steps of this rank's share of the
-// step's global batch, then clipping and AdamW. Times in milliseconds.
-struct StepResult {
-  double loss = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0;
-};
+gpt::SampleOptions sample_options(const Options& opt) {
+  return {.tokens = opt.sample_tokens,
+          .block_size = opt.model.block_size,
+          .temperature = opt.temperature,
+          .top_k = opt.top_k,
+          .seed = opt.seed};
+}
 
-StepResult train_step(const Options& opt, const Placement& where, Trainee& model, const gpt::Corpus& corpus,
-                      torch::optim::AdamW& optimizer, std::int64_t step) {
-  using Clock = std::chrono::steady_clock;
-  auto ms_since = [](Clock::time_point t) {
-    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+// The launcher's restart tests: DTRAIN_GPT_KILL_LAST_STAGE_AT=N makes the
+// pipeline's last stage SIGKILL itself after step N of the first attempt.
+std::function<void(std::int64_t)> kill_switch(const Trainee& t) {
+  const char* at = std::getenv("DTRAIN_GPT_KILL_LAST_STAGE_AT");
+  if (at == nullptr || !t.pipeline || dtrain::dist::read_env_contract().restart_count != 0) return nullptr;
+  const auto& schedule = t.pipeline->pipe->schedule();
+  if (schedule.rank_of_stage(schedule.stage_count() - 1) != t.pipeline->mesh->coordinate("pp")) return nullptr;
+  const std::int64_t n = std::atoll(at);
+  return [n](std::int64_t step) {
+    if (step == n) std::raise(SIGKILL);
   };
-  const std::int64_t per_micro = opt.batch_size * where.world;
-  const auto offsets =
-      gpt::draw_windows(corpus.train->size(), per_micro * opt.accumulate, gpt::train_batch_seed(opt.seed, step));
-  StepResult r;
-  for (int micro = 0; micro < opt.accumulate; ++micro) {
-    const std::int64_t first = micro * per_micro + where.rank * opt.batch_size;
-    const auto batch = gpt::make_batch(*corpus.train, offsets.slice(0, first, first + opt.batch_size));
-    auto forward_backward = [&] {
-      auto t = Clock::now();
-      at::Tensor loss;
-      {
-        gpt::CpuAutocast autocast(opt.amp == "bf16");
-        loss = gpt::lm_loss(model.forward(batch.data.to(model.input_device)), batch.target) / opt.accumulate;
-      }
-      r.forward_ms += ms_since(t);
-      t = Clock::now();
-      loss.backward();
-      r.backward_ms += ms_since(t);
-      r.loss += loss.item<double>();
-    };
-    // Gradients are synchronised on the last micro-step only.
-    if (micro + 1 < opt.accumulate && model.without_sync) {
-      model.without_sync(forward_backward);
-    } else {
-      forward_backward();
-    }
-  }
-  const auto t = Clock::now();
-  if (opt.grad_clip > 0 && model.clip) {
-    model.clip(opt.grad_clip);
-  } else if (opt.grad_clip > 0) {
-    gpt::clip_grad_norm(model.module->parameters(), opt.grad_clip);
-  }
-  optimizer.step();
-  optimizer.zero_grad();
-  r.optimizer_ms = ms_since(t);
-  return r;
 }
 
-// Raw float32 parameters in order (tests compare strategies with it).
-void write_params(const std::string& path, torch::nn::Module& module) {
-  std::ofstream out(path, std::ios::binary);
-  for (const auto& p : module.parameters()) {
-    const at::Tensor t = p.detach().to(at::kCPU, at::kFloat).contiguous();
-    out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-  }
-}
-
-int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpus& corpus) {
+int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
+  Trainee t = build(opt, where);
+  dtrain::Strategy& s = *t.strategy;
   const bool lead = where.rank == 0;
-  const auto params = model.params.empty() ? model.module->parameters() : model.params;
-  auto optimizer = make_optimizer(opt, params, model.decays);
-
-  std::optional<dtrain::Checkpointer> checkpoints;
-  dtrain::TrainingState state;
-  if (!opt.checkpoint_dir.empty() && model.load_checkpoint) {
-    if (auto step = model.load_checkpoint(*optimizer)) {
-      state.step = *step;
-      DTRAIN_LOG(kInfo) << "resumed at step " << state.step;
-    }
-  } else if (!opt.checkpoint_dir.empty()) {
-    checkpoints.emplace(dtrain::CheckpointOptions{.dir = opt.checkpoint_dir}, where.group);
-    if (auto resumed = checkpoints->load_latest(*model.module, *optimizer)) {
-      state = *resumed;
-      DTRAIN_LOG(kInfo) << "resumed at step " << state.step;
-    }
-  }
-  const std::int64_t global = opt.batch_size * where.world * opt.accumulate;  // sequences per step
+  const auto params = s.parameters();
+  auto optimizer = make_optimizer(opt, params, t.decays);
+  auto schedule = std::make_shared<GptSchedule>(*optimizer, opt);
+  const std::int64_t data_world = s.data_world();
+  const std::int64_t global = opt.batch_size * data_world * opt.accumulate;  // sequences per step
   DTRAIN_LOG(kInfo) << opt.strategy << " training on " << dtrain::format_devices(where.devices) << ": "
                     << std::accumulate(params.begin(), params.end(), std::int64_t{0},
                                        [](std::int64_t n, const at::Tensor& p) { return n + p.numel(); })
                     << " parameters, " << global << " sequences of " << opt.model.block_size << " per step, "
                     << opt.max_iters << " steps";
 
-  dtrain::Progress progress(opt.max_iters, {.label = "train", .enabled = lead});
-  Breakdown times;
-  const std::int64_t skip = std::min<std::int64_t>(10, opt.max_iters / 10);  // warm-up steps left out of the breakdown
-  double train_seconds = 0, loss_sum = 0, val_loss = NAN;
-  std::int64_t loss_count = 0, steps_trained = 0;
-  auto report_eval = [&](std::int64_t step) {
-    val_loss = evaluate(opt, corpus, where, model);
+  // Step s's global batch: batch x data_world x accumulate windows drawn from
+  // the step's seed; micro-batch m of data rank r is its slice [m][r].
+  auto source = std::make_shared<dtrain::StepStream>([&](const dtrain::StepStream::Request& r) {
+    const std::int64_t per_micro = r.batch_size * r.data_world;
+    const auto offsets =
+        gpt::draw_windows(corpus.train->size(), per_micro * r.accumulate, gpt::train_batch_seed(opt.seed, r.step));
+    const std::int64_t first = r.micro * per_micro + r.data_rank * r.batch_size;
+    auto b = gpt::make_batch(*corpus.train, offsets.slice(0, first, first + r.batch_size));
+    return dtrain::data::TensorBatch{std::move(b.data), std::move(b.target)};
+  });
+  dtrain::Trainer trainer(
+      t.strategy, *optimizer, source,
+      {.max_steps = opt.max_iters,
+       .batch_size = opt.batch_size,
+       .accumulate = opt.accumulate,
+       .amp_dtype = opt.amp == "bf16" ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt,
+       .clip_norm = opt.grad_clip,
+       .eval_every = opt.eval_interval,
+       .eval_at_start = true,
+       .checkpoint_dir = opt.checkpoint_dir,
+       .checkpoint_every = opt.eval_interval,
+       .progress = lead,
+       .log_every = 1});
+  trainer.set_loss(gpt::lm_loss);
+  trainer.set_schedule(schedule);
+  // Val batch k: batch x data_world windows from val_batch_seed(k), the same
+  // under every plan of one global batch.
+  trainer.set_eval_batches(opt.eval_iters, [&](std::int64_t k) {
+    auto b = gpt::make_batch(*corpus.val, gpt::draw_windows(corpus.val->size(), opt.batch_size * data_world,
+                                                            gpt::val_batch_seed(opt.seed, k)));
+    return dtrain::data::TensorBatch{std::move(b.data), std::move(b.target)};
+  });
+  trainer.on_eval([&](const dtrain::EvalReport& r) {
     if (!lead) return;
-    const double train_loss = loss_count > 0 ? loss_sum / static_cast<double>(loss_count) : NAN;
-    std::cout
-        << nlohmann::json{{"event", "eval"}, {"step", step}, {"train_loss", train_loss}, {"val_loss", val_loss}}.dump()
-        << std::endl;
-    loss_sum = 0;
-    loss_count = 0;
-  };
-  for (std::int64_t step = state.step; step < opt.max_iters; ++step) {
-    if (step % opt.eval_interval == 0) report_eval(step);
-    const auto start = std::chrono::steady_clock::now();
-    const double lr = learning_rate(opt, step);
-    for (auto& group : optimizer->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-    const StepResult r = train_step(opt, where, model, corpus, *optimizer, step);
-    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (step >= skip) {
-      times.forward += r.forward_ms;
-      times.backward += r.backward_ms;
-      times.optimizer += r.optimizer_ms;
-      ++times.steps;
-    }
-    ++steps_trained;
-    loss_sum += r.loss;
-    ++loss_count;
-    state.step = step + 1;
-    char status[64];
-    std::snprintf(status, sizeof status, "loss %.4f lr %.2e", r.loss, lr);
-    progress.update(step + 1, status);
-    if (checkpoints && state.step % opt.eval_interval == 0) checkpoints->save(state, *model.module, *optimizer);
-    if (model.save_checkpoint && !opt.checkpoint_dir.empty() && state.step % opt.eval_interval == 0) {
-      model.save_checkpoint(*optimizer, state.step);
-    }
-  }
-  progress.finish();
-  report_eval(opt.max_iters);
-  if (checkpoints && opt.max_iters % opt.eval_interval != 0) checkpoints->save(state, *model.module, *optimizer);
-  if (model.save_checkpoint && !opt.checkpoint_dir.empty() && opt.max_iters % opt.eval_interval != 0) {
-    model.save_checkpoint(*optimizer, state.step);
-  }
-  // Collective where set: every rank takes part, then rank 0 reads and
-  // samples alone through `local`.
-  const bool sampling = opt.sample_tokens > 0;
-  if ((!opt.save_params.empty() || sampling) && model.full_parameters) model.full_parameters();
-  if (!opt.save_params.empty() && lead) write_params(opt.save_params, *model.module);
+    std::cout << nlohmann::json{{"event", "eval"},
+                                {"step", r.step},
+                                {"train_loss", r.step > 0 ? r.train_loss : NAN},
+                                {"val_loss", r.eval.loss}}
+                     .dump()
+              << std::endl;
+  });
+  if (auto kill = kill_switch(t)) trainer.on_step([kill](const dtrain::StepReport& r) { kill(r.step); });
+  const dtrain::TrainSummary summary = trainer.fit();
+
+  // Collective where the weights are sharded or pipelined: every rank takes
+  // part, then rank 0 samples alone through its local forward.
+  if (!opt.save_params.empty()) t.save_params(opt.save_params);
   std::string sample;
-  if (lead && sampling) {
-    model.module->eval();
-    sample = gpt::generate(sample_options(opt), corpus, model.local ? model.local : model.plain, model.input_device);
-    model.module->train();
+  if (opt.sample_tokens > 0) {
+    auto full = t.gather_full();
+    if (lead) {
+      s.module().eval();
+      sample = gpt::generate(sample_options(opt), corpus, t.local, s.input_device());
+      s.module().train();
+    }
   }
   if (where.group) where.group->barrier();
   if (!lead) return 0;
   if (!sample.empty()) gpt::print_sample(std::cout, sample_options(opt), sample);
-  const double n = times.steps > 0 ? static_cast<double>(times.steps) : 1.0;
-  std::cout << nlohmann::json{{"event", "done"},
-                              {"strategy", opt.strategy},
-                              {"world_size", where.world},
-                              {"steps", state.step},
-                              {"val_loss", val_loss},
-                              {"val_unigram_entropy", corpus.val_unigram_entropy},
-                              {"val_bigram_entropy", corpus.val_bigram_entropy},
-                              {"tokens_per_second",
-                               static_cast<double>(global * opt.model.block_size * steps_trained) / train_seconds},
-                              {"train_seconds", train_seconds},
-                              {"step_ms",
-                               {{"forward", times.forward / n},
-                                {"backward", times.backward / n},
-                                {"optimizer", times.optimizer / n}}}}
-                   .dump()
-            << std::endl;
-  return 0;
-}
-
-// Trains `module` as it is, or through DDP when this process is a rank.
-template <typename Holder>
-int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Holder& module,
-                       const gpt::Corpus& corpus) {
-  model.plain = [&](const at::Tensor& x) { return module(x); };
-  if (!where.group) {
-    model.forward = model.plain;
-    return train(opt, where, model, corpus);
+  const double steps = static_cast<double>(summary.examples) / static_cast<double>(global);
+  const double n = steps > 0 ? steps : 1.0;
+  nlohmann::json done{
+      {"event", "done"},
+      {"strategy", opt.strategy},
+      {"world_size", where.world},
+      {"steps", summary.steps},
+      {"val_loss", summary.last_eval ? summary.last_eval->loss : NAN},
+      {"val_unigram_entropy", corpus.val_unigram_entropy},
+      {"val_bigram_entropy", corpus.val_bigram_entropy},
+      {"tokens_per_second", summary.train_seconds > 0
+                                ? static_cast<double>(summary.examples * opt.model.block_size) / summary.train_seconds
+                                : 0.0},
+      {"train_seconds", summary.train_seconds},
+      {"step_ms",
+       {{"forward", summary.step_times.forward * 1e3 / n},
+        {"backward", summary.step_times.backward * 1e3 / n},
+        {"optimizer", summary.step_times.optimizer * 1e3 / n}}}};
+  if (t.pipeline) {
+    done["schedule"] = opt.pipeline.schedule;
+    done["mesh"] = t.pipeline->mesh->describe();
+    done["dp_reduce"] = data_world > 1 ? opt.pipeline.dp_reduce : "none";
   }
-  dtrain::DistributedDataParallel ddp(module, *where.group);
-  model.forward = [&](const at::Tensor& x) { return ddp(x); };
-  model.without_sync = [&](const std::function<void()>& body) {
-    auto guard = ddp.no_sync();
-    body();
-  };
-  return train(opt, where, model, corpus);
+  std::cout << done.dump() << std::endl;
+  return 0;
 }
 
 // The world's size as the launcher gave it (1 when not launched).
@@ -454,89 +453,16 @@ void apply_plan(Options& opt) {
 
 int run(Options opt) {
   apply_plan(opt);
-  if (opt.strategy == "pipeline") {
-    const gpt::Corpus corpus = gpt::load_corpus(opt.data_dir, opt.model.block_size);
-    opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
-    return gpt::train_pipeline(
-        {.model = opt.model,
-         .pipeline = opt.pipeline,
-         .batch_size = opt.batch_size,
-         .max_iters = opt.max_iters,
-         .eval_interval = opt.eval_interval,
-         .eval_iters = opt.eval_iters,
-         .seed = opt.seed,
-         .grad_clip = opt.grad_clip,
-         .save_params = opt.save_params,
-         .checkpoint_dir = opt.checkpoint_dir,
-         .sample = sample_options(opt),
-         .learning_rate = [&](std::int64_t it) { return learning_rate(opt, it); },
-         .make_optimizer = [&](const auto& params, const auto& decays) { return make_optimizer(opt, params, decays); }},
-        corpus);
-  }
+  DTRAIN_CHECK(opt.strategy != "pipeline" || opt.accumulate == 1, ConfigError,
+               "--accumulate " << opt.accumulate << " with --strategy pipeline: a pipeline's micro-batches are its "
+                               << "accumulation.",
+               "use --micro-batches instead");
   Placement where = place(opt);
   at::set_num_threads(distributed(opt.strategy) ? 1 : at::get_num_threads());
   torch::manual_seed(opt.seed + static_cast<std::uint64_t>(where.rank));  // dropout masks
   const gpt::Corpus corpus = gpt::load_corpus(opt.data_dir, opt.model.block_size);
   opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
-  const c10::Device first = where.devices.front();
-  if (opt.strategy == "model-parallel" || opt.strategy == "ddp-model-parallel") {
-    dtrain::ModelParallel split(gpt::gpt_layers(opt.model), dtrain::ModelParallelOptions{.devices = where.devices});
-    gpt::init_weights(*split, opt.model.n_layer, opt.seed);
-    if (where.rank == 0) {
-      DTRAIN_LOG(kInfo) << "layers placed on " << dtrain::format_devices(split->device_of_layer());
-    }
-    Trainee model{.module = split.ptr(), .input_device = first};
-    return train_plain_or_ddp(opt, where, model, split, corpus);
-  }
-  gpt::Gpt net(opt.model);
-  gpt::init_weights(*net, opt.model.n_layer, opt.seed);
-  net->to(first);
-  Trainee model{.module = net.ptr(), .input_device = first};
-  if (opt.strategy == "dp") {
-    dtrain::DataParallel dp(net, {.devices = where.devices});
-    model.forward = [&](const at::Tensor& x) { return dp(x); };
-    model.plain = [&](const at::Tensor& x) { return net(x); };
-    return train(opt, where, model, corpus);
-  }
-  if (gpt::is_zero_strategy(opt.strategy)) {
-    // HSDP: ZeRO over dp_shard, replicas of it over dp_replicate (ranks
-    // row-major, so a rank's data-parallel index is its world rank).
-    std::optional<dtrain::dist::DeviceMesh> mesh;
-    dtrain::ZeroOptions zero = gpt::zero_options(opt.strategy);
-    dtrain::dist::ProcessGroup shard_group = *where.group;
-    if (opt.hsdp_replicas > 1) {
-      mesh.emplace(*where.group, std::vector<dtrain::dist::MeshDim>{{"dp_replicate", opt.hsdp_replicas},
-                                                                    {"dp_shard", where.world / opt.hsdp_replicas}});
-      shard_group = (*mesh)["dp_shard"];
-      zero.replicate_group = (*mesh)["dp_replicate"];
-    }
-    dtrain::ShardedDataParallel sdp(net, shard_group, zero);
-    std::optional<dtrain::ShardedCheckpointer> sharded;  // resharding checkpoints: any world size resumes
-    auto sharded_for = [&](torch::optim::Optimizer& o) -> dtrain::ShardedCheckpointer& {
-      if (!sharded) sharded.emplace(dtrain::ShardedCheckpointOptions{.dir = opt.checkpoint_dir}, sdp, o);
-      return *sharded;
-    };
-    model.save_checkpoint = [&](torch::optim::Optimizer& o, std::int64_t step) { sharded_for(o).save(step); };
-    model.load_checkpoint = [&](torch::optim::Optimizer& o) -> std::optional<std::int64_t> {
-      auto info = sharded_for(o).load_latest();
-      return info ? std::optional<std::int64_t>(info->step) : std::nullopt;
-    };
-    std::optional<dtrain::ShardedDataParallel::FullParameters> full;
-    model.forward = [&](const at::Tensor& x) { return sdp(x); };
-    model.plain = model.forward;  // evaluation runs without grad: stage 3 gathers unit by unit
-    model.collective_forward = true;
-    model.local = [&](const at::Tensor& x) { return net(x); };  // after full_parameters()
-    model.without_sync = [&](const std::function<void()>& body) {
-      auto guard = sdp.no_sync();
-      body();
-    };
-    model.params = sdp.parameters();
-    model.decays = gpt::zero_decays(sdp);
-    model.clip = [&](double max_norm) { dtrain::clip_grad_norm_(sdp.gradients(), max_norm); };
-    model.full_parameters = [&] { full.emplace(sdp); };
-    return train(opt, where, model, corpus);
-  }
-  return train_plain_or_ddp(opt, where, model, net, corpus);
+  return train(opt, where, corpus);
 }
 
 }  // namespace

@@ -89,6 +89,10 @@ at::Tensor PipelineStrategy::forward(const at::Tensor& /*input*/) {
 
 // Pads the batch to a multiple of the micro-batches (repeating its last
 // example) and drops the padding's outputs.
+bool PipelineStrategy::collective_forward() const {
+  return !pipe_->sharded_stages().empty();
+}
+
 at::Tensor PipelineStrategy::eval_forward(const at::Tensor& input) {
   const int m = pipe_->schedule().options.micro_batches;
   const std::int64_t n = input.size(0);

@@ -34,25 +34,38 @@ double seconds_since(Clock::time_point start) {
 
 struct Trainer::State {
   torch::optim::Optimizer& optimizer;
-  std::shared_ptr<const Dataset> train_set;
+  std::shared_ptr<BatchSource> source;
   TrainerOptions options;
   LossFn loss = [](const at::Tensor& output, const at::Tensor& target) {
     return torch::nn::functional::cross_entropy(output, target);
   };
   std::shared_ptr<ScheduledLR> schedule;
   std::shared_ptr<const Dataset> eval_set;
+  std::int64_t eval_batch_count = 0;  // set_eval_batches
+  EvalBatchFn eval_batch;
   std::function<void(const EvalReport&)> on_eval;
+  std::function<void(const StepReport&)> on_step;
   std::int64_t step = 0;  // for error messages
 };
 
 Trainer::Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& optimizer,
                  std::shared_ptr<const Dataset> train_set, TrainerOptions options)
+    : Trainer(std::move(strategy), optimizer,
+              train_set ? std::make_shared<EpochSource>(std::move(train_set),
+                                                        EpochSourceOptions{.seed = options.seed,
+                                                                           .num_workers = options.num_workers,
+                                                                           .train_limit = options.train_limit})
+                        : nullptr,
+              options) {}
+
+Trainer::Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& optimizer,
+                 std::shared_ptr<BatchSource> source, TrainerOptions options)
     : state_(std::make_unique<State>(
-          State{.optimizer = optimizer, .train_set = std::move(train_set), .options = std::move(options)})),
+          State{.optimizer = optimizer, .source = std::move(source), .options = std::move(options)})),
       strategy_(std::move(strategy)) {
   const auto& o = state_->options;
-  DTRAIN_CHECK(strategy_ != nullptr && state_->train_set != nullptr, ConfigError,
-               "the Trainer needs a strategy and a training set.", "pass both");
+  DTRAIN_CHECK(strategy_ != nullptr && state_->source != nullptr, ConfigError,
+               "the Trainer needs a strategy and a training set (or batch source).", "pass both");
   DTRAIN_CHECK(o.epochs >= 1 && o.batch_size >= 1 && o.accumulate >= 1 && o.eval_batch_size >= 1 && o.log_every >= 1 &&
                    o.max_steps >= 0 && o.clip_norm >= 0,
                ConfigError,
@@ -79,52 +92,109 @@ void Trainer::set_schedule(std::shared_ptr<ScheduledLR> schedule) {
 }
 void Trainer::set_eval_dataset(std::shared_ptr<const Dataset> eval_set) {
   state_->eval_set = std::move(eval_set);
+  state_->eval_batch_count = 0;
+  state_->eval_batch = nullptr;
+}
+void Trainer::set_eval_batches(std::int64_t count, EvalBatchFn batch) {
+  DTRAIN_CHECK(count >= 1 && batch != nullptr, ConfigError,
+               "set_eval_batches needs at least one batch and a function (got " << count << ").",
+               "pass count >= 1 and a function from k to a batch");
+  state_->eval_set = nullptr;
+  state_->eval_batch_count = count;
+  state_->eval_batch = std::move(batch);
 }
 void Trainer::on_eval(std::function<void(const EvalReport&)> callback) {
   state_->on_eval = std::move(callback);
 }
+void Trainer::on_step(std::function<void(const StepReport&)> callback) {
+  state_->on_step = std::move(callback);
+}
+
+// Which batches this rank evaluates: the k-th of `count` is load(k); k past
+// `count` (a collective forward's extra rounds) loads a batch every rank has
+// (the first of rank 0), run and left uncounted.
+struct EvalPlan {
+  std::int64_t count = 0;
+  std::function<data::TensorBatch(std::int64_t k)> load;
+};
+
+namespace {
+
+// This rank's evaluation batches: a contiguous share of the eval dataset in
+// batches of eval_batch_size (every example exactly once), or the fixed
+// batches r, r + w, ... of set_eval_batches.
+EvalPlan eval_plan(const std::shared_ptr<const data::Dataset<data::TensorExample>>& set, std::int64_t batch_count,
+                   const Trainer::EvalBatchFn& batch, std::int64_t eval_batch_size, int rank, int world) {
+  if (batch) {
+    const std::int64_t count = (batch_count - rank + world - 1) / world;
+    return {.count = count,
+            .load = [&batch, rank, world, count](std::int64_t k) { return batch(k < count ? k * world + rank : 0); }};
+  }
+  const std::int64_t n = set->size();
+  const std::int64_t begin = n * rank / world;
+  const std::int64_t end = n * (rank + 1) / world;
+  const std::int64_t count = (end - begin + eval_batch_size - 1) / eval_batch_size;
+  return {.count = count, .load = [set, begin, end, n, world, eval_batch_size, count](std::int64_t k) {
+            const std::int64_t first = k < count ? begin + k * eval_batch_size : 0;
+            const std::int64_t last = k < count ? end : std::min(n, std::max<std::int64_t>(1, n / world));
+            std::vector<std::int64_t> indices;
+            for (std::int64_t i = first; i < std::min(last, first + eval_batch_size); ++i) indices.push_back(i);
+            return data::collate_tensors(set->get_many(indices));
+          }};
+}
+
+}  // namespace
 
 EvalResult Trainer::evaluate() {
   EvalResult result;
-  if (!state_->eval_set) return result;
+  if (!state_->eval_set && !state_->eval_batch) return result;
   Strategy& s = *strategy_;
   const auto& o = state_->options;
+  auto group = s.group();
+  const EvalPlan plan = eval_plan(state_->eval_set, state_->eval_batch_count, state_->eval_batch, o.eval_batch_size,
+                                  s.data_rank(), s.data_world());
+  // A collective forward runs as often on every rank: the most any rank has.
+  std::int64_t rounds = plan.count;
+  if (s.collective_forward() && group) {
+    at::Tensor most = at::full({1}, static_cast<double>(plan.count), at::kDouble).to(group->device());
+    group->all_reduce(most, dist::ReduceOp::kMax).wait();
+    rounds = static_cast<std::int64_t>(most.cpu().item<double>());
+  }
   torch::NoGradGuard no_grad;
   s.module().eval();
-  // Rank r of w takes the r-th contiguous share: every example exactly once.
-  const std::int64_t n = state_->eval_set->size();
-  const std::int64_t begin = n * s.data_rank() / s.data_world();
-  const std::int64_t end = n * (s.data_rank() + 1) / s.data_world();
   double loss_sum = 0;
-  std::int64_t correct = 0, examples = 0;
-  for (std::int64_t start = begin; start < end; start += o.eval_batch_size) {
-    std::vector<std::int64_t> indices;
-    for (std::int64_t i = start; i < std::min(end, start + o.eval_batch_size); ++i) indices.push_back(i);
-    const auto batch = data::collate_tensors(state_->eval_set->get_many(indices));
+  std::int64_t correct = 0, elements = 0, examples = 0;
+  for (std::int64_t k = 0; k < rounds; ++k) {
+    const bool counted = k < plan.count;
+    const auto batch = plan.load(k);
     const at::Tensor target = batch.target.to(s.output_device());
     at::Tensor output, loss;
     {
       std::optional<amp::Autocast> autocast;
       if (o.amp_dtype) autocast.emplace(s.input_device().type(), amp::AutocastOptions{.dtype = o.amp_dtype});
       output = s.eval_forward(batch.data.to(s.input_device()));
-      if (output.defined()) loss = state_->loss(output, target);
+      if (output.defined() && counted) loss = state_->loss(output, target);
     }
-    if (!output.defined()) continue;  // another rank of this pipeline has the outputs
-    loss_sum += loss.item<double>() * static_cast<double>(indices.size());
+    if (!output.defined() || !counted) continue;  // another rank of this pipeline has the outputs
+    const std::int64_t n = target.size(0);
+    loss_sum += loss.item<double>() * static_cast<double>(n);
     correct += output.argmax(-1).eq(target).sum().item<std::int64_t>();
-    examples += static_cast<std::int64_t>(indices.size());
+    elements += target.numel();
+    examples += n;
   }
   s.module().train();
-  at::Tensor totals = at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(examples)}, at::kDouble);
-  if (auto group = s.group()) {
+  at::Tensor totals =
+      at::tensor({loss_sum, static_cast<double>(correct), static_cast<double>(elements), static_cast<double>(examples)},
+                 at::kDouble);
+  if (group) {
     totals = totals.to(group->device());
     group->all_reduce(totals).wait();
     totals = totals.cpu();
   }
   const auto* t = totals.data_ptr<double>();
-  result.examples = static_cast<std::int64_t>(t[2]);
+  result.examples = static_cast<std::int64_t>(t[3]);
   if (result.examples > 0) {
-    result.loss = t[0] / t[2];
+    result.loss = t[0] / t[3];
     result.accuracy = t[1] / t[2];
   }
   return result;
@@ -150,7 +220,7 @@ struct Trainer::Run {
   int rank = 0;
   int world = 1;
   bool want_metrics = false;  // the same on every rank: decides collectives
-  std::unique_ptr<data::TensorLoader> loader;
+  BatchSource& source;
   std::unique_ptr<amp::GradScaler> scaler;
   std::optional<Checkpointer> checkpoints;
   std::unique_ptr<Tracer> tracer;
@@ -160,6 +230,7 @@ struct Trainer::Run {
   TrainingState position;
   TrainSummary summary;
   at::Tensor last_norm;
+  double last_lr = 0;  // the rate of the current step
   std::int64_t last_eval_step = -1;
   std::int64_t last_saved_step = -1;
   double eval_loss_sum = 0;  // step losses since the last evaluation
@@ -173,22 +244,24 @@ struct Trainer::Run {
     std::int64_t steps = 0;
   };
 
-  Run(Trainer& t, State& state) : trainer(t), s(*t.strategy_), st(state), o(state.options), group(s.group()) {
+  StepTimes times;
+
+  Run(Trainer& t, State& state)
+      : trainer(t), s(*t.strategy_), st(state), o(state.options), group(s.group()), source(*state.source) {
     rank = group ? group->rank() : 0;
     world = group ? group->size() : 1;
     want_metrics = !o.metrics_jsonl.empty() || !o.tensorboard_dir.empty();
   }
 
   void setup() {
-    const std::int64_t n = o.train_limit > 0 ? std::min(o.train_limit, st.train_set->size()) : st.train_set->size();
-    DTRAIN_CHECK(n / s.data_world() > 0, ConfigError,
-                 n << " training examples cannot be shared by " << s.data_world() << " ranks.",
-                 "use more examples or fewer ranks");
-    auto sampler = std::make_shared<data::DistributedSampler>(data::DistributedSamplerOptions{
-        .dataset_size = n, .num_replicas = s.data_world(), .rank = s.data_rank(), .seed = o.seed, .drop_last = true});
-    loader = data::make_tensor_loader(
-        st.train_set, sampler,
-        {.batch_size = o.batch_size, .drop_last = s.needs_whole_batches(), .num_workers = o.num_workers});
+    source.setup({.data_rank = s.data_rank(),
+                  .data_world = s.data_world(),
+                  .batch_size = o.batch_size,
+                  .accumulate = o.accumulate,
+                  .whole_batches = s.needs_whole_batches()});
+    DTRAIN_CHECK(o.max_steps > 0 || source.epoch_examples() > 0, ConfigError,
+                 "the Trainer's batch source is endless (a StepStream), but TrainerOptions::max_steps is 0.",
+                 "set max_steps to the number of optimizer steps to train");
     scaler = std::make_unique<amp::GradScaler>(amp::GradScalerOptions{
         .enabled = o.grad_scaler.value_or(o.amp_dtype == at::kHalf), .found_inf_group = s.found_inf_group()});
     if (!o.checkpoint_dir.empty()) resume();
@@ -207,8 +280,9 @@ struct Trainer::Run {
     if (want_metrics && rank == 0) {
       metrics.emplace(MetricsOptions{.jsonl = o.metrics_jsonl, .tensorboard_dir = o.tensorboard_dir});
     }
-    DTRAIN_LOG(kDebug) << s.name() << " training on " << n / s.data_world() << " examples per rank, " << o.epochs
-                       << " epochs, micro-batch " << o.batch_size << " x " << o.accumulate << " per rank"
+    DTRAIN_LOG(kDebug) << s.name() << " training on " << source.epoch_examples() / s.data_world()
+                       << " examples per rank and epoch (0: a stream), " << o.epochs << " epochs, micro-batch "
+                       << o.batch_size << " x " << o.accumulate << " per rank"
                        << (o.amp_dtype ? std::string(", autocast ") + c10::toString(*o.amp_dtype) : std::string());
   }
 
@@ -231,18 +305,19 @@ struct Trainer::Run {
     if (auto resumed = s.load(*checkpoints, st.optimizer)) {
       position = *resumed;
       last_saved_step = position.step;
-      loader->load_state(resumed->sampler);
+      source.load_state(resumed->sampler);
+      DTRAIN_LOG(kInfo) << "resumed at step " << position.step;
     }
   }
 
   void save() {
-    position.sampler = loader->state();
+    position.sampler = source.state();
     s.save(*checkpoints, position, st.optimizer);
     last_saved_step = position.step;
   }
 
   void evaluate(std::int64_t epoch) {
-    if (!st.eval_set) return;
+    if (!st.eval_set && !st.eval_batch) return;
     EvalReport report{.epoch = epoch,
                       .step = position.step,
                       .train_loss = eval_loss_steps > 0 ? eval_loss_sum / static_cast<double>(eval_loss_steps) : 0,
@@ -262,21 +337,23 @@ struct Trainer::Run {
     {
       auto span = Tracer::span(tracer.get(), "data wait", "data");
       const auto wait_start = Clock::now();
-      batch = loader->next();
+      batch = source.next(position.step, m);
       window.data_wait += seconds_since(wait_start);
     }
-    DTRAIN_INTERNAL_ASSERT(batch.has_value(), "the loader ran out inside a planned step");
     if (sample_log.is_open()) {
-      const auto indices = loader->last_indices();
+      const auto indices = source.last_indices();
       step_indices.insert(step_indices.end(), indices.begin(), indices.end());
     }
     const at::Tensor input = batch->data.to(s.input_device());
     const at::Tensor target = batch->target.to(s.output_device());
+    const auto forward_start = Clock::now();
     if (s.fuses_loss()) {
       auto span = Tracer::span(tracer.get(), "forward_backward", "compute");
       std::optional<amp::Autocast> autocast;
       if (o.amp_dtype) autocast.emplace(s.input_device().type(), amp::AutocastOptions{.dtype = o.amp_dtype});
-      return s.forward_backward(input, target, scaler->is_enabled() ? scaler.get() : nullptr).to(at::kFloat);
+      at::Tensor loss = s.forward_backward(input, target, scaler->is_enabled() ? scaler.get() : nullptr).to(at::kFloat);
+      times.forward += seconds_since(forward_start);
+      return loss;
     }
     auto no_sync = m + 1 < o.accumulate ? s.no_sync() : nullptr;
     at::Tensor loss;
@@ -287,8 +364,11 @@ struct Trainer::Run {
       loss = st.loss(s.forward(input), target);
       if (o.accumulate > 1) loss = loss / o.accumulate;
     }
+    const auto backward_start = Clock::now();
+    times.forward += std::chrono::duration<double>(backward_start - forward_start).count();
     auto span = Tracer::span(tracer.get(), "backward", "compute");
     s.backward(scaler->scale(loss));
+    times.backward += seconds_since(backward_start);
     return loss.detach().to(at::kFloat);
   }
 
@@ -300,7 +380,7 @@ struct Trainer::Run {
     sample_log << nlohmann::json{{"round", round != nullptr ? std::atoi(round) : -1},
                                  {"rank", rank},
                                  {"world", world},
-                                 {"epoch", loader->state().epoch},
+                                 {"epoch", source.state().epoch},
                                  {"step", position.step},
                                  {"t_ns", t},
                                  {"indices", step_indices}}
@@ -314,6 +394,7 @@ struct Trainer::Run {
   double step(bool log_now, Window& window) {
     if (tracer) tracer->set_step(position.step + 1);
     at::Tensor loss;
+    last_lr = st.optimizer.param_groups().front().options().get_lr();
     {
       auto step_span = Tracer::span(tracer.get(), "step", "step");
       s.zero_grad(st.optimizer);
@@ -322,6 +403,7 @@ struct Trainer::Run {
         loss = loss.defined() ? loss + part : part;
       }
       auto span = Tracer::span(tracer.get(), "optimizer", "compute");
+      const auto optimizer_start = Clock::now();
       if (o.clip_norm > 0 || (want_metrics && log_now)) {
         scaler->unscale_(st.optimizer);
         last_norm = o.clip_norm > 0 ? s.clip_grad_norm(o.clip_norm) : grad_norm(*s.gradients());
@@ -329,6 +411,7 @@ struct Trainer::Run {
       if (!scaler->step(st.optimizer)) ++summary.skipped_steps;
       scaler->update();
       if (st.schedule) st.schedule->step();
+      times.optimizer += seconds_since(optimizer_start);
     }
     ++position.step;
     st.step = position.step;
@@ -363,12 +446,13 @@ struct Trainer::Run {
     window = Window{};
   }
 
-  // Returns false once max_steps is reached.
+  // Returns false once max_steps is reached (an endless source's one pass).
   bool epoch(std::int64_t epoch) {
-    loader->start_epoch(epoch);
-    const std::int64_t steps = loader->remaining() / o.accumulate;  // a tail short of a whole step is not used
-    if (steps == 0) return true;                                    // resumed at the end of this epoch
-    Progress progress(steps, {.label = "epoch " + std::to_string(epoch + 1), .enabled = rank == 0 && o.progress});
+    const std::optional<std::int64_t> left = source.start_epoch(epoch);
+    const std::int64_t steps = left ? *left : o.max_steps - position.step;
+    if (steps <= 0) return left.has_value();  // resumed at the end of this epoch
+    Progress progress(steps, {.label = left ? "epoch " + std::to_string(epoch + 1) : std::string("train"),
+                              .enabled = rank == 0 && o.progress});
     Window window;
     bool more = true;
     for (std::int64_t i = 0; i < steps && more; ++i) {
@@ -385,15 +469,17 @@ struct Trainer::Run {
       if (log_now || !more) report(window, progress, i + 1);
       if (checkpoints && o.checkpoint_every > 0 && position.step % o.checkpoint_every == 0) save();
       if (o.eval_every > 0 && position.step % o.eval_every == 0) evaluate(epoch);
+      if (st.on_step) st.on_step({.step = position.step, .loss = loss, .lr = last_lr});
     }
     progress.finish("loss " + std::to_string(summary.last_loss));
     if (checkpoints && o.checkpoint_every == 0) save();
     if (o.eval_every == 0) evaluate(epoch);
-    return more;
+    return more && left.has_value();
   }
 
   TrainSummary run() {
     setup();
+    if (o.eval_at_start && position.step == 0) evaluate(position.sampler.epoch);
     bool more = o.max_steps == 0 || position.step < o.max_steps;
     for (std::int64_t e = position.sampler.epoch; e < o.epochs && more; ++e) more = epoch(e);
     // The end is always checkpointed: a finished run resumed (or restarted) trains nothing again.
@@ -401,6 +487,7 @@ struct Trainer::Run {
     if (o.eval_every > 0 && last_eval_step != position.step && position.step > 0) evaluate(position.sampler.epoch);
     if (tracer) tracer->write();
     summary.steps = position.step;
+    summary.step_times = times;
     return summary;
   }
 };

@@ -7,12 +7,25 @@
 
 namespace dtrain {
 
-ZeroStrategy::ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device device)
-    : sdp_(std::move(sdp)), device_(device) {
+ZeroStrategy::ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device device,
+                           std::optional<dist::ProcessGroup> world)
+    : sdp_(std::move(sdp)), device_(device), all_(std::move(world)) {
   DTRAIN_CHECK(sdp_ != nullptr, ConfigError, "ZeroStrategy got no ShardedDataParallel.",
                "pass std::make_shared<dtrain::ShardedDataParallel>(model, group, options)");
   rank_ = sdp_->group().rank();
   world_ = sdp_->group().size();
+  const auto& replicas = sdp_->options().replicate_group;
+  if (replicas && replicas->size() > 1) {
+    DTRAIN_CHECK(all_ && all_->size() == replicas->size() * world_, ConfigError,
+                 "ZeroStrategy over HSDP (" << replicas->size() << " replicas of " << world_
+                                            << " shards) needs the group of all " << replicas->size() * world_
+                                            << " ranks.",
+                 "pass the world group as ZeroStrategy's third argument");
+    rank_ += replicas->rank() * world_;
+    world_ *= replicas->size();
+  } else {
+    all_.reset();
+  }
 }
 
 ZeroStrategy::~ZeroStrategy() = default;
@@ -64,7 +77,13 @@ std::optional<dist::ProcessGroup> ZeroStrategy::found_inf_group() {
 }
 
 std::optional<dist::ProcessGroup> ZeroStrategy::group() {
-  return sdp_->group();
+  return all_ ? all_ : std::optional<dist::ProcessGroup>(sdp_->group());
+}
+
+// Stage 3 gathers units in forward; stages 1-2 all-gather the updated
+// parameters in the first forward after a step (pre_forward).
+bool ZeroStrategy::collective_forward() const {
+  return true;
 }
 
 void ZeroStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {

@@ -14,7 +14,9 @@
 //   - ZeroStrategy, stages 1-3 on 2 rank threads (AdamW with weight decay,
 //     accumulation, clipping), equals one process on the union (rtol 1e-5);
 //     a stage-2 run saved on 2 ranks and resumed on 3 (micro-batches 6 -> 4
-//     per rank: the same global batches) equals the uninterrupted run.
+//     per rank: the same global batches) equals the uninterrupted run;
+//   - a StepStream (batches a function of the global step) with fixed
+//     evaluation batches, under ZeRO-3 and HSDP, equals one process.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
@@ -36,6 +38,7 @@
 
 #include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/data/loader.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
@@ -372,6 +375,128 @@ TEST(ZeroTrainer, SavedOnTwoRanksResumesOnThreeEqualToUninterrupted) {
   const at::Tensor got = zero_run(3, 2, other, second);
   EXPECT_TRUE(at::allclose(got, expected, 1e-5, 1e-6)) << (got - expected).abs().max();
   fs::remove_all(dir);
+}
+
+namespace {
+
+// A step-indexed stream over Blobs(96): step s's global micro-batch m is
+// examples (s * 24 + m * 12 + i) % 96 for i < 12, data rank r reading its
+// contiguous share.
+std::shared_ptr<dtrain::StepStream> blob_stream() {
+  auto blobs = std::make_shared<Blobs>(96);
+  return std::make_shared<dtrain::StepStream>([blobs](const dtrain::StepStream::Request& r) {
+    std::vector<std::int64_t> indices;
+    const std::int64_t global = r.batch_size * r.data_world;
+    for (std::int64_t i = 0; i < r.batch_size; ++i)
+      indices.push_back((r.step * global * r.accumulate + r.micro * global + r.data_rank * r.batch_size + i) % 96);
+    return dtrain::data::collate_tensors(blobs->get_many(indices));
+  });
+}
+
+// Three fixed evaluation batches of 10 (uneven over 2 and 4 ranks).
+dtrain::data::TensorBatch eval_blob(std::int64_t k) {
+  static const Blobs blobs(30);
+  std::vector<std::int64_t> indices;
+  for (std::int64_t i = 0; i < 10; ++i) indices.push_back(k * 10 + i);
+  return dtrain::data::collate_tensors(blobs.get_many(indices));
+}
+
+struct StreamRun {
+  at::Tensor parameters;
+  std::vector<dtrain::EvalResult> evals;  // rank 0's, in order
+};
+
+const dtrain::TrainerOptions kStreamOptions{.max_steps = 5,
+                                            .batch_size = 12,
+                                            .accumulate = 2,
+                                            .clip_norm = 0.3,
+                                            .eval_every = 2,
+                                            .eval_at_start = true,
+                                            .progress = false};
+
+StreamRun stream_reference(torch::nn::Sequential& init) {
+  auto net = zero_net();
+  copy_parameters(*net, *init);
+  auto opt = zero_test_optimizer(net->parameters());
+  dtrain::Trainer trainer(std::make_shared<dtrain::SingleDeviceStrategy<torch::nn::Sequential>>(net, c10::kCPU), opt,
+                          blob_stream(), kStreamOptions);
+  StreamRun result;
+  trainer.set_eval_batches(3, eval_blob);
+  trainer.on_eval([&](const dtrain::EvalReport& r) { result.evals.push_back(r.eval); });
+  const auto summary = trainer.fit();
+  EXPECT_EQ(summary.steps, 5);
+  result.parameters = flat(*net);
+  return result;
+}
+
+// ZeRO-3 on `replicas` x `shards` rank threads (HSDP when replicas > 1).
+StreamRun stream_zero3(torch::nn::Sequential& init, int replicas, int shards) {
+  const int world = replicas * shards;
+  std::vector<StreamRun> results(static_cast<std::size_t>(world));
+  dtrain::testing::run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(60)});
+    dtrain::dist::DeviceMesh mesh(group, {{"dp_replicate", replicas}, {"dp_shard", shards}});
+    auto net = zero_net();
+    copy_parameters(*net, *init);
+    dtrain::ZeroOptions zero{.stage = 3};
+    if (replicas > 1) zero.replicate_group = mesh["dp_replicate"];
+    auto sdp = std::make_shared<dtrain::ShardedDataParallel>(net, mesh["dp_shard"], zero);
+    auto opt = zero_test_optimizer(sdp->parameters());
+    auto strategy = std::make_shared<dtrain::ZeroStrategy>(sdp, c10::kCPU, group);
+    EXPECT_TRUE(strategy->collective_forward());
+    EXPECT_EQ(strategy->data_rank(), rank);
+    EXPECT_EQ(strategy->data_world(), world);
+    auto options = kStreamOptions;
+    options.batch_size = kStreamOptions.batch_size / world;
+    dtrain::Trainer trainer(strategy, opt, blob_stream(), options);
+    auto& mine = results[static_cast<std::size_t>(rank)];
+    trainer.set_eval_batches(3, eval_blob);
+    trainer.on_eval([&](const dtrain::EvalReport& r) { mine.evals.push_back(r.eval); });
+    trainer.fit();
+    auto gathered = sdp->full_parameters();
+    mine.parameters = flat(*net).clone();
+  });
+  return results[0];
+}
+
+void expect_same_stream_run(const StreamRun& got, const StreamRun& want, const std::string& what) {
+  EXPECT_TRUE(at::allclose(got.parameters, want.parameters, 1e-5, 1e-6))
+      << what << ": " << (got.parameters - want.parameters).abs().max();
+  // At step 0 (eval_at_start), 2, 4 and the end (5).
+  ASSERT_EQ(want.evals.size(), 4u);
+  ASSERT_EQ(got.evals.size(), want.evals.size()) << what;
+  for (std::size_t i = 0; i < want.evals.size(); ++i) {
+    EXPECT_EQ(got.evals[i].examples, 30) << what << " evaluation " << i;
+    EXPECT_NEAR(got.evals[i].loss, want.evals[i].loss, 1e-5 * std::abs(want.evals[i].loss)) << what << " " << i;
+    EXPECT_NEAR(got.evals[i].accuracy, want.evals[i].accuracy, 1e-12) << what << " " << i;
+  }
+}
+
+}  // namespace
+
+// A StepStream (batches a function of the step) under ZeRO-3 on 2 ranks and
+// HSDP 2 x 2 equals one process; the 3 evaluation batches split unevenly over
+// the ranks, so ZeRO-3's collective evaluation forward must run as often on
+// every rank (it hung before) and count each batch once.
+TEST(StreamTrainer, Zero3AndHsdpWithUnevenEvaluationEqualOneProcess) {
+  torch::manual_seed(13);
+  auto init = zero_net();
+  const StreamRun want = stream_reference(init);
+  expect_same_stream_run(stream_zero3(init, 1, 2), want, "zero3 x 2");
+  expect_same_stream_run(stream_zero3(init, 2, 2), want, "hsdp 2 x 2");
+}
+
+TEST(StreamTrainer, AnEndlessSourceNeedsMaxSteps) {
+  auto net = zero_net();
+  auto opt = zero_test_optimizer(net->parameters());
+  dtrain::Trainer trainer(std::make_shared<dtrain::SingleDeviceStrategy<torch::nn::Sequential>>(net, c10::kCPU), opt,
+                          blob_stream(), {.progress = false});
+  try {
+    trainer.fit();
+    FAIL() << "an endless source without max_steps trained";
+  } catch (const dtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("max_steps"), std::string::npos) << e.what();
+  }
 }
 
 namespace {

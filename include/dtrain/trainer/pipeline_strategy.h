@@ -49,6 +49,8 @@ class PipelineStrategy : public Strategy {
   c10::Device output_device() const override;
   at::Tensor forward(const at::Tensor& input) override;
   at::Tensor eval_forward(const at::Tensor& input) override;
+  // With sharded stages: their forward all-gathers over the data group.
+  bool collective_forward() const override;
   bool fuses_loss() const override { return true; }
   bool needs_whole_batches() const override { return true; }
   at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& target, amp::GradScaler* scaler) override;

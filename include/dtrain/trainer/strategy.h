@@ -67,6 +67,10 @@ class Strategy {
   // forward(). An undefined result: the outputs are on another rank (a
   // pipeline's last stage), and this rank adds nothing to the metrics.
   virtual at::Tensor eval_forward(const at::Tensor& input) { return forward(input); }
+  // Whether the forward is collective over data-parallel ranks (ZeRO
+  // all-gathers parameters in it): evaluation then runs as many forwards on
+  // every rank, a rank with fewer batches repeating one it leaves uncounted.
+  virtual bool collective_forward() const { return false; }
   // Backward of a (scaled) loss; default loss.backward().
   virtual void backward(const at::Tensor& loss) { loss.backward(); }
   // Strategies that cannot hand the Trainer an output to take the loss of

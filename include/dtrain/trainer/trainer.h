@@ -20,6 +20,10 @@
 // strategy), the scaler, the schedule, the sampler position and every rank's
 // generators, so a resumed run equals an uninterrupted one bit for bit.
 //
+// Batches come from a BatchSource (batch_source.h): epochs over a Dataset
+// (the constructor taking a dataset), or a stream indexed by the global step
+// (e.g. a language model's random windows), which runs to max_steps.
+//
 // Every piece is public and usable from a hand-written loop: Autocast,
 // GradScaler, accumulate_gradients, clip_grad_norm_, Checkpointer, the
 // schedules, MetricsLogger and Tracer. See docs/trainer.md.
@@ -37,6 +41,7 @@
 #include <string>
 
 #include "dtrain/data/dataset.h"
+#include "dtrain/trainer/batch_source.h"
 #include "dtrain/trainer/lr_schedule.h"
 #include "dtrain/trainer/strategy.h"
 
@@ -44,9 +49,10 @@ namespace dtrain {
 
 struct TrainerOptions {
   int epochs = 1;
-  std::int64_t max_steps = 0;    // stop after this many optimizer steps (0: run all epochs)
+  std::int64_t max_steps = 0;    // stop after this many optimizer steps (0: run all epochs; needed by a StepStream)
   std::int64_t batch_size = 64;  // examples per micro-batch per data-parallel rank
   int accumulate = 1;            // micro-batches per optimizer step
+  // The dataset constructor's EpochSource (batch_source.h):
   std::uint64_t seed = 0;        // the sampler's shuffling (seed + epoch)
   int num_workers = 0;           // loader threads per rank
   std::int64_t train_limit = 0;  // train on the first N examples only (0: all)
@@ -56,6 +62,7 @@ struct TrainerOptions {
   double clip_norm = 0;                      // > 0: clip gradients to this global norm
 
   std::int64_t eval_every = 0;  // steps between evaluations (0: at the end of each epoch)
+  bool eval_at_start = false;   // also evaluate before the first step of a run that starts at step 0
   std::int64_t eval_batch_size = 1000;
 
   std::filesystem::path checkpoint_dir;  // "" = no checkpoints
@@ -78,8 +85,8 @@ struct TrainerOptions {
 };
 
 struct EvalResult {
-  double loss = 0;
-  double accuracy = 0;  // argmax over the last dimension == target
+  double loss = 0;      // mean over examples (each batch's loss weighted by its examples)
+  double accuracy = 0;  // argmax over the last dimension == target, over every target element
   std::int64_t examples = 0;
 };
 
@@ -91,11 +98,26 @@ struct EvalReport {
   EvalResult eval;
 };
 
+// What on_step callbacks receive, on every rank, after each optimizer step
+// (and after that step's checkpoint and evaluation, if any).
+struct StepReport {
+  std::int64_t step = 0;  // optimizer steps taken
+  double loss = 0;        // this step's loss on this rank (a pipeline's on every rank)
+  double lr = 0;          // the first parameter group's rate the step used
+};
+
+// Seconds of this run's steps by phase (a strategy that fuses forward, loss
+// and backward, such as a pipeline, counts the whole as forward).
+struct StepTimes {
+  double forward = 0, backward = 0, optimizer = 0;
+};
+
 struct TrainSummary {
   std::int64_t steps = 0;          // optimizer steps in total (including before a resume)
   std::int64_t skipped_steps = 0;  // skipped by the GradScaler in this run
   std::optional<EvalResult> last_eval;
   double train_seconds = 0;   // this run's, excluding evaluation
+  StepTimes step_times;       // this run's, by phase
   std::int64_t examples = 0;  // trained in this run, all ranks together
   double last_loss = 0;
 };
@@ -105,9 +127,15 @@ class Trainer {
   using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
   using Dataset = data::Dataset<data::TensorExample>;
 
+  using EvalBatchFn = std::function<data::TensorBatch(std::int64_t k)>;
+
   // The optimizer must be over strategy->parameters(). Default loss: cross-entropy.
+  // Epochs over train_set (an EpochSource from options' seed, num_workers, train_limit).
   Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& optimizer,
           std::shared_ptr<const Dataset> train_set, TrainerOptions options);
+  // Batches from `source`.
+  Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& optimizer, std::shared_ptr<BatchSource> source,
+          TrainerOptions options);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -116,8 +144,14 @@ class Trainer {
   void set_schedule(std::shared_ptr<ScheduledLR> schedule);
   // Evaluated every eval_every steps and at the end; every rank takes an equal share.
   void set_eval_dataset(std::shared_ptr<const Dataset> eval_set);
+  // Or `count` fixed batches, batch(k) for k in [0, count): data rank r of w
+  // evaluates k = r, r + w, ... (a batch is a whole batch of the model's, not
+  // a rank's share). Replaces an eval dataset.
+  void set_eval_batches(std::int64_t count, EvalBatchFn batch);
   // Called on every rank after each evaluation (e.g. to print it on rank 0).
   void on_eval(std::function<void(const EvalReport&)> callback);
+  // Called on every rank after each optimizer step.
+  void on_step(std::function<void(const StepReport&)> callback);
 
   // Resumes from the newest checkpoint when there is one, then trains.
   // Errors are logged with this rank and step, written to the launcher's

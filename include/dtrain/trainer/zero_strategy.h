@@ -9,7 +9,8 @@
 // unit as it runs); accumulation's first micro-batches run under its no_sync
 // (full gradients kept until the last, memory as DDP); clipping sums the
 // shards' squares over the group (ShardedGradients); GradScaler's found-inf
-// is combined over the group. Checkpoints hold this rank's shards of the
+// is combined over the group (under HSDP the replicas' gradients are equal
+// after their all-reduce, so the shard group suffices). Checkpoints hold this rank's shards of the
 // parameters and optimizer state as StateScope::kSharded state of the
 // Trainer's Checkpointer (zero_state), committed with the sampler, schedule,
 // scaler and generators: a run saved on N ranks resumes on any number.
@@ -26,7 +27,11 @@ class ShardedDataParallel;
 class ZeroStrategy : public Strategy {
  public:
   // The optimizer given to the Trainer must be over sdp->parameters().
-  ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device device);
+  // HSDP (ZeroOptions::replicate_group set): `world` is every rank of the run
+  // (evaluation and metrics reduce over it; the data index is the replica's
+  // index x shard size + the shard rank).
+  ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device device,
+               std::optional<dist::ProcessGroup> world = std::nullopt);
   ~ZeroStrategy() override;
 
   std::string name() const override;
@@ -36,6 +41,7 @@ class ZeroStrategy : public Strategy {
   c10::Device input_device() const override { return device_; }
   c10::Device output_device() const override { return device_; }
   at::Tensor forward(const at::Tensor& input) override;
+  bool collective_forward() const override;
   std::unique_ptr<Scope> no_sync() override;
   void zero_grad(torch::optim::Optimizer& optimizer) override;
   std::unique_ptr<GradientSet> gradients() override;
@@ -54,6 +60,7 @@ class ZeroStrategy : public Strategy {
   c10::Device device_;
   int rank_ = 0;
   int world_ = 1;
+  std::optional<dist::ProcessGroup> all_;   // HSDP: every rank
   const Checkpointer* added_to_ = nullptr;  // the checkpointer holding our state
 };
 
