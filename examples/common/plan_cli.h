@@ -5,7 +5,7 @@
 // from pipeline_cli.h), and the global batch (--global-batch-size). The
 // plan is checked against the world and the model before anything is built
 // (ParallelPlan::validate), so a plan that cannot run fails with what to
-// change.
+// change; resolve_run maps it onto the strategy that runs it.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -91,5 +91,54 @@ struct PlanCli {
     return plan;
   }
 };
+
+// What the examples run for their flags: the strategy a plan names (pp > 1:
+// pipeline, its replicas reduced by ZeRO where dp_shard > 1, else DDP;
+// dp_shard > 1: zeroK, HSDP with dp_replicate > 1; dp_replicate > 1: ddp;
+// else single), and the per-rank (per-replica under a pipeline) batch a
+// global batch sets. --strategy names are shorthands for plans.
+struct Resolved {
+  std::string strategy;
+  PipelineCli pipeline;
+  int hsdp_replicas = 1;                     // zeroK over dp_replicate x dp_shard
+  std::int64_t batch_size = 0;               // per data-parallel rank and micro-step
+  std::optional<dtrain::ParallelPlan> plan;  // when --plan or the degrees were given
+};
+
+// `world`: the launcher's world size (1 without one); `distributed`: whether
+// `strategy` runs one process per rank.
+inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, const PipelineCli& pipeline,
+                            std::int64_t batch_size, int accumulate, int world, bool distributed,
+                            const dtrain::PlanContext::Model& model) {
+  Resolved r{.strategy = strategy, .pipeline = pipeline, .batch_size = batch_size};
+  int data_parallel = distributed ? world : 1;
+  if (strategy == "pipeline") data_parallel = world / (pipeline.pp_size > 0 ? pipeline.pp_size : world);
+  if (cli.given()) {
+    const dtrain::ParallelPlan plan = cli.resolve(world, pipeline, model, accumulate);
+    if (plan.pp > 1) {
+      r.strategy = "pipeline";
+      r.pipeline.pp_size = plan.pp;
+      r.pipeline.schedule = plan.pipeline.schedule;
+      r.pipeline.micro_batches = plan.pipeline.micro_batches;
+      r.pipeline.dp_reduce = plan.dp_shard > 1 ? "zero" + std::to_string(plan.zero_stage) : "ddp";
+    } else if (plan.dp_shard > 1) {
+      r.strategy = "zero" + std::to_string(plan.zero_stage);
+      r.hsdp_replicas = plan.dp_replicate;
+    } else {
+      r.strategy = plan.dp_replicate > 1 ? "ddp" : "single";
+    }
+    data_parallel = plan.data_parallel();
+    r.plan = plan;
+  }
+  if (cli.global_batch > 0) {
+    const std::int64_t per = static_cast<std::int64_t>(data_parallel) * accumulate;
+    DTRAIN_CHECK(cli.global_batch % per == 0, ConfigError,
+                 "--global-batch-size " << cli.global_batch << " does not split over " << data_parallel
+                                        << " data-parallel ranks x --accumulate " << accumulate << ".",
+                 "choose a multiple of " << per);
+    r.batch_size = cli.global_batch / per;
+  }
+  return r;
+}
 
 }  // namespace examples

@@ -3,6 +3,7 @@
 //   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline]
 //                 [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
 //                 [--dp-reduce ddp|zero1|zero2|allreduce] [--devices all] [--epochs 2]
+//                 [--plan FILE | --dp-replicate N --dp-shard N --pp N --zero-stage K] [--global-batch-size G]
 //                 [--batch-size 64] [--lr 1e-3] [--seed 0]
 //                 [--amp off|bf16|fp16] [--accumulate 1] [--clip-norm 0]
 //                 [--checkpoint-dir DIR [--checkpoint-every N]] [--tensorboard DIR] [--trace FILE]
@@ -29,6 +30,10 @@
 //                       PipelineStrategy; --accumulate must stay 1); with --pp-size P below the
 //                       world, a data x pipeline mesh whose stage replicas are averaged by
 //                       --dp-reduce
+// A plan (--plan FILE or the degree flags, examples/common/plan_cli.h) picks
+// the strategy that runs it: pp > 1 the pipeline, dp_shard > 1 zeroK (HSDP
+// with dp_replicate > 1), dp_replicate > 1 ddp; --global-batch-size sets the
+// per-rank batch.
 // After the model is built, each rank seeds its generators with seed + rank
 // (dropout masks differ per rank); checkpoints restore each rank's own.
 //
@@ -47,6 +52,7 @@
 
 #include "dtrain/dtrain.h"
 #include "placement.h"
+#include "plan_cli.h"
 
 namespace {
 
@@ -54,8 +60,9 @@ struct Options {
   std::string strategy = "single";
   std::string devices = "all";
   examples::PipelineCli pipeline;  // --strategy pipeline
+  examples::PlanCli plan;          // --plan or the degrees; --global-batch-size
   int epochs = 2;
-  int batch_size = 64;
+  std::int64_t batch_size = 64;
   double lr = 1e-3;
   std::uint64_t seed = 0;
   std::string data_dir = dtrain::data::kFashionMnistDefaultDir;
@@ -89,7 +96,20 @@ std::string params_fingerprint(torch::nn::Module& model) {
 }
 
 int run(Options opt) {
-  const PlacementOptions placement{.strategy = opt.strategy, .devices = opt.devices, .pipeline = opt.pipeline};
+  const int launched_world = dtrain::dist::launched_by_launcher() ? dtrain::dist::read_env_contract().world_size : 1;
+  const auto resolved = examples::resolve_run(opt.plan, opt.strategy, opt.pipeline, opt.batch_size, opt.accumulate,
+                                              launched_world, distributed(opt.strategy),
+                                              {.layers = static_cast<std::int64_t>(small_cnn_layers()->size())});
+  opt.strategy = resolved.strategy;
+  opt.pipeline = resolved.pipeline;
+  opt.batch_size = resolved.batch_size;
+  if (resolved.plan && dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
+    DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << resolved.plan->table();
+  }
+  const PlacementOptions placement{.strategy = opt.strategy,
+                                   .devices = opt.devices,
+                                   .pipeline = opt.pipeline,
+                                   .hsdp_replicas = resolved.hsdp_replicas};
   Placement where = place(placement);
   torch::manual_seed(opt.seed);
   auto strategy = make_strategy(placement, where);
@@ -182,6 +202,7 @@ int main(int argc, char** argv) {
           {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
       ->capture_default_str();
   opt.pipeline.add_to(app);
+  opt.plan.add_to(app);
   app.add_option("--devices", opt.devices,
                  "Devices: cpu, cuda, cuda:N, N, or all, comma-separated (cpu,cpu gives two CPU replicas or stages)")
       ->capture_default_str();

@@ -19,6 +19,7 @@ struct PlacementOptions {
   std::string devices = "all";
   // --strategy pipeline: stages cut by the planner, on a mesh of pipelines.
   examples::PipelineCli pipeline;
+  int hsdp_replicas = 1;  // zeroK on a dp_replicate x dp_shard mesh (from a plan)
 };
 
 // ZeRO stage of --strategy zero1|zero2|zero3, 0 otherwise.
@@ -111,8 +112,20 @@ inline std::shared_ptr<dtrain::Strategy> make_strategy(const PlacementOptions& o
     // initialisation as SmallCnn (ModelParallelEqualsSingleDevice checks it).
     auto layers = small_cnn_layers();
     layers->to(first);
-    auto sdp = std::make_shared<dtrain::ShardedDataParallel>(layers, *where.group, dtrain::ZeroOptions{.stage = stage});
-    return std::make_shared<dtrain::ZeroStrategy>(sdp, first);
+    // HSDP: ZeRO over dp_shard, replicas of it over dp_replicate (ranks
+    // row-major, so a rank's data-parallel index is its world rank).
+    dtrain::ZeroOptions zero{.stage = stage};
+    dtrain::dist::ProcessGroup shard_group = *where.group;
+    std::optional<dtrain::dist::ProcessGroup> world;
+    if (opt.hsdp_replicas > 1) {
+      dtrain::dist::DeviceMesh mesh(
+          *where.group, {{"dp_replicate", opt.hsdp_replicas}, {"dp_shard", where.world / opt.hsdp_replicas}});
+      shard_group = mesh["dp_shard"];
+      zero.replicate_group = mesh["dp_replicate"];
+      world = *where.group;
+    }
+    auto sdp = std::make_shared<dtrain::ShardedDataParallel>(layers, shard_group, zero);
+    return std::make_shared<dtrain::ZeroStrategy>(sdp, first, world);
   }
   SmallCnn net;
   net->to(first);

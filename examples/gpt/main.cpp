@@ -409,45 +409,21 @@ int launched_world() {
   return dtrain::dist::launched_by_launcher() ? dtrain::dist::read_env_contract().world_size : 1;
 }
 
-// A plan given by --plan or the degree flags picks the strategy that runs
-// it (--strategy names are shorthands for plans: ddp is dp_replicate = world,
-// zeroK dp_shard = world at stage K, pipeline pp = --pp-size). A global batch
-// sets the per-rank (per-replica under a pipeline) batch.
+// A plan given by --plan or the degree flags picks the strategy that runs it
+// (plan_cli.h); a global batch sets the per-rank batch.
 void apply_plan(Options& opt) {
-  const int world = launched_world();
-  int data_parallel = distributed(opt.strategy) ? world : 1;
-  if (opt.strategy == "pipeline") data_parallel = world / (opt.pipeline.pp_size > 0 ? opt.pipeline.pp_size : world);
-  if (opt.plan.given()) {
-    const dtrain::ParallelPlan plan = opt.plan.resolve(world, opt.pipeline,
-                                                       {.layers = opt.model.n_layer + 2,
-                                                        .heads = opt.model.n_head,
-                                                        .width = opt.model.n_embd,
-                                                        .seq = opt.model.block_size},
-                                                       opt.accumulate);
-    if (plan.pp > 1) {
-      opt.strategy = "pipeline";
-      opt.pipeline.pp_size = plan.pp;
-      opt.pipeline.schedule = plan.pipeline.schedule;
-      opt.pipeline.micro_batches = plan.pipeline.micro_batches;
-      opt.pipeline.dp_reduce = plan.dp_shard > 1 ? "zero" + std::to_string(plan.zero_stage) : "ddp";
-    } else if (plan.dp_shard > 1) {
-      opt.strategy = "zero" + std::to_string(plan.zero_stage);
-      opt.hsdp_replicas = plan.dp_replicate;
-    } else {
-      opt.strategy = plan.dp_replicate > 1 ? "ddp" : "single";
-    }
-    data_parallel = plan.data_parallel();
-    if (dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
-      DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << plan.table();
-    }
-  }
-  if (opt.plan.global_batch > 0) {
-    const std::int64_t per = static_cast<std::int64_t>(data_parallel) * opt.accumulate;
-    DTRAIN_CHECK(opt.plan.global_batch % per == 0, ConfigError,
-                 "--global-batch-size " << opt.plan.global_batch << " does not split over " << data_parallel
-                                        << " data-parallel ranks x --accumulate " << opt.accumulate << ".",
-                 "choose a multiple of " << per);
-    opt.batch_size = opt.plan.global_batch / per;
+  const auto r = examples::resolve_run(opt.plan, opt.strategy, opt.pipeline, opt.batch_size, opt.accumulate,
+                                       launched_world(), distributed(opt.strategy),
+                                       {.layers = opt.model.n_layer + 2,
+                                        .heads = opt.model.n_head,
+                                        .width = opt.model.n_embd,
+                                        .seq = opt.model.block_size});
+  opt.strategy = r.strategy;
+  opt.pipeline = r.pipeline;
+  opt.hsdp_replicas = r.hsdp_replicas;
+  opt.batch_size = r.batch_size;
+  if (r.plan && dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
+    DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << r.plan->table();
   }
 }
 

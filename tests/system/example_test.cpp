@@ -102,6 +102,7 @@ TEST(FashionMnistExample, HybridEqualsDdp) {
 // ZeRO stages 1-3 train to DDP's parameters, bit for bit: the same
 // initialisation, batches and dropout masks, gradients averaged in the same
 // order, and Adam's elementwise update on shards instead of whole tensors.
+// The same through the plan flags, and HSDP against DDP on 4 ranks.
 TEST(FashionMnistExample, ZeroStagesEqualDdp) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
   const std::string common = "--epochs 1 --train-limit 512 --batch-size 32 --seed 5 --devices cpu ";
@@ -114,6 +115,23 @@ TEST(FashionMnistExample, ZeroStagesEqualDdp) {
     EXPECT_EQ(done["strategy"], stage);
     EXPECT_EQ(done["params_fnv"], last_json_line(ddp.stdout_text)["params_fnv"]) << stage;
   }
+  // The same as a plan: --dp-shard 2 at stage 3 with the global batch (32 per rank).
+  const auto plan = run(common + "--dp-shard 2 --zero-stage 3 --global-batch-size 64", kLaunch + " 2");
+  ASSERT_EQ(plan.exit_code, 0) << plan.stderr_text;
+  EXPECT_EQ(last_json_line(plan.stdout_text)["strategy"], "zero3");
+  EXPECT_EQ(last_json_line(plan.stdout_text)["params_fnv"], last_json_line(ddp.stdout_text)["params_fnv"]);
+  // HSDP, 2 replicas x 2 shards, against DDP on 4 ranks with the same global
+  // batch: the reductions round differently (reduce-scatter, then all-reduce
+  // over replicas), so the check is the accuracy, not the bits.
+  const std::string four = "--epochs 1 --train-limit 512 --seed 5 --devices cpu ";
+  const auto ddp4 = run(four + "--strategy ddp --batch-size 16", kLaunch + " 4");
+  ASSERT_EQ(ddp4.exit_code, 0) << ddp4.stderr_text;
+  const auto hsdp = run(four + "--dp-replicate 2 --dp-shard 2 --global-batch-size 64", kLaunch + " 4");
+  ASSERT_EQ(hsdp.exit_code, 0) << hsdp.stderr_text;
+  EXPECT_NE(hsdp.stderr_text.find("parallelism plan"), std::string::npos) << hsdp.stderr_text;
+  EXPECT_NEAR(last_json_line(hsdp.stdout_text)["test_accuracy"].get<double>(),
+              last_json_line(ddp4.stdout_text)["test_accuracy"].get<double>(), 0.005)
+      << hsdp.stdout_text << ddp4.stdout_text;
 }
 
 // The Trainer's PipelineStrategy: the CNN cut into two stages on two
