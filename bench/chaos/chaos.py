@@ -314,12 +314,13 @@ class Soak:
         """A killed node comes back pointed at the current store host, as a Kubernetes Service in front
         of the rendezvous would route it: not while no node hosts a store (every survivor is still
         failing over; a Service has no ready endpoint then), and a restarted node that has not joined
-        a round yet is pointed again when the host it was given is lost. Only when no survivor is
-        failing over and none hosts (all lost) does it start at node 0's address, which hosts afresh."""
+        a round yet is pointed again when the host it was given is lost. When no store is up and no
+        live node was ever in a round since it started (every member lost: a job restart), nodes
+        are pointed at node 0's address, and node 0 hosts afresh there."""
         now = time.time()
         target = self.hosting()
-        if target is None and not any(n.alive() and n.seeking() for n in self.nodes):
-            target = 0 if not any(n.alive() for n in self.nodes) or not self.nodes[0].alive() else None
+        if target is None and not any(n.alive() and (n.seeking() or n.joined()) for n in self.nodes):
+            target = 0  # every member is lost (the live nodes came since, in no round): the job starts afresh
         for due, node in [p for p in self.pending_restarts if now >= p[0]]:
             if target is None and now - due < self.args.restart_hold:
                 continue
