@@ -11,7 +11,10 @@ injects faults at random times drawn from a fixed seed:
   disk_full        the checkpoint directory (a small tmpfs) filled for a while, then freed
 
 A killed node is started again after a pause, pointed at the current store
-host (what a Kubernetes Service in front of the rendezvous gives a real job).
+host (what a Kubernetes Service in front of the rendezvous gives a real job):
+held while no store is up and a survivor is failing over, pointed again if
+that host is lost before the node is in a round, and pointed at node 0 (which
+hosts afresh) when every member is lost.
 Faults come one at a time: the next is due a random 5-9 s after the last and
 waits until all three nodes train together again.
 
