@@ -11,7 +11,10 @@ injects faults at random times drawn from a fixed seed:
   disk_full        the checkpoint directory (a small tmpfs) filled for a while, then freed
 
 A killed node is started again after a pause, pointed at the current store
-host (what a Kubernetes Service in front of the rendezvous gives a real job).
+host (what a Kubernetes Service in front of the rendezvous gives a real job):
+held while no store is up and a survivor is failing over, pointed again if
+that host is lost before the node is in a round, and pointed at node 0 (which
+hosts afresh) when every member is lost.
 Faults come one at a time: the next is due a random 5-9 s after the last and
 waits until all three nodes train together again.
 
@@ -97,9 +100,11 @@ class Node:
     def __init__(self, index, soak):
         self.index, self.soak, self.proc, self.starts = index, soak, None, 0
 
-    def start(self, endpoint_host):
+    def start(self, endpoint_index):
         s = self.soak
         self.starts += 1
+        self.endpoint = endpoint_index
+        endpoint_host = s.lan.address(endpoint_index)
         self.log = os.path.join(s.dir, f"node{self.index}.{self.starts}.log")
         args = s.lan.wrap(self.index) + [
             s.dtrain, "run", "--nnodes", "2:3", "--nproc-per-node", "1",
@@ -117,6 +122,18 @@ class Node:
 
     def alive(self):
         return self.proc is not None and self.proc.poll() is None
+
+    def seeking(self):
+        """Failing over: lost its store (or followed one that yielded) and not yet in the next one."""
+        text = self.text()
+        lost = max(text.rfind("lost the rendezvous store at"), text.rfind("yielded to the one at"))
+        found = max(text.rfind("hosting the rendezvous store of generation"),
+                    text.rfind("joined the rendezvous store of generation"))
+        return lost > found
+
+    def joined(self):
+        """A member of a round (not just arrived, perhaps at a store no one else uses)."""
+        return re.search(r"round \d+: node rank", self.text()) is not None
 
     def text(self):
         return open(self.log, errors="replace").read() if self.proc else ""
@@ -165,14 +182,14 @@ class Soak:
         return max((x["step"] for x in r), default=0)
 
     def host(self):
-        """Index of the live node hosting the store of the newest generation (0 for the first store)."""
+        """Index of the live node hosting the store of the newest generation (0 when none does)."""
         best, best_gen = 0, -1
         for n in self.nodes:
             if not n.alive():
                 continue
             text = n.text()
             gens = [int(g) for g in re.findall(r"hosting the rendezvous store of generation (\d+)", text)]
-            if "hosting the rendezvous store on port" in text and n.starts == 1 and n.index == 0:
+            if "hosting the rendezvous store on port" in text and n.endpoint == n.index:
                 gens.append(0)
             joined = [m.start() for m in re.finditer(r"joined the rendezvous store of generation|yielded to", text)]
             hosted = [m.start() for m in re.finditer(r"hosting the rendezvous store of generation", text)]
@@ -202,7 +219,7 @@ class Soak:
         for r in self.records():
             if r["t_ns"] / 1e9 <= ev["t"] or r["world"] != 3:
                 continue
-            if (r["round"] > ev["round"]) if regroup else (r["step"] >= ev["step"] + 2):
+            if (r["round"] != ev["round"]) if regroup else (r["step"] >= ev["step"] + 2):
                 return True
         return False
 
@@ -285,11 +302,40 @@ class Soak:
         gens = [int(g) for g in re.findall(r"hosting the rendezvous store of generation (\d+)", node.text())]
         return max(gens, default=0)
 
+    def hosting(self):
+        """Index of the live node that hosts the newest store now; None while none does."""
+        h = self.nodes[self.host()]
+        if not h.alive() or h.seeking():
+            return None
+        text = h.text()
+        if "hosting the rendezvous store" not in text or (h.endpoint != h.index and
+                                                         "hosting the rendezvous store of generation" not in text):
+            return None
+        return h.index
+
     def housekeeping(self):
+        """A killed node comes back pointed at the current store host, as a Kubernetes Service in front
+        of the rendezvous would route it: not while no node hosts a store (every survivor is still
+        failing over; a Service has no ready endpoint then), and a restarted node that has not joined
+        a round yet is pointed again when the host it was given is lost. When no store is up and no
+        live node was ever in a round since it started (every member lost: a job restart), nodes
+        are pointed at node 0's address, and node 0 hosts afresh there."""
         now = time.time()
+        target = self.hosting()
+        if target is None and not any(n.alive() and (n.seeking() or n.joined()) for n in self.nodes):
+            target = 0  # every member is lost (the live nodes came since, in no round): the job starts afresh
         for due, node in [p for p in self.pending_restarts if now >= p[0]]:
-            node.start(self.lan.address(self.host()))
+            if target is None and now - due < self.args.restart_hold:
+                continue
+            node.start(target if target is not None else self.host())
             self.pending_restarts.remove((due, node))
+        for n in self.nodes:
+            if n.alive() and n.starts > 1 and not n.joined() and target is not None and n.endpoint != target:
+                os.killpg(n.proc.pid, signal.SIGKILL)
+                n.proc.wait()
+                n.start(target)
+                print(f"[chaos] t={now - self.t_first:6.1f}s   node {n.index} (not in a round yet) pointed again, "
+                      f"at node {target}", flush=True)
         for item in [f for f in self.followups if now >= f[0]]:
             if self.follow_up(item[1], item[0]):
                 self.followups.remove(item)
@@ -309,10 +355,10 @@ class Soak:
         kinds = [k for k in a.kinds.split(",") if k]
         plan = [kinds[i % len(kinds)] for i in range(a.faults)]
         rng.shuffle(plan)
-        self.nodes[0].start(self.lan.address(0))
+        self.nodes[0].start(0)
         time.sleep(1.0)
-        self.nodes[1].start(self.lan.address(0))
-        self.nodes[2].start(self.lan.address(0))
+        self.nodes[1].start(0)
+        self.nodes[2].start(0)
         start = time.time()
         while self.step_now() < 1 and time.time() - start < 120:
             time.sleep(0.2)
@@ -331,7 +377,7 @@ class Soak:
                 kind = plan[0]
                 recs = self.records()
                 step = max((x["step"] for x in recs), default=0)
-                round_now = max((x["round"] for x in recs), default=-1)
+                round_now = max(((x["t_ns"], x["round"]) for x in recs), default=(0, -1))[1]  # the newest record's
                 host_gen = max((self.hosted_generation(n) for n in self.nodes if n.alive()), default=0)
                 if self.inject(kind, rng):
                     self.events.append({"kind": kind, "t": time.time(), "step": step, "round": round_now,
@@ -367,13 +413,16 @@ class Soak:
         checkpoint_ok = bool(done and loaded and loaded["params_fnv"] == done["params_fnv"])
         # Sample audit.
         recs = self.records()
+        # A step's execution: its records of one round within a moment of each other. Round numbers
+        # alone do not tell executions apart: a store hosted afresh (every node lost) counts from 0 again.
         latest = {}  # step -> (t, round)
         for r in recs:
             if r["step"] not in latest or r["t_ns"] > latest[r["step"]][0]:
                 latest[r["step"]] = (r["t_ns"], r["round"])
         per_epoch, batch_max = {}, {}
         for r in recs:
-            if latest[r["step"]][1] == r["round"]:
+            t, rnd = latest[r["step"]]
+            if rnd == r["round"] and t - r["t_ns"] < 2e9:
                 per_epoch.setdefault(r["epoch"], []).extend(r["indices"])
                 batch_max[r["epoch"]] = max(batch_max.get(r["epoch"], 0), len(r["indices"]) * r["world"])
         steps = sorted(latest)
@@ -388,9 +437,9 @@ class Soak:
         # re-formed and trains again); when no new round formed (the fault cost nothing), until the next step.
         lost = {}
         for ev in self.events:
-            before = [r["round"] for r in recs if r["t_ns"] / 1e9 <= ev["t"]]
-            round_at = max(before, default=-1)
-            later = [r["t_ns"] / 1e9 for r in recs if r["round"] > round_at and r["t_ns"] / 1e9 > ev["t"]]
+            before = [(r["t_ns"], r["round"]) for r in recs if r["t_ns"] / 1e9 <= ev["t"]]
+            round_at = max(before, default=(0, -1))[1]  # the newest record's (a fresh store counts from 0)
+            later = [r["t_ns"] / 1e9 for r in recs if r["round"] != round_at and r["t_ns"] / 1e9 > ev["t"]]
             nxt = [r["t_ns"] / 1e9 for r in recs if r["t_ns"] / 1e9 > ev["t"]]
             back = min(later) if later else (min(nxt) if nxt else self.t_end)
             lost.setdefault(ev["kind"], []).append(round(back - ev["t"], 2))
@@ -418,6 +467,8 @@ def main():
     p.add_argument("--gap-min", type=float, default=5.0)
     p.add_argument("--gap-max", type=float, default=9.0)
     p.add_argument("--restart-after", type=float, default=4.0)
+    p.add_argument("--restart-hold", type=float, default=30.0,
+                   help="longest a restart waits for a store host to point the node at")
     p.add_argument("--disk-full-seconds", type=float, default=6.0)
     p.add_argument("--ckpt-mb", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0)

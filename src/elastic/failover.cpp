@@ -12,9 +12,12 @@
 //   CommunicationError (the host's process is gone: connection reset; or the
 //   client's timeout under a partition). The entry point then fails over.
 // - Seeking (Failover). A survivor walks its view's members in node-rank
-//   order, skipping lost hosts. When the candidate is itself, it hosts
-//   generation G+1 at its own address and the endpoint's port and seeds it:
-//   run id, --nnodes, its view round as closed (with the members' records,
+//   order, then itself when it is no member (it arrived after the view round
+//   closed, and waited for the next), skipping lost hosts: so when every
+//   member is lost, the late arrivals still host among themselves (and the
+//   gate below leaves one of their stores). When the candidate is itself,
+//   it hosts generation G+1 at its own address and the endpoint's port and
+//   seeds it: run id, --nnodes, its view round as closed (with the members' records,
 //   so that a node that never saw that round can read it) and ended by a
 //   membership change, the quorum, and its standing -- `view` (the round it
 //   was seeded from), `generation`, `host` (addr:port) -- with `generation`
@@ -119,7 +122,13 @@ int failover_quorum(std::size_t members, bool quorum_min) {
 }
 
 Failover::Failover(FailoverView view, FailoverOptions options, FailoverNet net)
-    : view_(std::move(view)), opt_(std::move(options)), net_(std::move(net)) {}
+    : view_(std::move(view)), opt_(std::move(options)), net_(std::move(net)), candidates_(view_.members) {
+  // A node that arrived after its view round closed is no member of it; it
+  // comes last, so that it hosts only once every member was tried or is lost.
+  const bool member = std::any_of(candidates_.begin(), candidates_.end(),
+                                  [&](const FailoverView::Member& m) { return m.id == opt_.node_id; });
+  if (!member) candidates_.push_back({.id = opt_.node_id, .addr = opt_.addr, .record = ""});
+}
 
 void Failover::follow(const std::string& addr) {
   following_ = addr;
@@ -160,18 +169,18 @@ Failover::Status Failover::step() {
   auto lost = [&](const std::string& id) {
     return std::find(view_.lost_hosts.begin(), view_.lost_hosts.end(), id) != view_.lost_hosts.end();
   };
-  // Lost hosts are skipped, unless every other member is lost too: a host
+  // Lost hosts are skipped, unless every other candidate is lost too: a host
   // lost to a partition may be back, and its store is then joined again.
-  const bool anyone = std::any_of(view_.members.begin(), view_.members.end(),
-                                  [&](const FailoverView::Member& m) { return !lost(m.id); });
-  while (anyone && candidate_ < view_.members.size() && lost(view_.members[candidate_].id)) ++candidate_;
-  if (candidate_ >= view_.members.size()) {
+  const bool anyone =
+      std::any_of(candidates_.begin(), candidates_.end(), [&](const FailoverView::Member& m) { return !lost(m.id); });
+  while (anyone && candidate_ < candidates_.size() && lost(candidates_[candidate_].id)) ++candidate_;
+  if (candidate_ >= candidates_.size()) {
     if (opt_.max_passes > 0 && ++passes_ >= opt_.max_passes) return Status::kGaveUp;
     candidate_ = 0;
     tries_ = 0;
     return Status::kSeeking;
   }
-  const FailoverView::Member& c = view_.members[candidate_];
+  const FailoverView::Member& c = candidates_[candidate_];
   if (c.id == opt_.node_id) {
     if (auto s = net_.host()) {
       seed(*s);

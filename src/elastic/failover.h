@@ -77,7 +77,8 @@ struct FailoverOptions {
 };
 
 // Finds the store that follows the lost one: walks the view's members in
-// node-rank order, skipping lost hosts; hosts a new store when the candidate
+// node-rank order, then this node when it is no member (it arrived after the
+// view round closed), skipping lost hosts; hosts a new store when the candidate
 // is this node, joins a candidate's store when it is seeded and not outranked
 // by this node's own view (or its first round has closed already), and
 // follows "moved" records. Contract: step() until it returns other than
@@ -110,6 +111,7 @@ class Failover {
   FailoverView view_;
   FailoverOptions opt_;
   FailoverNet net_;
+  std::vector<FailoverView::Member> candidates_;  // the view's members, then this node if it is none
   std::size_t candidate_ = 0;
   int tries_ = 0;
   int passes_ = 0;

@@ -32,9 +32,10 @@
 //
 // Store-host failover: see Note [Store-host failover] in failover.cpp. The
 // rendezvous keeps what a node knows (the known round, lost hosts,
-// acquaintances), drives the Failover machine when its store is lost
-// (State::failover), and runs the FirstRoundGate while the first round of a
-// failover store forms and before it closes.
+// acquaintances; rendezvous_state.h), drives the Failover machine when its
+// store is lost (State::failover, in rendezvous_failover.cpp), and runs the
+// FirstRoundGate while the first round of a failover store forms and before
+// it closes.
 #include "dtrain/elastic/rendezvous.h"
 
 #include "../core/net.h"
@@ -49,10 +50,7 @@
 #include <thread>
 
 #include "dtrain/elastic/agent.h"
-#include "dtrain/error.h"
-#include "dtrain/log.h"
-#include "failover.h"
-#include "rendezvous_keys.h"
+#include "rendezvous_state.h"
 
 namespace dtrain::elastic {
 
@@ -81,12 +79,12 @@ RoundEnding StandaloneRendezvous::report_failure(const WorkerExit& failure) {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-constexpr auto kPollSleep = std::chrono::milliseconds(20);
-
+using detail::Clock;
 using detail::decode;
 using detail::encode;
 using detail::key;
+using detail::kPollSleep;
+using detail::NodeRecord;
 using detail::round_key;
 
 std::string make_node_id() {
@@ -98,150 +96,7 @@ std::string make_node_id() {
   return std::string(host) + ":" + std::to_string(::getpid()) + ":" + suffix;
 }
 
-struct NodeRecord {
-  int index = 0;  // arrival index
-  std::string id;
-  std::string addr;
-  int nproc = 1;
-  int node_rank = -1;
-  bool hosts = false;  // hosted the store when it joined
-  std::string record;  // as stored (JSON)
-};
-
 }  // namespace
-
-struct StoreRendezvous::State {
-  std::shared_ptr<RendezvousStore> store;
-  StoreRendezvousOptions opt;
-  std::string node_id;
-  int next_round = -1;  // -1: never joined
-  // The current round.
-  int round = -1;
-  int restart_count = 0;
-  int my_index = -1;
-  std::vector<NodeRecord> members;  // in node-rank order
-  std::vector<std::int64_t> peer_beat;
-  std::vector<Clock::time_point> peer_seen;
-  Clock::time_point last_heartbeat{};
-  Clock::time_point last_peer_check{};
-  int generation = 0;   // stores hosted so far after the first (Note [Store-host failover])
-  std::string where;    // the current store's address, for messages (the endpoint until a failover)
-  std::string host_id;  // who hosts the current store ("": the first store, whose host's record says so)
-  // The last closed round this node knows (as a member, or the one before the
-  // round it waits in): who would host the next generation.
-  int known_round = -1;
-  int known_restarts = 0;
-  std::vector<NodeRecord> known_members;   // in node-rank order
-  std::vector<std::string> lost_hosts;     // ids of store hosts known lost
-  std::vector<std::string> acquaintances;  // addresses seen in rounds: where competing stores may be
-  std::optional<std::string> moved_to;     // the current store yielded to the one at this address
-
-  void remember(const std::string& addr) {
-    if (std::find(acquaintances.begin(), acquaintances.end(), addr) == acquaintances.end()) {
-      acquaintances.push_back(addr);
-    }
-  }
-  detail::FailoverNet net();
-  // Whether round r is the first of a failover store (its FirstRoundGate decides whether it closes).
-  bool gated(int r) { return generation > 0 && r == first_round(); }
-  // Runs the gate's sweep to the end and, when `close`, settles the first
-  // round as closed; false when the store yielded instead (moved_to set).
-  bool sweep(detail::FirstRoundGate& gate, bool close);
-  // Stores this node hosted and then yielded: kept up so that their nodes read where they moved.
-  std::vector<std::shared_ptr<RendezvousStore>> retired;
-
-  // Round r's `closed` members from their records, in node-rank order.
-  std::vector<NodeRecord> read_members(int r, int closed, Clock::time_point deadline);
-
-  // The first round of this store's generation (0 for the first store).
-  int first_round() {
-    const auto v = store->try_get(key("first_round"));
-    return v ? std::stoi(*v) : 0;
-  }
-
-  // Nodes the first round of a generation needs besides MIN (0: none).
-  int quorum_for(int r) {
-    if (r != first_round()) return 0;
-    const auto v = store->try_get(key("quorum"));
-    return v ? std::stoi(*v) : 0;
-  }
-
-  // Note [Store-host failover]: after the store's host was lost (or the store
-  // yielded: moved_to), moves to the store that follows it, hosting it when
-  // this node is the first live member of its view; false when this node never
-  // was a member (it knows no one) or nothing was found within --rdzv-timeout.
-  bool failover(const std::string& why);
-
-  void heartbeat(bool force = false) {
-    const auto now = Clock::now();
-    if (!force && now - last_heartbeat < opt.heartbeat_interval) return;
-    store->add(key("hb/" + node_id), 1);
-    last_heartbeat = now;
-  }
-
-  bool exists(const std::string& k) { return store->try_get(k).has_value(); }
-
-  std::optional<RoundEnding> ended() {
-    if (auto v = store->try_get(round_key(round, "end"))) return decode(*v);
-    return std::nullopt;
-  }
-
-  RoundEnding end_round(const RoundEnding& mine) {
-    return decode(store->create_if_absent(round_key(round, "end"), encode(mine)));
-  }
-
-  enum class Peer { kAlive, kDone, kLost };
-  Peer peer_status(std::size_t j) {
-    if (members[j].id == node_id) return Peer::kAlive;
-    if (exists(round_key(round, "left" + std::to_string(members[j].index)))) return Peer::kDone;
-    const auto v = store->try_get(key("hb/" + members[j].id));
-    const std::int64_t beat = v ? std::stoll(*v) : 0;
-    const auto now = Clock::now();
-    if (beat != peer_beat[j]) {
-      peer_beat[j] = beat;
-      peer_seen[j] = now;
-    }
-    return now - peer_seen[j] > opt.heartbeat_timeout ? Peer::kLost : Peer::kAlive;
-  }
-
-  std::optional<std::string> lost_peer() {
-    for (std::size_t j = 0; j < members.size(); ++j) {
-      if (peer_status(j) == Peer::kLost) return members[j].id;
-    }
-    return std::nullopt;
-  }
-
-  void track_peers() {
-    peer_beat.assign(members.size(), -1);
-    peer_seen.assign(members.size(), Clock::now());
-  }
-
-  // The newest round that has arrivals.
-  int newest_round() {
-    int r = first_round();
-    while (exists(round_key(r + 1, "joined"))) ++r;
-    return r;
-  }
-
-  // Restart count of round r: that of the newest closed round before it,
-  // plus one if that round ended in a failure.
-  int restarts_for(int r) {
-    for (int q = r - 1; q >= 0; --q) {
-      if (!exists(round_key(q, "closed"))) continue;
-      const auto rc = store->try_get(round_key(q, "restarts"));
-      const auto end = store->try_get(round_key(q, "end"));
-      const int base = rc ? std::stoi(*rc) : 0;
-      return base + (end && decode(*end).kind == RoundEnding::Kind::kFailure ? 1 : 0);
-    }
-    return 0;
-  }
-
-  [[noreturn]] void timed_out(const std::string& what) {
-    throw TimeoutError("rendezvous at " + where + " (run '" + opt.run_id + "'): " + what + " within " +
-                           log::format_seconds(opt.timeout) + ".",
-                       "start the other nodes with the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout");
-  }
-};
 
 std::vector<NodeRecord> StoreRendezvous::State::read_members(int r, int closed, Clock::time_point deadline) {
   std::vector<NodeRecord> out;
@@ -266,123 +121,6 @@ std::vector<NodeRecord> StoreRendezvous::State::read_members(int r, int closed, 
     return (a.node_rank < 0 ? INT_MAX : a.node_rank) < (b.node_rank < 0 ? INT_MAX : b.node_rank);
   });
   return out;
-}
-
-detail::FailoverNet StoreRendezvous::State::net() {
-  // Probes of other nodes are short (an address with no store costs the whole
-  // probe): a candidate that is not up yet gets more tries.
-  const auto probe = std::max(opt.heartbeat_interval, std::chrono::milliseconds(1000));
-  auto connect = [this, probe](const std::string& addr) -> std::shared_ptr<RendezvousStore> {
-    try {
-      return opt.reconnect(addr, opt.port, /*host_it=*/false, probe);
-    } catch (const std::exception&) {
-      return nullptr;
-    }
-  };
-  auto host = [this]() -> std::shared_ptr<RendezvousStore> {
-    retired.clear();  // a store this node yielded holds the port
-    try {
-      return opt.reconnect(opt.local_addr, opt.port, /*host_it=*/true, opt.heartbeat_timeout);
-    } catch (const std::exception&) {
-      return nullptr;  // the port may stay bound for a moment after its holder died
-    }
-  };
-  return {.connect = connect, .host = host};
-}
-
-bool StoreRendezvous::State::sweep(detail::FirstRoundGate& gate, bool close) {
-  gate.begin();
-  for (;;) {
-    heartbeat();
-    switch (gate.step()) {
-      case detail::FirstRoundGate::Status::kProbing: continue;
-      case detail::FirstRoundGate::Status::kClear:
-        if (!close || gate.settle()) return true;
-        [[fallthrough]];
-      case detail::FirstRoundGate::Status::kYield: moved_to = gate.moved_to(); return false;
-    }
-  }
-}
-
-bool StoreRendezvous::State::failover(const std::string& why) {
-  if (!opt.reconnect || known_round < 0 || known_members.empty()) return false;
-  const bool moving = moved_to.has_value();
-  if (!moving) {  // the host is lost: never a candidate again
-    if (!host_id.empty()) lost_hosts.push_back(host_id);
-    for (const NodeRecord& m : members) {
-      if (host_id.empty() && m.hosts) lost_hosts.push_back(m.id);
-    }
-    for (const NodeRecord& m : known_members) {
-      if (host_id.empty() && m.hosts) lost_hosts.push_back(m.id);
-    }
-  }
-  detail::FailoverView view{.round = known_round,
-                            .restarts = known_restarts,
-                            .generation = generation,
-                            .lost_hosts = lost_hosts,
-                            .acquaintances = acquaintances};
-  for (const NodeRecord& m : known_members) view.members.push_back({.id = m.id, .addr = m.addr, .record = m.record});
-  const std::string port = ":" + std::to_string(opt.port);
-  detail::Failover seek(view,
-                        {.node_id = node_id,
-                         .addr = opt.local_addr,
-                         .port_suffix = port,
-                         .run_id = opt.run_id,
-                         .min_nodes = opt.min_nodes,
-                         .max_nodes = opt.max_nodes,
-                         .quorum_min = opt.failover_quorum_min},
-                        net());
-  if (moving) {
-    if (store->hosts_store()) retired.push_back(store);
-    DTRAIN_LOG(kWarning) << "the rendezvous store at " << where << " yielded to the one at " << *moved_to << port
-                         << "; following it";
-    seek.follow(*moved_to);
-    moved_to.reset();
-  } else {
-    DTRAIN_LOG(kWarning) << "lost the rendezvous store at " << where << " (" << why.substr(0, why.find('\n'))
-                         << "); moving to generation " << generation + 1
-                         << ", hosted by the first live member of round " << known_round
-                         << " in node-rank order (or a store that outranks it)";
-  }
-  // A candidate gets two heartbeat timeouts (to notice the loss) and a last
-  // call (to host) before the next one is tried; the whole search, --rdzv-timeout.
-  const auto patience = 2 * opt.heartbeat_timeout + opt.last_call;
-  const auto deadline = Clock::now() + opt.timeout;
-  auto candidate_since = Clock::now();
-  std::string last_problem, target = seek.target();
-  for (;;) {
-    const auto status = seek.step();
-    if (status == detail::Failover::Status::kGaveUp) break;
-    if (status != detail::Failover::Status::kSeeking) {
-      store = seek.store();
-      generation = seek.facts().standing.generation;
-      host_id = seek.facts().host_id;
-      where = seek.where();
-      next_round = seek.facts().first_round;
-      remember(seek.facts().addr);
-      DTRAIN_LOG(kInfo) << (status == detail::Failover::Status::kHosting ? "hosting" : "joined")
-                        << " the rendezvous store of generation " << generation << " at " << where
-                        << " (failover; seeded from round " << seek.facts().standing.view << ")";
-      return true;
-    }
-    if (seek.target() != target) {
-      target = seek.target();
-      candidate_since = Clock::now();
-    }
-    if (seek.last_problem() != last_problem) {
-      last_problem = seek.last_problem();
-      DTRAIN_LOG(kInfo) << "failover: " << last_problem;
-    }
-    if (Clock::now() - candidate_since > patience) {
-      seek.give_up_on_candidate();
-      candidate_since = Clock::now();
-    }
-    if (Clock::now() > deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-  DTRAIN_LOG(kWarning) << "failover found no store to go on with within " << log::format_seconds(opt.timeout)
-                       << (last_problem.empty() ? "" : " (last: " + last_problem + ")");
-  return false;
 }
 
 StoreRendezvous::StoreRendezvous(std::shared_ptr<RendezvousStore> store, StoreRendezvousOptions options)

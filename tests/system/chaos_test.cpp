@@ -1,11 +1,10 @@
-// The chaos soak's short version (bench/chaos/chaos.py; the long one is
+// The chaos soak's short versions (bench/chaos/chaos.py; the long one is
 // `scripts/bench.sh chaos`): three `dtrain run` nodes in network namespaces
-// train the Fashion-MNIST example with DDP and checkpoints while one fault of
-// each kind is injected at seeded random times: a worker SIGKILLed, a worker
-// SIGSTOPped, a node SIGKILLed, the store's host SIGKILLed, a node's link cut
-// for twice the heartbeat timeout, and the checkpoint tmpfs filled. The run
-// must finish, its final checkpoint must load to the same parameters, and no
-// example may be trained on twice or skipped in any epoch.
+// train the Fashion-MNIST example with DDP and checkpoints while faults are
+// injected at seeded random times. The run must finish, its final checkpoint
+// must load to the same parameters, and no example may be trained on twice
+// or skipped in any epoch. The two soaks share a resource lock (ctest runs
+// them one after the other): each keeps both cores busy.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -24,34 +23,73 @@ std::string run_and_capture(const std::string& command, int* status) {
   *status = pipe != nullptr ? ::pclose(pipe) : -1;
   return out;
 }
-}  // namespace
 
-TEST(Chaos, OneFaultOfEachKindIsSurvivedWithoutLosingOrRepeatingExamples) {
+// Why the soak cannot run here, or "" when it can.
+std::string unsupported() {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) {
-    GTEST_SKIP() << "dataset-fashion-mnist not installed";
+    return "dataset-fashion-mnist not installed";
   }
   if (::geteuid() != 0 || std::system("ip netns list >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "needs root and iproute2 (network namespaces, link cuts, a tmpfs for the full disk)";
+    return "needs root and iproute2 (network namespaces, link cuts, a tmpfs for the full disk)";
   }
+  return "";
+}
+
+// Runs chaos.py with `args`, checks the verdict every soak must reach, and
+// returns its JSON line (with the whole output, for messages).
+nlohmann::json soak(const std::string& args, std::string* out) {
   int status = 0;
-  const std::string out =
-      run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/chaos/chaos.py --build " +
-                          DTRAIN_BINARY_DIR + " --faults 6 --epochs 3 --gap-min 4 --gap-max 6 --seed 2 2>&1",
-                      &status);
-  const auto last = out.rfind("{\"bench\": \"chaos\"");
-  ASSERT_NE(last, std::string::npos) << out;
-  const auto r = nlohmann::json::parse(out.substr(last, out.find('\n', last) - last));
-  EXPECT_TRUE(r["namespaces"].get<bool>()) << out;
-  EXPECT_TRUE(r["finished"].get<bool>()) << out;
-  EXPECT_TRUE(r["checkpoint_loads"].get<bool>()) << out;
+  *out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/chaos/chaos.py --build " +
+                             DTRAIN_BINARY_DIR + " " + args + " 2>&1",
+                         &status);
+  const auto last = out->rfind("{\"bench\": \"chaos\"");
+  if (last == std::string::npos) {
+    ADD_FAILURE() << *out;
+    return {};
+  }
+  const auto r = nlohmann::json::parse(out->substr(last, out->find('\n', last) - last));
+  EXPECT_TRUE(r["namespaces"].get<bool>()) << *out;
+  EXPECT_TRUE(r["finished"].get<bool>()) << *out;
+  EXPECT_TRUE(r["checkpoint_loads"].get<bool>()) << *out;
   EXPECT_TRUE(r["samples_ok"].get<bool>()) << r["audit"].dump();
-  EXPECT_TRUE(r["not_fired"].empty()) << out;
+  EXPECT_TRUE(r["not_fired"].empty()) << *out;
+  for (const auto& [kind, n] : r["injected"].items()) EXPECT_EQ(n.get<int>(), r["survived"][kind].get<int>()) << kind;
+  EXPECT_EQ(status, 0) << *out;
+  return r;
+}
+}  // namespace
+
+// One fault of each kind, one at a time: a worker SIGKILLed, a worker
+// SIGSTOPped, a node SIGKILLed, the store's host SIGKILLed, a node's link cut
+// for twice the heartbeat timeout, and the checkpoint tmpfs filled.
+TEST(Chaos, OneFaultOfEachKindIsSurvivedWithoutLosingOrRepeatingExamples) {
+  if (const auto why = unsupported(); !why.empty()) GTEST_SKIP() << why;
+  std::string out;
+  const auto r = soak("--faults 6 --epochs 3 --gap-min 4 --gap-max 6 --seed 2", &out);
+  ASSERT_FALSE(r.is_null());
   // One of each kind of the default mix (the overlapping kinds of --overlap
   // are reported too, at 0).
   for (const char* kind : {"worker_kill", "worker_stop", "node_kill", "store_host_kill", "link_cut", "disk_full"}) {
     EXPECT_EQ(r["injected"].value(kind, 0), 1) << kind << "\n" << out;
     EXPECT_EQ(r["survived"].value(kind, 0), 1) << kind;
   }
-  for (const auto& [kind, n] : r["injected"].items()) EXPECT_EQ(n.get<int>(), r["survived"][kind].get<int>()) << kind;
-  EXPECT_EQ(status, 0) << out;
+}
+
+// --overlap (issue 30): faults that do not wait for recovery, one of each
+// overlapping kind -- a node's link cut and the store host killed while it is
+// down (the cut node misses the round closed without it), the store host
+// killed and then its successor as soon as it hosts, a worker killed and then
+// a node while the group re-forms.
+TEST(Chaos, OverlappingFaultsAreSurvivedWithoutLosingOrRepeatingExamples) {
+  if (const auto why = unsupported(); !why.empty()) GTEST_SKIP() << why;
+  std::string out;
+  const auto r = soak(
+      "--overlap --kinds cut_then_host_kill,host_kill_twice,kill_during_reform --faults 3 --epochs 2 "
+      "--train-limit 24000 --gap-min 4 --gap-max 6 --seed 5",
+      &out);
+  ASSERT_FALSE(r.is_null());
+  for (const char* kind : {"cut_then_host_kill", "host_kill_twice", "kill_during_reform"}) {
+    EXPECT_EQ(r["injected"].value(kind, 0), 1) << kind << "\n" << out;
+    EXPECT_EQ(r["survived"].value(kind, 0), 1) << kind;
+  }
 }

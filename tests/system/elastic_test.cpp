@@ -249,13 +249,34 @@ class NamespaceLan {
 
 constexpr int kFailoverSteps = 150;
 
+// Issue 30: once a node moved to a failover store, its log names that
+// store's real address, never the endpoint's: every round it joins after the
+// move is "at" the address the move named.
+void expect_rounds_named_at_the_failover_store(const std::string& log) {
+  static const std::regex moved(R"(the rendezvous store of generation \d+ at (\S+))");
+  static const std::regex joined(R"(joined rendezvous round \d+ at (\S+))");
+  std::smatch m;
+  const auto at = std::regex_search(log, m, moved) ? m.position(0) : std::string::npos;
+  ASSERT_NE(at, std::string::npos) << log;
+  const std::string store = m[1];
+  const std::string after = log.substr(at);
+  int rounds = 0;
+  for (auto it = std::sregex_iterator(after.begin(), after.end(), joined); it != std::sregex_iterator(); ++it) {
+    EXPECT_EQ((*it)[1].str(), store) << after;
+    ++rounds;
+  }
+  EXPECT_GT(rounds, 0) << after;
+}
+
 // Note [Store-host failover]: three nodes (one worker each) run `args`, each
 // launcher through `wrap(i)` (e.g. into its network namespace); once the
 // 3-node group trains, the first node (hosting the store) is SIGKILLed. The
 // two survivors must form a 2-node round on a generation-1 store and finish
-// every step. Returns the survivors' logs for further checks.
+// every step. Returns the survivors' logs, joined (and one by one in
+// `survivor_logs`), for further checks.
 std::string expect_store_host_loss_survived(const std::vector<std::string>& args, const Scratch& s,
-                                            const std::function<std::vector<std::string>(int)>& wrap) {
+                                            const std::function<std::vector<std::string>(int)>& wrap,
+                                            std::vector<std::string>* survivor_logs = nullptr) {
   Launch a(args, s, "a", wrap(0));  // hosts the store of generation 0
   EXPECT_TRUE(wait_for([&] { return a.err().find("hosting the rendezvous store") != std::string::npos; })) << a.err();
   Launch b(args, s, "b", wrap(1));
@@ -272,6 +293,7 @@ std::string expect_store_host_loss_survived(const std::vector<std::string>& args
   EXPECT_NE(both.find("hosting the rendezvous store of generation 1"), std::string::npos) << both;
   EXPECT_NE(both.find("joined the rendezvous store of generation 1"), std::string::npos) << both;
   EXPECT_EQ(both.find("restarting the workers"), std::string::npos) << both;
+  if (survivor_logs != nullptr) *survivor_logs = {b.err(), c.err()};
   return both;
 }
 }  // namespace
@@ -350,7 +372,8 @@ TEST(Elastic, AStoreHostLossWithoutMajorityStopsUnlessQuorumIsMin) {
 }
 
 // The same failover with real addresses: the successor hosts generation 1 at
-// its own address (10.77.0.2 or .3), and the other survivor finds it there.
+// its own address (10.77.0.2 or .3), the other survivor finds it there, and
+// both logs name that address for every round after the move.
 TEST(Elastic, StoreHostLossIsSurvivedAcrossNetworkNamespaces) {
   NamespaceLan net(3);
   if (!net.usable()) GTEST_SKIP() << "cannot create network namespaces here (needs root and iproute2)";
@@ -374,10 +397,13 @@ TEST(Elastic, StoreHostLossIsSurvivedAcrossNetworkNamespaces) {
                                          "--stop-grace",
                                          "2",
                                          kWorker};
-  const std::string both = expect_store_host_loss_survived(args, s, [&](int i) { return net.in(i); });
+  std::vector<std::string> logs;
+  const std::string both = expect_store_host_loss_survived(
+      args, s, [&](int i) { return net.in(i); }, &logs);
   ::unsetenv("GLOO_SOCKET_IFNAME");
   EXPECT_TRUE(both.find("hosting the rendezvous store of generation 1 at 10.77.0.2:29400") != std::string::npos ||
               both.find("hosting the rendezvous store of generation 1 at 10.77.0.3:29400") != std::string::npos)
       << both;
   EXPECT_NE(both.find("joined the rendezvous store of generation 1 at 10.77.0."), std::string::npos) << both;
+  for (const std::string& log : logs) expect_rounds_named_at_the_failover_store(log);
 }

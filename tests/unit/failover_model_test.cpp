@@ -13,8 +13,10 @@
 //     closed holds a majority of the live nodes (training in it, or waiting
 //     for its next round), whenever the live nodes are a majority of the job's.
 // Schedules: every interleaving of the issue-30 history (the partitioned
-// node, excluded from the newest round, then the store host killed), and
-// seeded random ones; DTRAIN_FAILOVER_SCHEDULES raises their number (bench).
+// node, excluded from the newest round, then the store host killed) and of
+// late arrivals outliving every member of their view (both found by the
+// chaos soak), and seeded random ones over both histories;
+// DTRAIN_FAILOVER_SCHEDULES raises their number (bench).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -337,24 +339,44 @@ struct Outcome {
   std::string why;
 };
 
+// Where each node starts: a member of `round` (or waiting after it), which
+// closed with `members`, on node 0's store.
+struct Start {
+  int round = 0;
+  std::vector<int> members;
+};
+
+// The issue-30 history: round 0 had nodes 0..n-1 on node 0's store; node 1
+// was cut off and round 1 closed without it; node 0's store is the one in use.
+std::vector<Start> issue30_history(int n) {
+  std::vector<int> all, newest;
+  for (int i = 0; i < n; ++i) {
+    all.push_back(i);
+    if (i != 1) newest.push_back(i);
+  }
+  std::vector<Start> starts;
+  for (int i = 0; i < n; ++i) starts.push_back(i == 1 ? Start{0, all} : Start{1, newest});
+  return starts;
+}
+
+// Late arrivals: round 1 closed with nodes 0 and 1 only; nodes 2..n-1 arrived
+// after it and wait for round 2, so round 1 is their view without them in it.
+std::vector<Start> late_arrivals_history(int n) {
+  return std::vector<Start>(static_cast<std::size_t>(n), Start{1, {0, 1}});
+}
+
 class Model {
  public:
-  // The issue-30 history: round 0 had nodes 0..n-1 on node 0's store; node 1
-  // was cut off and round 1 closed without it; node 0's store is the one in use.
-  explicit Model(int n) {
+  explicit Model(const std::vector<Start>& starts) {
+    const int n = static_cast<int>(starts.size());
     w_.n = n;
     w_.alive.assign(n, true);
     w_.cut.assign(n, std::vector<bool>(n, false));
     w_.hosted.resize(n);
     w_.hosted[0] = Hosted{std::make_shared<MapStore>(), ++w_.incarnations};
-    std::vector<int> all, newest;
-    for (int i = 0; i < n; ++i) {
-      all.push_back(i);
-      if (i != 1) newest.push_back(i);
-    }
     nodes_.reserve(static_cast<std::size_t>(n));  // nodes hand out pointers to themselves
     for (int i = 0; i < n; ++i) nodes_.emplace_back(w_, i);
-    for (int i = 0; i < n; ++i) nodes_[i].start(i == 1 ? 0 : 1, i == 1 ? all : newest, 0);
+    for (int i = 0; i < n; ++i) nodes_[i].start(starts[i].round, starts[i].members, 0);
   }
 
   void apply(const Fault& f) {
@@ -434,8 +456,10 @@ class Model {
 
 // Runs one schedule: `order` says which node steps (or, for -1 - k, which
 // fault k fires); then faults stop, links heal, and every node steps in turn.
-Outcome run_schedule(int n, const std::vector<int>& order, const std::vector<Fault>& faults) {
-  Model m(n);
+Outcome run_schedule(const std::vector<Start>& starts, const std::vector<int>& order,
+                     const std::vector<Fault>& faults) {
+  const int n = static_cast<int>(starts.size());
+  Model m(starts);
   for (int x : order) {
     if (x < 0) {
       m.apply(faults[static_cast<std::size_t>(-1 - x)]);
@@ -478,7 +502,7 @@ TEST(FailoverModel, PartitionedNodeThenStoreHostKilledConvergesInEveryInterleavi
         if (k == heal_at) order.push_back(-3);
         if (k < kPrefix) order.push_back((mask >> k) & 1 ? 2 : 1);
       }
-      const Outcome o = run_schedule(3, order, faults);
+      const Outcome o = run_schedule(issue30_history(3), order, faults);
       ++schedules;
       ASSERT_TRUE(o.ok) << o.why << "\nschedule: " << describe(order);
     }
@@ -488,7 +512,36 @@ TEST(FailoverModel, PartitionedNodeThenStoreHostKilledConvergesInEveryInterleavi
             << std::endl;
 }
 
-// Random schedules over 3 and 4 nodes: crashes (of the store host, of its
+// Late arrivals (nodes 2..4 wait for round 2; round 1 closed with nodes 0
+// and 1 only) outlive every member of their view: the store host (node 0)
+// is killed, then node 1 at every point of the race that follows. The three
+// arrivals are a majority of the five and must go on among themselves --
+// one of them hosts, under round 1's quorum (found by the soak: a node that
+// was no member of its view walked only that view's members, all dead).
+TEST(FailoverModel, LateArrivalsGoOnWhenEveryMemberOfTheirViewIsLost) {
+  const std::vector<Fault> faults = {{Fault::Kind::kCrash, 0, 0}, {Fault::Kind::kCrash, 1, 0}};
+  const int kPrefix = 5;  // steps of nodes 1..4, every sequence, before the rest runs round-robin
+  const auto start = std::chrono::steady_clock::now();
+  int schedules = 0;
+  int sequences = 1;
+  for (int k = 0; k < kPrefix; ++k) sequences *= 4;
+  for (int seq = 0; seq < sequences; ++seq) {
+    for (int crash_at = 0; crash_at <= kPrefix; ++crash_at) {
+      std::vector<int> order = {-1};
+      for (int k = 0, rest = seq; k <= kPrefix; ++k, rest /= 4) {
+        if (k == crash_at) order.push_back(-2);
+        if (k < kPrefix) order.push_back(1 + rest % 4);
+      }
+      const Outcome o = run_schedule(late_arrivals_history(5), order, faults);
+      ++schedules;
+      ASSERT_TRUE(o.ok) << o.why << "\nschedule: " << describe(order);
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::cout << "[failover model] late arrivals: " << schedules << " interleavings in " << seconds << " s" << std::endl;
+}
+
+// Random schedules over 3 to 5 nodes: crashes (of the store host, of its
 // successors), partitions and heals at random points of the protocol.
 TEST(FailoverModel, RandomCrashesPartitionsAndHealsKeepOneGroupAndProgress) {
   const char* env = std::getenv("DTRAIN_FAILOVER_SCHEDULES");
@@ -497,7 +550,10 @@ TEST(FailoverModel, RandomCrashesPartitionsAndHealsKeepOneGroupAndProgress) {
   int crash_only = 0;
   for (int seed = 0; seed < count; ++seed) {
     std::mt19937 rng(static_cast<unsigned>(seed));
-    const int n = 3 + seed % 2;
+    // Mostly the issue-30 history over 3 and 4 nodes; every fourth, late
+    // arrivals over 4 and 5 (nodes that are no members of their view).
+    const bool late = seed % 4 == 3;
+    const int n = late ? 4 + (seed / 4) % 2 : 3 + seed % 2;
     std::vector<Fault> faults;
     std::vector<int> order;
     const bool partitions = seed % 3 != 0;
@@ -525,7 +581,7 @@ TEST(FailoverModel, RandomCrashesPartitionsAndHealsKeepOneGroupAndProgress) {
       }
       order.push_back(node(rng));
     }
-    const Outcome o = run_schedule(n, order, faults);
+    const Outcome o = run_schedule(late ? late_arrivals_history(n) : issue30_history(n), order, faults);
     ASSERT_TRUE(o.ok) << o.why << "\nseed " << seed << " n " << n << " schedule: " << describe(order);
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
