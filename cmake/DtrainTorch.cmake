@@ -25,7 +25,32 @@ if(NOT DEFINED CMAKE_CUDA_STANDARD)
   set(CMAKE_CUDA_STANDARD 17)
 endif()
 
-find_package(Torch REQUIRED)
+# The LibTorch versions dtrain builds against (README "Supported LibTorch";
+# the differences are bridged in src/core/torch_compat.h). Asking for the
+# lower end lets CMake pass over older packages on the search path; the upper
+# end is checked once one is found, so both mistakes get the same message.
+set(DTRAIN_TORCH_MIN_VERSION 2.11)
+set(DTRAIN_TORCH_MAX_VERSION 2.15)
+set(_dtrain_torch_window "LibTorch ${DTRAIN_TORCH_MIN_VERSION} through ${DTRAIN_TORCH_MAX_VERSION}")
+set(_dtrain_torch_hint "HINT: point CMAKE_PREFIX_PATH (or Torch_DIR) at a LibTorch in that window, e.g. the \
+prefix a torch wheel prints with `python -c 'import torch; print(torch.utils.cmake_prefix_path)'`; \
+scripts/setup.sh installs 2.15 (scripts/setup.sh --torch 2.11.0: 2.11).")
+find_package(Torch ${DTRAIN_TORCH_MIN_VERSION} QUIET)
+if(NOT Torch_FOUND)
+  if(Torch_CONSIDERED_VERSIONS)
+    set(_dtrain_found "")
+    foreach(_config _version IN ZIP_LISTS Torch_CONSIDERED_CONFIGS Torch_CONSIDERED_VERSIONS)
+      string(APPEND _dtrain_found "\n  LibTorch ${_version} (${_config})")
+    endforeach()
+    message(FATAL_ERROR "dtrain supports ${_dtrain_torch_window}; found only:${_dtrain_found}\n${_dtrain_torch_hint}")
+  endif()
+  message(FATAL_ERROR "dtrain needs ${_dtrain_torch_window}; no LibTorch (TorchConfig.cmake) was found.\n${_dtrain_torch_hint}")
+endif()
+string(REGEX MATCH "^[0-9]+\\.[0-9]+" _dtrain_torch_minor "${Torch_VERSION}")
+if(_dtrain_torch_minor VERSION_GREATER DTRAIN_TORCH_MAX_VERSION)
+  message(FATAL_ERROR "dtrain supports ${_dtrain_torch_window}; found LibTorch ${Torch_VERSION} (${Torch_DIR}).\n"
+    "${_dtrain_torch_hint}")
+endif()
 
 if(NOT TARGET dtrain_torch_link)
   add_library(dtrain_torch_link INTERFACE IMPORTED)

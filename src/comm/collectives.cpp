@@ -22,6 +22,7 @@
 #include <map>
 
 #include "../core/serial_executor.h"
+#include "../core/torch_compat.h"
 #include "dtrain/error.h"
 #include "group_state.h"
 #include "shm_p2p.h"
@@ -264,8 +265,9 @@ Work ProcessGroup::all_gather_into(at::Tensor& output, const at::Tensor& input) 
   options.timeout = state_->timeout;
   at::Tensor flat_out = output.view({-1});
   at::Tensor flat_in = in.view({-1});
-  return detail::make_work(state_, std::move(info), c10::IValue(output),
-                           [&] { return state_->backend->all_gather_single(flat_out, flat_in, options); });
+  return detail::make_work(state_, std::move(info), c10::IValue(output), [&] {
+    return compat::backend_all_gather_single(*state_->backend, flat_out, flat_in, options);
+  });
 }
 
 std::vector<at::Tensor> ProcessGroup::all_gather(const at::Tensor& tensor) {
@@ -306,7 +308,8 @@ Work ProcessGroup::reduce_scatter(at::Tensor& output, const at::Tensor& input, R
   at::Tensor flat_in = in.view({-1});
   return detail::make_work(
       state_, std::move(info), c10::IValue(output),
-      [&] { return state_->backend->reduce_scatter_single(flat_out, flat_in, options); }, std::move(divide));
+      [&] { return compat::backend_reduce_scatter_single(*state_->backend, flat_out, flat_in, options); },
+      std::move(divide));
 }
 
 bool ProcessGroup::uses_shared_memory() const {

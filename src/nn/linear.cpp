@@ -4,17 +4,11 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "../core/torch_compat.h"
 #include "dtrain/error.h"
 
-// LibTorch exports its oneDNN matrix product (TORCH_API in
-// ATen/native/mkldnn/Matmul.h, a header the wheel does not ship):
-// result = beta * result + alpha * (mat1 @ mat2), for 2-D or batched 3-D
-// operands in row- or column-major layout. With beta = 0 `result` is only
-// written.
-namespace at::native {
-TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta,
-                             float alpha);
-}  // namespace at::native
+// oneDNN's matrix product, at::native::mkldnn_matmul, is declared in
+// torch_compat.h (its fp32 support differs between LibTorch versions).
 
 namespace dtrain::nn {
 
@@ -66,10 +60,14 @@ struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
   }
 };
 
+bool onednn_takes_fp32() {
+  return at::hasMKLDNN() && compat::onednn_matmul_takes_fp32([] { return at::ones({1, 1}); });
+}
+
 }  // namespace
 
 bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  return at::hasMKLDNN() && x.dim() >= 1 && weight.dim() == 2 && x.numel() > 0 && is_dense_cpu_float(x) &&
+  return onednn_takes_fp32() && x.dim() >= 1 && weight.dim() == 2 && x.numel() > 0 && is_dense_cpu_float(x) &&
          is_dense_cpu_float(weight) && (!bias.defined() || is_dense_cpu_float(bias)) &&
          !at::autocast::is_autocast_enabled(at::kCPU);
 }
@@ -77,7 +75,10 @@ bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at:
 at::Tensor onednn_mm(const at::Tensor& a, const at::Tensor& b) {
   DTRAIN_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), ConfigError,
                "onednn_mm: cannot multiply " << a.sizes() << " by " << b.sizes(), "pass matrices [m, k] and [k, n]");
-  DTRAIN_CHECK(at::hasMKLDNN() && is_dense_cpu_float(a) && is_dense_cpu_float(b), ConfigError,
+  DTRAIN_CHECK(onednn_takes_fp32(), ConfigError,
+               "onednn_mm: this LibTorch's oneDNN matrix product does not take fp32 matrices on this CPU",
+               "use at::mm (dtrain::nn::linear falls back to at::linear by itself)");
+  DTRAIN_CHECK(is_dense_cpu_float(a) && is_dense_cpu_float(b), ConfigError,
                "onednn_mm: takes dense fp32 CPU matrices (got " << a.toString() << " and " << b.toString() << ")",
                "use at::mm for other tensors");
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());

@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <string>
 
+#include "../../core/torch_compat.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/error.h"
 #include "replica_threads.h"
@@ -349,7 +350,7 @@ at::Tensor DataParallelEngine::forward(const at::Tensor& input,
   if (!grad_mode || !differentiable) return gathered;
 
   // See Note [Replica backward].
-  auto node = c10::make_intrusive<ReplicaBackward>();
+  auto node = compat::make_node<ReplicaBackward>();
   node->threads = s.threads;
   node->split = split;
   node->devices = s.devices;

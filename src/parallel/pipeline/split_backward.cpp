@@ -9,13 +9,15 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "../../core/torch_compat.h"
+
 namespace dtrain::pipeline::detail {
 
 namespace {
 
+using compat::NodePtr;
 using torch::autograd::Edge;
 using torch::autograd::Node;
-using NodePtr = c10::intrusive_ptr<Node>;
 
 struct Captured {
   std::vector<at::Tensor> grads;

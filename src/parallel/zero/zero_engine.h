@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "../../core/torch_compat.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 
@@ -66,7 +67,7 @@ struct Unit {
   at::Tensor reduce_input, reduce_output;
   at::Tensor grad_flat;     // stage 1: the full gradient, [world * shard] (module gradients alias it)
   bool input_done = false;  // stage 3: the gradient of the unit's input has been computed
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
+  std::vector<compat::NodePtr> accumulators;
 };
 
 class ZeroEngine {
