@@ -15,6 +15,18 @@ host (what a Kubernetes Service in front of the rendezvous gives a real job).
 Faults come one at a time: the next is due a random 5-9 s after the last and
 waits until all three nodes train together again.
 
+--overlap adds faults that do not wait for recovery (issue 30), each one kind:
+
+  cut_then_host_kill  a node's link cut, and the store host killed while it is
+                      still down or just as it comes back (the cut node misses
+                      the round closed without it, then the host is lost)
+  host_kill_twice     the store host killed, then its successor as soon as it hosts
+  kill_during_reform  a worker killed, then a node killed while the group re-forms
+
+and lets every fault fire without waiting for the last one's recovery.
+--seeds A..B runs the soak once per seed and prints the totals per kind
+(injected, survived, median and worst time lost) and each seed's audit.
+
 At the end it checks that training finished, that the final checkpoint loads
 (a single process resumes it and reports the same parameters as the run), and
 that in every epoch no example was trained on twice or skipped, across world
@@ -39,6 +51,8 @@ import tempfile
 import time
 
 KINDS = ["worker_kill", "worker_stop", "node_kill", "store_host_kill", "link_cut", "disk_full"]
+OVERLAP_KINDS = ["cut_then_host_kill", "host_kill_twice", "kill_during_reform"]
+ALL_KINDS = KINDS + OVERLAP_KINDS
 CONF = "last_call_timeout=1,heartbeat_interval=0.25,heartbeat_timeout=3"
 HEARTBEAT_TIMEOUT = 3.0
 
@@ -125,6 +139,8 @@ class Soak:
         self.example = os.path.join(args.build, "examples", "fashion_mnist")
         self.nodes = [Node(i, self) for i in range(3)]
         self.events = []  # (time, kind, step at the fault)
+        self.pending_restarts = []  # (due, node)
+        self.followups = []  # (due, what): second halves of overlapping faults
 
     def close(self):
         for n in self.nodes:
@@ -156,8 +172,12 @@ class Soak:
                 continue
             text = n.text()
             gens = [int(g) for g in re.findall(r"hosting the rendezvous store of generation (\d+)", text)]
-            if "hosting the rendezvous store on port" in text:
+            if "hosting the rendezvous store on port" in text and n.starts == 1 and n.index == 0:
                 gens.append(0)
+            joined = [m.start() for m in re.finditer(r"joined the rendezvous store of generation|yielded to", text)]
+            hosted = [m.start() for m in re.finditer(r"hosting the rendezvous store of generation", text)]
+            if joined and (not hosted or max(joined) > max(hosted)):
+                gens = []
             if gens and max(gens) > best_gen:
                 best, best_gen = n.index, max(gens)
         return best
@@ -202,9 +222,7 @@ class Soak:
             if not candidates or len(alive) < 3:
                 return False
             node = rng.choice(candidates)
-            os.killpg(node.proc.pid, signal.SIGKILL)
-            node.proc.wait()
-            self.pending_restart = (time.time() + self.args.restart_after, node)
+            self.kill(node)
             return True
         if kind == "link_cut":
             if not self.lan.usable:
@@ -216,6 +234,22 @@ class Soak:
             sh(f"ip -n {ns} link set dteth0 down")
             self.pending_link = (time.time() + 2 * HEARTBEAT_TIMEOUT, ns)
             return True
+        if kind == "cut_then_host_kill":
+            if len(alive) < 3 or not self.inject("link_cut", rng):
+                return False
+            # The host dies while the link is down, or just as it comes back (the issue-30 history).
+            self.followups.append((time.time() + rng.uniform(1.0, 2 * HEARTBEAT_TIMEOUT + 0.5), "host"))
+            return True
+        if kind == "host_kill_twice":
+            if len(alive) < 3 or not self.inject("store_host_kill", rng):
+                return False
+            self.followups.append((time.time(), "successor"))
+            return True
+        if kind == "kill_during_reform":
+            if len(alive) < 3 or not self.inject("worker_kill", rng):
+                return False
+            self.followups.append((time.time() + rng.uniform(0.5, 2.5), "node"))
+            return True
         if kind == "disk_full":
             if not self.tmpfs:
                 return False
@@ -224,12 +258,41 @@ class Soak:
             return True
         raise ValueError(kind)
 
+    def kill(self, node):
+        os.killpg(node.proc.pid, signal.SIGKILL)
+        node.proc.wait()
+        self.pending_restarts.append((time.time() + self.args.restart_after, node))
+
+    def follow_up(self, what, since):
+        """The second half of an overlapping fault; False while it is not due yet."""
+        alive = [n for n in self.nodes if n.alive()]
+        if what == "host":
+            host = self.host()
+            victims = [n for n in alive if n.index == host]
+        elif what == "successor":  # kill the next host as soon as one hosts a newer generation
+            first = self.events[-1]["host_gen"] if self.events else 0
+            victims = [n for n in alive if self.hosted_generation(n) > first]
+            if not victims and time.time() - since < 20:
+                return False
+        else:
+            victims = [n for n in alive if n.workers()]
+        if victims:
+            self.kill(victims[0] if what != "node" else random.Random(since).choice(victims))
+            print(f"[chaos] t={time.time() - self.t_first:6.1f}s   then {what} killed", flush=True)
+        return True
+
+    def hosted_generation(self, node):
+        gens = [int(g) for g in re.findall(r"hosting the rendezvous store of generation (\d+)", node.text())]
+        return max(gens, default=0)
+
     def housekeeping(self):
         now = time.time()
-        if getattr(self, "pending_restart", None) and now >= self.pending_restart[0]:
-            node = self.pending_restart[1]
+        for due, node in [p for p in self.pending_restarts if now >= p[0]]:
             node.start(self.lan.address(self.host()))
-            self.pending_restart = None
+            self.pending_restarts.remove((due, node))
+        for item in [f for f in self.followups if now >= f[0]]:
+            if self.follow_up(item[1], item[0]):
+                self.followups.remove(item)
         if getattr(self, "pending_link", None) and now >= self.pending_link[0]:
             sh(f"ip -n {self.pending_link[1]} link set dteth0 up")
             self.pending_link = None
@@ -253,21 +316,26 @@ class Soak:
         start = time.time()
         while self.step_now() < 1 and time.time() - start < 120:
             time.sleep(0.2)
-        t_first = time.time()
+        t_first = self.t_first = time.time()
         next_fault = t_first + rng.uniform(a.gap_min, a.gap_max)
         deadline = t_first + a.timeout
         while time.time() < deadline:
             self.housekeeping()
-            if not any(n.alive() for n in self.nodes) and not getattr(self, "pending_restart", None):
+            if not any(n.alive() for n in self.nodes) and not self.pending_restarts:
                 break
-            busy = any(getattr(self, p, None) for p in ("pending_restart", "pending_link", "pending_disk"))
-            if plan and not busy and time.time() >= next_fault and self.recovered():
+            busy = self.pending_restarts or self.followups or any(
+                getattr(self, p, None) for p in ("pending_link", "pending_disk"))
+            if a.overlap:  # faults do not wait for recovery, only for their own kind's resources
+                busy = getattr(self, "pending_link", None) and plan and plan[0] in ("link_cut", "cut_then_host_kill")
+            if plan and not busy and time.time() >= next_fault and (a.overlap or self.recovered()):
                 kind = plan[0]
                 recs = self.records()
                 step = max((x["step"] for x in recs), default=0)
                 round_now = max((x["round"] for x in recs), default=-1)
+                host_gen = max((self.hosted_generation(n) for n in self.nodes if n.alive()), default=0)
                 if self.inject(kind, rng):
-                    self.events.append({"kind": kind, "t": time.time(), "step": step, "round": round_now})
+                    self.events.append({"kind": kind, "t": time.time(), "step": step, "round": round_now,
+                                        "host_gen": host_gen})
                     print(f"[chaos] t={time.time() - t_first:6.1f}s {kind} at step {step}", flush=True)
                     plan.pop(0)
                 next_fault = time.time() + rng.uniform(a.gap_min, a.gap_max)
@@ -326,8 +394,8 @@ class Soak:
             nxt = [r["t_ns"] / 1e9 for r in recs if r["t_ns"] / 1e9 > ev["t"]]
             back = min(later) if later else (min(nxt) if nxt else self.t_end)
             lost.setdefault(ev["kind"], []).append(round(back - ev["t"], 2))
-        injected = {k: sum(1 for e in self.events if e["kind"] == k) for k in KINDS}
-        survived = {k: (injected[k] if finished else 0) for k in KINDS}
+        injected = {k: sum(1 for e in self.events if e["kind"] == k) for k in ALL_KINDS}
+        survived = {k: (injected[k] if finished else 0) for k in ALL_KINDS}
         result = {"bench": "chaos", "finished": finished, "exit_codes": codes, "checkpoint_loads": checkpoint_ok,
                   "samples_ok": samples_ok, "steps": len(steps), "audit": audit, "injected": injected,
                   "survived": survived, "not_fired": self.unfired, "time_lost_s": lost,
@@ -354,23 +422,72 @@ def main():
     p.add_argument("--ckpt-mb", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, records)")
+    p.add_argument("--overlap", action="store_true",
+                   help="add the overlapping kinds, and let faults fire without waiting for recovery")
+    p.add_argument("--seeds", default="", help="A..B: one soak per seed, with totals per kind")
     a = p.parse_args()
+    if a.overlap and a.kinds == ",".join(KINDS):
+        a.kinds = ",".join(ALL_KINDS)
+    seeds = [a.seed]
+    if a.seeds:
+        lo, hi = (int(x) for x in a.seeds.split(".."))
+        seeds = list(range(lo, hi + 1))
+    results = []
+    for seed in seeds:
+        a.seed = seed
+        print(f"[chaos] seed {seed}", flush=True)
+        results.append((seed, soak_once(a)))
+    if len(results) > 1:
+        summarize(results)
+    sys.exit(0 if all(ok(r) for _, r in results) else 1)
+
+
+def ok(result):
+    return result["finished"] and result["checkpoint_loads"] and result["samples_ok"] and not result["not_fired"]
+
+
+def soak_once(a):
     soak = Soak(a)
     try:
         result = soak.run()
     finally:
         soak.close()
     print(f"[chaos] scratch: {soak.dir}")
-    print("kind              injected  survived  time lost (s, each)")
-    for k in KINDS:
-        print(f"{k:18s}{result['injected'][k]:>8d}{result['survived'][k]:>10d}  {result['time_lost_s'].get(k, [])}")
+    print("kind                injected  survived  time lost (s, each)")
+    for k in ALL_KINDS:
+        if result["injected"][k]:
+            print(f"{k:20s}{result['injected'][k]:>8d}{result['survived'][k]:>10d}  {result['time_lost_s'].get(k, [])}")
     print(f"finished {result['finished']}  checkpoint loads {result['checkpoint_loads']}  samples ok "
           f"{result['samples_ok']}  steps {result['steps']}  restarts used {result['restarts_used']}")
-    print(json.dumps(result))
+    result["seed"] = a.seed
+    print(json.dumps(result), flush=True)
     if not a.keep:
         shutil.rmtree(soak.dir, ignore_errors=True)
-    ok = result["finished"] and result["checkpoint_loads"] and result["samples_ok"] and not result["not_fired"]
-    sys.exit(0 if ok else 1)
+    return result
+
+
+def summarize(results):
+    """Totals over seeds: per kind injected / survived, median and worst time lost; per seed its verdict."""
+    print(f"[chaos] {len(results)} seeds")
+    print("kind                injected  survived  median lost (s)  worst lost (s)")
+    totals = {}
+    for k in ALL_KINDS:
+        inj = sum(r["injected"][k] for _, r in results)
+        sur = sum(r["survived"][k] for _, r in results)
+        lost = sorted(x for _, r in results for x in r["time_lost_s"].get(k, []))
+        med = lost[len(lost) // 2] if lost else None
+        worst = lost[-1] if lost else None
+        totals[k] = {"injected": inj, "survived": sur, "median_lost_s": med, "worst_lost_s": worst}
+        if inj:
+            print(f"{k:20s}{inj:>8d}{sur:>10d}  {med!s:>15s}  {worst!s:>14s}")
+    for seed, r in results:
+        worst_missing = max((v["missing"] for v in r["audit"].values()), default=None)
+        dups = sum(v["duplicates"] for v in r["audit"].values())
+        print(f"seed {seed:4d}: {'ok  ' if ok(r) else 'FAIL'} finished {r['finished']} checkpoint {r['checkpoint_loads']} "
+              f"samples {r['samples_ok']} (duplicates {dups}, worst missing {worst_missing}) "
+              f"restarts {r['restarts_used']} wall {r['wall_s']} s")
+    print(json.dumps({"bench": "chaos", "seeds": [s for s, _ in results], "passed": sum(ok(r) for _, r in results),
+                      "totals": totals, "restarts_used": [r["restarts_used"] for _, r in results]}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 # bench/chaos/chaos.py injects faults from a fixed seed (see its docstring).
 # Needs root for namespaces, link cuts and the checkpoint tmpfs; without it
 # those faults are not fired and the run says so. Arguments go to chaos.py
-# (e.g. --faults 24 --seed 7). DTRAIN_BENCH_QUICK=1: 6 faults, one of each kind.
+# (e.g. --faults 24 --seed 7; --seeds 1..20 --overlap for the overlapping-fault
+# soak over many seeds). DTRAIN_BENCH_QUICK=1: 6 faults, one of each kind.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 extra=()

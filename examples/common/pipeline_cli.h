@@ -1,11 +1,13 @@
 // The examples' --strategy pipeline options, one copy for examples/gpt and
-// examples/fashion_mnist: the flags, and their reading into a data x
-// pipeline mesh shape and the Pipeline's options.
+// examples/fashion_mnist: the flags, and their reading into a pipeline x data
+// mesh (dims pp and dp_replicate, or dp_shard when stages are sharded) and
+// the Pipeline's options.
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/mesh.h"
 #include "dtrain/error.h"
@@ -41,20 +43,21 @@ struct PipelineCli {
   // Stages per rank: two for the interleaved schedule, one otherwise.
   int stages_per_rank() const { return kind() == dtrain::pipeline::ScheduleKind::kInterleaved1F1B ? 2 : 1; }
 
-  // Pipelines of pp_size ranks, replicated over the rest of a world of `world` ranks.
-  dtrain::dist::MeshShape mesh_shape(int world) const {
+  // Pipelines of pp_size ranks, replicated over the rest of a world of
+  // `world` ranks: on dp_shard where --dp-reduce shards, else dp_replicate.
+  std::vector<dtrain::dist::MeshDim> mesh_dims(int world) const {
     const int pp = pp_size > 0 ? pp_size : world;
     DTRAIN_CHECK(world % pp == 0, ConfigError,
                  "--pp-size " << pp << " does not divide the world of " << world << " ranks",
                  "run a multiple of --pp-size ranks");
-    return {.data = world / pp, .pipeline = pp};
+    return {{"pp", pp}, {dp_reduce.rfind("zero", 0) == 0 ? "dp_shard" : "dp_replicate", world / pp}};
   }
 
   // The schedule and micro-batches; with replicas, their data group and --dp-reduce.
   dtrain::pipeline::PipelineOptions options(dtrain::dist::DeviceMesh& mesh) const {
     dtrain::pipeline::PipelineOptions result{.schedule = kind(), .micro_batches = micro_batches};
-    if (mesh.shape().data > 1) {
-      result.data_parallel_group = mesh.data_group();
+    if (auto& data = mesh.join({"dp_replicate", "dp_shard"}); data.size() > 1) {
+      result.data_parallel_group = data;
       dtrain::pipeline::set_stage_reduction(result, dp_reduce);
     }
     return result;

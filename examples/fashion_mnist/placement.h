@@ -96,13 +96,13 @@ inline std::shared_ptr<dtrain::Strategy> make_strategy(const PlacementOptions& o
     // keeps its stages.
     auto layers = small_cnn_layers();
     layers->to(first);
-    dtrain::dist::DeviceMesh mesh(*where.group, opt.pipeline.mesh_shape(where.world));
-    const int pp = mesh.shape().pipeline, v = opt.pipeline.stages_per_rank();
+    dtrain::dist::DeviceMesh mesh(*where.group, opt.pipeline.mesh_dims(where.world));
+    const int pp = mesh.size("pp"), v = opt.pipeline.stages_per_rank();
     const auto stages = dtrain::pipeline::split_stages(layers, dtrain::pipeline::plan_stages(layers, pp * v));
     std::vector<dtrain::pipeline::PipelineStage> mine;
-    for (int s = mesh.pipeline_index(); s < pp * v; s += pp) mine.push_back({.module = stages[s]});
+    for (int s = mesh.coordinate("pp"); s < pp * v; s += pp) mine.push_back({.module = stages[s]});
     auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
-        std::move(mine), mesh.pipeline_group(), opt.pipeline.options(mesh),
+        std::move(mine), mesh["pp"], opt.pipeline.options(mesh),
         [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); });
     return std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
   }

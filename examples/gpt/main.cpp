@@ -4,6 +4,7 @@
 //   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
 //       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
 //       [--dp-reduce ddp|zero1|zero2|allreduce] (pipeline_strategy.h)
+//       [--plan FILE | --dp-replicate N --dp-shard N --pp N --zero-stage K] [--global-batch-size G]
 //       [--max-iters 2000] [--eval-interval 250] [--eval-iters 20] [--batch-size 12]
 //       [--block-size 64] [--n-layer 4] [--n-head 4] [--n-embd 128] [--dropout 0]
 //       [--lr 1e-3] [--min-lr 1e-4] [--warmup-iters 100] [--weight-decay 0.1]
@@ -45,6 +46,8 @@
 #include "fused_adamw.h"
 #include "model.h"
 #include "pipeline_strategy.h"
+#include "plan_cli.h"
+#include "sample.h"
 #include "zero_strategy.h"
 
 namespace {
@@ -76,6 +79,8 @@ struct Options {
   bool ddp_shared_memory = true;   // DDP's intra-host shared-memory all-reduce (else Gloo)
   std::string save_params;         // write the final parameters here (raw float32, in order) for tests
   examples::PipelineCli pipeline;  // --strategy pipeline (pipeline_strategy.h)
+  examples::PlanCli plan;          // --plan or the degrees; --global-batch-size
+  int hsdp_replicas = 1;           // zero1-3 on a dp_replicate x dp_shard mesh (from a plan)
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -134,7 +139,13 @@ Placement place(const Options& opt) {
 struct Trainee {
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&)> forward;  // training forward (through DDP/DP)
-  std::function<at::Tensor(const at::Tensor&)> plain;    // evaluation and sampling (no DDP)
+  std::function<at::Tensor(const at::Tensor&)> plain;    // evaluation (no DDP)
+  // Whether `plain` is collective (ZeRO gathers parameters in forward): then
+  // every rank runs the same number of evaluation forwards.
+  bool collective_forward = false;
+  // Sampling on rank 0 alone, after full_parameters() where that is set:
+  // a forward that needs no other rank (empty: `plain`).
+  std::function<at::Tensor(const at::Tensor&)> local;
   // Runs a micro-step's forward and backward without gradient sync (DDP's
   // no_sync); empty where there is nothing to skip.
   std::function<void(const std::function<void()>&)> without_sync;
@@ -159,12 +170,18 @@ double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where,
   torch::NoGradGuard no_grad;
   model.module->eval();
   double sum = 0;
-  for (std::int64_t k = where.rank; k < opt.eval_iters; k += where.world) {
-    const auto offsets =
-        gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world, gpt::val_batch_seed(opt.seed, k));
+  // A collective forward runs as often on every rank: a rank past the last
+  // batch evaluates one again and leaves it out of the sum.
+  const std::int64_t rounds = (opt.eval_iters + where.world - 1) / where.world;
+  for (std::int64_t round = 0; round < rounds; ++round) {
+    const std::int64_t k = round * where.world + where.rank;
+    if (k >= opt.eval_iters && !model.collective_forward) break;
+    const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world,
+                                           gpt::val_batch_seed(opt.seed, std::min(k, opt.eval_iters - 1)));
     const auto batch = gpt::make_batch(*corpus.val, offsets);
     gpt::CpuAutocast autocast(opt.amp == "bf16");
-    sum += gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
+    const double loss = gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
+    if (k < opt.eval_iters) sum += loss;
   }
   model.module->train();
   if (where.group) {
@@ -175,25 +192,12 @@ double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where,
   return sum / static_cast<double>(opt.eval_iters);
 }
 
-// Samples `n` tokens after a newline: temperature, top-k, a fixed seed.
-std::string generate(const Options& opt, const gpt::Corpus& corpus, Trainee& model) {
-  torch::NoGradGuard no_grad;
-  model.module->eval();
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(opt.seed);
-  const auto newline = static_cast<std::int64_t>(corpus.vocab.find('\n'));
-  at::Tensor idx = at::full({1, 1}, newline, at::kLong);
-  for (std::int64_t i = 0; i < opt.sample_tokens; ++i) {
-    const at::Tensor context = idx.slice(1, std::max<std::int64_t>(0, idx.size(1) - opt.model.block_size));
-    at::Tensor logits = model.plain(context.to(model.input_device)).select(1, -1).to(at::kCPU, at::kFloat);
-    logits = logits / opt.temperature;
-    if (opt.top_k > 0 && opt.top_k < logits.size(-1)) {
-      const at::Tensor kth = std::get<0>(logits.topk(opt.top_k)).select(1, -1).unsqueeze(1);
-      logits = logits.masked_fill(logits < kth, -INFINITY);
-    }
-    idx = at::cat({idx, at::multinomial(at::softmax(logits, -1), 1, false, gen)}, 1);
-  }
-  model.module->train();
-  return corpus.decode(idx.slice(1, 1));
+gpt::SampleOptions sample_options(const Options& opt) {
+  return {.tokens = opt.sample_tokens,
+          .block_size = opt.model.block_size,
+          .temperature = opt.temperature,
+          .top_k = opt.top_k,
+          .seed = opt.seed};
 }
 
 // Mean milliseconds per step of each phase, from step `skip` on.
@@ -349,17 +353,20 @@ int train(const Options& opt, Placement& where, Trainee& model, const gpt::Corpu
   if (model.save_checkpoint && !opt.checkpoint_dir.empty() && opt.max_iters % opt.eval_interval != 0) {
     model.save_checkpoint(*optimizer, state.step);
   }
-  if (!opt.save_params.empty() && model.full_parameters) model.full_parameters();
+  // Collective where set: every rank takes part, then rank 0 reads and
+  // samples alone through `local`.
+  const bool sampling = opt.sample_tokens > 0;
+  if ((!opt.save_params.empty() || sampling) && model.full_parameters) model.full_parameters();
   if (!opt.save_params.empty() && lead) write_params(opt.save_params, *model.module);
   std::string sample;
-  if (lead && opt.sample_tokens > 0) sample = generate(opt, corpus, model);
+  if (lead && sampling) {
+    model.module->eval();
+    sample = gpt::generate(sample_options(opt), corpus, model.local ? model.local : model.plain, model.input_device);
+    model.module->train();
+  }
   if (where.group) where.group->barrier();
   if (!lead) return 0;
-  if (!sample.empty()) {
-    std::cout << "--- sample (temperature " << opt.temperature << ", top-k " << opt.top_k << ", seed " << opt.seed
-              << ") ---\n"
-              << sample << "\n--- end of sample ---" << std::endl;
-  }
+  if (!sample.empty()) gpt::print_sample(std::cout, sample_options(opt), sample);
   const double n = times.steps > 0 ? static_cast<double>(times.steps) : 1.0;
   std::cout << nlohmann::json{{"event", "done"},
                               {"strategy", opt.strategy},
@@ -398,7 +405,55 @@ int train_plain_or_ddp(const Options& opt, Placement& where, Trainee& model, Hol
   return train(opt, where, model, corpus);
 }
 
+// The world's size as the launcher gave it (1 when not launched).
+int launched_world() {
+  return dtrain::dist::launched_by_launcher() ? dtrain::dist::read_env_contract().world_size : 1;
+}
+
+// A plan given by --plan or the degree flags picks the strategy that runs
+// it (--strategy names are shorthands for plans: ddp is dp_replicate = world,
+// zeroK dp_shard = world at stage K, pipeline pp = --pp-size). A global batch
+// sets the per-rank (per-replica under a pipeline) batch.
+void apply_plan(Options& opt) {
+  const int world = launched_world();
+  int data_parallel = distributed(opt.strategy) ? world : 1;
+  if (opt.strategy == "pipeline") data_parallel = world / (opt.pipeline.pp_size > 0 ? opt.pipeline.pp_size : world);
+  if (opt.plan.given()) {
+    const dtrain::ParallelPlan plan = opt.plan.resolve(world, opt.pipeline,
+                                                       {.layers = opt.model.n_layer + 2,
+                                                        .heads = opt.model.n_head,
+                                                        .width = opt.model.n_embd,
+                                                        .seq = opt.model.block_size},
+                                                       opt.accumulate);
+    if (plan.pp > 1) {
+      opt.strategy = "pipeline";
+      opt.pipeline.pp_size = plan.pp;
+      opt.pipeline.schedule = plan.pipeline.schedule;
+      opt.pipeline.micro_batches = plan.pipeline.micro_batches;
+      opt.pipeline.dp_reduce = plan.dp_shard > 1 ? "zero" + std::to_string(plan.zero_stage) : "ddp";
+    } else if (plan.dp_shard > 1) {
+      opt.strategy = "zero" + std::to_string(plan.zero_stage);
+      opt.hsdp_replicas = plan.dp_replicate;
+    } else {
+      opt.strategy = plan.dp_replicate > 1 ? "ddp" : "single";
+    }
+    data_parallel = plan.data_parallel();
+    if (dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
+      DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << plan.table();
+    }
+  }
+  if (opt.plan.global_batch > 0) {
+    const std::int64_t per = static_cast<std::int64_t>(data_parallel) * opt.accumulate;
+    DTRAIN_CHECK(opt.plan.global_batch % per == 0, ConfigError,
+                 "--global-batch-size " << opt.plan.global_batch << " does not split over " << data_parallel
+                                        << " data-parallel ranks x --accumulate " << opt.accumulate << ".",
+                 "choose a multiple of " << per);
+    opt.batch_size = opt.plan.global_batch / per;
+  }
+}
+
 int run(Options opt) {
+  apply_plan(opt);
   if (opt.strategy == "pipeline") {
     const gpt::Corpus corpus = gpt::load_corpus(opt.data_dir, opt.model.block_size);
     opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
@@ -413,6 +468,7 @@ int run(Options opt) {
          .grad_clip = opt.grad_clip,
          .save_params = opt.save_params,
          .checkpoint_dir = opt.checkpoint_dir,
+         .sample = sample_options(opt),
          .learning_rate = [&](std::int64_t it) { return learning_rate(opt, it); },
          .make_optimizer = [&](const auto& params, const auto& decays) { return make_optimizer(opt, params, decays); }},
         corpus);
@@ -443,7 +499,18 @@ int run(Options opt) {
     return train(opt, where, model, corpus);
   }
   if (gpt::is_zero_strategy(opt.strategy)) {
-    dtrain::ShardedDataParallel sdp(net, *where.group, gpt::zero_options(opt.strategy));
+    // HSDP: ZeRO over dp_shard, replicas of it over dp_replicate (ranks
+    // row-major, so a rank's data-parallel index is its world rank).
+    std::optional<dtrain::dist::DeviceMesh> mesh;
+    dtrain::ZeroOptions zero = gpt::zero_options(opt.strategy);
+    dtrain::dist::ProcessGroup shard_group = *where.group;
+    if (opt.hsdp_replicas > 1) {
+      mesh.emplace(*where.group, std::vector<dtrain::dist::MeshDim>{{"dp_replicate", opt.hsdp_replicas},
+                                                                    {"dp_shard", where.world / opt.hsdp_replicas}});
+      shard_group = (*mesh)["dp_shard"];
+      zero.replicate_group = (*mesh)["dp_replicate"];
+    }
+    dtrain::ShardedDataParallel sdp(net, shard_group, zero);
     std::optional<dtrain::ShardedCheckpointer> sharded;  // resharding checkpoints: any world size resumes
     auto sharded_for = [&](torch::optim::Optimizer& o) -> dtrain::ShardedCheckpointer& {
       if (!sharded) sharded.emplace(dtrain::ShardedCheckpointOptions{.dir = opt.checkpoint_dir}, sdp, o);
@@ -457,6 +524,8 @@ int run(Options opt) {
     std::optional<dtrain::ShardedDataParallel::FullParameters> full;
     model.forward = [&](const at::Tensor& x) { return sdp(x); };
     model.plain = model.forward;  // evaluation runs without grad: stage 3 gathers unit by unit
+    model.collective_forward = true;
+    model.local = [&](const at::Tensor& x) { return net(x); };  // after full_parameters()
     model.without_sync = [&](const std::function<void()>& body) {
       auto guard = sdp.no_sync();
       body();
@@ -482,6 +551,7 @@ int main(int argc, char** argv) {
           {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
       ->capture_default_str();
   opt.pipeline.add_to(app);
+  opt.plan.add_to(app);
   app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
       ->capture_default_str();
   app.add_option("--max-iters", opt.max_iters, "Optimizer steps")

@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -44,9 +45,11 @@
 #include "dtrain/log.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
 #include "dtrain/trainer/checkpoint.h"
+#include "dtrain/trainer/progress.h"
 #include "model.h"
 #include "pipeline_cli.h"
 #include "pipeline_stages.h"
+#include "sample.h"
 #include "zero_strategy.h"
 
 namespace gpt {
@@ -58,6 +61,7 @@ struct PipelineRun {
   std::uint64_t seed = 1337;
   double grad_clip = 1.0;
   std::string save_params, checkpoint_dir;
+  SampleOptions sample;  // tokens 0: no sample
   std::function<double(std::int64_t)> learning_rate;
   // The parameters, and which of them decay (null: the 2-D ones).
   std::function<std::unique_ptr<torch::optim::AdamW>(const std::vector<at::Tensor>&,
@@ -79,19 +83,38 @@ struct StagesHolderImpl : torch::nn::Module {
 };
 TORCH_MODULE(StagesHolder);
 
+// Brings every layer of `layers` on every rank up to date from the rank of
+// replica 0 that trains it (collective over the world; the layers of other
+// stages were only initialised here), so one rank can run the whole network.
+inline void gather_layers(const torch::nn::Sequential& layers, const dtrain::pipeline::Pipeline& pipe, bool replica0,
+                          dtrain::dist::ProcessGroup& world) {
+  torch::NoGradGuard no_grad;
+  std::vector<const torch::nn::Module*> mine;
+  for (const auto& stage : pipe.stages())
+    for (const auto& child : stage.module->children()) mine.push_back(child.get());
+  for (const auto& layer : layers->children()) {
+    const bool owner = replica0 && std::find(mine.begin(), mine.end(), layer.get()) != mine.end();
+    for (auto& p : layer->parameters()) {
+      at::Tensor t = owner ? p.detach().clone() : at::zeros_like(p);
+      world.all_reduce(t).wait();
+      p.copy_(t);
+    }
+  }
+}
+
 inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
   DTRAIN_CHECK(dtrain::dist::launched_by_launcher(), ConfigError,
                "--strategy pipeline runs one process per stage, but RANK and WORLD_SIZE are not set.",
                "start it through a launcher: dtrain run --nproc-per-node 2 gpt --strategy pipeline");
   at::set_num_threads(1);
   auto world = dtrain::dist::init_process_group();
-  dtrain::dist::DeviceMesh mesh(world, run.pipeline.mesh_shape(world.size()));
+  dtrain::dist::DeviceMesh mesh(world, run.pipeline.mesh_dims(world.size()));
   torch::nn::Sequential layers = gpt_layers(run.model);
   init_weights(*layers, run.model.n_layer, run.seed);
-  const int replicas = mesh.shape().data, replica = mesh.data_index();
-  dtrain::pipeline::Pipeline pipe(
-      pipeline_stages(layers, mesh.shape().pipeline, run.pipeline.stages_per_rank(), mesh.pipeline_index()),
-      mesh.pipeline_group(), run.pipeline.options(mesh), lm_loss);
+  auto& data = mesh.join({"dp_replicate", "dp_shard"});
+  const int replicas = data.size(), replica = data.rank(), pp_index = mesh.coordinate("pp");
+  dtrain::pipeline::Pipeline pipe(pipeline_stages(layers, mesh.size("pp"), run.pipeline.stages_per_rank(), pp_index),
+                                  mesh["pp"], run.pipeline.options(mesh), lm_loss);
   // Sharded stages: the optimizer steps on 1-D shards, so which decay is
   // decided on their full parameters; and the full parameters are brought up
   // to date (all-gathered) before anything reads them.
@@ -109,8 +132,7 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
   };
   auto optimizer = run.make_optimizer(pipe.parameters(), decays);
   const bool lead = world.rank() == 0;
-  const bool loss_here =
-      replica == 0 && pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == mesh.pipeline_index();
+  const bool loss_here = replica == 0 && pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == pp_index;
   // Sum over the world of a value only one rank has.
   auto from_loss_rank = [&](double value) {
     at::Tensor t = at::full({1}, loss_here ? value : 0.0, at::kDouble);
@@ -152,9 +174,10 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
   };
   const char* kill_at = std::getenv("DTRAIN_GPT_KILL_LAST_STAGE_AT");
   const bool may_kill = kill_at != nullptr && dtrain::dist::read_env_contract().restart_count == 0 &&
-                        pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == mesh.pipeline_index();
+                        pipe.schedule().rank_of_stage(pipe.schedule().stage_count() - 1) == pp_index;
   double val_loss = NAN, loss_sum = 0, seconds = 0;
   std::int64_t loss_count = 0, trained = 0;
+  dtrain::Progress progress(run.max_iters, {.label = "train", .enabled = lead});
   for (std::int64_t step = start; step < run.max_iters; ++step) {
     if (step % run.eval_interval == 0) {
       val_loss = evaluate(step, loss_count ? from_loss_rank(loss_sum) / double(loss_count) : NAN);
@@ -176,16 +199,18 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
     ++trained;
     if (loss.defined()) loss_sum += loss.item<double>();
     ++loss_count;
+    progress.update(step + 1);  // the loss lives on the last stage, not rank 0
     if (checkpoints && (step + 1) % run.eval_interval == 0) {
       gather_full();
       checkpoints->save({.step = step + 1, .sampler = {}});
     }
   }
+  progress.finish();
   val_loss = evaluate(run.max_iters, loss_count ? from_loss_rank(loss_sum) / double(loss_count) : NAN);
   if (checkpoints && run.max_iters % run.eval_interval != 0) checkpoints->save({.step = run.max_iters, .sampler = {}});
   gather_full();
   if (!run.save_params.empty() && replica == 0) {
-    const auto stages = pipe.schedule().stages_of_rank(mesh.pipeline_index());
+    const auto stages = pipe.schedule().stages_of_rank(pp_index);
     for (std::size_t k = 0; k < stages.size(); ++k) {
       std::ofstream out(run.save_params + ".stage" + std::to_string(stages[k]), std::ios::binary);
       for (const auto& p : pipe.stages()[k].module->parameters()) {
@@ -194,8 +219,18 @@ inline int train_pipeline(const PipelineRun& run, const Corpus& corpus) {
       }
     }
   }
+  std::string sample;
+  if (run.sample.tokens > 0) {
+    gather_layers(layers, pipe, replica == 0, world);
+    if (lead) {
+      layers->eval();
+      sample = generate(
+          run.sample, corpus, [&](const at::Tensor& x) { return layers->forward(x); }, c10::kCPU);
+    }
+  }
   world.barrier();
   if (lead) {
+    if (!sample.empty()) print_sample(std::cout, run.sample, sample);
     std::cout << nlohmann::json{{"event", "done"},
                                 {"strategy", "pipeline"},
                                 {"schedule", run.pipeline.schedule},

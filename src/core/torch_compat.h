@@ -4,8 +4,9 @@
 // version-neutral; nothing else in src/ tests TORCH_VERSION_*.
 //
 // Note [LibTorch versions]
-// CI builds against both ends of the window (2.15: the full suite; 2.11: the
-// unit and multirank suites). Where an API changed at a minor in between that
+// Built against both ends of the window: 2.15 in CI (the full suite), 2.11
+// by hand so far (library, unit and multirank suites; CI's 2.11 leg is
+// still to come, issue 24). Where an API changed at a minor in between that
 // we have not built against, the choice is made on the API itself (decltype,
 // a requires-expression) rather than on a guessed version number, and a
 // static_assert pins what each end we do build against must pick, so a
@@ -21,21 +22,18 @@
 //   backend_reduce_scatter_single() call whichever this LibTorch has; they are
 //   templates over the backend type so that this header includes no c10d
 //   header (only src/comm/ does, and only src/comm/ calls them).
-// - at::native::mkldnn_matmul (oneDNN's matrix product, which
-//   dtrain::nn::linear uses for fp32 on the CPU) multiplies fp32 matrices in
-//   2.15; 2.11 applies its bf16 CPU check to fp32 too and refuses them on a
-//   CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT (CI's machines: "bf16 path
-//   needs ..."). As that depends on the CPU as well as the version,
-//   onednn_matmul_takes_fp32() asks it once, with a 1x1 product, and
-//   dtrain::nn::linear() is at::linear where it says no.
+// - Not a version difference, though first seen as one: at::native::
+//   mkldnn_matmul refuses fp32 on a CPU without AVX-512 BW/VL/DQ or
+//   AVX-NE-CONVERT in 2.11 and 2.15 alike (AMD Zen 3); src/nn/linear.cpp
+//   probes it once (onednn_matmul_available()).
 // - Neither wheel ships Gloo's own headers (c10d's ProcessGroupGloo.hpp
-//   includes <gloo/...>); Debian's libgloo-dev provides them for both, see
-//   cmake/DtrainTorch.cmake.
+//   includes <gloo/...>); Debian's libgloo-dev (scripts/setup.sh) provides
+//   them for both.
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>  // Node complete: 2.15 holds it by intrusive_ptr
 #include <torch/headeronly/version.h>
 
 #include <memory>
@@ -49,16 +47,6 @@
 #if !DTRAIN_TORCH_AT_LEAST(2, 11) || DTRAIN_TORCH_AT_LEAST(2, 16)
 #error "dtrain supports LibTorch 2.11 through 2.15 (see cmake/DtrainTorch.cmake)"
 #endif
-
-// LibTorch exports its oneDNN matrix product (TORCH_API in
-// ATen/native/mkldnn/Matmul.h, a header the wheel does not ship):
-// result = beta * result + alpha * (mat1 @ mat2), for 2-D or batched 3-D
-// operands in row- or column-major layout. With beta = 0 `result` is only
-// written.
-namespace at::native {
-TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta,
-                             float alpha);
-}  // namespace at::native
 
 namespace dtrain::compat {
 
@@ -121,25 +109,6 @@ auto backend_reduce_scatter_single(Backend& backend, Tensor& output, Tensor& inp
     static_assert(TORCH_VERSION_MINOR != 15 || sizeof(Backend) == 0, "LibTorch 2.15 has reduce_scatter_single");
     return backend._reduce_scatter_base(output, input, options);
   }
-}
-
-// --- oneDNN's fp32 matrix product (src/nn/linear.cpp) ----------------------
-
-// Whether at::native::mkldnn_matmul multiplies fp32 CPU matrices here (see
-// the Note); asked once per process. `probe` makes the 1x1 operands (this
-// header includes no ATen operators).
-template <class MakeOperand>
-bool onednn_matmul_takes_fp32(MakeOperand probe) {
-  static const bool takes = [&] {
-    try {
-      at::Tensor a = probe(), b = probe(), out = probe();
-      at::native::mkldnn_matmul(a, b, out, /*beta=*/0.0F, /*alpha=*/1.0F);
-      return true;
-    } catch (const c10::Error&) {
-      return false;
-    }
-  }();
-  return takes;
 }
 
 }  // namespace dtrain::compat

@@ -30,47 +30,11 @@
 //   collectives at once, and that must not be counted as a restart.
 // - Heartbeats are counters, not timestamps, so clocks need not agree.
 //
-// Note [Store-host failover]
-// The store lives in the agent of the node the endpoint names. When that node
-// is lost, the others go on with a store of the next generation:
-// - What every node knows. Each member caches the last round it joined: its
-//   number, restart count and the members' records (id, address, node rank,
-//   and whether the node hosted the store), read when the round closed.
-// - Detection. A store operation of the rendezvous (heartbeat, poll, a
-//   failure report, joining) fails with CommunicationError: the host's
-//   process is gone (connection reset). The entry point then fails over
-//   (State::failover) instead of ending the job.
-// - Successor. Every survivor walks the cached members in node-rank order,
-//   skipping the old host. When the candidate is itself, it hosts generation
-//   G+1 at its own address and the endpoint's port, seeds it (run id,
-//   --nnodes, the cached round as closed and ended by a membership change
-//   with its restart count, the first round of G+1, the quorum) and writes
-//   `generation` last. Otherwise it connects to the candidate's address for
-//   up to 2 heartbeat timeouts + last call and accepts the store only if it
-//   says generation G+1 (a stale store or a half-seeded one is never joined);
-//   failing that it moves to the next candidate. All survivors compute the
-//   same order, so they meet at the same node.
-// - Quorum (no split brain). The first round of G+1 closes only with at least
-//   MIN nodes and a strict majority of the cached round's members. Under a
-//   partition at most one side holds a majority, so at most one side goes
-//   on; a side without one stops after --rdzv-timeout with a RendezvousError
-//   saying why. A 2-node job whose store host dies therefore stops (1 of 2 is
-//   no majority) unless --rdzv-conf failover_quorum=min trades that guarantee
-//   for availability (safe whenever MIN > N/2, where the two coincide).
-// - The round after a failover is a membership change: it uses no restart,
-//   and training resumes from the last checkpoint as after any lost node.
-//   The workers' store needs nothing new: node rank 0 of each round hosts it.
-// - Authentication carries over: the successor gates its store with the same
-//   secret (Note [Rendezvous authentication]); clients tunnel as before.
-// Limits: detection relies on the connection failing. A host cut off by a
-// partition (no reset) is noticed only when the store client's timeout
-// (--rdzv-timeout) expires. Survivors must have been members of the same
-// last round (true unless the host dies while a round is closing). New nodes
-// know only --rdzv-endpoint: after a failover they can join only if the
-// endpoint is a name that follows the host (a Kubernetes Service, DNS).
-// Tests: Elastic.LosingTheStoreHostIsSurvivedByTheOthers (loopback, with a
-// secret), Elastic.StoreHostLossIsSurvivedAcrossNetworkNamespaces,
-// Elastic.AStoreHostLossWithoutMajorityStopsUnlessQuorumIsMin.
+// Store-host failover: see Note [Store-host failover] in failover.cpp. The
+// rendezvous keeps what a node knows (the known round, lost hosts,
+// acquaintances), drives the Failover machine when its store is lost
+// (State::failover), and runs the FirstRoundGate while the first round of a
+// failover store forms and before it closes.
 #include "dtrain/elastic/rendezvous.h"
 
 #include "../core/net.h"
@@ -87,6 +51,8 @@
 #include "dtrain/elastic/agent.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "failover.h"
+#include "rendezvous_keys.h"
 
 namespace dtrain::elastic {
 
@@ -118,28 +84,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr auto kPollSleep = std::chrono::milliseconds(20);
 
-std::string key(const std::string& k) {
-  return "dtrain/rdzv/" + k;
-}
-std::string round_key(int r, const std::string& k) {
-  return key("r" + std::to_string(r) + "/" + k);
-}
-
-std::string encode(const RoundEnding& e) {
-  return nlohmann::json{{"kind", e.kind == RoundEnding::Kind::kFailure ? "failure" : "membership"},
-                        {"reason", e.reason},
-                        {"give_up", e.give_up},
-                        {"exit_code", e.exit_code}}
-      .dump();
-}
-
-RoundEnding decode(const std::string& text) {
-  const auto j = nlohmann::json::parse(text);
-  return {.kind = j.at("kind") == "failure" ? RoundEnding::Kind::kFailure : RoundEnding::Kind::kMembershipChange,
-          .reason = j.at("reason"),
-          .give_up = j.at("give_up"),
-          .exit_code = j.at("exit_code")};
-}
+using detail::decode;
+using detail::encode;
+using detail::key;
+using detail::round_key;
 
 std::string make_node_id() {
   char host[256] = {};
@@ -157,6 +105,7 @@ struct NodeRecord {
   int nproc = 1;
   int node_rank = -1;
   bool hosts = false;  // hosted the store when it joined
+  std::string record;  // as stored (JSON)
 };
 
 }  // namespace
@@ -175,12 +124,31 @@ struct StoreRendezvous::State {
   std::vector<Clock::time_point> peer_seen;
   Clock::time_point last_heartbeat{};
   Clock::time_point last_peer_check{};
-  int generation = 0;  // stores hosted so far after the first (Note [Store-host failover])
+  int generation = 0;   // stores hosted so far after the first (Note [Store-host failover])
+  std::string where;    // the current store's address, for messages (the endpoint until a failover)
+  std::string host_id;  // who hosts the current store ("": the first store, whose host's record says so)
   // The last closed round this node knows (as a member, or the one before the
   // round it waits in): who would host the next generation.
   int known_round = -1;
   int known_restarts = 0;
-  std::vector<NodeRecord> known_members;  // in node-rank order
+  std::vector<NodeRecord> known_members;   // in node-rank order
+  std::vector<std::string> lost_hosts;     // ids of store hosts known lost
+  std::vector<std::string> acquaintances;  // addresses seen in rounds: where competing stores may be
+  std::optional<std::string> moved_to;     // the current store yielded to the one at this address
+
+  void remember(const std::string& addr) {
+    if (std::find(acquaintances.begin(), acquaintances.end(), addr) == acquaintances.end()) {
+      acquaintances.push_back(addr);
+    }
+  }
+  detail::FailoverNet net();
+  // Whether round r is the first of a failover store (its FirstRoundGate decides whether it closes).
+  bool gated(int r) { return generation > 0 && r == first_round(); }
+  // Runs the gate's sweep to the end and, when `close`, settles the first
+  // round as closed; false when the store yielded instead (moved_to set).
+  bool sweep(detail::FirstRoundGate& gate, bool close);
+  // Stores this node hosted and then yielded: kept up so that their nodes read where they moved.
+  std::vector<std::shared_ptr<RendezvousStore>> retired;
 
   // Round r's `closed` members from their records, in node-rank order.
   std::vector<NodeRecord> read_members(int r, int closed, Clock::time_point deadline);
@@ -198,10 +166,10 @@ struct StoreRendezvous::State {
     return v ? std::stoi(*v) : 0;
   }
 
-  // Note [Store-host failover]: after the store's host was lost, moves to the
-  // next generation's store, hosted by the surviving member of the last round
-  // with the lowest node rank; false when this node never was a member (it
-  // knows no one) or no candidate could host or be reached.
+  // Note [Store-host failover]: after the store's host was lost (or the store
+  // yielded: moved_to), moves to the store that follows it, hosting it when
+  // this node is the first live member of its view; false when this node never
+  // was a member (it knows no one) or nothing was found within --rdzv-timeout.
   bool failover(const std::string& why);
 
   void heartbeat(bool force = false) {
@@ -269,7 +237,7 @@ struct StoreRendezvous::State {
   }
 
   [[noreturn]] void timed_out(const std::string& what) {
-    throw TimeoutError("rendezvous at " + opt.endpoint + " (run '" + opt.run_id + "'): " + what + " within " +
+    throw TimeoutError("rendezvous at " + where + " (run '" + opt.run_id + "'): " + what + " within " +
                            log::format_seconds(opt.timeout) + ".",
                        "start the other nodes with the same --rdzv-endpoint and --rdzv-id, or raise --rdzv-timeout");
   }
@@ -290,7 +258,9 @@ std::vector<NodeRecord> StoreRendezvous::State::read_members(int r, int closed, 
                    .addr = j.at("addr"),
                    .nproc = j.at("nproc"),
                    .node_rank = j.at("node_rank"),
-                   .hosts = j.value("hosts", false)});
+                   .hosts = j.value("hosts", false),
+                   .record = *rec});
+    remember(out.back().addr);
   }
   std::stable_sort(out.begin(), out.end(), [](const NodeRecord& a, const NodeRecord& b) {
     return (a.node_rank < 0 ? INT_MAX : a.node_rank) < (b.node_rank < 0 ? INT_MAX : b.node_rank);
@@ -298,92 +268,120 @@ std::vector<NodeRecord> StoreRendezvous::State::read_members(int r, int closed, 
   return out;
 }
 
-namespace {
-
-// Calls `attempt` until it returns a store, then every `pause` until `until`
-// has passed (at least once); an exception counts as "not yet", and the last
-// one's message is left in `problem`. nullptr when time ran out.
-std::shared_ptr<RendezvousStore> retry_until(Clock::time_point until, std::chrono::milliseconds pause,
-                                             const std::function<std::shared_ptr<RendezvousStore>()>& attempt,
-                                             std::string& problem) {
-  for (;;) {
+detail::FailoverNet StoreRendezvous::State::net() {
+  // Probes of other nodes are short (an address with no store costs the whole
+  // probe): a candidate that is not up yet gets more tries.
+  const auto probe = std::max(opt.heartbeat_interval, std::chrono::milliseconds(1000));
+  auto connect = [this, probe](const std::string& addr) -> std::shared_ptr<RendezvousStore> {
     try {
-      if (auto store = attempt()) return store;
-    } catch (const std::exception& e) {
-      problem = e.what();
+      return opt.reconnect(addr, opt.port, /*host_it=*/false, probe);
+    } catch (const std::exception&) {
+      return nullptr;
     }
-    if (Clock::now() >= until) return nullptr;
-    std::this_thread::sleep_for(pause);
+  };
+  auto host = [this]() -> std::shared_ptr<RendezvousStore> {
+    retired.clear();  // a store this node yielded holds the port
+    try {
+      return opt.reconnect(opt.local_addr, opt.port, /*host_it=*/true, opt.heartbeat_timeout);
+    } catch (const std::exception&) {
+      return nullptr;  // the port may stay bound for a moment after its holder died
+    }
+  };
+  return {.connect = connect, .host = host};
+}
+
+bool StoreRendezvous::State::sweep(detail::FirstRoundGate& gate, bool close) {
+  gate.begin();
+  for (;;) {
+    heartbeat();
+    switch (gate.step()) {
+      case detail::FirstRoundGate::Status::kProbing: continue;
+      case detail::FirstRoundGate::Status::kClear:
+        if (!close || gate.settle()) return true;
+        [[fallthrough]];
+      case detail::FirstRoundGate::Status::kYield: moved_to = gate.moved_to(); return false;
+    }
   }
 }
 
-}  // namespace
-
 bool StoreRendezvous::State::failover(const std::string& why) {
   if (!opt.reconnect || known_round < 0 || known_members.empty()) return false;
-  const int next_generation = generation + 1;
-  const std::string gen = std::to_string(next_generation);
-  DTRAIN_LOG(kWarning) << "lost the rendezvous store (" << why.substr(0, why.find('\n')) << "); moving to generation "
-                       << gen << ", hosted by the surviving node of round " << known_round
-                       << " with the lowest node rank";
-  for (const NodeRecord& c : known_members) {  // node-rank order
-    if (c.hosts) continue;                     // the lost host
-    if (c.id == node_id) {
-      // The port may stay bound for a moment after its holder died (its
-      // processes are still being torn down): retry within the others' wait.
-      std::string problem;
-      std::shared_ptr<RendezvousStore> next = retry_until(
-          Clock::now() + 2 * opt.heartbeat_timeout, std::chrono::milliseconds(100),
-          [&] { return opt.reconnect(opt.local_addr, opt.port, /*host_it=*/true, opt.heartbeat_timeout); }, problem);
-      if (!next) {
-        DTRAIN_LOG(kWarning) << "cannot host generation " << gen << " at " << opt.local_addr << ":" << opt.port << ": "
-                             << problem << "; trying the next candidate";
-        continue;
-      }
-      const std::string nodes = std::to_string(opt.min_nodes) + ":" + std::to_string(opt.max_nodes);
-      next->set(key("run_id"), opt.run_id);
-      next->set(key("nnodes"), nodes);
-      next->set(key("first_round"), std::to_string(known_round + 1));
-      // The last round, as ended by the loss: the next one counts restarts from it and uses none.
-      next->set(round_key(known_round, "closed"), std::to_string(known_members.size()));
-      next->set(round_key(known_round, "restarts"), std::to_string(known_restarts));
-      next->set(round_key(known_round, "end"), encode({.kind = RoundEnding::Kind::kMembershipChange,
-                                                       .reason = "the node hosting the rendezvous store was lost"}));
-      next->set(key("quorum"),
-                std::to_string(opt.failover_quorum_min ? 0 : static_cast<int>(known_members.size()) / 2 + 1));
-      next->set(key("generation"), gen);  // last: clients take the store once it is seeded
-      store = std::move(next);
-      generation = next_generation;
-      next_round = known_round + 1;
-      DTRAIN_LOG(kInfo) << "hosting the rendezvous store of generation " << gen << " at " << opt.local_addr << ":"
-                        << opt.port << " (failover)";
-      return true;
+  const bool moving = moved_to.has_value();
+  if (!moving) {  // the host is lost: never a candidate again
+    if (!host_id.empty()) lost_hosts.push_back(host_id);
+    for (const NodeRecord& m : members) {
+      if (host_id.empty() && m.hosts) lost_hosts.push_back(m.id);
     }
-    // A candidate gets a heartbeat timeout to notice the loss, and then some,
-    // to host; until then its store is not up (or not seeded) yet.
-    std::string problem;
-    int first_round = 0;
-    std::shared_ptr<RendezvousStore> next = retry_until(
-        Clock::now() + 2 * opt.heartbeat_timeout + opt.last_call, std::chrono::milliseconds(200),
-        [&]() -> std::shared_ptr<RendezvousStore> {
-          auto candidate = opt.reconnect(c.addr, opt.port, /*host_it=*/false, opt.heartbeat_timeout);
-          const auto g = candidate->try_get(key("generation"));
-          const auto first = candidate->try_get(key("first_round"));
-          if (!g || !first || std::stoi(*g) != next_generation) return nullptr;
-          first_round = std::stoi(*first);
-          return candidate;
-        },
-        problem);
-    if (next) {
-      store = std::move(next);
-      generation = next_generation;
-      next_round = first_round;
-      DTRAIN_LOG(kInfo) << "joined the rendezvous store of generation " << gen << " at " << c.addr << ":" << opt.port
-                        << " (failover)";
-      return true;
+    for (const NodeRecord& m : known_members) {
+      if (host_id.empty() && m.hosts) lost_hosts.push_back(m.id);
     }
-    DTRAIN_LOG(kWarning) << "node " << c.id << " did not host generation " << gen << "; trying the next candidate";
   }
+  detail::FailoverView view{.round = known_round,
+                            .restarts = known_restarts,
+                            .generation = generation,
+                            .lost_hosts = lost_hosts,
+                            .acquaintances = acquaintances};
+  for (const NodeRecord& m : known_members) view.members.push_back({.id = m.id, .addr = m.addr, .record = m.record});
+  const std::string port = ":" + std::to_string(opt.port);
+  detail::Failover seek(view,
+                        {.node_id = node_id,
+                         .addr = opt.local_addr,
+                         .port_suffix = port,
+                         .run_id = opt.run_id,
+                         .min_nodes = opt.min_nodes,
+                         .max_nodes = opt.max_nodes,
+                         .quorum_min = opt.failover_quorum_min},
+                        net());
+  if (moving) {
+    if (store->hosts_store()) retired.push_back(store);
+    DTRAIN_LOG(kWarning) << "the rendezvous store at " << where << " yielded to the one at " << *moved_to << port
+                         << "; following it";
+    seek.follow(*moved_to);
+    moved_to.reset();
+  } else {
+    DTRAIN_LOG(kWarning) << "lost the rendezvous store at " << where << " (" << why.substr(0, why.find('\n'))
+                         << "); moving to generation " << generation + 1
+                         << ", hosted by the first live member of round " << known_round
+                         << " in node-rank order (or a store that outranks it)";
+  }
+  // A candidate gets two heartbeat timeouts (to notice the loss) and a last
+  // call (to host) before the next one is tried; the whole search, --rdzv-timeout.
+  const auto patience = 2 * opt.heartbeat_timeout + opt.last_call;
+  const auto deadline = Clock::now() + opt.timeout;
+  auto candidate_since = Clock::now();
+  std::string last_problem, target = seek.target();
+  for (;;) {
+    const auto status = seek.step();
+    if (status == detail::Failover::Status::kGaveUp) break;
+    if (status != detail::Failover::Status::kSeeking) {
+      store = seek.store();
+      generation = seek.facts().standing.generation;
+      host_id = seek.facts().host_id;
+      where = seek.where();
+      next_round = seek.facts().first_round;
+      remember(seek.facts().addr);
+      DTRAIN_LOG(kInfo) << (status == detail::Failover::Status::kHosting ? "hosting" : "joined")
+                        << " the rendezvous store of generation " << generation << " at " << where
+                        << " (failover; seeded from round " << seek.facts().standing.view << ")";
+      return true;
+    }
+    if (seek.target() != target) {
+      target = seek.target();
+      candidate_since = Clock::now();
+    }
+    if (seek.last_problem() != last_problem) {
+      last_problem = seek.last_problem();
+      DTRAIN_LOG(kInfo) << "failover: " << last_problem;
+    }
+    if (Clock::now() - candidate_since > patience) {
+      seek.give_up_on_candidate();
+      candidate_since = Clock::now();
+    }
+    if (Clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  DTRAIN_LOG(kWarning) << "failover found no store to go on with within " << log::format_seconds(opt.timeout)
+                       << (last_problem.empty() ? "" : " (last: " + last_problem + ")");
   return false;
 }
 
@@ -393,6 +391,7 @@ StoreRendezvous::StoreRendezvous(std::shared_ptr<RendezvousStore> store, StoreRe
   s.store = std::move(store);
   s.opt = std::move(options);
   s.node_id = make_node_id();
+  s.where = s.opt.endpoint;
   DTRAIN_CHECK(s.opt.min_nodes >= 1 && s.opt.min_nodes <= s.opt.max_nodes, ConfigError,
                "--nnodes " << s.opt.min_nodes << ":" << s.opt.max_nodes << " is not a valid range.",
                "write MIN:MAX with 1 <= MIN <= MAX");
@@ -404,6 +403,7 @@ StoreRendezvous::StoreRendezvous(std::shared_ptr<RendezvousStore> store, StoreRe
   const std::string nodes = std::to_string(s.opt.min_nodes) + ":" + std::to_string(s.opt.max_nodes);
   const std::string config = s.store->create_if_absent(key("nnodes"), nodes);
   s.generation = std::stoi(s.store->try_get(key("generation")).value_or("0"));
+  s.host_id = s.store->try_get(key("host_id")).value_or("");
   DTRAIN_CHECK(config == nodes, ConfigError,
                "run '" << s.opt.run_id << "' was started with --nnodes " << config << ", but this node has --nnodes "
                        << nodes << ".",
@@ -444,10 +444,11 @@ RoundPlan StoreRendezvous::join_round() {
                                                                               {"node_rank", s.opt.node_rank},
                                                                               {"hosts", s.store->hosts_store()}}
                                                                    .dump());
-    DTRAIN_LOG(kInfo) << "node " << s.node_id << " joined rendezvous round " << r << " at " << s.opt.endpoint
-                      << " (arrival " << index << ")";
+    DTRAIN_LOG(kInfo) << "node " << s.node_id << " joined rendezvous round " << r << " at " << s.where << " (arrival "
+                      << index << ")";
     // A node that was never a member learns who would host after a failover
-    // from the round before this one (its members computed the same list).
+    // from the round before this one (after a failover: the round the store
+    // was seeded from, records included).
     if (s.known_round < r - 1 && r > 0) {
       if (const auto c = s.store->try_get(round_key(r - 1, "closed"))) {
         s.known_members = s.read_members(r - 1, std::stoi(*c), deadline);
@@ -457,12 +458,25 @@ RoundPlan StoreRendezvous::join_round() {
     }
     std::int64_t last_count = -1;
     auto last_change = Clock::now();
+    auto last_sweep = Clock::now();
     int closed = -1;
+    // The first round of a failover store closes only past its gate; until
+    // then, sweeps find competing stores (Note [Store-host failover]).
+    std::optional<detail::FirstRoundGate> gate;
+    if (s.gated(r)) gate.emplace(s.store, s.acquaintances, s.net(), s.opt.local_addr);
+    auto yielded = [&] {
+      throw CommunicationError("the rendezvous store at " + s.where + " yielded to the one at " + *s.moved_to,
+                               "its nodes follow it (Note [Store-host failover])");
+    };
     while (closed < 0) {
       s.heartbeat();
       if (auto c = s.store->try_get(round_key(r, "closed"))) {
         closed = std::stoi(*c);
         break;
+      }
+      if (gate && Clock::now() - last_sweep >= s.opt.heartbeat_interval) {
+        last_sweep = Clock::now();
+        if (!s.sweep(*gate, /*close=*/false)) yielded();
       }
       const auto count = std::stoll(s.store->try_get(round_key(r, "joined")).value_or("0"));
       if (count != last_count) {
@@ -475,6 +489,7 @@ RoundPlan StoreRendezvous::join_round() {
           count >= quorum &&
           (count >= s.opt.max_nodes || (count >= s.opt.min_nodes && Clock::now() - last_change >= s.opt.last_call));
       if (previous_over && enough) {
+        if (gate && !s.sweep(*gate, /*close=*/true)) yielded();  // a fresh sweep, right before closing
         s.store->set(round_key(r, "restarts"), std::to_string(s.restarts_for(r)));
         s.store->create_if_absent(round_key(r, "closed"),
                                   std::to_string(std::min<std::int64_t>(count, s.opt.max_nodes)));

@@ -4,11 +4,17 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include "../core/torch_compat.h"
 #include "dtrain/error.h"
 
-// oneDNN's matrix product, at::native::mkldnn_matmul, is declared in
-// torch_compat.h (its fp32 support differs between LibTorch versions).
+// LibTorch exports its oneDNN matrix product (TORCH_API in
+// ATen/native/mkldnn/Matmul.h, a header the wheel does not ship):
+// result = beta * result + alpha * (mat1 @ mat2), for 2-D or batched 3-D
+// operands in row- or column-major layout. With beta = 0 `result` is only
+// written.
+namespace at::native {
+TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta,
+                             float alpha);
+}  // namespace at::native
 
 namespace dtrain::nn {
 
@@ -60,14 +66,29 @@ struct OneDnnLinear : torch::autograd::Function<OneDnnLinear> {
   }
 };
 
-bool onednn_takes_fp32() {
-  return at::hasMKLDNN() && compat::onednn_matmul_takes_fp32([] { return at::ones({1, 1}); });
-}
-
 }  // namespace
 
+bool onednn_matmul_available() {
+  // Probed once: torch 2.15's mkldnn_matmul refuses every dtype, fp32
+  // included, on a CPU without the instructions of its bf16 path (AVX-512
+  // BW/VL/DQ or AVX-NE-CONVERT), e.g. AMD Zen 3 ("mkldnn_matmul bf16 path
+  // needs the cpu support ..."); there linear() is at::linear.
+  static const bool available = [] {
+    if (!at::hasMKLDNN()) return false;
+    try {
+      const at::Tensor a = at::ones({2, 2});
+      at::Tensor out = at::empty({2, 2});
+      at::native::mkldnn_matmul(a, a, out, /*beta=*/0.0F, /*alpha=*/1.0F);
+      return at::equal(out, at::full({2, 2}, 2.0F));
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return available;
+}
+
 bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  return onednn_takes_fp32() && x.dim() >= 1 && weight.dim() == 2 && x.numel() > 0 && is_dense_cpu_float(x) &&
+  return onednn_matmul_available() && x.dim() >= 1 && weight.dim() == 2 && x.numel() > 0 && is_dense_cpu_float(x) &&
          is_dense_cpu_float(weight) && (!bias.defined() || is_dense_cpu_float(bias)) &&
          !at::autocast::is_autocast_enabled(at::kCPU);
 }
@@ -75,12 +96,12 @@ bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at:
 at::Tensor onednn_mm(const at::Tensor& a, const at::Tensor& b) {
   DTRAIN_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), ConfigError,
                "onednn_mm: cannot multiply " << a.sizes() << " by " << b.sizes(), "pass matrices [m, k] and [k, n]");
-  DTRAIN_CHECK(onednn_takes_fp32(), ConfigError,
-               "onednn_mm: this LibTorch's oneDNN matrix product does not take fp32 matrices on this CPU",
-               "use at::mm (dtrain::nn::linear falls back to at::linear by itself)");
   DTRAIN_CHECK(is_dense_cpu_float(a) && is_dense_cpu_float(b), ConfigError,
                "onednn_mm: takes dense fp32 CPU matrices (got " << a.toString() << " and " << b.toString() << ")",
                "use at::mm for other tensors");
+  DTRAIN_CHECK(onednn_matmul_available(), ConfigError,
+               "onednn_mm: LibTorch's oneDNN matmul does not run on this CPU (or this LibTorch has no oneDNN).",
+               "use at::mm; dtrain::nn::linear does so by itself here");
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
   at::native::mkldnn_matmul(matrix_operand(a), matrix_operand(b), out, /*beta=*/0.0F, /*alpha=*/1.0F);
   return out;

@@ -24,16 +24,16 @@ class BorrowedGradients : public GradientSet {
 }  // namespace
 
 PipelineStrategy::PipelineStrategy(std::shared_ptr<pipeline::Pipeline> pipe, dist::DeviceMesh& mesh)
-    : pipe_(std::move(pipe)), world_(mesh.group()), pipeline_group_(mesh.pipeline_group()) {
+    : pipe_(std::move(pipe)), world_(mesh.group()), pipeline_group_(mesh["pp"]) {
   DTRAIN_CHECK(pipe_ != nullptr, ConfigError, "PipelineStrategy got no Pipeline.",
-               "pass std::make_shared<dtrain::pipeline::Pipeline>(stages, mesh.pipeline_group(), options, loss)");
-  DTRAIN_CHECK(pipe_->group().size() == mesh.shape().pipeline && pipe_->group().rank() == mesh.pipeline_index(),
-               ConfigError,
+               "pass std::make_shared<dtrain::pipeline::Pipeline>(stages, mesh[\"pp\"], options, loss)");
+  DTRAIN_CHECK(pipe_->group().size() == mesh.size("pp") && pipe_->group().rank() == mesh.coordinate("pp"), ConfigError,
                "the Pipeline's group (rank " << pipe_->group().rank() << " of " << pipe_->group().size()
                                              << ") is not the mesh's pipeline group (" << mesh.describe() << ")",
-               "build the Pipeline on mesh.pipeline_group()");
-  data_rank_ = mesh.data_index();
-  data_world_ = mesh.shape().data;
+               "build the Pipeline on mesh[\"pp\"]");
+  auto& data = mesh.join({"dp_replicate", "dp_shard"});
+  data_rank_ = data.rank();
+  data_world_ = data.size();
   const pipeline::Schedule& schedule = pipe_->schedule();
   loss_rank_ = schedule.rank_of_stage(schedule.stage_count() - 1);
   // module(): this rank's stages (train/eval modes, per-rank checkpoints)

@@ -308,9 +308,9 @@ TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
                                   {StageReduction::kAllReduce, 0, "all-reduce"}};
   run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
     auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = std::chrono::seconds(30)});
-    dtrain::dist::DeviceMesh mesh(world, {.data = 2, .pipeline = 2});
-    EXPECT_EQ(mesh.pipeline_group().size(), 2);
-    EXPECT_EQ(mesh.data_group().size(), 2);
+    dtrain::dist::DeviceMesh mesh(world, {{"pp", 2}, {"dp_replicate", 2}});
+    EXPECT_EQ(mesh["pp"].size(), 2);
+    EXPECT_EQ(mesh["dp_replicate"].size(), 2);
     for (const ScheduleKind kind : kKinds) {
       for (const Reduction& reduction : reductions) {
         const std::string where = to_string(kind) + " " + reduction.name + " rank " + std::to_string(rank);
@@ -320,11 +320,10 @@ TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
         gpt::init_weights(*layers, config.n_layer, 7);
         dtrain::pipeline::PipelineOptions options{.schedule = kind,
                                                   .micro_batches = 2,
-                                                  .data_parallel_group = mesh.data_group(),
+                                                  .data_parallel_group = mesh["dp_replicate"],
                                                   .data_parallel_reduction = reduction.kind};
         if (reduction.zero_stage) options.zero.stage = reduction.zero_stage;
-        Pipeline pipe(gpt::pipeline_stages(layers, 2, v, mesh.pipeline_index()), mesh.pipeline_group(), options,
-                      gpt::lm_loss);
+        Pipeline pipe(gpt::pipeline_stages(layers, 2, v, mesh.coordinate("pp")), mesh["pp"], options, gpt::lm_loss);
         EXPECT_EQ(pipe.sharded_stages().size(), reduction.zero_stage ? std::size_t(v) : 0) << where;
         torch::optim::SGD opt(pipe.parameters(), 0.1);
         gpt::Gpt reference(config);
@@ -332,7 +331,7 @@ TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
         torch::optim::SGD ref_opt(reference->parameters(), 0.1);
         for (int step = 0; step < kSteps; ++step) {
           const Batch b = batch_for(config, kBatch, step);
-          const auto half = [&](const at::Tensor& t) { return t.chunk(2, 0)[mesh.data_index()]; };
+          const auto half = [&](const at::Tensor& t) { return t.chunk(2, 0)[mesh.coordinate("dp_replicate")]; };
           pipe.zero_grad();
           pipe.step(half(b.x), half(b.y));
           const at::Tensor norm = pipe.clip_grad_norm_(kMaxNorm);
@@ -347,7 +346,7 @@ TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
         // the borrowed tied copies up to date) equals the reference's forward.
         const Batch eval = batch_for(config, 4, 99);
         const at::Tensor out = pipe.forward(eval.x);
-        if (mesh.pipeline_index() == 1) {
+        if (mesh.coordinate("pp") == 1) {
           at::NoGradGuard no_grad;
           expect_close(out, reference->forward(eval.x), where + " eval output");
         }

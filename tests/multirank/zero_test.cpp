@@ -1,6 +1,6 @@
 // ShardedDataParallel (ZeRO stages 1-3) against a single process training on
-// the full batch (what DDP computes), over worlds 1..4; stage 3's memory; a
-// peer dying mid-collective.
+// the full batch (what DDP computes), over worlds 1..4 and as HSDP on a
+// dp_replicate x dp_shard mesh; stage 3's memory; a peer dying mid-collective.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -18,6 +18,7 @@
 #include <mutex>
 
 #include "dtrain/amp/grad_scaler.h"
+#include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/zero/sharded_checkpoint.h"
@@ -264,6 +265,51 @@ TEST(Zero, GradScalerAndGlobalNormClipping) {
       }
       EXPECT_EQ(scaler.get_scale(), ref_scaler.get_scale());
       expect_equal_parameters(sdp.full_state_dict(), *reference);
+    }
+  });
+}
+
+// HSDP on 4 ranks, dp_replicate 2 x dp_shard 2: every stage, SGD and AdamW,
+// with global-norm clipping, equals
+// one process on the union batch; replicas hold equal shards; a sharded
+// checkpoint of it is refused by name.
+TEST(Zero, HsdpReplicasOfShardGroupsEqualSingleProcess) {
+  constexpr int world = 4, kPerRank = 3, kSteps = 3;
+  run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(30)});
+    dtrain::dist::DeviceMesh mesh(group, {{"dp_replicate", 2}, {"dp_shard", 2}});
+    const int data_rank = mesh.join({"dp_replicate", "dp_shard"}).rank();
+    for (int stage = 1; stage <= 3; ++stage) {
+      for (const OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kAdamW}) {
+        SCOPED_TRACE("stage " + std::to_string(stage) + " " + to_string(kind) + " rank " + std::to_string(rank));
+        auto model = make_model();
+        auto reference = make_model();
+        dtrain::ShardedDataParallel sdp(model, mesh["dp_shard"],
+                                        {.stage = stage, .replicate_group = mesh["dp_replicate"]});
+        auto opt = make_optimizer(kind, sdp.parameters());
+        auto ref_opt = make_optimizer(kind, trainable(*reference));
+        for (int step = 0; step < kSteps; ++step) {
+          const Batch batch = global_batch(step, world * kPerRank);
+          const Batch mine = batch.slice(data_rank * kPerRank, kPerRank);
+          opt->zero_grad();
+          loss_of(sdp(mine.x), mine.y).backward();
+          const double norm = dtrain::clip_grad_norm_(sdp.gradients(), 0.05).item<double>();
+          opt->step();
+          ref_opt->zero_grad();
+          loss_of(reference->forward(batch.x), batch.y).backward();
+          const double ref_norm = dtrain::clip_grad_norm_(trainable(*reference), 0.05).item<double>();
+          ref_opt->step();
+          EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
+        }
+        expect_equal_parameters(sdp.full_state_dict(), *reference);
+        // The two replicas' shards are the same numbers.
+        for (const auto& s : sdp.parameter_shards()) {
+          at::Tensor other = s.shard.detach().clone();
+          mesh["dp_replicate"].broadcast(other, 0).wait();
+          EXPECT_TRUE(other.equal(s.shard.detach())) << s.name;
+        }
+        EXPECT_THROW(dtrain::ShardedCheckpointer({.dir = "/nonexistent"}, sdp, *opt), dtrain::ConfigError);
+      }
     }
   });
 }

@@ -79,6 +79,48 @@ TEST(GptExample, EveryStrategyMatchesSingle) {
   fs::remove_all(dir);
 }
 
+// Every strategy with the example's defaults (model, batch, evaluation, a
+// 500-character sample) runs to the end as a new user would start it: exit 0,
+// the progress line, the sample and the done line, each within a bound (a
+// hang fails here, not at the 30-minute collective timeout). Only the step
+// count is cut, with an evaluation mid-run. zero3 with 3 evaluation batches
+// on 2 ranks evaluates unevenly split batches through a collective forward.
+TEST(GptExample, EveryStrategyRunsItsDefaultsToTheEnd) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const std::string bound = "timeout -k 10 240 ";
+  struct Case {
+    std::string args, launcher;
+  };
+  const std::vector<Case> cases{
+      {"--strategy single", bound},
+      {"--strategy dp --devices cpu,cpu", bound},
+      {"--strategy model-parallel --devices cpu,cpu", bound},
+      {"--strategy ddp", bound + kLaunch},
+      {"--strategy ddp-model-parallel --devices cpu,cpu", bound + kLaunch},
+      {"--strategy zero1", bound + kLaunch},
+      {"--strategy zero2", bound + kLaunch},
+      {"--strategy zero3", bound + kLaunch},
+      {"--strategy zero3 --eval-iters 3", bound + kLaunch},
+      {"--strategy pipeline", bound + kLaunch},
+      {"--strategy pipeline --pp-schedule interleaved", bound + kLaunch},
+  };
+  for (const auto& c : cases) {
+    const auto r = run("--max-iters 20 --eval-interval 10 " + c.args, c.launcher);
+    ASSERT_EQ(r.exit_code, 0) << c.args << ":\n" << r.stderr_text;
+    EXPECT_NE(r.stderr_text.find("train 100% 20/20"), std::string::npos) << c.args << ": no progress\n"
+                                                                         << r.stderr_text;
+    const auto begin = r.stdout_text.find("--- sample");
+    const auto end = r.stdout_text.find("--- end of sample ---");
+    ASSERT_NE(begin, std::string::npos) << c.args << ": no sample\n" << r.stdout_text;
+    ASSERT_NE(end, std::string::npos) << c.args << r.stdout_text;
+    EXPECT_GT(end - begin, 500u) << c.args << ": a 500-character sample\n" << r.stdout_text;
+    const auto done = last_json_line(r.stdout_text);
+    EXPECT_EQ(done.value("event", ""), "done") << c.args << r.stdout_text;
+    EXPECT_EQ(done.value("steps", 0), 20) << c.args << r.stdout_text;
+    EXPECT_TRUE(std::isfinite(done.value("val_loss", NAN))) << c.args << r.stdout_text;
+  }
+}
+
 // 400 steps of a 2-layer GPT (about 5 s): the val loss must fall below the
 // bigram entropy of the val split (what the best model seeing only the
 // previous character gets; prepare.py computes it from train statistics), so

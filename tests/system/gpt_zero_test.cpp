@@ -21,24 +21,33 @@ const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
 const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
 const std::string kLaunchOne = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 1";
 
-// Four AdamW steps with clipping and a cosine schedule, evaluation included;
-// tolerance as in gpt_example_test.cpp (float rounding lifted by Adam).
+// Four AdamW steps of a small GPT with clipping and a cosine schedule,
+// evaluation included; --save-params FILE goes last.
+const std::string kCommon =
+    "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --max-iters 4 --eval-interval 2 --eval-iters 2 "
+    "--sample-tokens 0 --warmup-iters 2 --seed 5 --grad-clip 0.5 --devices cpu --save-params ";
+
+// Single's parameters after kCommon's steps on the global batch of 4 (empty
+// when the run failed, which is reported).
+std::vector<float> single_reference(const fs::path& dir) {
+  const auto single =
+      dtrain::testing::run_example(kExample, kCommon + (dir / "single.f32").string() + " --batch-size 4");
+  EXPECT_EQ(single.exit_code, 0) << single.stderr_text;
+  return read_floats(dir / "single.f32");
+}
+
+// Every ZeRO stage against single; tolerance as in gpt_example_test.cpp
+// (float rounding lifted by Adam).
 TEST(GptZero, EveryStageMatchesSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-zero-" + std::to_string(::getpid()));
   fs::create_directories(dir);
-  const std::string common =
-      "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --max-iters 4 --eval-interval 2 --eval-iters 2 "
-      "--sample-tokens 0 --warmup-iters 2 --seed 5 --grad-clip 0.5 --devices cpu --save-params ";
-  const auto single =
-      dtrain::testing::run_example(kExample, common + (dir / "single.f32").string() + " --batch-size 4");
-  ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
-  const auto reference = read_floats(dir / "single.f32");
+  const auto reference = single_reference(dir);
   ASSERT_GT(reference.size(), 20000u);
   for (const std::string strategy : {"zero1", "zero2", "zero3"}) {
     const auto file = dir / (strategy + ".f32");
     const auto r = dtrain::testing::run_example(
-        kExample, common + file.string() + " --batch-size 2 --strategy " + strategy, kLaunch);
+        kExample, kCommon + file.string() + " --batch-size 2 --strategy " + strategy, kLaunch);
     ASSERT_EQ(r.exit_code, 0) << strategy << ": " << r.stderr_text;
     EXPECT_EQ(dtrain::testing::last_json_line(r.stdout_text).value("steps", 0), 4) << r.stdout_text;
     const auto params = read_floats(file);
@@ -47,6 +56,51 @@ TEST(GptZero, EveryStageMatchesSingle) {
     EXPECT_EQ(diff.outside, 0u) << strategy;
     EXPECT_LT(diff.relative_l2, 1e-5) << strategy;
   }
+  fs::remove_all(dir);
+}
+
+// Plans instead of --strategy: HSDP (dp_replicate 2 x dp_shard 2, ZeRO-3) on
+// 4 ranks and a plan file (ZeRO-2 over 2 ranks) with --global-batch-size end
+// where single does on the same global batches; a plan no applier runs is
+// refused before training, saying what to change.
+TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-plan-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const auto reference = single_reference(dir);
+  ASSERT_GT(reference.size(), 20000u);
+  {
+    std::ofstream plan(dir / "zero2.json");
+    plan << R"({"dp_shard": 2, "zero_stage": 2})";
+  }
+  struct Case {
+    std::string name, args, launcher;
+  };
+  const std::vector<Case> cases{
+      {"hsdp", "--dp-replicate 2 --dp-shard 2 --batch-size 1",
+       std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 4"},
+      {"plan-file", "--plan " + (dir / "zero2.json").string() + " --global-batch-size 4", kLaunch},
+  };
+  for (const auto& c : cases) {
+    const auto file = dir / (c.name + ".f32");
+    const auto r = dtrain::testing::run_example(kExample, kCommon + file.string() + " " + c.args, c.launcher);
+    ASSERT_EQ(r.exit_code, 0) << c.name << ": " << r.stderr_text;
+    EXPECT_NE(r.stderr_text.find("parallelism plan"), std::string::npos) << c.name << r.stderr_text;
+    const auto params = read_floats(file);
+    ASSERT_EQ(params.size(), reference.size()) << c.name;
+    const auto diff = dtrain::testing::compare_params(params, reference);
+    EXPECT_EQ(diff.outside, 0u) << c.name;
+    EXPECT_LT(diff.relative_l2, 1e-5) << c.name;
+  }
+  {
+    std::ofstream plan(dir / "tp.json");
+    plan << R"({"tp": 2})";
+  }
+  const auto refused =
+      dtrain::testing::run_example(kExample, kCommon + "/dev/null --plan " + (dir / "tp.json").string(), kLaunch);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.stderr_text.find("no applier in this build handles the tp dimension"), std::string::npos)
+      << refused.stderr_text;
   fs::remove_all(dir);
 }
 

@@ -410,15 +410,16 @@ PipelineRunResult pipeline_run(torch::nn::Sequential& init, dtrain::pipeline::St
   std::mutex mutex;
   dtrain::testing::run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
     auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = std::chrono::seconds(60)});
-    dtrain::dist::DeviceMesh mesh(world, {.data = 2, .pipeline = 2});
+    dtrain::dist::DeviceMesh mesh(world, {{"pp", 2}, {"dp_replicate", 2}});
     auto net = zero_net();
     copy_parameters(*net, *init);
     const auto stages = dtrain::pipeline::split_stages(net, {0, 0, 1});
     auto loss = [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); };
     auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
-        std::vector<dtrain::pipeline::PipelineStage>{{.module = stages[mesh.pipeline_index()]}}, mesh.pipeline_group(),
-        dtrain::pipeline::PipelineOptions{
-            .micro_batches = 2, .data_parallel_group = mesh.data_group(), .data_parallel_reduction = reduction},
+        std::vector<dtrain::pipeline::PipelineStage>{{.module = stages[mesh.coordinate("pp")]}}, mesh["pp"],
+        dtrain::pipeline::PipelineOptions{.micro_batches = 2,
+                                          .data_parallel_group = mesh.join({"dp_replicate", "dp_shard"}),
+                                          .data_parallel_reduction = reduction},
         loss);
     auto strategy = std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
     EXPECT_EQ(strategy->data_world(), 2);
@@ -432,8 +433,8 @@ PipelineRunResult pipeline_run(torch::nn::Sequential& init, dtrain::pipeline::St
       result.eval_loss = summary.last_eval->loss;
       result.eval_examples = summary.last_eval->examples;
     }
-    if (mesh.data_index() != 0) return;
-    for (const auto& item : stages[mesh.pipeline_index()]->named_parameters())
+    if (mesh.coordinate("dp_replicate") != 0) return;
+    for (const auto& item : stages[mesh.coordinate("pp")]->named_parameters())
       result.parameters[item.key()] = item.value().detach().clone();
   });
   return result;
@@ -505,11 +506,11 @@ TEST(PipelineTrainer, ResumedEqualsUninterrupted) {
 TEST(PipelineTrainer, AccumulationIsRefusedWithAClearError) {
   dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
     auto world = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(30)});
-    dtrain::dist::DeviceMesh mesh(world, {.data = 1, .pipeline = 2});
+    dtrain::dist::DeviceMesh mesh(world, {{"pp", 2}});
     auto net = zero_net();
     const auto stages = dtrain::pipeline::split_stages(net, {0, 0, 1});
     auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
-        std::vector<dtrain::pipeline::PipelineStage>{{.module = stages[rank]}}, mesh.pipeline_group(),
+        std::vector<dtrain::pipeline::PipelineStage>{{.module = stages[rank]}}, mesh["pp"],
         dtrain::pipeline::PipelineOptions{.micro_batches = 2},
         [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); });
     auto strategy = std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);

@@ -35,17 +35,15 @@ Operands leaves(const Operands& o) {
   return copy;
 }
 
-// GTEST_SKIP returns from the enclosing function, so this is a macro. The
-// oneDNN path needs a LibTorch built with oneDNN whose matrix product takes
-// fp32 on this CPU (2.11's does not on CPUs without AVX-512; torch_compat.h).
-#define SKIP_WITHOUT_ONEDNN()                                  \
-  if (!linear_uses_onednn(at::ones({1, 1}), at::ones({1, 1}))) \
-  GTEST_SKIP() << "this LibTorch's oneDNN does not multiply fp32 matrices here"
+// GTEST_SKIP returns from the function it is in: a macro, so that it ends the test.
+#define DTRAIN_SKIP_WITHOUT_ONEDNN()          \
+  if (!dtrain::nn::onednn_matmul_available()) \
+  GTEST_SKIP() << "LibTorch's oneDNN matmul does not run here (no oneDNN, or a CPU its fp32 path refuses)"
 
 }  // namespace
 
 TEST(Linear, MatchesAtLinearForwardAndBackward) {
-  SKIP_WITHOUT_ONEDNN();
+  DTRAIN_SKIP_WITHOUT_ONEDNN();
   at::manual_seed(0);
   const std::vector<Operands> cases = {
       {at::randn({6, 7}), at::randn({3, 7}), {}},
@@ -74,7 +72,7 @@ TEST(Linear, MatchesAtLinearForwardAndBackward) {
 // The zero-bubble schedule asks autograd for the input gradient first and the
 // weight gradient later, each from the retained graph.
 TEST(Linear, GivesEachRequestedGradientAlone) {
-  SKIP_WITHOUT_ONEDNN();
+  DTRAIN_SKIP_WITHOUT_ONEDNN();
   at::manual_seed(1);
   const Operands base{at::randn({3, 4, 16}), at::randn({24, 16}), {}};
   auto ours = leaves(base);
@@ -94,7 +92,7 @@ TEST(Linear, GivesEachRequestedGradientAlone) {
 // With create_graph the backward is differentiable: a gradient penalty's
 // gradient equals at::linear's.
 TEST(Linear, SecondDerivativesMatchAtLinear) {
-  SKIP_WITHOUT_ONEDNN();
+  DTRAIN_SKIP_WITHOUT_ONEDNN();
   at::manual_seed(2);
   const Operands base{at::randn({5, 8}), at::randn({6, 8}), at::randn({6})};
   auto ours = leaves(base);
@@ -126,8 +124,21 @@ TEST(Linear, IsAtLinearWhereOneDnnDoesNotApply) {
   EXPECT_TRUE(at::equal(y, at::linear(xf, wf)));
 }
 
+// Where oneDNN's matmul does not run (probed), linear() is at::linear and
+// onednn_mm() says so; where it runs, the probe agrees with a real product.
+TEST(Linear, ProbeDecidesThePath) {
+  const at::Tensor x = at::randn({4, 5}), w = at::randn({3, 5});
+  EXPECT_EQ(linear_uses_onednn(x, w), dtrain::nn::onednn_matmul_available());
+  if (dtrain::nn::onednn_matmul_available()) {
+    EXPECT_TRUE(at::allclose(dtrain::nn::onednn_mm(x, w.t()), at::mm(x, w.t()), 1e-5, 1e-6));
+  } else {
+    EXPECT_TRUE(at::equal(dnn::linear(x, w), at::linear(x, w)));
+    EXPECT_THROW(dtrain::nn::onednn_mm(x, w.t()), dtrain::ConfigError);
+  }
+}
+
 TEST(OnednnMm, RejectsWhatItCannotMultiply) {
-  SKIP_WITHOUT_ONEDNN();
+  DTRAIN_SKIP_WITHOUT_ONEDNN();
   EXPECT_THROW(dtrain::nn::onednn_mm(at::randn({2, 3}), at::randn({4, 5})), dtrain::ConfigError);
   EXPECT_THROW(dtrain::nn::onednn_mm(at::randn({2, 3}, at::kDouble), at::randn({3, 5}, at::kDouble)),
                dtrain::ConfigError);

@@ -18,6 +18,7 @@
 #include "dtrain/log.h"
 #include "launch_options.h"
 #include "libdtrain_loader.h"
+#include "plan_command.h"
 #include "torchrun_args.h"
 
 namespace {
@@ -79,6 +80,10 @@ int main(int argc, char** argv) {
   dtrain::tools::LaunchOptions opt;
   CLI::App* run = app.add_subcommand("run", "Launch PROGRAM as a group of training workers (like torchrun)");
   dtrain::tools::add_launch_options(*run, opt);
+  dtrain::tools::PlanCommandOptions plan_opt;
+  CLI::App* plan = app.add_subcommand(
+      "plan", "Predict memory and step time of parallelism plans, search them, refuse what does not fit");
+  dtrain::tools::add_plan_options(*plan, plan_opt);
   // torchrun's PET_* variables and spellings (tools/dtrain/torchrun_args.h).
   std::vector<std::string> args(argv + 1, argv + argc);
   std::vector<std::string> from_pet;
@@ -93,6 +98,14 @@ int main(int argc, char** argv) {
     app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  if (plan->parsed()) {
+    try {
+      return dtrain::tools::plan_command(plan_opt, std::cout, std::cerr);
+    } catch (const dtrain::Error& e) {
+      std::cerr << "dtrain plan: error: " << e.what() << std::endl;
+      return 2;
+    }
   }
   try {
     if (!from_pet.empty()) {

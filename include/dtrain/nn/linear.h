@@ -23,8 +23,13 @@ namespace dtrain::nn {
 // backward is built from differentiable ATen ops, so higher derivatives work.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 
-// True when linear() would use oneDNN for these tensors: LibTorch was built
-// with oneDNN, all are dense fp32 CPU tensors, weight is 2-D, and CPU autocast
+// Whether LibTorch's oneDNN matmul runs fp32 on this CPU (probed once: some
+// LibTorch versions refuse it on CPUs without AVX-512 BW/VL/DQ or
+// AVX-NE-CONVERT, such as AMD Zen 3).
+bool onednn_matmul_available();
+
+// True when linear() would use oneDNN for these tensors: oneDNN's matmul is
+// available (above), all are dense fp32 CPU tensors, weight is 2-D, and CPU autocast
 // is off (under autocast linear() defers to at::linear, which autocast casts).
 bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 

@@ -1,8 +1,10 @@
 // The Trainer's strategy for pipeline parallelism, on a data x pipeline mesh:
 //
-//   dtrain::dist::DeviceMesh mesh(world, {.data = 2, .pipeline = 2});
-//   auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(my_stages, mesh.pipeline_group(),
-//       dtrain::pipeline::PipelineOptions{.micro_batches = 4, .data_parallel_group = mesh.data_group()}, loss_fn);
+//   dtrain::dist::DeviceMesh mesh(world, {{"pp", 2}, {"dp_replicate", 2}});
+//   auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(my_stages, mesh["pp"],
+//       dtrain::pipeline::PipelineOptions{.micro_batches = 4,
+//                                         .data_parallel_group = mesh.join({"dp_replicate", "dp_shard"})},
+//       loss_fn);
 //   auto strategy = std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
 //   torch::optim::AdamW opt(strategy->parameters(), 1e-3);
 //   dtrain::Trainer trainer(strategy, opt, data, {.batch_size = 64, .accumulate = 1});

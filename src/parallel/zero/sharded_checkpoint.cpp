@@ -104,6 +104,15 @@ struct SavedLayout {
 
 // This rank's part: every unit's chunk (fp32 masters), its optimizer state
 // laid out like the chunk, the unit's optimizer step, and the layout.
+// Every replica of an HSDP group holds the same shards; the part files are
+// named by the sharding group's rank alone, so replicas would overwrite each
+// other's.
+void refuse_replicated(ShardedDataParallel& sdp) {
+  DTRAIN_CHECK(!sdp.engine().replicated(), ConfigError,
+               "sharded checkpoints of an HSDP model (ZeroOptions::replicate_group) are not supported yet.",
+               "checkpoint the model's full_state_dict() from one rank, or train without replicate_group");
+}
+
 void write_part(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
                 torch::serialize::OutputArchive& archive) {
   torch::NoGradGuard no_grad;
@@ -249,7 +258,9 @@ class ZeroState : public ShardedStateful {
 
 ShardedCheckpointer::ShardedCheckpointer(ShardedCheckpointOptions options, ShardedDataParallel& sdp,
                                          torch::optim::Optimizer& optimizer)
-    : options_(std::move(options)), sdp_(&sdp), optimizer_(&optimizer) {}
+    : options_(std::move(options)), sdp_(&sdp), optimizer_(&optimizer) {
+  refuse_replicated(sdp);
+}
 
 void ShardedCheckpointer::save(std::int64_t step, const std::string& extra) {
   torch::NoGradGuard no_grad;
@@ -360,6 +371,7 @@ std::optional<ShardedCheckpointInfo> ShardedCheckpointer::load_latest() {
 }
 
 std::shared_ptr<ShardedStateful> zero_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer) {
+  refuse_replicated(sdp);
   return std::make_shared<ZeroState>(sdp, optimizer);
 }
 

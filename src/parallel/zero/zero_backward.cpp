@@ -119,6 +119,10 @@ void ZeroEngine::complete_reduction(std::size_t u) {
   Unit& unit = units_[u];
   unit.reduce_work.wait();
   unit.reduce_input = at::Tensor();
+  // HSDP: the sharding group's average, averaged over the replicas. Issued
+  // once the reduce-scatter is done (here, at the end of backward), so it is
+  // not overlapped with compute yet.
+  if (replicated()) options_.replicate_group->all_reduce(unit.reduce_output, dist::ReduceOp::kAvg).wait();
   // Shard gradients stay in a 16-bit reduce dtype (the ZeRO paper's mixed-
   // precision Adam counts 2 bytes for them; the reduced values are those
   // anyway, and optimizers upcast per operation against the fp32 masters);

@@ -184,6 +184,7 @@ void ZeroEngine::build_units() {
     if (unit.numel > 0) fulls.push_back(unit.full);
   }
   if (!fulls.empty() && world_ > 1) group_.broadcast_coalesced(fulls, 0).wait();  // rank 0's values everywhere
+  if (!fulls.empty() && replicated()) options_.replicate_group->broadcast_coalesced(fulls, 0).wait();  // replica 0's
 
   for (std::size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = units_[u];

@@ -98,6 +98,8 @@ class ZeroEngine {
   int world() const { return world_; }
   const ZeroOptions& options() const { return options_; }
   dist::ProcessGroup& group() { return group_; }
+  // HSDP: ZeroOptions::replicate_group is set and spans several replicas.
+  bool replicated() const { return options_.replicate_group && options_.replicate_group->size() > 1; }
   torch::nn::Module& module() { return *module_; }
   const GradientSet& gradients() const { return *gradient_set_; }
   ZeroMemoryStats memory_stats() const;

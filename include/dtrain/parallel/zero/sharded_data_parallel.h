@@ -87,6 +87,13 @@ struct ZeroOptions {
   // communication, the whole model's parameters at the peak.
   bool reshard_after_forward = true;
   MixedPrecisionPolicy mixed_precision;
+  // HSDP (the mesh's dp_replicate): the ranks holding this rank's shard in the
+  // other replicas of the sharding group. Each unit's gradient, once
+  // reduce-scattered over the sharding group, is averaged over these ranks too,
+  // so every replica steps on the same shard; replicas start from replica 0's
+  // parameters. Unset: one replica. Sharded checkpoints refuse it (not yet
+  // written once per shard).
+  std::optional<dist::ProcessGroup> replicate_group;
 };
 
 // One trainable parameter's piece in this rank's chunk.

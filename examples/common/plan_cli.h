@@ -1,0 +1,95 @@
+// The examples' parallelism-plan options, one copy for examples/gpt and
+// examples/fashion_mnist: a plan file (--plan FILE, dtrain::ParallelPlan's
+// JSON) or the degrees as flags (--dp-replicate, --dp-shard, --pp,
+// --zero-stage, --recompute; the pipeline's schedule and micro-batches come
+// from pipeline_cli.h), and the global batch (--global-batch-size). The
+// plan is checked against the world and the model before anything is built
+// (ParallelPlan::validate), so a plan that cannot run fails with what to
+// change.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include "dtrain/error.h"
+#include "dtrain/plan/plan.h"
+#include "pipeline_cli.h"
+
+namespace examples {
+
+struct PlanCli {
+  std::string file;      // --plan
+  int dp_replicate = 0;  // 0: not given
+  int dp_shard = 0;
+  int pp = 0;
+  int zero_stage = -1;  // -1: not given (3 where dp_shard > 1)
+  std::string recompute = "none";
+  std::int64_t global_batch = 0;  // --global-batch-size; 0: from --batch-size
+
+  void add_to(CLI::App& app) {
+    app.add_option("--plan", file, "Parallelism plan file (JSON, as dtrain::ParallelPlan::to_json writes)");
+    app.add_option("--dp-replicate", dp_replicate,
+                   "Data-parallel replicas averaging gradients (DDP; HSDP with --dp-shard)")
+        ->check(CLI::PositiveNumber);
+    app.add_option("--dp-shard", dp_shard, "Data-parallel ranks sharding the model (ZeRO, --zero-stage)")
+        ->check(CLI::PositiveNumber);
+    app.add_option("--pp", pp, "Pipeline stages' ranks (the rest of the world replicates the pipeline)")
+        ->check(CLI::PositiveNumber);
+    app.add_option("--zero-stage", zero_stage, "ZeRO stage over --dp-shard (default 3 where it is above 1)")
+        ->check(CLI::Range(0, 3));
+    app.add_option("--recompute", recompute, "Activation recompute")
+        ->check(CLI::IsMember({"none", "selective", "full"}))
+        ->capture_default_str();
+    app.add_option("--global-batch-size", global_batch,
+                   "Sequences per optimizer step over all ranks (the per-rank batch follows from the plan)")
+        ->check(CLI::PositiveNumber);
+  }
+
+  // Whether the plan comes from these options rather than --strategy.
+  bool given() const { return !file.empty() || dp_replicate > 0 || dp_shard > 0 || pp > 0 || zero_stage >= 0; }
+
+  // The plan of these options on a world of `world` ranks: the file's, or
+  // the degrees given with the rest of the world on dp_replicate (on
+  // dp_shard when only a ZeRO stage is given). Validated.
+  dtrain::ParallelPlan resolve(int world, const PipelineCli& pipeline, const dtrain::PlanContext::Model& model,
+                               int accumulate) const {
+    dtrain::ParallelPlan plan;
+    if (!file.empty()) {
+      std::ifstream in(file);
+      DTRAIN_CHECK(in.good(), ConfigError, "cannot read the plan file " << file << ".", "check the path");
+      std::stringstream text;
+      text << in.rdbuf();
+      plan = dtrain::ParallelPlan::from_json(text.str());
+    } else {
+      plan.pp = pp > 0 ? pp : 1;
+      plan.dp_shard = dp_shard > 0 ? dp_shard : 1;
+      plan.zero_stage = zero_stage >= 0 ? zero_stage : (plan.dp_shard > 1 ? 3 : 0);
+      if (dp_shard == 0 && zero_stage > 0) plan.dp_shard = 0;  // the rest of the world shards
+      plan.dp_replicate = dp_replicate > 0 ? dp_replicate : 0;
+      const int given = plan.pp * std::max(plan.dp_shard, 1) * std::max(plan.dp_replicate, 1);
+      DTRAIN_CHECK(given > 0 && world % given == 0, ConfigError,
+                   "the degrees given make " << given << " ranks, which do not divide the world of " << world << ".",
+                   "give degrees whose product divides the number of ranks");
+      if (plan.dp_shard == 0) {
+        plan.dp_shard = world / given;
+      } else if (plan.dp_replicate == 0) {
+        plan.dp_replicate = world / given;
+      }
+      if (plan.dp_replicate == 0) plan.dp_replicate = 1;
+      plan.pipeline = {.schedule = pipeline.schedule,
+                       .stages_per_rank = pipeline.stages_per_rank(),
+                       .micro_batches = pipeline.micro_batches};
+      plan.recompute = dtrain::parse_recompute(recompute);
+    }
+    if (global_batch > 0) plan.global_batch = global_batch;
+    plan.accumulate = accumulate;
+    plan.validate({.world = world, .model = model});
+    return plan;
+  }
+};
+
+}  // namespace examples

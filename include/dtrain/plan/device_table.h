@@ -1,0 +1,59 @@
+// The planner's cluster: one kind of accelerator, its links, and how many
+// sit in a node. The table holds the devices `dtrain plan --device` knows;
+// every figure is a data-sheet peak or an assumed achievable fraction of one,
+// listed in docs/planner.md with its source.
+//
+//   auto d = dtrain::plan::find_device("a100-80gb");   // ConfigError lists the names
+//   dtrain::plan::Cluster c{.device = d, .gpus = 1536, .gpus_per_node = 8};
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain::plan {
+
+// A link level for the alpha-beta model: a message of n bytes between two
+// ranks takes latency + n / bandwidth; a ring collective over k ranks moves
+// (k - 1) / k of the buffer per step through each rank's link.
+struct Link {
+  double bandwidth = 0;  // achievable bytes/s per GPU and direction (NCCL bus bandwidth)
+  double latency = 0;    // seconds per hop
+};
+
+struct DeviceSpec {
+  std::string name;
+  std::string description;
+  std::int64_t memory_bytes = 0;  // what the framework may allocate
+  double bf16_flops = 0;          // dense peak FLOP/s (also fp16)
+  double fp8_flops = 0;           // dense peak; 0: none
+  double fp32_flops = 0;          // dense peak without tensor cores' TF32
+  double memory_bandwidth = 0;    // bytes/s
+  // Achievable fraction of the peak on large GEMMs, and on attention kernels.
+  double gemm_efficiency = 0.75;
+  double attention_efficiency = 0.5;
+  // Achievable fraction of the memory bandwidth for streaming kernels.
+  double memory_efficiency = 0.8;
+  Link intra_node;  // NVLink / shared memory
+  Link inter_node;  // InfiniBand / RoCE / TCP, per GPU
+  int gpus_per_node = 8;
+  double kernel_overhead = 5e-6;  // seconds per kernel launch a layer pays
+};
+
+// The built-in table: a100-40gb, a100-80gb, h100-80gb, h100-96gb, h200,
+// b200, cpu-here (this host's cores, from /proc and an assumed rate; see
+// `dtrain plan --calibrate`).
+const std::vector<DeviceSpec>& device_table();
+// ConfigError naming the known devices when `name` is not one.
+DeviceSpec find_device(const std::string& name);
+
+struct Cluster {
+  DeviceSpec device;
+  int gpus = 1;
+  int gpus_per_node = 8;
+  // Which link a group of `size` ranks, `stride` ranks apart in the world's
+  // row-major order, crosses: the node's when all its members share a node.
+  const Link& link(int size, int stride) const;
+};
+
+}  // namespace dtrain::plan

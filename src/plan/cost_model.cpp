@@ -1,0 +1,356 @@
+// The cost model: memory by rank, step time by replay (cost_model.h).
+#include "dtrain/plan/cost_model.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <tuple>
+
+#include "dtrain/error.h"
+#include "dtrain/plan/replay.h"
+#include "layer_cost.h"
+
+namespace dtrain::plan {
+
+std::string format_gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+// Note [Activation memory]
+// Per token of one layer, in bytes at 2 bytes per element (Korthikanti et
+// al. 2022, section 4, generalised to grouped KV heads and gated MLPs):
+//  - replicated across tp unless sequence parallel ("R"): the two norms'
+//    inputs 4h, the QKV and MLP inputs 2h each, dropout masks 2h (1 byte
+//    each); eager kernels also keep each norm's fp32 input (8h in all);
+//  - divided by tp ("S"): Q, K, V 2(h + 2kv), the attention output 2h, the
+//    MLP's inner activations 4f (GeLU: its input and output), 6f (fused
+//    SwiGLU) or 8f (eager SwiGLU);
+//  - scores, materialised attention only: softmax output, dropout mask and
+//    output, 5 a s per token (divided by tp); flash keeps 4 a (log-sum-exp).
+// For GPT (kv = h, f = 4h) that is sbh(34 + 5as/h) without parallelism and
+// sbh/t (34 + 5as/h) with tp = t and sequence parallelism. Selective
+// recompute drops the scores (Megatron) or, with flash attention, keeps only
+// the layer input, the attention output and every second GEMM output
+// (torchtitan's op-level policy); full recompute keeps the layer input (2h).
+double layer_activation_bytes(const ModelSpec& m, const ActivationShape& a) {
+  const double e = a.bytes_per_element, t = a.tp, h = m.hidden, kv = m.kv_width(), f = m.ffn;
+  const double tokens = static_cast<double>(a.micro_batch) * m.seq / a.cp;
+  const double r_div = a.sequence_parallel ? t : 1;
+  const bool eager = m.kernels == Kernels::kEager, flash = m.attention == Attention::kFlash;
+  const double mlp = m.gated_mlp ? (eager ? 8 : 6) * f : 4 * f;
+  const double r_none = 8 * h * e / 2 + (m.dropout ? 2 * h : 0) + (eager ? 8 * h : 0);
+  const double s_none = (2 * (h + 2 * kv) + 2 * h + mlp) * e / 2;
+  const double scores = flash ? 4.0 * m.heads : static_cast<double>(m.heads) * m.seq * (m.dropout ? 2 * e + 1 : e);
+  switch (a.recompute) {
+    case Recompute::kNone: return tokens * (r_none / r_div + (s_none + scores) / t);
+    case Recompute::kFull: return tokens * h * e / r_div;
+    case Recompute::kSelective:
+      if (!flash) return tokens * (r_none / r_div + s_none / t);
+      return tokens * ((2 * h + 2 * h) * e / 2 / r_div +
+                       ((2 * h + 0.5 * (2 * h + 4 * kv + (m.gated_mlp ? 4 : 2) * f)) * e / 2 + scores) / t);
+  }
+  return 0;
+}
+
+namespace {
+
+struct BytesPerParam {
+  double weights, grads, optimizer;
+};
+
+BytesPerParam bytes_per_param(const ParallelPlan& p, const CostOptions& o) {
+  if (p.precision == "fp32" || o.weights == WeightLayout::kFp32Master) return {4, 4, 8};
+  return {2, 2, 12};
+}
+
+struct CachedSchedule {
+  pipeline::Schedule schedule;
+  std::vector<int> peak_in_flight;  // per rank: a count over its own order, whatever the durations
+};
+
+// Generating (and validating) a schedule costs more than replaying it: the
+// search asks for the same few thousand again and again.
+const CachedSchedule& cached_schedule(pipeline::ScheduleKind kind, int p, int v, int m) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int, int>, CachedSchedule> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(static_cast<int>(kind), p, v, m);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    CachedSchedule c{pipeline::make_schedule({.kind = kind, .ranks = p, .stages_per_rank = v, .micro_batches = m}),
+                     std::vector<int>(p, 0)};
+    for (int r = 0; r < p; ++r) {
+      int held = 0;
+      for (const auto& a : c.schedule.actions[r]) {
+        if (a.kind == pipeline::ActionKind::kForward) c.peak_in_flight[r] = std::max(c.peak_in_flight[r], ++held);
+        if (a.kind == pipeline::ActionKind::kBackward || a.kind == pipeline::ActionKind::kBackwardWeight) --held;
+      }
+    }
+    it = cache.emplace(key, std::move(c)).first;
+  }
+  return it->second;
+}
+
+// Layers of each stage: an even split, the first stages taking the rest.
+std::vector<std::int64_t> layers_per_stage(std::int64_t layers, int stages) {
+  std::vector<std::int64_t> out(stages, layers / stages);
+  for (std::int64_t s = 0; s < layers % stages; ++s) ++out[s];
+  return out;
+}
+
+}  // namespace
+
+double PlanEstimate::peak() const {
+  return peak_memory_bytes.empty() ? 0 : *std::max_element(peak_memory_bytes.begin(), peak_memory_bytes.end());
+}
+
+PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cluster& cluster,
+                      const CostOptions& options) {
+  plan.check_well_formed(
+      {.world = cluster.gpus,
+       .model = {.layers = model.layers, .heads = model.heads, .width = model.hidden, .seq = model.seq}});
+  DTRAIN_CHECK(plan.global_batch > 0, ConfigError, "the plan has no global batch.", "give --global-batch");
+  DTRAIN_CHECK(model.heads % plan.tp == 0 && model.kv_heads % plan.tp == 0 && model.ffn % plan.tp == 0, ConfigError,
+               "tp " << plan.tp << " does not divide the heads, KV heads and FFN width (" << model.heads << ", "
+                     << model.kv_heads << ", " << model.ffn << ").",
+               "choose a tp dividing all three");
+  const DeviceSpec& dev = cluster.device;
+  const bool pipelined = plan.pp > 1;
+  const int m = pipelined ? plan.pipeline.micro_batches : 1;
+  const int v = pipelined ? plan.pipeline.stages_per_rank : 1;
+  const int micro_steps = pipelined ? 1 : plan.accumulate;
+  PlanEstimate est;
+  est.plan = plan;
+  est.micro_batch = plan.local_batch() / m;
+  DTRAIN_CHECK(est.micro_batch >= 1, ConfigError,
+               "the plan's micro-batches hold " << plan.local_batch() << " / " << m << " sequences.",
+               "choose fewer micro-batches or a larger global batch");
+  const int e = plan.precision == "fp32" ? 4 : 2;
+  const double peak_flops = plan.precision == "fp32" ? dev.fp32_flops : dev.bf16_flops;
+  const int tp = plan.tp, cp = plan.cp;
+  const int shard = plan.zero_stage > 0 ? plan.dp_shard * cp : 1;
+  const int replicate = plan.zero_stage > 0 ? plan.dp_replicate : plan.dp_replicate * cp;
+  const Link& tp_link = cluster.link(tp, 1);
+  const Link& cp_link = cluster.link(cp, tp);
+  const Link& pp_link = cluster.link(plan.pp, plan.world() / plan.pp);
+  const Link& shard_link = cluster.link(shard, tp);
+  const Link& replicate_link = cluster.link(plan.dp_replicate, plan.dp_shard * cp * tp);
+  const detail::LayerShape shape{.micro_batch = est.micro_batch,
+                                 .tp = tp,
+                                 .cp = cp,
+                                 .sequence_parallel = plan.sequence_parallel,
+                                 .recompute = plan.recompute,
+                                 .bytes_per_element = e,
+                                 .peak_flops = peak_flops,
+                                 .tp_link = tp_link,
+                                 .cp_link = cp_link};
+  const auto layer = detail::layer_times(model, shape, dev);
+  const auto out = detail::output_times(model, shape, dev);
+  const auto emb = detail::embedding_times(model, shape, dev);
+  const BytesPerParam bpp = bytes_per_param(plan, options);
+  const double layer_params = static_cast<double>(model.layer_params()) / tp;
+
+  // Stages and their times per micro-batch.
+  const int stages = plan.pp * v;
+  const auto stage_layers = layers_per_stage(model.layers, stages);
+  std::vector<StageTimes> times(stages);
+  std::vector<TimeBreakdown> parts(stages);  // per micro-batch
+  for (int s = 0; s < stages; ++s) {
+    const double n = static_cast<double>(stage_layers[s]);
+    const bool first = s == 0, last = s == stages - 1;
+    TimeBreakdown& b = parts[s];
+    b.compute = n * (layer.forward + layer.backward_input + layer.backward_weight) +
+                (first ? emb.forward + emb.backward_weight : 0) +
+                (last ? out.forward + out.backward_input + out.backward_weight : 0);
+    b.recompute = n * layer.recompute;
+    b.tp_comm = n * (layer.tp_forward + layer.tp_backward + layer.tp_recompute) + (first ? emb.tp_forward : 0) +
+                (last ? out.tp_forward + out.tp_backward : 0);
+    b.cp_comm = n * layer.cp_exposed;
+    StageTimes& t = times[s];
+    t.forward = n * (layer.forward + layer.tp_forward + layer.cp_exposed / 2) +
+                (first ? emb.forward + emb.tp_forward : 0) + (last ? out.forward + out.tp_forward : 0);
+    t.backward_input =
+        n * (layer.backward_input + layer.recompute + layer.tp_backward + layer.tp_recompute + layer.cp_exposed / 2) +
+        (last ? out.backward_input + out.tp_backward : 0);
+    t.backward_weight =
+        n * layer.backward_weight + (first ? emb.backward_weight : 0) + (last ? out.backward_weight : 0);
+    if (plan.zero_stage == 3 && shard > 1) {
+      // Every micro-batch gathers the stage's weights in forward and again in
+      // backward, and reduce-scatters its gradients; prefetch hides them
+      // behind compute except the first layer's gather.
+      const double gather = detail::gather_seconds(n * layer_params * e, shard, shard_link);
+      const double scatter = detail::gather_seconds(n * layer_params * bpp.grads, shard, shard_link);
+      const double unit = n > 0 ? gather / n : 0;
+      const double fwd_exposed = std::max(0.0, gather - t.forward) + unit;
+      const double bwd_exposed = std::max(0.0, gather + scatter - t.backward_input - t.backward_weight) + unit;
+      t.forward += fwd_exposed;
+      t.backward_input += bwd_exposed;
+      b.zero3_comm = fwd_exposed + bwd_exposed;
+    }
+  }
+
+  // Replay: the pipeline's action lists, or micro-steps one after another.
+  int critical = 0;
+  double makespan = 0;
+  std::vector<int> in_flight(plan.pp, 1);
+  std::vector<double> busy(plan.pp, 0);
+  if (pipelined && options.memory_only) {
+    in_flight = cached_schedule(pipeline::parse_schedule_kind(plan.pipeline.schedule), plan.pp, v, m).peak_in_flight;
+  } else if (pipelined) {
+    const auto& schedule =
+        cached_schedule(pipeline::parse_schedule_kind(plan.pipeline.schedule), plan.pp, v, m).schedule;
+    const double p2p = detail::p2p_seconds(
+        static_cast<double>(est.micro_batch) * model.seq / cp * model.hidden * e / (plan.sequence_parallel ? tp : 1),
+        pp_link);
+    const auto r = replay(schedule, {.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p});
+    makespan = r.makespan;
+    in_flight = r.peak_in_flight;
+    busy = r.busy;
+    critical = static_cast<int>(std::max_element(r.end.begin(), r.end.end()) - r.end.begin());
+  } else {
+    makespan = micro_steps * (times[0].forward + times[0].backward_input + times[0].backward_weight);
+    busy[0] = makespan;
+  }
+
+  // Per pipeline rank: parameters held, and memory.
+  std::vector<double> rank_params(plan.pp, 0);
+  est.peak_memory_bytes.assign(plan.pp, 0);
+  const double none_layer = layer_activation_bytes(model, {.micro_batch = est.micro_batch,
+                                                           .tp = tp,
+                                                           .cp = cp,
+                                                           .sequence_parallel = plan.sequence_parallel,
+                                                           .recompute = Recompute::kNone,
+                                                           .bytes_per_element = e});
+  const double kept_layer = layer_activation_bytes(model, {.micro_batch = est.micro_batch,
+                                                           .tp = tp,
+                                                           .cp = cp,
+                                                           .sequence_parallel = plan.sequence_parallel,
+                                                           .recompute = plan.recompute,
+                                                           .bytes_per_element = e});
+  const double tokens = static_cast<double>(est.micro_batch) * model.seq / cp;
+  const auto schedule_kind = pipeline::parse_schedule_kind(plan.pipeline.schedule);
+  std::vector<MemoryBreakdown> memory(plan.pp);
+  for (int r = 0; r < plan.pp; ++r) {
+    std::int64_t layers = 0;
+    bool first = false, last = false;
+    for (int s = r; s < stages; s += plan.pp) {
+      layers += stage_layers[s];
+      first = first || s == 0;
+      last = last || s == stages - 1;
+    }
+    double params = static_cast<double>(layers) * layer_params;
+    if (first) params += static_cast<double>(model.embedding_params()) / tp;
+    if (last) params += static_cast<double>(model.output_params()) / tp;
+    if (last && model.tied_embeddings && stages > 1) params += static_cast<double>(model.vocab * model.hidden) / tp;
+    rank_params[r] = params;
+    MemoryBreakdown& mem = memory[r];
+    mem.params = params * bpp.weights / (plan.zero_stage == 3 ? shard : 1);
+    mem.grads = params * bpp.grads / (plan.zero_stage >= 2 ? shard : 1);
+    mem.optimizer = params * bpp.optimizer / (plan.zero_stage >= 1 ? shard : 1);
+    const double per_stage_layers = static_cast<double>(layers) / v;
+    mem.activations = in_flight[r] * per_stage_layers * kept_layer + (none_layer - kept_layer);
+    if (last) {
+      const bool eager = model.kernels == Kernels::kEager;
+      const double logits = tokens * static_cast<double>(model.vocab) / tp;
+      const int held = pipelined && schedule_kind == pipeline::ScheduleKind::kGPipe ? m : 1;
+      mem.logits = logits * ((eager ? 10 : 4) * held + 6);
+    }
+    if (plan.zero_stage == 3 && shard > 1) {
+      mem.buffers += (1 + options.zero3_prefetch_units) * layer_params * e + layer_params * bpp.grads;
+    } else if (plan.data_parallel() * cp > 1) {
+      mem.buffers += 2.0 * static_cast<double>(options.ddp_bucket_bytes);
+    }
+    if (pipelined) mem.buffers += 4 * tokens * model.hidden * e / (plan.sequence_parallel ? tp : 1);
+    if (tp > 1 && plan.sequence_parallel) mem.buffers += tokens * model.hidden * e;
+    est.peak_memory_bytes[r] = mem.total() * options.allocator_factor;
+  }
+  const int worst = static_cast<int>(std::max_element(est.peak_memory_bytes.begin(), est.peak_memory_bytes.end()) -
+                                     est.peak_memory_bytes.begin());
+  est.memory = memory[worst];
+  est.device_memory_bytes = dev.memory_bytes;
+  est.fits = est.peak() <= static_cast<double>(dev.memory_bytes);
+  if (options.memory_only) return est;
+
+  // Gradient synchronisation and the optimizer step, on the critical rank.
+  const double params = rank_params[critical];
+  const double grad_bytes = params * bpp.grads;
+  double sync = 0, after_step = 0;
+  if (plan.zero_stage == 0) {
+    sync = detail::all_reduce_seconds(grad_bytes, replicate, cluster.link(replicate, plan.dp_shard * tp));
+  } else {
+    if (plan.zero_stage < 3) sync = detail::gather_seconds(grad_bytes, shard, shard_link);
+    sync += detail::all_reduce_seconds(grad_bytes / shard, replicate, replicate_link);
+    if (plan.zero_stage < 3) after_step = detail::gather_seconds(params * bpp.weights, shard, shard_link);
+  }
+  double exposed = sync;
+  if (options.overlap_grad_reduce && !pipelined && plan.zero_stage < 3 && sync > 0) {
+    // Buckets reduce while the last micro-step's backward goes on; the last
+    // bucket's reduction waits for the end of backward.
+    const double window = times[0].backward_input + times[0].backward_weight;
+    const double bucket = sync * std::min(1.0, static_cast<double>(options.ddp_bucket_bytes) / grad_bytes);
+    exposed = std::max(bucket, sync - window);
+  }
+  const double sharded_params = params / (plan.zero_stage >= 1 ? shard : 1);
+  const double optimizer = 28 * sharded_params / dev.memory_bandwidth;
+
+  TimeBreakdown& t = est.time;
+  for (int s = critical; s < stages; s += plan.pp) {
+    const double k = pipelined ? m : micro_steps;
+    t.compute += k * parts[s].compute;
+    t.recompute += k * parts[s].recompute;
+    t.tp_comm += k * parts[s].tp_comm;
+    t.cp_comm += k * parts[s].cp_comm;
+    t.zero3_comm += k * parts[s].zero3_comm;
+  }
+  t.pipeline_idle = std::max(0.0, makespan - busy[critical]);
+  t.grad_sync = exposed + after_step;
+  t.optimizer = optimizer;
+  t.step = makespan + t.grad_sync + t.optimizer;
+  est.step_seconds = t.step;
+
+  const double step_tokens = static_cast<double>(plan.global_batch) * model.seq;
+  est.tokens_per_second = step_tokens / t.step;
+  est.tokens_per_second_per_gpu = est.tokens_per_second / cluster.gpus;
+  const double redo_per_token = layer.hardware_flops - layer.model_flops;  // one layer, one micro-batch, this rank
+  const double hw_per_token =
+      model.model_flops_per_token() + static_cast<double>(model.layers) * redo_per_token * tp / tokens;
+  est.tflops_per_gpu = hw_per_token * est.tokens_per_second_per_gpu / 1e12;
+  est.mfu = model.model_flops_per_token() * est.tokens_per_second_per_gpu / peak_flops;
+
+  // Bytes each rank sends per step, for ties.
+  const double act = tokens * model.hidden * e;
+  const double tp_calls = 4.0 + (plan.recompute == Recompute::kFull ? 2 : 0);
+  double rank_layers = 0;
+  for (int s = critical; s < stages; s += plan.pp) rank_layers += static_cast<double>(stage_layers[s]);
+  est.comm_bytes = (tp > 1 ? tp_calls * rank_layers * m * micro_steps * act * 2 * (tp - 1) / tp : 0) +
+                   (pipelined ? 2.0 * m * v * act / (plan.sequence_parallel ? tp : 1) : 0) + grad_bytes * 2 +
+                   (plan.zero_stage == 3 ? 2.0 * m * micro_steps * params * e : 0);
+  return est;
+}
+
+std::string PlanEstimate::to_json() const {
+  nlohmann::json j;
+  j["plan"] = nlohmann::json::parse(plan.to_json());
+  j["micro_batch"] = micro_batch;
+  j["peak_memory_bytes"] = peak_memory_bytes;
+  j["device_memory_bytes"] = device_memory_bytes;
+  j["fits"] = fits;
+  j["step_seconds"] = step_seconds;
+  j["tokens_per_second"] = tokens_per_second;
+  j["tokens_per_second_per_gpu"] = tokens_per_second_per_gpu;
+  j["tflops_per_gpu"] = tflops_per_gpu;
+  j["mfu"] = mfu;
+  j["memory"] = {{"params", memory.params},           {"grads", memory.grads},   {"optimizer", memory.optimizer},
+                 {"activations", memory.activations}, {"logits", memory.logits}, {"buffers", memory.buffers}};
+  j["time"] = {{"compute", time.compute},     {"recompute", time.recompute},   {"tp_comm", time.tp_comm},
+               {"cp_comm", time.cp_comm},     {"zero3_comm", time.zero3_comm}, {"pipeline_idle", time.pipeline_idle},
+               {"grad_sync", time.grad_sync}, {"optimizer", time.optimizer}};
+  j["comm_bytes"] = comm_bytes;
+  return j.dump();
+}
+
+}  // namespace dtrain::plan

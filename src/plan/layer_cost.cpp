@@ -1,0 +1,161 @@
+// Alpha-beta collectives and per-layer times (layer_cost.h).
+#include "layer_cost.h"
+
+#include <algorithm>
+
+namespace dtrain::plan::detail {
+
+double all_reduce_seconds(double bytes, int ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  const double k = ranks;
+  return 2 * (k - 1) * link.latency + 2 * (k - 1) / k * bytes / link.bandwidth;
+}
+
+double gather_seconds(double bytes, int ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  const double k = ranks;
+  return (k - 1) * link.latency + (k - 1) / k * bytes / link.bandwidth;
+}
+
+double p2p_seconds(double bytes, const Link& link) {
+  return bytes <= 0 ? 0 : link.latency + bytes / link.bandwidth;
+}
+
+// Note [Layer time]
+// A layer's forward is its GEMMs, its attention core and its element-wise
+// kernels, each costed on its own device roofline:
+//  - GEMM (m x k) . (k x n): max(2mkn / (peak x gemm_efficiency),
+//    bytes moved / (memory bandwidth x memory_efficiency)) + one launch. Input-gradient and
+//    weight-gradient GEMMs have the same FLOPs and bytes as the forward one.
+//  - Attention, materialised (Megatron 2021): two batched GEMMs with the head
+//    dimension as k (the roofline makes them slower per FLOP) plus the
+//    scores' softmax / dropout traffic; backward twice the GEMMs and the
+//    traffic again. Flash: the causal half of 4 s^2 h FLOPs at
+//    attention_efficiency; backward 2.5 x forward (it recomputes scores).
+//  - Element-wise: bytes per token moved by norms, residual adds, activation
+//    functions, rotary embeddings and dropout, fused (Megatron's kernels) or
+//    eager (one kernel per PyTorch op), over the memory bandwidth; backward
+//    moves twice as much.
+// Tensor parallelism divides the GEMMs' parallel dimension and the heads;
+// the norms and residual work divide only with sequence parallelism; context
+// parallelism divides the tokens.
+
+namespace {
+
+struct Roofline {
+  const DeviceSpec& device;
+  double peak;
+  double bytes_per_element;
+
+  double gemm(double m, double k, double n, double batch = 1) const {
+    const double flops = 2 * m * k * n * batch;
+    const double bytes = bytes_per_element * (m * k + k * n + m * n) * batch;
+    return std::max(flops / (peak * device.gemm_efficiency), bytes / device.memory_bandwidth) + device.kernel_overhead;
+  }
+  double traffic(double bytes) const { return bytes / device.memory_bandwidth; }
+};
+
+}  // namespace
+
+PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpec& dev) {
+  const double e = sh.bytes_per_element, t = sh.tp, cp = sh.cp;
+  const double h = m.hidden, kv = m.kv_width(), f = m.ffn, s = m.seq, a = m.heads, d = m.head_dim();
+  const double tokens = static_cast<double>(sh.micro_batch) * s / cp;  // on this rank
+  const Roofline roof{dev, sh.peak_flops, e};
+  const bool eager = m.kernels == Kernels::kEager;
+
+  // GEMMs of the layer.
+  const double up = m.gated_mlp ? 2 : 1;
+  const double gemms = roof.gemm(tokens, h, (h + 2 * kv) / t) + roof.gemm(tokens, h / t, h) +
+                       roof.gemm(tokens, h, up * f / t) + roof.gemm(tokens, f / t, h);
+  // Attention core.
+  double attn_fwd = 0, attn_bwd = 0;
+  const double score_elements = static_cast<double>(sh.micro_batch) * (a / t) * (s / cp) * s;
+  if (m.attention == Attention::kFlash) {
+    const double flops = 0.5 * 4 * tokens * s * h / t;
+    attn_fwd = flops / (sh.peak_flops * dev.attention_efficiency) + dev.kernel_overhead;
+    attn_bwd = 2.5 * attn_fwd;
+  } else {
+    const double batch = static_cast<double>(sh.micro_batch) * a / t;
+    const double core = roof.gemm(s / cp, d, s, batch) + roof.gemm(s / cp, s, d, batch);
+    const double per_score = (4 + (m.dropout ? 5 : 0)) * e / 2;
+    attn_fwd = core + roof.traffic(score_elements * per_score);
+    attn_bwd = 2 * core + roof.traffic(score_elements * per_score * 1.5);
+  }
+  // Element-wise traffic per token, in bytes at 2 bytes per element.
+  const double replicated = eager ? 80 * h : (m.dropout ? 22 : 20) * h;
+  const double split =
+      eager ? 20 * (h + kv) + 4 * (h + 2 * kv) + (m.gated_mlp ? 10 : 8) * f : (m.gated_mlp ? 6 : 4) * f;
+  const double replicated_tokens = sh.sequence_parallel ? tokens / t : tokens;
+  const double ew_bytes = (replicated * replicated_tokens + split * tokens / t) * e / 2;
+  const double kernels = (eager ? 45 : 15) * dev.kernel_overhead;
+  const double ew_fwd = roof.traffic(ew_bytes) + kernels;
+
+  PhaseTimes r;
+  r.forward = gemms + attn_fwd + ew_fwd;
+  r.backward_input = gemms + attn_bwd + 2 * ew_fwd;
+  r.backward_weight = gemms;
+  const double tp_bytes = tokens * h * e;
+  const double tp_one = all_reduce_seconds(tp_bytes, sh.tp, sh.tp_link);
+  r.tp_forward = 2 * tp_one;
+  r.tp_backward = 2 * tp_one;
+  switch (sh.recompute) {
+    case Recompute::kNone: break;
+    case Recompute::kFull:
+      r.recompute = r.forward;
+      r.tp_recompute = r.tp_forward;
+      break;
+    case Recompute::kSelective: r.recompute = m.attention == Attention::kFlash ? 0.5 * gemms + ew_fwd : attn_fwd; break;
+  }
+  if (sh.cp > 1) {
+    // Ring attention: each rank's K and V pass the other cp - 1 ranks, and
+    // their gradients come back in backward; overlapped with the core.
+    const double kv_bytes = tokens * 2 * kv / t * e;
+    const double ring = (cp - 1) * p2p_seconds(kv_bytes, sh.cp_link);
+    r.cp_exposed = std::max(0.0, ring - attn_fwd) + std::max(0.0, 2 * ring - attn_bwd);
+  }
+  const double fwd_flops = (2 * tokens * static_cast<double>(m.layer_matmul_params()) + 4 * tokens * s * h) / t;
+  r.model_flops = 3 * fwd_flops;
+  double redo = 0;
+  if (sh.recompute == Recompute::kFull) redo = fwd_flops;
+  if (sh.recompute == Recompute::kSelective)
+    redo = m.attention == Attention::kFlash ? tokens * static_cast<double>(m.layer_matmul_params()) / t
+                                            : 4 * tokens * s * h / t;
+  r.hardware_flops = r.model_flops + redo;
+  return r;
+}
+
+PhaseTimes output_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpec& dev) {
+  const double e = sh.bytes_per_element, t = sh.tp, h = m.hidden, v = m.vocab;
+  const double tokens = static_cast<double>(sh.micro_batch) * m.seq / sh.cp;
+  const Roofline roof{dev, sh.peak_flops, e};
+  const bool eager = m.kernels == Kernels::kEager;
+  const double gemm = roof.gemm(tokens, h, v / t);
+  // Cross-entropy over the logits: Megatron's fused vocab-parallel kernel
+  // reads them and keeps an fp32 softmax; eager casts to fp32, log-softmaxes
+  // and casts the gradient back.
+  const double logits = tokens * v / t;
+  const double ce_fwd = roof.traffic(logits * (eager ? 14 : 6)), ce_bwd = roof.traffic(logits * (eager ? 14 : 6));
+  const double norm = roof.traffic(tokens * h * (eager ? 34 : 4) * e / 2);
+  PhaseTimes r;
+  r.forward = gemm + ce_fwd + norm;
+  r.backward_input = gemm + ce_bwd + 2 * norm;
+  r.backward_weight = gemm;
+  const double tp_one = all_reduce_seconds(tokens * h * e, sh.tp, sh.tp_link);
+  r.tp_forward = sh.sequence_parallel ? tp_one : 0;
+  r.tp_backward = tp_one;
+  r.model_flops = r.hardware_flops = 3 * 2 * tokens * h * v / t;
+  return r;
+}
+
+PhaseTimes embedding_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpec& dev) {
+  const double e = sh.bytes_per_element, h = m.hidden;
+  const double tokens = static_cast<double>(sh.micro_batch) * m.seq / sh.cp;
+  PhaseTimes r;
+  r.forward = tokens * h * 3 * e / dev.memory_bandwidth + 2 * dev.kernel_overhead;
+  r.backward_weight = tokens * h * (e + 8) / dev.memory_bandwidth + 2 * dev.kernel_overhead;
+  r.tp_forward = all_reduce_seconds(tokens * h * e, sh.tp, sh.tp_link);
+  return r;
+}
+
+}  // namespace dtrain::plan::detail

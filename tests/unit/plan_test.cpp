@@ -1,0 +1,129 @@
+// ParallelPlan as data: JSON round trips field for field, typos in a plan
+// file are refused, the mesh follows the degrees, and every plan that cannot
+// run fails validate() with a message that says what to change.
+#include "dtrain/plan/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "dtrain/error.h"
+
+using dtrain::ParallelPlan;
+using dtrain::PlanContext;
+
+namespace {
+
+template <typename E>
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::string invalid(const ParallelPlan& p, PlanContext c) {
+  return error_of<dtrain::ConfigError>([&] { p.validate(c); });
+}
+
+const PlanContext::Model kGpt{.layers = 6, .heads = 4, .width = 128, .seq = 64};
+
+}  // namespace
+
+TEST(ParallelPlan, JsonRoundTripKeepsEveryField) {
+  ParallelPlan p{.pp = 2,
+                 .dp_shard = 2,
+                 .zero_stage = 2,
+                 .pipeline = {.schedule = "interleaved",
+                              .stages_per_rank = 2,
+                              .micro_batches = 4,
+                              .stage_of_layer = {0, 0, 1, 2, 3, 3}},
+                 .recompute = dtrain::Recompute::kSelective,
+                 .recompute_every = 2,
+                 .precision = "bf16",
+                 .global_batch = 32};
+  const ParallelPlan back = ParallelPlan::from_json(p.to_json());
+  EXPECT_EQ(back, p) << p.to_json() << "\n" << back.to_json();
+  EXPECT_EQ(ParallelPlan::from_json("{}"), ParallelPlan{});
+}
+
+TEST(ParallelPlan, PlanFilesWithTyposOrWrongTypesAreRefused) {
+  EXPECT_NE(error_of<dtrain::DataError>([] {
+              ParallelPlan::from_json(R"({"pp": 2, "dp_shards": 2})");
+            }).find("unknown field 'dp_shards' in the plan"),
+            std::string::npos);
+  EXPECT_NE(error_of<dtrain::DataError>([] {
+              ParallelPlan::from_json(R"({"pipeline": {"microbatches": 4}})");
+            }).find("unknown field 'microbatches' in the plan's pipeline"),
+            std::string::npos);
+  EXPECT_NE(error_of<dtrain::DataError>([] { ParallelPlan::from_json(R"({"pp": "two"})"); }).find("wrong type"),
+            std::string::npos);
+  EXPECT_NE(error_of<dtrain::DataError>([] { ParallelPlan::from_json("pp: 2"); }).find("not JSON"), std::string::npos);
+  EXPECT_NE(error_of<dtrain::ConfigError>([] { ParallelPlan::from_json(R"({"tp": 0})"); }).find("tp degree is 0"),
+            std::string::npos);
+}
+
+TEST(ParallelPlan, MeshHoldsTheSplitDimensionsInOrder) {
+  const ParallelPlan p{.pp = 2, .dp_shard = 2, .zero_stage = 1};
+  const auto dims = p.mesh_dims();
+  ASSERT_EQ(dims.size(), 2u);
+  EXPECT_EQ(dims[0].name, "pp");
+  EXPECT_EQ(dims[1].name, "dp_shard");
+  EXPECT_EQ(p.world(), 4);
+  EXPECT_TRUE(ParallelPlan{}.mesh_dims().empty());
+  EXPECT_NE(p.table().find("2 (pp) x 2 (dp_shard)"), std::string::npos) << p.table();
+}
+
+TEST(ParallelPlan, PlansThatRunValidate) {
+  EXPECT_NO_THROW((ParallelPlan{.dp_replicate = 4, .global_batch = 48}.validate({.world = 4, .model = kGpt})));
+  EXPECT_NO_THROW((ParallelPlan{.dp_shard = 3, .zero_stage = 3}.validate({.world = 3, .model = kGpt})));
+  EXPECT_NO_THROW(
+      (ParallelPlan{.dp_replicate = 2, .dp_shard = 2, .zero_stage = 3}.validate({.world = 4, .model = kGpt})));
+  EXPECT_NO_THROW(
+      (ParallelPlan{.pp = 2, .dp_shard = 2, .zero_stage = 2, .pipeline = {.micro_batches = 4}, .global_batch = 16}
+           .validate({.world = 4, .model = kGpt})));
+  EXPECT_NO_THROW((
+      ParallelPlan{.pp = 3, .pipeline = {.schedule = "interleaved", .stages_per_rank = 2, .micro_batches = 3}}.validate(
+          {.world = 3, .model = kGpt})));
+}
+
+TEST(ParallelPlan, PlansThatCannotWorkSayWhatToChange) {
+  EXPECT_NE(invalid({.pp = 4}, {.world = 6}).find("make 4 ranks, but the world has 6"), std::string::npos);
+  EXPECT_NE(invalid({.pp = 4}, {.world = 6}).find("product is 6"), std::string::npos);
+  EXPECT_NE(invalid({.dp_replicate = 2, .zero_stage = 3}, {.world = 2})
+                .find("ZeRO stage 3 shards over dp_shard, which is 1 here"),
+            std::string::npos);
+  EXPECT_NE(invalid({.dp_shard = 2}, {.world = 2}).find("shards nothing"), std::string::npos);
+  EXPECT_NE(invalid({.tp = 2}, {.world = 2}).find("no applier in this build handles the tp dimension"),
+            std::string::npos);
+  EXPECT_NE(invalid({.cp = 2}, {.world = 2}).find("no applier in this build handles the cp dimension"),
+            std::string::npos);
+  EXPECT_NE(invalid({.tp = 3}, {.world = 3, .model = kGpt}).find("does not divide the model's 4 attention heads"),
+            std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .dp_replicate = 2, .dp_shard = 2, .zero_stage = 2}, {.world = 8}).find("(HSDP) inside"),
+            std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .dp_shard = 2, .zero_stage = 3}, {.world = 4}).find("ZeRO stage 3 inside a pipeline"),
+            std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .pipeline = {.micro_batches = 4}, .global_batch = 6}, {.world = 2})
+                .find("4 micro-batches do not divide a replica's batch of 6"),
+            std::string::npos);
+  EXPECT_NE(invalid({.dp_replicate = 4, .global_batch = 6}, {.world = 4}).find("multiple of 4"), std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .pipeline = {.schedule = "interleaved"}}, {.world = 2})
+                .find("the interleaved schedule runs 2 or more stages per rank"),
+            std::string::npos);
+  EXPECT_NE(
+      invalid({.pp = 4, .pipeline = {.schedule = "interleaved", .stages_per_rank = 2}}, {.world = 4, .model = kGpt})
+          .find("makes 8 stages, but the model has 6 layers"),
+      std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .pipeline = {.stage_of_layer = {0, 0, 2, 2, 2, 2}}}, {.world = 2, .model = kGpt})
+                .find("not 2 contiguous stages"),
+            std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .pipeline = {.schedule = "zigzag"}}, {.world = 2}).find("unknown pipeline schedule"),
+            std::string::npos);
+  EXPECT_NE(invalid({.recompute = dtrain::Recompute::kFull}, {.world = 1}).find("activation checkpointing"),
+            std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .accumulate = 2}, {.world = 2}).find("raise micro_batches instead"), std::string::npos);
+}

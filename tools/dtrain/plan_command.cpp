@@ -1,0 +1,153 @@
+// `dtrain plan` (plan_command.h).
+#include "plan_command.h"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "dtrain/error.h"
+#include "dtrain/plan/search.h"
+
+namespace dtrain::tools {
+
+void add_plan_options(CLI::App& c, PlanCommandOptions& o) {
+  c.add_option("--model", o.model,
+               "gpt:layers=..,hidden=..,heads=..,seq=..,vocab=.. or "
+               "llama:layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,seq=..,vocab=..");
+  c.add_option("--device", o.device, "Device of the table (--list-devices)")->capture_default_str();
+  c.add_option("--gpus", o.gpus, "Ranks (GPUs) in all")->check(CLI::PositiveNumber);
+  c.add_option("--gpus-per-node", o.gpus_per_node, "GPUs per node (default: the device's)");
+  c.add_option("--global-batch", o.global_batch, "Sequences per optimizer step")->check(CLI::PositiveNumber);
+  c.add_option("--precision", o.precision, "bf16, fp16 or fp32")->capture_default_str();
+  c.add_option("--fixed", o.fixed,
+               "Pin fields: tp, pp, cp, dp, dp_replicate, dp_shard, zero, micro_batch, schedule, stages_per_rank, "
+               "recompute, sequence_parallel (e.g. tp=8,pp=8,dp=24)");
+  c.add_flag("--json", o.json, "One JSON object per plan and line");
+  c.add_option("--top", o.top, "Plans to print, best first (0: all that fit)")->capture_default_str();
+  c.add_option("--output,-o", o.output, "Write the best plan to this plan file");
+  c.add_option("--weights", o.weights, "Mixed-precision copies: megatron (2+2+12 B/param) or fp32-master (4+4+8)")
+      ->capture_default_str();
+  c.add_option("--allocator-factor", o.allocator_factor, "Reserved / allocated memory of the caching allocator")
+      ->capture_default_str();
+  c.add_flag("--no-grad-overlap", o.no_grad_overlap,
+             "Gradient reduction after backward instead of during it (Megatron-LM 2021's DDP)");
+  c.add_flag("--blocking-p2p", o.blocking_p2p, "Pipeline senders wait for their transfers (Megatron-LM 2021)");
+  c.add_flag("--list-devices", o.list_devices, "Print the device table and exit");
+}
+
+namespace {
+
+std::string row(const plan::PlanEstimate& e) {
+  const auto& p = e.plan;
+  std::ostringstream s;
+  std::string sched = p.pp > 1 ? p.pipeline.schedule : "-";
+  if (p.pp > 1 && p.pipeline.stages_per_rank > 1) sched += "x" + std::to_string(p.pipeline.stages_per_rank);
+  const int steps = p.pp > 1 ? p.pipeline.micro_batches : p.accumulate;
+  s << std::setw(3) << p.tp << std::setw(4) << p.pp << std::setw(4) << p.cp << std::setw(6) << p.dp_replicate
+    << std::setw(6) << p.dp_shard << std::setw(5) << p.zero_stage << std::setw(15) << sched << std::setw(4)
+    << e.micro_batch << std::setw(6) << steps << std::setw(10) << to_string(p.recompute) << std::setw(4)
+    << (p.sequence_parallel ? "y" : "n") << std::setw(10) << std::fixed << std::setprecision(1)
+    << e.peak() / (1024.0 * 1024 * 1024) << std::setw(11) << std::setprecision(3) << e.step_seconds << std::setw(11)
+    << std::setprecision(0) << e.tokens_per_second_per_gpu << std::setw(9) << std::setprecision(1) << e.tflops_per_gpu
+    << std::setw(7) << std::setprecision(1) << 100 * e.mfu << "%";
+  return s.str();
+}
+
+const char* kHeader =
+    " tp  pp  cp  dp_r  dp_s zero       schedule  mb steps recompute  sp  peak GiB     step s  tok/s/gpu   "
+    "TFLOP/s    MFU";
+
+void breakdown(const plan::PlanEstimate& e, std::ostream& out) {
+  const auto& m = e.memory;
+  const auto& t = e.time;
+  out << "memory (worst rank): params " << plan::format_gib(m.params) << ", grads " << plan::format_gib(m.grads)
+      << ", optimizer " << plan::format_gib(m.optimizer) << ", activations " << plan::format_gib(m.activations)
+      << ", logits " << plan::format_gib(m.logits) << ", buffers " << plan::format_gib(m.buffers) << " of "
+      << plan::format_gib(static_cast<double>(e.device_memory_bytes)) << "\n";
+  out << std::fixed << std::setprecision(3) << "time (critical rank, s): compute " << t.compute << ", recompute "
+      << t.recompute << ", tp " << t.tp_comm << ", cp " << t.cp_comm << ", zero3 " << t.zero3_comm << ", pipeline idle "
+      << t.pipeline_idle << ", grad sync " << t.grad_sync << ", optimizer " << t.optimizer << "\n";
+}
+
+}  // namespace
+
+int plan_command(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
+  if (o.list_devices) {
+    for (const auto& d : plan::device_table())
+      out << std::left << std::setw(11) << d.name << " " << plan::format_gib(static_cast<double>(d.memory_bytes))
+          << ", " << d.bf16_flops / 1e12 << " TFLOP/s bf16, " << d.description << "\n";
+    return 0;
+  }
+  DTRAIN_CHECK(!o.model.empty(), ConfigError, "dtrain plan needs a model.",
+               "give --model gpt:layers=..,hidden=..,heads=..,seq=..,vocab=..");
+  DTRAIN_CHECK(o.gpus > 0 && o.global_batch > 0, ConfigError, "dtrain plan needs --gpus and --global-batch.",
+               "e.g. --gpus 8 --global-batch 16");
+  DTRAIN_CHECK(o.weights == "megatron" || o.weights == "fp32-master", ConfigError, "--weights " << o.weights << "?",
+               "use megatron or fp32-master");
+  const auto model = plan::ModelSpec::parse(o.model);
+  plan::Cluster cluster{.device = plan::find_device(o.device), .gpus = o.gpus, .gpus_per_node = o.gpus_per_node};
+  if (cluster.gpus_per_node == 0) cluster.gpus_per_node = std::min(o.gpus, cluster.device.gpus_per_node);
+  const plan::CostOptions cost{
+      .weights = o.weights == "megatron" ? plan::WeightLayout::kMegatron : plan::WeightLayout::kFp32Master,
+      .overlap_grad_reduce = !o.no_grad_overlap,
+      .blocking_p2p = o.blocking_p2p,
+      .allocator_factor = o.allocator_factor};
+  const auto fixed = plan::FixedFields::parse(o.fixed);
+  const auto start = std::chrono::steady_clock::now();
+  const auto result = plan::search(
+      model, cluster, {.global_batch = o.global_batch, .precision = o.precision, .fixed = fixed, .cost = cost});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  err << "dtrain plan: " << result.considered << " plans costed in " << std::fixed << std::setprecision(2) << seconds
+      << " s; " << result.fitting.size() << " fit " << cluster.device.name << " ("
+      << plan::format_gib(static_cast<double>(cluster.device.memory_bytes)) << "), " << result.too_big << " do not\n";
+  if (result.fitting.empty()) {
+    DTRAIN_CHECK(result.smallest.has_value(), ConfigError,
+                 "no well-formed plan for " << o.gpus << " GPUs and a global batch of " << o.global_batch
+                                            << " with --fixed '" << o.fixed << "'.",
+                 "the degrees must multiply to --gpus and the data-parallel degree divide the batch");
+    const auto& s = *result.smallest;
+    err << "dtrain plan: nothing fits. The smallest plan needs " << plan::format_gib(s.peak()) << " per GPU, "
+        << plan::format_gib(s.peak() - static_cast<double>(s.device_memory_bytes)) << " more than "
+        << cluster.device.name << " has.\n";
+    if (o.json)
+      out << s.to_json() << "\n";
+    else {
+      out << kHeader << "\n" << row(s) << "\n";
+      breakdown(s, out);
+    }
+    if (!o.fixed.empty()) {
+      if (auto change = plan::cheapest_fitting_change(s.plan, model, cluster, cost))
+        err << "  the nearest plan that fits: " << plan::describe_change(s.plan, change->plan) << " ("
+            << plan::format_gib(change->peak()) << ", " << std::setprecision(3) << change->step_seconds
+            << " s per step)\n";
+      else
+        err << "  no plan of any shape fits: use more GPUs, a device with more memory or a smaller model\n";
+    }
+    return 1;
+  }
+  const std::size_t shown =
+      o.top <= 0 ? result.fitting.size() : std::min(result.fitting.size(), static_cast<std::size_t>(o.top));
+  if (o.json) {
+    for (std::size_t k = 0; k < shown; ++k) out << result.fitting[k].to_json() << "\n";
+  } else {
+    out << model.to_string() << " on " << o.gpus << " x " << cluster.device.name << " (" << cluster.gpus_per_node
+        << " per node), global batch " << o.global_batch << ", " << o.precision << "\n"
+        << kHeader << "\n";
+    for (std::size_t k = 0; k < shown; ++k) out << row(result.fitting[k]) << "\n";
+    out << "\nbest plan:\n" << result.fitting.front().plan.table();
+    breakdown(result.fitting.front(), out);
+  }
+  if (!o.output.empty()) {
+    std::ofstream file(o.output);
+    file << result.fitting.front().plan.to_json() << "\n";
+    DTRAIN_CHECK(file.good(), ConfigError, "cannot write the plan file " << o.output << ".",
+                 "check the folder exists and is writable");
+    err << "dtrain plan: wrote the best plan to " << o.output << "\n";
+  }
+  return 0;
+}
+
+}  // namespace dtrain::tools
