@@ -12,7 +12,8 @@
 #
 # DTRAIN_GPU_PYTHON picks the Python whose torch to build against (default:
 # python3 if its torch is in the window, else scripts/setup.sh's venv);
-# DTRAIN_GPU_BUILD the build tree (default ./build-gpu).
+# DTRAIN_GPU_BUILD the build tree (default ./build-gpu; an existing tree
+# configured against the same torch is used as it is).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 say() { printf '[gpu-check] %s\n' "$*" >&2; }
@@ -82,11 +83,14 @@ mkdir -p "$BUILD" "$LOGS"
 BUILD_BROKEN=""
 generator=(-G Ninja)
 command -v ninja >/dev/null 2>&1 || generator=()
-if [ ! -f "$BUILD/CMakeCache.txt" ] || ! grep -q "^DTRAIN_PYTHON:STRING=$PYTHON\$" "$BUILD/CMakeCache.txt"; then
+if [ ! -f "$BUILD/CMakeCache.txt" ]; then
   say "configuring $BUILD against $TORCH_PREFIX"
   cmake -S "$DTRAIN_ROOT" -B "$BUILD" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DDTRAIN_PYTHON="$PYTHON" -DDTRAIN_BUILD_BENCH=OFF \
     >"$LOGS/configure.log" 2>&1 || BUILD_BROKEN="configure failed: $LOGS/configure.log"
+elif ! grep -q "^Torch_DIR:PATH=$TORCH_PREFIX/" "$BUILD/CMakeCache.txt"; then
+  # An existing tree (scripts/test.sh's, say) is used as it is, never reconfigured.
+  BUILD_BROKEN="$BUILD is configured against another torch ($(sed -n 's/^Torch_DIR:PATH=//p' "$BUILD/CMakeCache.txt")); remove it or set DTRAIN_GPU_BUILD"
 fi
 if [ -z "$BUILD_BROKEN" ]; then
   targets=(dtrain_tests_gpu gpt dtrain_cli)

@@ -41,7 +41,6 @@
 #include <optional>
 
 #include "corpus.h"
-#include "cpu_autocast.h"
 #include "dtrain/dtrain.h"
 #include "fused_adamw.h"
 #include "model.h"
@@ -163,6 +162,14 @@ struct Trainee {
   std::function<std::optional<std::int64_t>(torch::optim::Optimizer&)> load_checkpoint;
 };
 
+// --amp bf16: autocast to bf16 on the device type the batch goes to (CPU or
+// CUDA) for the forward and the loss; DataParallel's replica threads inherit it.
+std::optional<dtrain::amp::Autocast> bf16_autocast(const Options& opt, c10::Device device) {
+  if (opt.amp != "bf16") return std::nullopt;
+  return std::optional<dtrain::amp::Autocast>(std::in_place, device.type(),
+                                              dtrain::amp::AutocastOptions{.dtype = at::kBFloat16});
+}
+
 // Mean val loss over the fixed val batches (of batch x world sequences, so
 // every strategy of one global batch evaluates the same); under DDP the ranks
 // share them.
@@ -179,7 +186,7 @@ double evaluate(const Options& opt, const gpt::Corpus& corpus, Placement& where,
     const auto offsets = gpt::draw_windows(corpus.val->size(), opt.batch_size * where.world,
                                            gpt::val_batch_seed(opt.seed, std::min(k, opt.eval_iters - 1)));
     const auto batch = gpt::make_batch(*corpus.val, offsets);
-    gpt::CpuAutocast autocast(opt.amp == "bf16");
+    const auto autocast = bf16_autocast(opt, model.input_device);
     const double loss = gpt::lm_loss(model.plain(batch.data.to(model.input_device)), batch.target).item<double>();
     if (k < opt.eval_iters) sum += loss;
   }
@@ -244,7 +251,7 @@ StepResult train_step(const Options& opt, const Placement& where, Trainee& model
       auto t = Clock::now();
       at::Tensor loss;
       {
-        gpt::CpuAutocast autocast(opt.amp == "bf16");
+        const auto autocast = bf16_autocast(opt, model.input_device);
         loss = gpt::lm_loss(model.forward(batch.data.to(model.input_device)), batch.target) / opt.accumulate;
       }
       r.forward_ms += ms_since(t);
@@ -593,7 +600,7 @@ int main(int argc, char** argv) {
   app.add_option("--optimizer", opt.optimizer, "AdamW implementation: fused (one ATen kernel per group) or torch")
       ->check(CLI::IsMember({"fused", "torch"}))
       ->capture_default_str();
-  app.add_option("--amp", opt.amp, "Mixed precision: none, or bf16 (CPU autocast)")
+  app.add_option("--amp", opt.amp, "Mixed precision: none, or bf16 (autocast on the model's device)")
       ->check(CLI::IsMember({"none", "bf16"}))
       ->capture_default_str();
   app.add_option("--seed", opt.seed, "Seed of the weights, the batch order and the sample")->capture_default_str();

@@ -183,7 +183,7 @@ TEST(GpuAmp, GradScalerWithFp16AutocastOnCuda) {
     dtrain::amp::Autocast autocast(c10::kCUDA, {.dtype = at::kHalf});
     const at::Tensor out = model->forward(x);
     EXPECT_EQ(out.scalar_type(), at::kHalf);
-    loss = out.float().pow(2).mean();
+    loss = out.to(at::kFloat).pow(2).mean();
   }
   opt.zero_grad();
   scaler.scale(loss).backward();
