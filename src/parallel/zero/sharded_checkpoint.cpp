@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "../../core/torch_compat.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
@@ -271,7 +272,7 @@ void ShardedCheckpointer::save(std::int64_t step, const std::string& extra) {
   const fs::path tmp = options_.dir / (".step_" + std::to_string(step) + ".tmp");
   if (rank == 0) {
     fs::create_directories(options_.dir);
-    fs::remove_all(tmp);
+    compat::remove_all(tmp);
     fs::create_directories(tmp);
   }
   group.barrier();
@@ -304,12 +305,12 @@ void ShardedCheckpointer::save(std::int64_t step, const std::string& extra) {
     fsync_path(tmp / "MANIFEST");
     fsync_path(tmp);
     const fs::path final_dir = step_dir(options_.dir, step);
-    fs::remove_all(final_dir);
+    compat::remove_all(final_dir);
     fs::rename(tmp, final_dir);
     fsync_path(options_.dir);
     const auto steps = complete_steps();
     for (std::size_t i = static_cast<std::size_t>(std::max(options_.keep, 1)); i < steps.size(); ++i) {
-      fs::remove_all(step_dir(options_.dir, steps[i]));
+      compat::remove_all(step_dir(options_.dir, steps[i]));
     }
   }
   group.barrier();
