@@ -110,6 +110,8 @@ void Trainer::on_step(std::function<void(const StepReport&)> callback) {
   state_->on_step = std::move(callback);
 }
 
+namespace {
+
 // Which batches this rank evaluates: the k-th of `count` is load(k); k past
 // `count` (a collective forward's extra rounds) loads a batch every rank has
 // (the first of rank 0), run and left uncounted.
@@ -117,8 +119,6 @@ struct EvalPlan {
   std::int64_t count = 0;
   std::function<data::TensorBatch(std::int64_t k)> load;
 };
-
-namespace {
 
 // This rank's evaluation batches: a contiguous share of the eval dataset in
 // batches of eval_batch_size (every example exactly once), or the fixed
