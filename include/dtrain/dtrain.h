@@ -3,8 +3,10 @@
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/amp/grad_scaler.h"
-#include "dtrain/checkpoint/safetensors.h"  // issue 26: checkpoint formats
-#include "dtrain/comm/cluster_env.h"        // issue 15: Slurm, Open MPI, PMI
+#include "dtrain/checkpoint/optimizer_state.h"  // issue 26: checkpoint formats
+#include "dtrain/checkpoint/safetensors.h"
+#include "dtrain/checkpoint/torch_file.h"
+#include "dtrain/comm/cluster_env.h"  // issue 15: Slurm, Open MPI, PMI
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"
 #include "dtrain/comm/mesh.h"

@@ -1,0 +1,23 @@
+// A LibTorch optimizer's state in the structure of Python's
+// optimizer.state_dict(), so that a checkpoint written with save_torch_file
+// resumes in Python with optimizer.load_state_dict(torch.load(f,
+// weights_only=True)["optimizer"]):
+//   {"state": {0: {"step": tensor(3.), "exp_avg": ..., "exp_avg_sq": ...}, ...},
+//    "param_groups": [{"lr": ..., "betas": (0.9, 0.999), ..., "params": [0, 1]}, ...]}
+// Parameters are numbered in group order, as Python numbers them; a parameter
+// with no state yet (never stepped) has no entry. AdamW and SGD (and their
+// subclasses, such as the GPT example's FusedAdamW) are known; any other
+// optimizer is a ConfigError.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
+namespace dtrain::checkpoint {
+
+c10::IValue python_optimizer_state_dict(const torch::optim::Optimizer& optimizer);
+
+}  // namespace dtrain::checkpoint

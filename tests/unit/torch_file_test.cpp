@@ -1,0 +1,222 @@
+// torch.save files both ways against Python (tests/data/checkpoint/torch_peer.py):
+// Python's state dicts (OrderedDict), every dtype, views and nested
+// containers read here bit for bit; files written here opened by
+// torch.load(weights_only=True), a full checkpoint resumed by a Python model
+// and AdamW whose next step equals ours; forbidden globals refused.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/optim/adamw.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dtrain/checkpoint/optimizer_state.h"
+#include "dtrain/checkpoint/torch_file.h"
+#include "dtrain/error.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace ck = dtrain::checkpoint;
+
+fs::path temp_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("dtrain-torchfile-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void run_peer(const std::string& args) {
+  const std::string cmd =
+      std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/tests/data/checkpoint/torch_peer.py " + args;
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+}
+
+nlohmann::json read_json(const fs::path& file) {
+  std::ifstream in(file);
+  return nlohmann::json::parse(in);
+}
+
+std::uint32_t crc_of(const at::Tensor& t) {
+  const auto c = t.contiguous();
+  return static_cast<std::uint32_t>(
+      ::crc32(0L, static_cast<const Bytef*>(c.data_ptr()), static_cast<uInt>(c.nbytes())));
+}
+
+std::string python_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kDouble: return "float64";
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    case at::kComplexFloat: return "complex64";
+    case at::kFloat8_e4m3fn: return "float8_e4m3fn";
+    case at::kFloat8_e5m2: return "float8_e5m2";
+    case at::kUInt16: return "uint16";
+    case at::kUInt32: return "uint32";
+    case at::kUInt64: return "uint64";
+    default: return "?";
+  }
+}
+
+nlohmann::json describe(const ck::NamedTensors& tensors) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [name, t] : tensors)
+    out[name] = {{"dtype", python_dtype(t.scalar_type())}, {"shape", t.sizes().vec()}, {"crc32", crc_of(t)}};
+  return out;
+}
+
+torch::nn::Sequential make_model() {
+  return torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::LayerNorm(torch::nn::LayerNormOptions({3})),
+                               torch::nn::Linear(3, 2));
+}
+
+ck::NamedTensors named_state(const torch::nn::Module& m) {
+  ck::NamedTensors out;
+  for (const auto& item : m.named_parameters()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : m.named_buffers()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+}  // namespace
+
+// Python's torch.save of state dicts, every dtype, views, nested containers.
+TEST(TorchFile, ReadsWhatPythonSaved) {
+  const auto dir = temp_dir("read");
+  run_peer("write " + dir.string());
+
+  const auto sd = ck::load_torch_state_dict(dir / "state_dict.pt");  // an OrderedDict with _metadata
+  EXPECT_EQ(describe(sd), read_json(dir / "state_dict.json"));
+  EXPECT_EQ(sd.front().first, "0.weight");  // the OrderedDict's order
+
+  const auto dtypes = ck::load_torch_state_dict(dir / "dtypes.pt");
+  EXPECT_EQ(describe(dtypes), read_json(dir / "dtypes.json"));
+  // Views of one storage stay views of one storage, as in Python.
+  const at::Tensor* row = nullptr;
+  const at::Tensor* transposed = nullptr;
+  for (const auto& [name, t] : dtypes) {
+    if (name == "view.row") row = &t;
+    if (name == "view.transposed") transposed = &t;
+  }
+  ASSERT_TRUE(row && transposed);
+  EXPECT_TRUE(row->storage().is_alias_of(transposed->storage()));
+  EXPECT_FALSE(transposed->is_contiguous());
+
+  const auto nested = ck::load_torch_file(dir / "nested.pt").toGenericDict();
+  EXPECT_EQ(nested.at("step").toInt(), 7);
+  EXPECT_EQ(nested.at("lr").toDouble(), 0.25);
+  EXPECT_EQ(nested.at("name").toStringRef(), "gpt");
+  EXPECT_EQ(nested.at("big").toInt(), std::int64_t{1} << 40);
+  EXPECT_EQ(nested.at("neg").toInt(), -3);
+  const auto flags = nested.at("flags").toList();
+  ASSERT_EQ(flags.size(), 3u);
+  EXPECT_TRUE(flags.get(0).toBool());
+  EXPECT_FALSE(flags.get(1).toBool());
+  EXPECT_TRUE(flags.get(2).isNone());
+  EXPECT_EQ(nested.at("betas").toTupleRef().elements().at(1).toDouble(), 0.95);
+  const auto state = nested.at("state").toGenericDict();
+  EXPECT_TRUE(at::equal(state.at(0).toGenericDict().at("t").toTensor(), at::ones(2)));
+
+  try {
+    ck::load_torch_file(dir / "forbidden.pt");
+    ADD_FAILURE() << "loaded a pickle that calls os.system";
+  } catch (const dtrain::DataError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("forbidden.pt"), std::string::npos) << what;
+    EXPECT_NE(what.find("'posix.system'"), std::string::npos) << what;
+    EXPECT_NE(what.find("weights-only"), std::string::npos) << what;
+  }
+  EXPECT_THROW(ck::load_torch_state_dict(dir / "nested.pt"), dtrain::DataError);  // values that are not tensors
+}
+
+// C++ writes; Python opens with weights_only=True, resumes model and AdamW
+// from our checkpoint and takes one step; ours and Python's next step agree.
+TEST(TorchFile, PythonLoadsWhatCppSaved) {
+  const auto dir = temp_dir("write");
+  // Every dtype torch.save names, non-contiguous and 0-d tensors.
+  ck::NamedTensors tensors;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  for (const auto type : {at::kDouble, at::kFloat, at::kHalf, at::kBFloat16, at::kLong, at::kInt, at::kShort, at::kChar,
+                          at::kByte, at::kBool, at::kComplexFloat}) {
+    auto raw = at::randint(0, 256, {12 * static_cast<std::int64_t>(c10::elementSize(type))}, gen, at::kByte);
+    if (type == at::kBool) raw = raw.bitwise_and(1);
+    tensors.emplace_back(python_dtype(type), raw.view(type).reshape({3, 4}));
+  }
+  tensors.emplace_back("transposed", at::arange(6, at::kFloat).reshape({2, 3}).t());
+  tensors.emplace_back("scalar", at::scalar_tensor(1.5));
+  ck::save_torch_state_dict(dir / "cpp_dtypes.pt", tensors);
+  std::ofstream(dir / "cpp_dtypes.json") << describe(tensors).dump();
+
+  // A model and AdamW after two steps on a fixed batch (the same initial
+  // weights as the Python model: the peer's file).
+  run_peer("write " + dir.string());
+  auto model = make_model();
+  {
+    at::NoGradGuard no_grad;
+    const auto init = ck::load_torch_state_dict(dir / "state_dict.pt");
+    for (auto& [name, t] : named_state(*model)) {
+      bool found = false;
+      for (const auto& [n, v] : init)
+        if (n == name) found = (t.copy_(v), true);
+      ASSERT_TRUE(found) << name;
+    }
+  }
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+  const auto batch = at::linspace(-1, 1, 20).reshape({5, 4});
+  auto train_step = [&] {
+    optimizer.zero_grad();
+    model->forward(batch).square().sum().backward();
+    optimizer.step();
+  };
+  train_step();
+  train_step();
+  c10::impl::GenericDict checkpoint(c10::StringType::get(), c10::AnyType::get());
+  checkpoint.insert("model", ck::state_dict_value(named_state(*model)));
+  checkpoint.insert("optimizer", ck::python_optimizer_state_dict(optimizer));
+  checkpoint.insert("step", 2);
+  ck::save_torch_file(dir / "cpp_checkpoint.pt", checkpoint);
+
+  run_peer("check " + dir.string());
+  train_step();  // the step Python took from our checkpoint
+  const auto python = ck::load_torch_state_dict(dir / "py_after_step.pt");
+  const auto ours = named_state(*model);
+  ASSERT_EQ(python.size(), ours.size());
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    EXPECT_EQ(python[i].first, ours[i].first);
+    EXPECT_TRUE(at::allclose(python[i].second, ours[i].second, 1e-5, 1e-7))
+        << ours[i].first << ": max difference " << (python[i].second - ours[i].second).abs().max().item<double>();
+    EXPECT_FALSE(at::equal(python[i].second, ck::load_torch_state_dict(dir / "cpp_checkpoint.pt", "model")[i].second))
+        << "the step changed nothing";
+  }
+}
+
+TEST(TorchFile, RefusesWhatItCannotReadOrWrite) {
+  const auto dir = temp_dir("refuse");
+  // LibTorch's pickler would name torch.Float8_e4m3fnStorage, which Python lacks.
+  EXPECT_THROW(ck::save_torch_state_dict(dir / "f8.pt", {{"w", at::zeros(2, at::kFloat8_e4m3fn)}}),
+               dtrain::ConfigError);
+  EXPECT_FALSE(fs::exists(dir / "f8.pt"));
+  std::ofstream(dir / "not_zip.pt") << "hello";
+  EXPECT_THROW(ck::load_torch_file(dir / "not_zip.pt"), dtrain::DataError);
+  EXPECT_THROW(ck::load_torch_file(dir / "missing.pt"), dtrain::DataError);
+  // A valid file cut short anywhere: a DataError, never a crash.
+  ck::save_torch_state_dict(dir / "ok.pt", {{"w", at::randn({64})}, {"b", at::ones(3, at::kLong)}});
+  std::ifstream in(dir / "ok.pt", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  for (std::size_t n = 0; n < bytes.size(); n += 37) {
+    std::ofstream(dir / "cut.pt", std::ios::binary | std::ios::trunc)
+        .write(bytes.data(), static_cast<std::streamsize>(n));
+    EXPECT_THROW(ck::load_torch_file(dir / "cut.pt"), dtrain::DataError) << n << " bytes";
+  }
+}
