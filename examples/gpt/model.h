@@ -45,6 +45,9 @@ struct GptConfig {
   std::int64_t n_embd = 128;
   double dropout = 0.0;
   bool bias = false;  // biases in Linear and LayerNorm (nanoGPT's default: none)
+  // The MLP's GELU: exact (erf, nanoGPT's nn.GELU()) or the tanh approximation
+  // (GPT-2's "gelu_new"); a model imported from Hugging Face uses its config's.
+  bool gelu_tanh = false;
 };
 
 // LayerNorm with an optional bias (LibTorch's has both or neither).
@@ -125,7 +128,9 @@ struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
     c_proj = register_module("c_proj", make_linear(4 * config.n_embd, config.n_embd, config.bias));
     drop = register_module("drop", torch::nn::Dropout(config.dropout));
   }
-  at::Tensor forward(const at::Tensor& x) { return drop(apply_linear(c_proj, at::gelu(apply_linear(c_fc, x)))); }
+  at::Tensor forward(const at::Tensor& x) {
+    return drop(apply_linear(c_proj, at::gelu(apply_linear(c_fc, x), config.gelu_tanh ? "tanh" : "none")));
+  }
 
   GptConfig config;
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};

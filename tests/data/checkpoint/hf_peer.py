@@ -1,0 +1,75 @@
+"""transformers' side of the GPT's Hugging Face export/import tests
+(tests/unit/gpt_hf_test.cpp).
+
+  hf_peer.py check DIR   GPT2LMHeadModel.from_pretrained(DIR) must report no
+      missing, unexpected or mismatched keys and log no warning; its logits on
+      DIR/reference.safetensors' batch must equal dtrain's there (rtol 1e-5),
+      and its greedy continuation of the prompt the same tokens
+  hf_peer.py make DIR    a random GPT2LMHeadModel (gelu_new, perturbed
+      biases and norms, no download) saved with save_pretrained, with its
+      logits on a batch in DIR/reference.safetensors
+"""
+import logging
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record.getMessage())
+
+
+def greedy(model, prompt, steps, block):
+    out = prompt
+    for _ in range(steps):
+        logits = model(out[:, -block:]).logits
+        out = torch.cat([out, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return out
+
+
+def check(d):
+    collect = Collect()
+    hf_logging.get_logger("transformers").addHandler(collect)
+    model, info = GPT2LMHeadModel.from_pretrained(d, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"loading info: {problems}"
+    assert not collect.records, f"transformers warned: {collect.records}"
+    model.eval()
+    ref = load_file(f"{d}/reference.safetensors")
+    with torch.no_grad():
+        logits = model(ref["idx"]).logits
+        diff = (logits - ref["logits"]).abs().max().item()
+        assert torch.allclose(logits, ref["logits"], rtol=1e-5, atol=1e-6), f"logits differ by {diff}"
+        tokens = greedy(model, ref["prompt"], ref["greedy"].shape[1] - ref["prompt"].shape[1],
+                        model.config.n_positions)
+    assert torch.equal(tokens, ref["greedy"]), (tokens, ref["greedy"])
+    print(f"transformers: logits max |diff| {diff:.3g}, greedy tokens equal")
+
+
+def make(d):
+    torch.manual_seed(5)
+    config = GPT2Config(vocab_size=65, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=None, eos_token_id=None)
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():  # biases and norms away from 0 and 1, so a misplaced one shows
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    model.save_pretrained(d)
+    idx = torch.randint(0, 65, (3, 16))
+    with torch.no_grad():
+        save_file({"idx": idx, "logits": model(idx).logits.contiguous()}, f"{d}/reference.safetensors")
+
+
+if __name__ == "__main__":
+    hf_logging.disable_progress_bar()
+    {"check": check, "make": make}[sys.argv[1]](sys.argv[2])
