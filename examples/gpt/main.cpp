@@ -37,6 +37,7 @@
 #include <torch/utils.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -53,6 +54,7 @@
 #include "dtrain/trainer/pipeline_strategy.h"
 #include "dtrain/trainer/zero_strategy.h"
 #include "fused_adamw.h"
+#include "hf_export.h"
 #include "model.h"
 #include "pipeline_strategy.h"
 #include "plan_cli.h"
@@ -87,6 +89,8 @@ struct Options {
   std::int64_t top_k = 200;
   bool ddp_shared_memory = true;   // DDP's intra-host shared-memory all-reduce (else Gloo)
   std::string save_params;         // write the final parameters here (raw float32, in order) for tests
+  std::string export_hf;           // write a Hugging Face GPT-2 folder here after training (hf_export.h)
+  std::string init_from_hf;        // start from this Hugging Face GPT-2 folder's weights and sizes
   examples::PipelineCli pipeline;  // --strategy pipeline (pipeline_strategy.h)
   examples::PlanCli plan;          // --plan or the degrees; --global-batch-size
   int hsdp_replicas = 1;           // zero1-3 on a dp_replicate x dp_shard mesh (from a plan)
@@ -192,6 +196,8 @@ Trainee build(const Options& opt, Placement& where) {
   const c10::Device first = where.devices.front();
   const bool lead = where.rank == 0;
   if (opt.strategy == "pipeline") {
+    DTRAIN_CHECK(opt.init_from_hf.empty(), ConfigError, "--init-from-hf does not work with --strategy pipeline yet.",
+                 "start from the folder under another strategy, save a checkpoint, and resume it pipelined");
     auto p = std::make_shared<gpt::GptPipeline>(gpt::build_pipeline(opt.model, opt.seed, opt.pipeline, *where.group));
     t.pipeline = p;
     t.strategy = p->strategy;
@@ -211,6 +217,7 @@ Trainee build(const Options& opt, Placement& where) {
   if (opt.strategy == "model-parallel" || opt.strategy == "ddp-model-parallel") {
     dtrain::ModelParallel split(gpt::gpt_layers(opt.model), dtrain::ModelParallelOptions{.devices = where.devices});
     gpt::init_weights(*split, opt.model.n_layer, opt.seed);
+    if (!opt.init_from_hf.empty()) gpt::load_hf(*split, opt.model, opt.init_from_hf);
     if (lead) {
       DTRAIN_LOG(kInfo) << "layers placed on " << dtrain::format_devices(split->device_of_layer());
     }
@@ -230,6 +237,7 @@ Trainee build(const Options& opt, Placement& where) {
   }
   gpt::Gpt net(opt.model);
   gpt::init_weights(*net, opt.model.n_layer, opt.seed);
+  if (!opt.init_from_hf.empty()) gpt::load_hf(*net, opt.model, opt.init_from_hf);
   net->to(first);
   if (opt.strategy == "dp") {
     auto dp =
@@ -365,6 +373,16 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
   // Collective where the weights are sharded or pipelined: every rank takes
   // part, then rank 0 samples alone through its local forward.
   if (!opt.save_params.empty()) t.save_params(opt.save_params);
+  if (!opt.export_hf.empty()) {
+    auto full = t.gather_full();
+    if (lead) {
+      const auto start = std::chrono::steady_clock::now();
+      gpt::export_hf(t.pipeline ? static_cast<torch::nn::Module&>(*t.pipeline->layers) : s.module(), opt.model,
+                     opt.export_hf);
+      DTRAIN_LOG(kInfo) << "exported a Hugging Face GPT-2 folder to " << opt.export_hf << " in "
+                        << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s";
+    }
+  }
   std::string sample;
   if (opt.sample_tokens > 0) {
     auto full = t.gather_full();
@@ -428,6 +446,14 @@ void apply_plan(Options& opt) {
 }
 
 int run(Options opt) {
+  std::int64_t hf_vocab = 0;
+  if (!opt.init_from_hf.empty()) {
+    opt.model = gpt::config_from_hf(opt.init_from_hf);  // its sizes, context, biases and GELU
+    hf_vocab = opt.model.vocab_size;
+    DTRAIN_LOG(kInfo) << "starting from " << opt.init_from_hf << ": " << opt.model.n_layer << " layers, "
+                      << opt.model.n_head << " heads, width " << opt.model.n_embd << ", context "
+                      << opt.model.block_size;
+  }
   apply_plan(opt);
   DTRAIN_CHECK(opt.strategy != "pipeline" || opt.accumulate == 1, ConfigError,
                "--accumulate " << opt.accumulate << " with --strategy pipeline: a pipeline's micro-batches are its "
@@ -438,6 +464,10 @@ int run(Options opt) {
   torch::manual_seed(opt.seed + static_cast<std::uint64_t>(where.rank));  // dropout masks
   const gpt::Corpus corpus = gpt::load_corpus(opt.data_dir, opt.model.block_size);
   opt.model.vocab_size = static_cast<std::int64_t>(corpus.vocab.size());
+  DTRAIN_CHECK(opt.init_from_hf.empty() || opt.model.vocab_size == hf_vocab, ConfigError,
+               opt.init_from_hf << " has a vocabulary of " << hf_vocab << ", the corpus " << opt.model.vocab_size
+                                << " characters.",
+               "give a GPT-2 folder made for this corpus (vocab_size " << opt.model.vocab_size << ")");
   return train(opt, where, corpus);
 }
 
@@ -513,6 +543,11 @@ int main(int argc, char** argv) {
   app.add_flag("--ddp-shared-memory,!--ddp-gloo", opt.ddp_shared_memory,
                "DDP all-reduce between this host's ranks: shared memory (default) or Gloo");
   app.add_option("--save-params", opt.save_params, "Write the final parameters (raw float32, in order) to this file");
+  app.add_option("--export-hf", opt.export_hf,
+                 "After training, write a Hugging Face GPT-2 folder (config.json, model.safetensors) here");
+  app.add_option(
+      "--init-from-hf", opt.init_from_hf,
+      "Start from this Hugging Face GPT-2 folder (its sizes replace --n-layer/--n-head/--n-embd/--block-size)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
