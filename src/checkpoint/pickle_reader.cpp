@@ -3,6 +3,7 @@
 
 #include <ATen/Functions.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -24,6 +25,7 @@ struct Obj {
   c10::IValue value;
   std::vector<std::shared_ptr<const Obj>> items;  // kTuple
   at::ScalarType dtype = at::kByte;               // kStorageType, kDtype
+  int depth = 0;                                  // kTuple: tuples nested inside, itself included
 };
 using ObjPtr = std::shared_ptr<const Obj>;
 
@@ -302,6 +304,16 @@ class Machine {
   }
   std::string utf8(std::size_t n) { return std::string(read(n)); }
 
+  // Tuples are converted (and freed) recursively: their nesting is bounded
+  // so that a hostile pickle cannot overflow the stack.
+  void push_tuple(const std::shared_ptr<Obj>& t) {
+    for (const auto& i : t->items) t->depth = std::max(t->depth, i->kind == Obj::Kind::kTuple ? i->depth : 0);
+    t->depth += 1;
+    DTRAIN_PICKLE_CHECK(t->depth <= kMaxTupleDepth, "nests tuples deeper than " << kMaxTupleDepth);
+    stack_.push_back(t);
+  }
+  static constexpr int kMaxTupleDepth = 1000;
+
   void step(unsigned char op) {
     using K = Obj::Kind;
     switch (op) {
@@ -315,8 +327,7 @@ class Machine {
         auto t = std::make_shared<Obj>();
         t->kind = K::kTuple;
         t->items = pop_mark();
-        for (const auto& i : t->items) DTRAIN_PICKLE_CHECK(i->kind != K::kMark, "nests a MARK in a tuple");
-        stack_.push_back(t);
+        push_tuple(t);
         return;
       }
       case 0x85:
@@ -326,7 +337,7 @@ class Machine {
         t->kind = K::kTuple;
         t->items.resize(op - 0x84);
         for (auto i = t->items.rbegin(); i != t->items.rend(); ++i) *i = pop();
-        stack_.push_back(t);
+        push_tuple(t);
         return;
       }
       case 'q': memo_put(static_cast<unsigned char>(read(1)[0])); return;              // BINPUT
