@@ -65,7 +65,114 @@ Dict param_state(const torch::optim::OptimizerParamState& state, bool amsgrad) {
   return s;
 }
 
+double number(const Dict& group, const char* key) {
+  DTRAIN_CHECK(group.contains(key), DataError, "a param group has no '" << key << "'.",
+               "give the state dict of a Python optimizer of the same kind");
+  const auto v = group.at(key);
+  DTRAIN_CHECK(v.isDouble() || v.isInt() || v.isBool(), DataError, "param group entry '" << key << "' is not a number.",
+               "");
+  return v.isDouble() ? v.toDouble() : static_cast<double>(v.isInt() ? v.toInt() : v.toBool());
+}
+
+// Python's flags that change the update and that LibTorch's optimizers lack.
+void check_python_only_flags(const Dict& group) {
+  for (const char* key : {"maximize", "capturable", "differentiable"})
+    DTRAIN_CHECK(!group.contains(key) || group.at(key).isNone() || !group.at(key).toBool(), ConfigError,
+                 "the Python optimizer ran with " << key << "=True, which LibTorch's has no counterpart for.", "");
+  DTRAIN_CHECK(!group.contains("decoupled_weight_decay") || group.at("decoupled_weight_decay").toBool(), ConfigError,
+               "the Python optimizer is Adam (decoupled_weight_decay=False), not AdamW.",
+               "load it into torch::optim::Adam");
+}
+
+at::Tensor state_tensor(const Dict& s, const char* key, const at::Tensor& param, std::int64_t index) {
+  DTRAIN_CHECK(s.contains(key) && s.at(key).isTensor(), DataError,
+               "the state of parameter " << index << " has no tensor '" << key << "'.", "");
+  const at::Tensor t = s.at(key).toTensor();
+  DTRAIN_CHECK(t.sizes() == param.sizes(), DataError,
+               "state '" << key << "' of parameter " << index << " has shape " << t.sizes() << ", the parameter "
+                         << param.sizes() << ".",
+               "build the optimizer over the same parameters in the same order");
+  return t.to(param.options()).clone();
+}
+
+void load_state(torch::optim::Optimizer& optimizer, const c10::IValue& state_dict) {
+  DTRAIN_CHECK(state_dict.isGenericDict() && state_dict.toGenericDict().contains("state") &&
+                   state_dict.toGenericDict().contains("param_groups"),
+               DataError, "not an optimizer state dict (no 'state' and 'param_groups').",
+               "pass the value of optimizer.state_dict()");
+  const Dict sd = state_dict.toGenericDict();
+  const Dict state = sd.at("state").toGenericDict();
+  const auto groups = sd.at("param_groups").toList();
+  auto& ours = optimizer.param_groups();
+  DTRAIN_CHECK(groups.size() == ours.size(), DataError,
+               "the state dict has " << groups.size() << " param groups, the optimizer " << ours.size() << ".", "");
+  std::int64_t index = 0;
+  for (std::size_t g = 0; g < ours.size(); ++g) {
+    const Dict group = groups.get(g).toGenericDict();
+    check_python_only_flags(group);
+    const auto params = group.at("params").toList();
+    DTRAIN_CHECK(params.size() == ours[g].params().size(), DataError,
+                 "param group " << g << " has " << params.size() << " parameters, the optimizer's "
+                                << ours[g].params().size() << ".",
+                 "");
+    auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&ours[g].options());
+    auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&ours[g].options());
+    DTRAIN_CHECK(adamw || sgd, ConfigError, "load_python_optimizer_state_dict knows AdamW and SGD only.", "");
+    if (adamw) {
+      DTRAIN_CHECK(group.contains("betas") && group.at("betas").isTuple() &&
+                       group.at("betas").toTupleRef().elements().size() == 2,
+                   DataError, "param group " << g << " has no betas pair: not an Adam-family optimizer's state.",
+                   "load it into the optimizer Python saved it from");
+      const auto betas = group.at("betas").toTupleRef().elements();
+      adamw->lr(number(group, "lr")).eps(number(group, "eps")).weight_decay(number(group, "weight_decay"));
+      adamw->betas({betas.at(0).toDouble(), betas.at(1).toDouble()}).amsgrad(number(group, "amsgrad") != 0);
+    } else {
+      sgd->lr(number(group, "lr")).momentum(number(group, "momentum")).dampening(number(group, "dampening"));
+      sgd->weight_decay(number(group, "weight_decay")).nesterov(number(group, "nesterov") != 0);
+    }
+    for (std::size_t i = 0; i < params.size(); ++i, ++index) {
+      const at::Tensor& p = ours[g].params()[i];
+      const std::int64_t key = params.get(i).toInt();
+      optimizer.state().erase(p.unsafeGetTensorImpl());
+      if (!state.contains(key)) continue;
+      const Dict s = state.at(key).toGenericDict();
+      if (adamw) {
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        DTRAIN_CHECK(s.contains("step"), DataError, "the state of parameter " << index << " has no step.", "");
+        const auto step = s.at("step");
+        fresh->step(step.isTensor() ? static_cast<std::int64_t>(step.toTensor().item<double>())
+                                    : static_cast<std::int64_t>(step.toDouble()));
+        fresh->exp_avg(state_tensor(s, "exp_avg", p, index));
+        fresh->exp_avg_sq(state_tensor(s, "exp_avg_sq", p, index));
+        if (adamw->amsgrad()) fresh->max_exp_avg_sq(state_tensor(s, "max_exp_avg_sq", p, index));
+        optimizer.state()[p.unsafeGetTensorImpl()] = std::move(fresh);
+      } else if (s.contains("momentum_buffer") && s.at("momentum_buffer").isTensor()) {
+        auto fresh = std::make_unique<torch::optim::SGDParamState>();
+        fresh->momentum_buffer(state_tensor(s, "momentum_buffer", p, index));
+        optimizer.state()[p.unsafeGetTensorImpl()] = std::move(fresh);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void load_python_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state_dict) {
+  // Values of the wrong kind where the checks above do not look (a list that
+  // is a dict, a missing "params") surface as c10 or std errors: the same
+  // DataError for all of them.
+  try {
+    load_state(optimizer, state_dict);
+  } catch (const dtrain::Error&) {
+    throw;
+  } catch (const c10::Error& e) {
+    DTRAIN_CHECK(false, DataError, "the optimizer state dict is malformed (" << e.what_without_backtrace() << ").",
+                 "pass the value of a Python optimizer.state_dict() for this optimizer");
+  } catch (const std::exception& e) {
+    DTRAIN_CHECK(false, DataError, "the optimizer state dict is malformed (" << e.what() << ").",
+                 "pass the value of a Python optimizer.state_dict() for this optimizer");
+  }
+}
 
 c10::IValue python_optimizer_state_dict(const torch::optim::Optimizer& optimizer) {
   Dict state = dict();

@@ -20,4 +20,14 @@ namespace dtrain::checkpoint {
 
 c10::IValue python_optimizer_state_dict(const torch::optim::Optimizer& optimizer);
 
+// The reverse: Python's optimizer.state_dict() (as load_torch_file reads it)
+// into a LibTorch AdamW or SGD built over the same parameters in the same
+// groups, as optimizer.load_state_dict does in Python: the groups' options
+// (lr, betas, eps, weight_decay, amsgrad; momentum, dampening, nesterov) and
+// every parameter's state, shapes checked against the parameters. A state
+// dict of another structure, group count or size is a DataError; Python's
+// flags LibTorch lacks (maximize, foreach, fused, ...) must be at their
+// defaults or it is a ConfigError.
+void load_python_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state_dict);
+
 }  // namespace dtrain::checkpoint

@@ -9,7 +9,8 @@
       and the full checkpoint, which is loaded into a Python model and AdamW
       (load_state_dict: the structure is Python's) that then take one more
       step; the parameters after it are saved for C++ to compare with its own
-      step
+      step. `write` also saves Python AdamW and SGD checkpoints after two
+      steps and the parameters after a third, for C++ to resume.
 """
 import json
 import os
@@ -67,6 +68,21 @@ def write(d):
     nested = {"step": 7, "lr": 0.25, "name": "gpt", "flags": [True, False, None], "betas": (0.9, 0.95),
               "big": 2**40, "neg": -3, "state": {0: {"t": torch.ones(2)}, 1: {"t": torch.zeros(1)}}}
     torch.save(nested, os.path.join(d, "nested.pt"))
+
+    # Python training checkpoints for C++ to resume: AdamW and SGD (momentum,
+    # nesterov) after two steps, and the parameters after a third.
+    for name, make_opt in (("adamw", lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)),
+                           ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True))):
+        m = model()
+        opt = make_opt(m.parameters())
+        for step in range(3):
+            if step == 2:
+                torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()},
+                           os.path.join(d, f"py_{name}_checkpoint.pt"))
+            opt.zero_grad()
+            m(batch()).square().sum().backward()
+            opt.step()
+        torch.save(m.state_dict(), os.path.join(d, f"py_{name}_after_third.pt"))
 
     class Evil:  # what weights_only refuses: an arbitrary class
         def __reduce__(self):
