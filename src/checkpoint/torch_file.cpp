@@ -115,7 +115,8 @@ NamedTensors load_torch_state_dict(const fs::path& file, const std::string& key)
     DTRAIN_CHECK(
         kv.key().isString() && kv.value().isTensor(), DataError,
         file.string() << ": state dict entry " << kv.key() << " is a " << kv.value().tagKind() << ", not a tensor.",
-        "a state dict maps names to tensors");
+        "a state dict maps names to tensors; for a file holding several (a training checkpoint), name the "
+        "entry: load_torch_state_dict's key, `dtrain ckpt --key`");
     out.emplace_back(kv.key().toStringRef(), kv.value().toTensor());
   }
   return out;

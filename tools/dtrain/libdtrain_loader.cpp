@@ -77,6 +77,12 @@ std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(const std::s
   return store;
 }
 
+int run_ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
+  using CkptFn = int (*)(const std::vector<std::string>*, std::ostream*);
+  static const auto command = libdtrain_function<CkptFn>("dtrain_ckpt_command");
+  return command(&args, &out);
+}
+
 BackgroundWorkerStore::~BackgroundWorkerStore() {
   stop();
 }

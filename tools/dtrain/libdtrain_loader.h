@@ -8,8 +8,10 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <ostream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "dtrain/elastic/rendezvous.h"
 #include "dtrain/elastic/worker_store.h"
@@ -20,6 +22,10 @@ namespace dtrain::tools {
 std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(
     const std::string& host, int port, std::chrono::milliseconds timeout, const std::string& secret = "",
     elastic::StoreRole role = elastic::StoreRole::kAuto);
+
+// `dtrain ckpt`'s work, done in libdtrain (src/checkpoint/ckpt_command.cpp):
+// `args` as that file describes; prints to `out`, throws dtrain::Error.
+int run_ckpt_command(const std::vector<std::string>& args, std::ostream& out);
 
 // Hosts the workers' store through libdtrain. serve() finds libdtrain at once
 // (ConfigError when there is none, before any worker starts) and then loads

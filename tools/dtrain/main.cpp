@@ -84,6 +84,24 @@ int main(int argc, char** argv) {
   CLI::App* plan = app.add_subcommand(
       "plan", "Predict memory and step time of parallelism plans, search them, refuse what does not fit");
   dtrain::tools::add_plan_options(*plan, plan_opt);
+  // dtrain ckpt: checkpoint files of the ecosystem (docs/checkpoints.md), done
+  // in libdtrain (loaded only for this command).
+  CLI::App* ckpt = app.add_subcommand("ckpt", "Inspect and convert checkpoint files (safetensors, torch.save)");
+  ckpt->require_subcommand(1);
+  std::string ckpt_path, ckpt_out, ckpt_key, ckpt_to;
+  std::int64_t max_shard_bytes = 5'000'000'000;
+  CLI::App* inspect = ckpt->add_subcommand("inspect", "List a checkpoint's tensors: dtype, shape, bytes, metadata");
+  inspect->add_option("path", ckpt_path, "a .safetensors file, a folder with model.safetensors[.index.json], or a .pt")
+      ->required();
+  inspect->add_option("--key", ckpt_key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
+  CLI::App* convert = ckpt->add_subcommand("convert", "Convert between safetensors and torch.save state dicts");
+  convert->add_option("--to", ckpt_to, "output format")->required()->check(CLI::IsMember({"safetensors", "torch"}));
+  convert->add_option("input", ckpt_path, "as for inspect")->required();
+  convert->add_option("output", ckpt_out, "a file (.safetensors or .pt), or a folder for sharded safetensors")
+      ->required();
+  convert->add_option("--key", ckpt_key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
+  convert->add_option("--max-shard-bytes", max_shard_bytes, "shard size of a safetensors folder")
+      ->capture_default_str();
   // torchrun's PET_* variables and spellings (tools/dtrain/torchrun_args.h).
   std::vector<std::string> args(argv + 1, argv + argc);
   std::vector<std::string> from_pet;
@@ -104,6 +122,18 @@ int main(int argc, char** argv) {
       return dtrain::tools::plan_command(plan_opt, std::cout, std::cerr);
     } catch (const dtrain::Error& e) {
       std::cerr << "dtrain plan: error: " << e.what() << std::endl;
+      return 2;
+    }
+  }
+  if (ckpt->parsed()) {
+    try {
+      const std::vector<std::string> words =
+          inspect->parsed() ? std::vector<std::string>{"inspect", ckpt_path, ckpt_key}
+                            : std::vector<std::string>{"convert", ckpt_to,  ckpt_path,
+                                                       ckpt_out,  ckpt_key, std::to_string(max_shard_bytes)};
+      return dtrain::tools::run_ckpt_command(words, std::cout);
+    } catch (const dtrain::Error& e) {
+      std::cerr << "dtrain ckpt: error: " << e.what() << std::endl;
       return 2;
     }
   }
