@@ -1,0 +1,123 @@
+// examples/gpt under tensor parallelism (tensor_parallel.h) against the
+// unsplit GPT on one batch: on 2 and 4 rank threads, with and without
+// sequence parallelism, the vocabulary-split logits, the vocab-parallel loss
+// and every parameter's gradient (compared through the parameter's layout,
+// the tied embedding included) equal one process's (fp32: rtol 1e-5, atol
+// 1e-6 times the tensor's largest |value| where that is above 1). Head count,
+// width or vocabulary that tp does not divide: ConfigError naming it.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+
+#include "dtrain/comm/mesh.h"
+#include "dtrain/dist/parameter_layouts.h"
+#include "dtrain/error.h"
+#include "model.h"
+#include "ranks.h"
+#include "tensor_parallel.h"
+
+namespace {
+
+constexpr auto kTimeout = std::chrono::seconds(120);
+
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  ASSERT_TRUE(actual.defined()) << what << ": undefined";
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
+  const double scale = std::max(1.0, e.abs().max().item<double>());
+  EXPECT_TRUE(at::allclose(a, e, 1e-5, 1e-6 * scale))
+      << what << ": max |difference| " << (a - e).abs().max().item<double>() << " (max |expected| " << scale << ")";
+}
+
+gpt::GptConfig small_config() {
+  return {.vocab_size = 64, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32, .dropout = 0.0, .bias = true};
+}
+
+class GptTensorParallel : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+}  // namespace
+
+TEST_P(GptTensorParallel, ForwardAndBackwardEqualTheUnsplitGpt) {
+  const auto [world, sp] = GetParam();
+  const gpt::GptConfig config = small_config();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const auto ids = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor idx = at::randint(config.vocab_size, {3, 16}, gen, ids);
+  const at::Tensor targets = at::randint(config.vocab_size, {3, 16}, gen, ids);
+
+  gpt::Gpt reference(config);
+  gpt::init_weights(*reference, config.n_layer, 11);
+  const at::Tensor logits = reference(idx);
+  const at::Tensor loss = gpt::lm_loss(logits, targets);
+  loss.backward();
+  std::map<std::string, at::Tensor> grads;
+  for (const auto& item : reference->layers->named_parameters()) grads[item.key()] = item.value().grad();
+
+  dtrain::testing::run_rank_threads(
+      world,
+      [&](int rank, dtrain::dist::Store store) {
+        auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = kTimeout});
+        dtrain::dist::DeviceMesh mesh(group, {{"tp", world}});
+        gpt::Gpt full(config);
+        gpt::init_weights(*full, config.n_layer, 11);
+        torch::nn::Sequential layers = gpt::apply_tp(full->layers, mesh, {.sequence_parallel = sp});
+        const std::string what = std::string(sp ? "tp+sp" : "tp") + " rank " + std::to_string(rank);
+
+        const at::Tensor local_logits = layers->forward(idx);
+        expect_close(local_logits, logits.detach().chunk(world, -1)[static_cast<std::size_t>(rank)],
+                     what + " logits (this rank's vocabulary)");
+        const at::Tensor tp_loss = gpt::tp_lm_loss(local_logits, targets, mesh["tp"]);
+        expect_close(tp_loss, loss.detach(), what + " loss");
+        tp_loss.backward();
+
+        const auto layouts = dtrain::dist::named_layouts(*layers, mesh);
+        auto params = layers->named_parameters();
+        ASSERT_EQ(layouts.size(), grads.size()) << what << ": parameters by name";
+        for (const auto& [name, layout] : layouts) {
+          ASSERT_TRUE(grads.count(name)) << what << ": no parameter " << name << " in the unsplit GPT";
+          const at::Tensor& p = params[name];
+          const at::Tensor expected =
+              dtrain::dist::local_part(grads[name].reshape(layout.global_shape), layout, mesh.coordinates())
+                  .reshape(p.sizes());
+          expect_close(p.grad(), expected, what + " grad of " + name + " (" + layout.to_string() + ")");
+        }
+      },
+      {.timeout = kTimeout});
+}
+
+INSTANTIATE_TEST_SUITE_P(Degrees, GptTensorParallel, ::testing::Combine(::testing::Values(2, 4), ::testing::Bool()),
+                         [](const auto& info) {
+                           return "tp" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_sp" : "");
+                         });
+
+TEST(GptTensorParallelConfig, SizesTheDegreeDoesNotDivideAreConfigErrors) {
+  auto message = [](gpt::GptConfig c, std::int64_t tp, bool sp) -> std::string {
+    try {
+      gpt::validate_tp(c, tp, {.sequence_parallel = sp});
+    } catch (const dtrain::ConfigError& e) {
+      return e.what();
+    }
+    return "(no ConfigError)";
+  };
+  gpt::GptConfig c = small_config();
+  EXPECT_EQ(message(c, 4, true), "(no ConfigError)");
+  c.n_head = 6;
+  c.n_embd = 48;
+  EXPECT_NE(message(c, 4, false).find("n_head 6 is not divisible by the tp degree 4"), std::string::npos);
+  // (n_embd is a multiple of n_head, so tp divides it whenever it divides n_head.)
+  c = small_config();
+  c.vocab_size = 65;  // the Shakespeare characters
+  EXPECT_NE(message(c, 2, false).find("vocab_size 65 is not divisible by the tp degree 2"), std::string::npos);
+  c = small_config();
+  c.block_size = 18;
+  EXPECT_EQ(message(c, 4, false), "(no ConfigError)");
+  EXPECT_NE(message(c, 4, true).find("block_size"), std::string::npos);
+  c = small_config();
+  c.dropout = 0.1;
+  EXPECT_NE(message(c, 2, false).find("dropout"), std::string::npos);
+}
