@@ -12,7 +12,9 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <functional>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -348,6 +350,46 @@ TEST_P(TensorParallel, SizesTheDegreeDoesNotDivideAreConfigErrors) {
         << "rank " << rank;
   });
 }
+
+// A peer SIGKILLed inside a tensor-parallel region: the survivor's row layer
+// (its all-reduce in forward) or column layer (the all-reduce of the input
+// gradient in backward) throws a CommunicationError naming the operation; no
+// hang. Processes, over Gloo and over the shared-memory transport.
+class TensorParallelPeerDeath : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(TensorParallelPeerDeath, SurvivorGetsCommunicationError) {
+  const auto [in_backward, shared_memory] = GetParam();
+  const auto outcomes = dtrain::testing::run_rank_processes(
+      2,
+      [&](int rank) {
+        auto group = dtrain::dist::init_process_group(
+            {.timeout = std::chrono::seconds(10), .intra_host_shared_memory = shared_memory});
+        DeviceMesh mesh(group, {{"tp", 2}});
+        ColumnParallelLinear col(mesh, {.in_features = 4, .out_features = 8});
+        RowParallelLinear row(mesh, {.in_features = 8, .out_features = 4});
+        at::Tensor x = leaf(draw({3, 2, 4}, 70));
+        try {
+          if (!in_backward && rank == 1) std::raise(SIGKILL);  // gone before the row layer's all-reduce
+          const at::Tensor y = row(at::gelu(col(x)));
+          if (in_backward && rank == 1) std::raise(SIGKILL);  // gone before backward's all-reduces
+          y.sum().backward();
+          ADD_FAILURE() << "the tensor-parallel step completed without its peer";
+        } catch (const dtrain::CommunicationError& e) {
+          std::cerr << "rank 0 error: " << e.what() << std::endl;
+        }
+      },
+      {.expect_success = false});
+  EXPECT_NE(outcomes[0].output.find("rank 0 error: [rank 0/2] all_reduce(sum)"), std::string::npos)
+      << outcomes[0].output;
+  EXPECT_FALSE(outcomes[0].timed_out);
+  EXPECT_EQ(outcomes[0].exit_code, 0) << "signal " << outcomes[0].signal;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, TensorParallelPeerDeath, ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "backward_" : "forward_") +
+                                  (std::get<1>(info.param) ? "shared_memory" : "gloo");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Worlds, TensorParallel, ::testing::Values(2, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
