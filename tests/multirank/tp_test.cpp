@@ -1,11 +1,11 @@
 // Tensor- and sequence-parallel layers against the unsplit layer: on 2 and 4
-// rank threads (Gloo and the shared-memory transport), each layer's output and
-// the gradients of its input and parameters equal at::linear's,
-// at::embedding's and at::cross_entropy's on the same inputs (fp32: rtol
-// 1e-5, atol 1e-6 times the tensor's largest |value| where that is above 1;
-// bf16 autocast: rtol 2e-2, atol 2e-2 times that, see BFloat16Autocast).
-// Batches are odd (3); every rank draws the same global tensors from seeded
-// generators and compares its part.
+// rank threads, collectives over Gloo alone or through the shared-memory
+// transport, each layer's output and the gradients of its input and
+// parameters equal at::linear's, at::embedding's and at::cross_entropy's on
+// the same inputs (fp32: rtol 1e-5, atol 1e-6 times the tensor's largest
+// |value| where that is above 1; bf16 autocast: rtol 2e-2, atol 2e-2 times
+// that, see BFloat16Autocast). Batches are odd (3); every rank draws the same
+// global tensors from seeded generators and compares its part.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -61,10 +61,12 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, const st
       << e.abs().max().item<double>() << ")";
 }
 
-// body(rank, mesh) on `world` threads with a mesh of one dimension, tp.
-void on_tp_ranks(int world, const std::function<void(int, DeviceMesh&)>& body) {
+// body(rank, mesh) on `world` threads with a mesh of one dimension, tp;
+// collectives through the shared-memory transport or through Gloo alone.
+void on_tp_ranks(int world, bool shared_memory, const std::function<void(int, DeviceMesh&)>& body) {
   dtrain::testing::run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
-    auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = kTimeout});
+    auto group = dtrain::dist::init_process_group(store, rank, world,
+                                                  {.timeout = kTimeout, .intra_host_shared_memory = shared_memory});
     DeviceMesh mesh(group, {{"tp", world}});
     body(rank, mesh);
   });
@@ -79,18 +81,22 @@ std::string config_error(const std::function<void()>& f) {
   return "(no ConfigError)";
 }
 
-class TensorParallel : public ::testing::TestWithParam<int> {};
+// (world size, shared-memory transport)
+class TensorParallel : public ::testing::TestWithParam<std::tuple<int, bool>> {
+ protected:
+  bool shared_memory() const { return std::get<1>(GetParam()); }
+};
 
 }  // namespace
 
 TEST_P(TensorParallel, ColumnParallelLinearEqualsTheUnsplitLayer) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   const at::Tensor x = draw({3, 5, 6}, 1), w = draw({8, 6}, 2), b = draw({8}, 3), g = draw({3, 5, 8}, 4);
   at::Tensor xr = leaf(x), wr = leaf(w), br = leaf(b);
   const at::Tensor yr = at::linear(xr, wr, br);
   (yr * g).sum().backward();
   for (bool gather : {false, true}) {
-    on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+    on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
       ColumnParallelLinear layer(mesh, {.in_features = 6, .out_features = 8, .gather_output = gather});
       layer->copy_from_full(w, b);
       at::Tensor xi = leaf(x);
@@ -106,13 +112,13 @@ TEST_P(TensorParallel, ColumnParallelLinearEqualsTheUnsplitLayer) {
 }
 
 TEST_P(TensorParallel, RowParallelLinearEqualsTheUnsplitLayer) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   const at::Tensor x = draw({3, 5, 8}, 5), w = draw({6, 8}, 6), b = draw({6}, 7), g = draw({3, 5, 6}, 8);
   at::Tensor xr = leaf(x), wr = leaf(w), br = leaf(b);
   (at::linear(xr, wr, br) * g).sum().backward();
   const at::Tensor yr = at::linear(x, w, b);
   for (bool parallel_input : {true, false}) {
-    on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+    on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
       RowParallelLinear layer(mesh, {.in_features = 8, .out_features = 6, .input_is_parallel = parallel_input});
       layer->copy_from_full(w, b);
       at::Tensor xi = leaf(parallel_input ? piece(x, world, rank, -1) : x);
@@ -131,7 +137,7 @@ TEST_P(TensorParallel, RowParallelLinearEqualsTheUnsplitLayer) {
 // Sequence parallelism: the column layer's input and the row layer's output
 // hold 1/t of the sequence (dimension 1).
 TEST_P(TensorParallel, SequenceParallelLinearsEqualTheUnsplitLayers) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   const at::Tensor x = draw({3, 8, 6}, 9), w1 = draw({8, 6}, 10), b1 = draw({8}, 11);
   const at::Tensor w2 = draw({6, 8}, 12), b2 = draw({6}, 13), g = draw({3, 8, 6}, 14);
   at::Tensor xr = leaf(x), w1r = leaf(w1), b1r = leaf(b1), w2r = leaf(w2), b2r = leaf(b2);
@@ -139,7 +145,7 @@ TEST_P(TensorParallel, SequenceParallelLinearsEqualTheUnsplitLayers) {
   const at::Tensor yr = at::linear(hr, w2r, b2r);
   hr.retain_grad();
   (yr * g).sum().backward();
-  on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+  on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
     ColumnParallelLinear col(mesh, {.in_features = 6, .out_features = 8, .sequence_parallel = true});
     RowParallelLinear row(mesh, {.in_features = 8, .out_features = 6, .sequence_parallel = true});
     col->copy_from_full(w1, b1);
@@ -166,7 +172,7 @@ TEST_P(TensorParallel, SequenceParallelLinearsEqualTheUnsplitLayers) {
 // 1/t of the sequence, so its parameters enter through copy_to_region (their
 // gradient summed over tp); without SP its input and gradient are replicated.
 TEST_P(TensorParallel, LayerNormMlpBlockEqualsTheUnsplitBlock) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   const std::int64_t h = 8, f = 16;
   const at::Tensor x = draw({3, 8, h}, 20), lnw = draw({h}, 21), lnb = draw({h}, 22), w1 = draw({f, h}, 23),
                    b1 = draw({f}, 24), w2 = draw({h, f}, 25), b2 = draw({h}, 26), g = draw({3, 8, h}, 27);
@@ -175,7 +181,7 @@ TEST_P(TensorParallel, LayerNormMlpBlockEqualsTheUnsplitBlock) {
   const at::Tensor yr = at::linear(at::gelu(at::linear(at::layer_norm(xr, {h}, lnwr, lnbr), w1r, b1r)), w2r, b2r);
   (yr * g).sum().backward();
   for (bool sp : {false, true}) {
-    on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+    on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
       ColumnParallelLinear col(mesh, {.in_features = h, .out_features = f, .sequence_parallel = sp});
       RowParallelLinear row(mesh, {.in_features = f, .out_features = h, .sequence_parallel = sp});
       col->copy_from_full(w1, b1);
@@ -201,7 +207,7 @@ TEST_P(TensorParallel, LayerNormMlpBlockEqualsTheUnsplitBlock) {
 }
 
 TEST_P(TensorParallel, VocabParallelEmbeddingEqualsTheUnsplitEmbedding) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   const std::int64_t vocab = 16, dim = 5;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(30);
   const at::Tensor ids = at::randint(vocab, {3, 8}, gen, at::TensorOptions().dtype(at::kLong));
@@ -210,7 +216,7 @@ TEST_P(TensorParallel, VocabParallelEmbeddingEqualsTheUnsplitEmbedding) {
   const at::Tensor yr = at::embedding(wr, ids);
   (yr * g).sum().backward();
   for (bool sp : {false, true}) {
-    on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+    on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
       VocabParallelEmbedding emb(mesh, {.num_embeddings = vocab, .embedding_dim = dim, .sequence_parallel = sp});
       emb->copy_from_full(w);
       const at::Tensor y = emb(ids);
@@ -226,7 +232,7 @@ TEST_P(TensorParallel, VocabParallelEmbeddingEqualsTheUnsplitEmbedding) {
 // Logits [3, 5, V] split by vocabulary, some targets ignored; mean, sum and
 // per-token losses.
 TEST_P(TensorParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   const std::int64_t vocab = 16;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(40);
   at::Tensor targets = at::randint(vocab, {3, 5}, gen, at::TensorOptions().dtype(at::kLong));
@@ -242,7 +248,7 @@ TEST_P(TensorParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
     const at::Tensor ref = at::cross_entropy_loss(lr.view({-1, vocab}), targets.view({-1}), {}, aten_reduction, -100);
     const at::Tensor gout = reduction == Reduction::kNone ? draw({3, 5}, 42) : at::ones({});
     (ref.view(gout.sizes()) * gout).sum().backward();
-    on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+    on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
       at::Tensor li = leaf(piece(logits, world, rank, -1));
       const at::Tensor loss = vocab_parallel_cross_entropy(li, targets, mesh["tp"], {.reduction = reduction});
       const std::string what =
@@ -261,7 +267,7 @@ TEST_P(TensorParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
 // largest |value|. Measured here: at most 0.0156 (one bf16 rounding at ~4)
 // on outputs up to 4.4; at most 0.0044 of a tensor's largest value.
 TEST_P(TensorParallel, BFloat16Autocast) {
-  const int world = GetParam();
+  const int world = std::get<0>(GetParam());
   const at::Tensor x = draw({3, 8, 8}, 50), w1 = draw({16, 8}, 51) * 0.3, b1 = draw({16}, 52);
   const at::Tensor w2 = draw({8, 16}, 53) * 0.3, b2 = draw({8}, 54), g = draw({3, 8, 8}, 55);
   at::Tensor xr = leaf(x), w1r = leaf(w1), b1r = leaf(b1), w2r = leaf(w2), b2r = leaf(b2);
@@ -273,7 +279,7 @@ TEST_P(TensorParallel, BFloat16Autocast) {
   ASSERT_EQ(yr.scalar_type(), at::kBFloat16);
   (yr.to(at::kFloat) * g).sum().backward();
   for (bool sp : {false, true}) {
-    on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+    on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
       ColumnParallelLinear col(mesh, {.in_features = 8, .out_features = 16, .sequence_parallel = sp});
       RowParallelLinear row(mesh, {.in_features = 16, .out_features = 8, .sequence_parallel = sp});
       col->copy_from_full(w1, b1);
@@ -299,8 +305,8 @@ TEST_P(TensorParallel, BFloat16Autocast) {
 // Every layer declares its parameters' layouts; named_layouts() finds them
 // under any module tree, and each rank's part is its parameter's shape.
 TEST_P(TensorParallel, ParametersCarryTheirLayouts) {
-  const int world = GetParam();
-  on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+  const int world = std::get<0>(GetParam());
+  on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
     auto root = std::make_shared<torch::nn::Module>();
     root->register_module("qkv", ColumnParallelLinear(mesh, {.in_features = 8, .out_features = 24, .partitions = 3}));
     root->register_module("proj", RowParallelLinear(mesh, {.in_features = 8, .out_features = 8}));
@@ -327,8 +333,8 @@ TEST_P(TensorParallel, ParametersCarryTheirLayouts) {
 }
 
 TEST_P(TensorParallel, SizesTheDegreeDoesNotDivideAreConfigErrors) {
-  const int world = GetParam();
-  on_tp_ranks(world, [&](int rank, DeviceMesh& mesh) {
+  const int world = std::get<0>(GetParam());
+  on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
     const std::string t = std::to_string(world);
     EXPECT_NE(config_error([&] { (void)ColumnParallelLinear(mesh, {.in_features = 4, .out_features = 2 * world + 1}); })
                   .find("out_features " + std::to_string(2 * world + 1) +
@@ -393,5 +399,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, TensorParallelPeerDeath, ::testing::Combine
                                   (std::get<1>(info.param) ? "shared_memory" : "gloo");
                          });
 
-INSTANTIATE_TEST_SUITE_P(Worlds, TensorParallel, ::testing::Values(2, 4),
-                         [](const auto& info) { return "world" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(Worlds, TensorParallel, ::testing::Combine(::testing::Values(2, 4), ::testing::Bool()),
+                         [](const auto& info) {
+                           return "world" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_shared_memory" : "_gloo");
+                         });
