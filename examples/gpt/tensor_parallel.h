@@ -6,7 +6,7 @@
 //            partitions split alike (rank r computes heads r*h/t ..), c_proj
 //            row-parallel; MLP: c_fc column-parallel, c_proj row-parallel;
 //            LayerNorms replicated
-//   head     ln_f, then logits of this rank's vocabulary rows [B, T, V/t]
+//   head     ln_f, then logits of this rank's vocabulary rows [B, T, ~V/t]
 //            with the tied (sharded) wte; the loss is
 //            vocab_parallel_cross_entropy (tp_lm_loss), so no rank holds
 //            the full logits
@@ -22,9 +22,12 @@
 // LayerNorm gains and wpe, whose gradients are then partial sums, enter
 // through copy_to_region (summed over tp in backward).
 //
+// The vocabulary splits by torch.chunk's rule (the layout's), so the 65
+// Shakespeare characters run under tp 2 as 33 + 32 rows.
+//
 // Not yet: dropout (needs per-rank RNG streams for the split regions and
-// shared ones for the replicated regions; refused), a vocabulary padded to a
-// multiple of tp (refused), cloning (DataParallel replicas).
+// shared ones for the replicated regions; refused), cloning (DataParallel
+// replicas).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -60,7 +63,13 @@ inline void validate_tp(const GptConfig& c, std::int64_t tp, const TpOptions& op
   };
   require(c.n_head, "n_head");
   require(c.n_embd, "n_embd");
-  require(c.vocab_size, "vocab_size");
+  // The vocabulary splits unevenly (torch.chunk's rule) as long as every
+  // rank gets a row: 65 characters over tp 2 are 33 + 32.
+  const std::int64_t chunk = (c.vocab_size + tp - 1) / tp;
+  DTRAIN_CHECK((tp - 1) * chunk < c.vocab_size, ConfigError,
+               "GPT tensor parallelism: vocab_size " << c.vocab_size << " in pieces of " << chunk << " over tp " << tp
+                                                     << " leaves the last rank no rows.",
+               "use a smaller tp degree");
   if (options.sequence_parallel) require(c.block_size, "block_size (sequence parallelism splits the sequence)");
   DTRAIN_CHECK(c.dropout == 0.0, ConfigError,
                "GPT tensor parallelism does not support dropout yet (dropout " << c.dropout << ").",
@@ -234,10 +243,13 @@ inline torch::nn::Sequential apply_tp(const torch::nn::Sequential& layers, dtrai
   return out;
 }
 
-// Mean cross-entropy of vocabulary-split logits [B, T, V/t] against targets
-// [B, T]: equal to lm_loss of the full logits, on every tp rank.
-inline at::Tensor tp_lm_loss(const at::Tensor& logits, const at::Tensor& targets, dtrain::dist::ProcessGroup tp) {
-  return dtrain::nn::vocab_parallel_cross_entropy(logits, targets.to(logits.device()), std::move(tp));
+// Mean cross-entropy of vocabulary-split logits [B, T, this rank's part of
+// vocab_size] against targets [B, T]: equal to lm_loss of the full logits, on
+// every tp rank.
+inline at::Tensor tp_lm_loss(const at::Tensor& logits, const at::Tensor& targets, dtrain::dist::ProcessGroup tp,
+                             std::int64_t vocab_size) {
+  return dtrain::nn::vocab_parallel_cross_entropy(logits, targets.to(logits.device()), std::move(tp),
+                                                  {.vocab_size = vocab_size});
 }
 
 }  // namespace gpt

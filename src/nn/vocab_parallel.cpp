@@ -5,6 +5,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
+
 #include "dtrain/error.h"
 #include "dtrain/nn/parallel_linear.h"
 #include "dtrain/nn/tp_comm.h"
@@ -31,14 +33,27 @@ void check_ids(const at::Tensor& ids, std::int64_t vocab, std::int64_t ignore_in
                "check the tokenizer's vocabulary size against the model's");
 }
 
+// Rows per rank: torch.chunk's (and dist::Layout's) rule, ceil(V / t), the
+// last rank's part shorter when t does not divide V.
+std::int64_t vocab_chunk(std::int64_t vocab, std::int64_t parts) {
+  return (vocab + parts - 1) / parts;
+}
+
+// ConfigError unless every rank gets at least one row of the vocabulary.
+void check_vocab_split(std::int64_t vocab, std::int64_t parts, const char* what) {
+  DTRAIN_CHECK(vocab >= 1 && (parts - 1) * vocab_chunk(vocab, parts) < vocab, ConfigError,
+               what << ": a vocabulary of " << vocab << " split over the tensor-parallel degree " << parts
+                    << " in pieces of " << vocab_chunk(vocab, parts) << " leaves the last rank no rows.",
+               "use a tp degree for which every rank gets a row of the vocabulary");
+}
+
 // Megatron's vocab-parallel cross-entropy: per-row losses [N] of logits
 // [N, V/t] split over the group; backward local (softmax - one_hot).
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
-                            const c10::IValue& group_capsule, std::int64_t ignore_index) {
+                            const c10::IValue& group_capsule, std::int64_t ignore_index, std::int64_t start) {
     dist::ProcessGroup group = detail::group_in(group_capsule);
     const std::int64_t local_vocab = logits.size(1);
-    const std::int64_t start = group.rank() * local_vocab;
 
     // Shift by the global row maximum, so exp() cannot overflow.
     at::Tensor max = std::get<0>(logits.max(1));
@@ -67,7 +82,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     at::Tensor grad = softmax.clone();
     grad.scatter_add_(1, local_targets.unsqueeze(1), -mine.to(grad.scalar_type()).unsqueeze(1));
     grad.mul_((grads[0] * valid.to(grads[0].scalar_type())).unsqueeze(1));
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -80,14 +95,15 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(dist::DeviceMesh& mesh,
     : options_(options), tp_(mesh["tp"]), mesh_dims_(mesh.dims()), coordinates_(mesh.coordinates()) {
   DTRAIN_CHECK(options_.embedding_dim > 0, ConfigError,
                "VocabParallelEmbedding: embedding_dim " << options_.embedding_dim, "embedding_dim is at least 1");
-  detail::check_tp_divisible(options_.num_embeddings, tp_.size(), "VocabParallelEmbedding",
-                             "num_embeddings (the vocabulary)");
+  check_vocab_split(options_.num_embeddings, tp_.size(), "VocabParallelEmbedding");
   // torch::nn::Embedding's default initialisation, N(0, 1).
-  weight = register_parameter("weight", at::randn({options_.num_embeddings / tp_.size(), options_.embedding_dim}));
+  const std::int64_t end =
+      std::min(options_.num_embeddings, vocab_start() + vocab_chunk(options_.num_embeddings, tp_.size()));
+  weight = register_parameter("weight", at::randn({end - vocab_start(), options_.embedding_dim}));
 }
 
 std::int64_t VocabParallelEmbeddingImpl::vocab_start() const {
-  return tp_.rank() * (options_.num_embeddings / tp_.size());
+  return tp_.rank() * vocab_chunk(options_.num_embeddings, tp_.size());
 }
 
 dist::NamedLayouts VocabParallelEmbeddingImpl::parameter_layouts() const {
@@ -125,12 +141,21 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tens
                "vocab_parallel_cross_entropy: logits " << logits.sizes() << " and targets " << targets.sizes()
                                                        << " do not match",
                "pass logits [.., vocab / tp] and targets [..]");
-  check_ids(targets, logits.size(-1) * group.size(), options.ignore_index, true,
-            "vocab_parallel_cross_entropy: the targets");
-  const at::Tensor rows = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+  const std::int64_t parts = group.size();
+  const std::int64_t vocab = options.vocab_size > 0 ? options.vocab_size : logits.size(-1) * parts;
+  check_vocab_split(vocab, parts, "vocab_parallel_cross_entropy");
+  const std::int64_t start = group.rank() * vocab_chunk(vocab, parts);
+  const std::int64_t rows = std::min(vocab, start + vocab_chunk(vocab, parts)) - start;
+  DTRAIN_CHECK(logits.size(-1) == rows, ConfigError,
+               "vocab_parallel_cross_entropy: this rank's logits have "
+                   << logits.size(-1) << " vocabulary columns; a vocabulary of " << vocab << " over " << parts
+                   << " ranks gives it " << rows,
+               "pass options.vocab_size, the whole vocabulary, when tp does not divide it");
+  check_ids(targets, vocab, options.ignore_index, true, "vocab_parallel_cross_entropy: the targets");
+  const at::Tensor flat_logits = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
   const at::Tensor flat_targets = targets.reshape({-1}).to(at::kLong);
-  const at::Tensor losses =
-      VocabParallelCrossEntropy::apply(rows, flat_targets, detail::capsule_of(std::move(group)), options.ignore_index);
+  const at::Tensor losses = VocabParallelCrossEntropy::apply(
+      flat_logits, flat_targets, detail::capsule_of(std::move(group)), options.ignore_index, start);
   using Reduction = VocabParallelCrossEntropyOptions::Reduction;
   switch (options.reduction) {
     case Reduction::kNone: return losses.view(targets.sizes());

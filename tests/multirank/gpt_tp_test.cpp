@@ -38,7 +38,7 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, const st
 }
 
 gpt::GptConfig small_config() {
-  return {.vocab_size = 64, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32, .dropout = 0.0, .bias = true};
+  return {.vocab_size = 65, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32, .dropout = 0.0, .bias = true};
 }
 
 class GptTensorParallel : public ::testing::TestWithParam<std::tuple<int, bool>> {};
@@ -74,7 +74,7 @@ TEST_P(GptTensorParallel, ForwardAndBackwardEqualTheUnsplitGpt) {
         const at::Tensor local_logits = layers->forward(idx);
         expect_close(local_logits, logits.detach().chunk(world, -1)[static_cast<std::size_t>(rank)],
                      what + " logits (this rank's vocabulary)");
-        const at::Tensor tp_loss = gpt::tp_lm_loss(local_logits, targets, mesh["tp"]);
+        const at::Tensor tp_loss = gpt::tp_lm_loss(local_logits, targets, mesh["tp"], config.vocab_size);
         expect_close(tp_loss, loss.detach(), what + " loss");
         tp_loss.backward();
 
@@ -141,7 +141,8 @@ TEST_P(GptTensorParallel, TrainingStepsEqualTheUnsplitGpt) {
         const std::string what = std::string(sp ? "tp+sp" : "tp") + " rank " + std::to_string(rank);
         for (int s = 0; s < kSteps; ++s) {
           opt.zero_grad();
-          const at::Tensor loss = gpt::tp_lm_loss(layers->forward(batches[s].first), batches[s].second, mesh["tp"]);
+          const at::Tensor loss =
+              gpt::tp_lm_loss(layers->forward(batches[s].first), batches[s].second, mesh["tp"], config.vocab_size);
           loss.backward();
           opt.step();
           expect_close(loss.detach(), at::scalar_tensor(losses[s], at::kDouble),
@@ -175,8 +176,12 @@ TEST(GptTensorParallelConfig, SizesTheDegreeDoesNotDivideAreConfigErrors) {
   EXPECT_NE(message(c, 4, false).find("n_head 6 is not divisible by the tp degree 4"), std::string::npos);
   // (n_embd is a multiple of n_head, so tp divides it whenever it divides n_head.)
   c = small_config();
-  c.vocab_size = 65;  // the Shakespeare characters
-  EXPECT_NE(message(c, 2, false).find("vocab_size 65 is not divisible by the tp degree 2"), std::string::npos);
+  c.vocab_size = 65;  // the Shakespeare characters: 33 + 32 rows, 17 + 17 + 17 + 14
+  EXPECT_EQ(message(c, 2, false), "(no ConfigError)");
+  EXPECT_EQ(message(c, 4, false), "(no ConfigError)");
+  c.vocab_size = 3;  // pieces of 1 over 4 ranks: the last has none
+  EXPECT_NE(message(c, 4, false).find("vocab_size 3 in pieces of 1 over tp 4 leaves the last rank no rows"),
+            std::string::npos);
   c = small_config();
   c.block_size = 18;
   EXPECT_EQ(message(c, 4, false), "(no ConfigError)");

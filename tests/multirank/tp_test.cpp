@@ -85,6 +85,7 @@ std::string config_error(const std::function<void()>& f) {
 class TensorParallel : public ::testing::TestWithParam<std::tuple<int, bool>> {
  protected:
   bool shared_memory() const { return std::get<1>(GetParam()); }
+  void check_cross_entropy(int world, std::int64_t vocab) const;
 };
 
 }  // namespace
@@ -206,9 +207,11 @@ TEST_P(TensorParallel, LayerNormMlpBlockEqualsTheUnsplitBlock) {
   }
 }
 
+// A vocabulary of 15 that neither degree divides: rows split by torch.chunk's
+// rule (8 + 7; 4 + 4 + 4 + 3), as the layout says.
 TEST_P(TensorParallel, VocabParallelEmbeddingEqualsTheUnsplitEmbedding) {
   const int world = std::get<0>(GetParam());
-  const std::int64_t vocab = 16, dim = 5;
+  const std::int64_t vocab = 15, dim = 5;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(30);
   const at::Tensor ids = at::randint(vocab, {3, 8}, gen, at::TensorOptions().dtype(at::kLong));
   const at::Tensor w = draw({vocab, dim}, 31), g = draw({3, 8, dim}, 32);
@@ -230,10 +233,14 @@ TEST_P(TensorParallel, VocabParallelEmbeddingEqualsTheUnsplitEmbedding) {
 }
 
 // Logits [3, 5, V] split by vocabulary, some targets ignored; mean, sum and
-// per-token losses.
+// per-token losses; V = 16 (even split, vocab_size left 0) and V = 15 (split
+// by torch.chunk's rule, vocab_size given).
 TEST_P(TensorParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
   const int world = std::get<0>(GetParam());
-  const std::int64_t vocab = 16;
+  for (const std::int64_t vocab : {16, 15}) check_cross_entropy(world, vocab);
+}
+
+void TensorParallel::check_cross_entropy(int world, std::int64_t vocab) const {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(40);
   at::Tensor targets = at::randint(vocab, {3, 5}, gen, at::TensorOptions().dtype(at::kLong));
   targets.index_put_({0, 1}, -100);
@@ -250,9 +257,10 @@ TEST_P(TensorParallel, VocabParallelCrossEntropyEqualsCrossEntropy) {
     (ref.view(gout.sizes()) * gout).sum().backward();
     on_tp_ranks(world, shared_memory(), [&](int rank, DeviceMesh& mesh) {
       at::Tensor li = leaf(piece(logits, world, rank, -1));
-      const at::Tensor loss = vocab_parallel_cross_entropy(li, targets, mesh["tp"], {.reduction = reduction});
-      const std::string what =
-          "reduction " + std::to_string(static_cast<int>(reduction)) + " rank " + std::to_string(rank);
+      const at::Tensor loss = vocab_parallel_cross_entropy(
+          li, targets, mesh["tp"], {.reduction = reduction, .vocab_size = vocab == 16 ? 0 : vocab});
+      const std::string what = "vocabulary " + std::to_string(vocab) + " reduction " +
+                               std::to_string(static_cast<int>(reduction)) + " rank " + std::to_string(rank);
       expect_close(loss, ref.view(gout.sizes()).detach(), what + " loss");
       (loss * gout).sum().backward();
       expect_close(li.grad(), piece(lr.grad(), world, rank, -1), what + " logits grad");
@@ -344,10 +352,12 @@ TEST_P(TensorParallel, SizesTheDegreeDoesNotDivideAreConfigErrors) {
                 (void)RowParallelLinear(mesh, {.in_features = 5, .out_features = 4});
               }).find("in_features 5 is not divisible by the tensor-parallel degree " + t),
               std::string::npos);
-    EXPECT_NE(config_error([&] {
-                (void)VocabParallelEmbedding(mesh, {.num_embeddings = 65, .embedding_dim = 4});
-              }).find("num_embeddings (the vocabulary) 65 is not divisible"),
-              std::string::npos);
+    // A vocabulary of world - 1 in pieces of 1 leaves the last rank no rows.
+    EXPECT_NE(
+        config_error([&] { (void)VocabParallelEmbedding(mesh, {.num_embeddings = world - 1, .embedding_dim = 4}); })
+            .find("a vocabulary of " + std::to_string(world - 1) + " split over the tensor-parallel degree " + t +
+                  " in pieces of 1 leaves the last rank no rows"),
+        std::string::npos);
     // A sequence that does not split: refused on every rank before any
     // communication, so no rank is left waiting.
     RowParallelLinear row(mesh, {.in_features = 4, .out_features = 4, .sequence_parallel = true});

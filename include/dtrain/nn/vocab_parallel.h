@@ -4,7 +4,11 @@
 // logits (the largest activation of a language model).
 //
 //   VocabParallelEmbedding   W [vocab, dim] Shard(0): rank r holds rows
-//                            r*vocab/t ..; ids outside them look up zeros,
+//                            r*ceil(vocab/t) .. (torch.chunk's split, as
+//                            the layout's: when t does not divide the
+//                            vocabulary the last part is shorter; a rank
+//                            left without rows is a ConfigError); ids
+//                            outside them look up zeros,
 //                            and the ranks' results are summed (all-reduce,
 //                            or reduce-scatter along the sequence with
 //                            sequence parallelism).
@@ -43,7 +47,7 @@ struct VocabParallelEmbeddingOptions {
 
 class VocabParallelEmbeddingImpl : public torch::nn::Module, public dist::DeclaresLayouts {
  public:
-  // ConfigError when tp does not divide num_embeddings.
+  // ConfigError when the split leaves a rank without rows.
   VocabParallelEmbeddingImpl(dist::DeviceMesh& mesh, const VocabParallelEmbeddingOptions& options);
 
   // ids: integer [..] in 0..num_embeddings-1 (DataError otherwise, checked
@@ -81,10 +85,15 @@ struct VocabParallelCrossEntropyOptions {
   enum class Reduction { kMean, kSum, kNone };
   // kMean: over the targets that are not ignored (at::cross_entropy's mean).
   Reduction reduction = Reduction::kMean;
+  // The whole vocabulary V. 0: this rank's columns times the group size (tp
+  // divides V). Needed when it does not: rank r holds columns
+  // r*ceil(V/t) .. (torch.chunk's split, the last part shorter).
+  std::int64_t vocab_size = 0;
 };
 
 // Cross-entropy of logits split over `group` along their last dimension
-// (rank r holds vocabulary columns r*V/t ..; every rank the same rows)
+// (rank r holds vocabulary columns r*ceil(V/t) .., as VocabParallelEmbedding's
+// rows; every rank the same rows)
 // against global target ids [..] (logits' shape without its last dimension).
 // Computed in fp32 whatever the logits' dtype (as autocast runs
 // cross_entropy); the gradient flows back to `logits` only. Every rank gets
