@@ -39,14 +39,14 @@ at::Tensor init_uniform(std::vector<std::int64_t> sizes, std::int64_t fan_in) {
   return at::empty(sizes).uniform_(-bound, bound);
 }
 
-void copy_part(at::Tensor& local, const at::Tensor& full, const dist::Layout& layout,
-               const std::vector<int>& coordinates, const char* what) {
-  std::int64_t expected = 1;
-  for (auto s : layout.global_shape) expected *= s;
-  DTRAIN_CHECK(
-      full.numel() == expected, ConfigError,
-      "copy_from_full: the full " << what << " has shape " << full.sizes() << ", the layer's is " << layout.to_string(),
-      "pass the unsplit layer's " << what);
+// Copies this rank's part of `full` (shaped `full_shape`, the unsplit
+// layer's; the layout may view it otherwise, e.g. [3, C, C] for [3C, C]).
+void copy_part(at::Tensor& local, const at::Tensor& full, const std::vector<std::int64_t>& full_shape,
+               const dist::Layout& layout, const std::vector<int>& coordinates, const char* what) {
+  DTRAIN_CHECK(full.sizes().vec() == full_shape, ConfigError,
+               "copy_from_full: the full " << what << " has shape " << full.sizes() << ", the unsplit layer's is "
+                                           << at::IntArrayRef(full_shape),
+               "pass the unsplit layer's " << what);
   c10::NoGradGuard no_grad;
   local.copy_(dist::local_part(full.reshape(layout.global_shape), layout, coordinates).reshape(local.sizes()));
 }
@@ -88,12 +88,13 @@ dist::NamedLayouts ColumnParallelLinearImpl::parameter_layouts() const {
 }
 
 void ColumnParallelLinearImpl::copy_from_full(const at::Tensor& full_weight, const at::Tensor& full_bias) {
-  copy_part(weight, full_weight, layout_of(true), coordinates_, "weight");
+  const std::int64_t out = options_.out_features, in = options_.in_features;
+  copy_part(weight, full_weight, {out, in}, layout_of(true), coordinates_, "weight");
   DTRAIN_CHECK(full_bias.defined() == bias.defined(), ConfigError,
                "copy_from_full: the layer " << (bias.defined() ? "has" : "has no") << " bias, the full one "
                                             << (full_bias.defined() ? "has" : "has not"),
                "pass a bias exactly when the layer has one");
-  if (bias.defined()) copy_part(bias, full_bias, layout_of(false), coordinates_, "bias");
+  if (bias.defined()) copy_part(bias, full_bias, {out}, layout_of(false), coordinates_, "bias");
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
@@ -130,12 +131,13 @@ dist::NamedLayouts RowParallelLinearImpl::parameter_layouts() const {
 
 void RowParallelLinearImpl::copy_from_full(const at::Tensor& full_weight, const at::Tensor& full_bias) {
   const dist::NamedLayouts layouts = parameter_layouts();
-  copy_part(weight, full_weight, layouts[0].second, coordinates_, "weight");
+  copy_part(weight, full_weight, layouts[0].second.global_shape, layouts[0].second, coordinates_, "weight");
   DTRAIN_CHECK(full_bias.defined() == bias.defined(), ConfigError,
                "copy_from_full: the layer " << (bias.defined() ? "has" : "has no") << " bias, the full one "
                                             << (full_bias.defined() ? "has" : "has not"),
                "pass a bias exactly when the layer has one");
-  if (bias.defined()) copy_part(bias, full_bias, layouts[1].second, coordinates_, "bias");
+  if (bias.defined())
+    copy_part(bias, full_bias, layouts[1].second.global_shape, layouts[1].second, coordinates_, "bias");
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {

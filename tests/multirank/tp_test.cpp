@@ -352,6 +352,12 @@ TEST_P(TensorParallel, SizesTheDegreeDoesNotDivideAreConfigErrors) {
                 (void)RowParallelLinear(mesh, {.in_features = 5, .out_features = 4});
               }).find("in_features 5 is not divisible by the tensor-parallel degree " + t),
               std::string::npos);
+    // A transposed full weight (same number of elements) is not taken.
+    RowParallelLinear square(mesh, {.in_features = 8, .out_features = 4});
+    EXPECT_NE(config_error([&] {
+                square->copy_from_full(at::zeros({8, 4}), at::zeros({4}));
+              }).find("the full weight has shape [8, 4], the unsplit layer's is [4, 8]"),
+              std::string::npos);
     // A vocabulary of world - 1 in pieces of 1 leaves the last rank no rows.
     EXPECT_NE(
         config_error([&] { (void)VocabParallelEmbedding(mesh, {.num_embeddings = world - 1, .embedding_dim = 4}); })
