@@ -49,9 +49,7 @@ class CountingAllocator final : public c10::Allocator {
 
   c10::DeleterFnPtr raw_deleter() const override { return &free_counted; }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
  private:
   c10::Allocator* inner_;

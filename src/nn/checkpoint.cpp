@@ -128,7 +128,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     const variable_list saved = ctx->get_saved_variables();
     std::vector<at::Tensor> inputs;
-    std::vector<at::Tensor> wanted;     // what the gradients are taken of
+    std::vector<at::Tensor> wanted;      // what the gradients are taken of
     std::vector<std::size_t> wanted_at;  // their slot in the result
     // Result slot 0 is the state; inputs follow, then params. Autograd's
     // edges (needs_input_grad) count the tensors only.

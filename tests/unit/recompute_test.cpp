@@ -5,10 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
-#include <torch/csrc/autograd/autograd.h>
 
 #include <cstdint>
 #include <string>
@@ -30,9 +30,7 @@ struct Net {
   torch::nn::Dropout drop{0.3};
   at::Tensor unused = at::randn({3}).requires_grad_(true);
 
-  at::Tensor body(const at::Tensor& ids, const at::Tensor& x) {
-    return proj(drop(at::gelu(fc(embed(ids) + x))));
-  }
+  at::Tensor body(const at::Tensor& ids, const at::Tensor& x) { return proj(drop(at::gelu(fc(embed(ids) + x)))); }
   std::vector<at::Tensor> params() {
     std::vector<at::Tensor> all{embed->weight, fc->weight, fc->bias, proj->weight, proj->bias, unused};
     return all;
@@ -146,12 +144,8 @@ struct GptRun {
 // One forward and backward of a GPT with `layers` blocks; the bytes of CPU
 // storage alive after the forward beyond what was alive before it.
 GptRun gpt_step(dtrain::Recompute mode, std::int64_t layers, std::int64_t batch, std::int64_t seq, bool flash) {
-  gpt::GptConfig config{.vocab_size = 65,
-                        .block_size = seq,
-                        .n_layer = layers,
-                        .n_head = 4,
-                        .n_embd = 64,
-                        .recompute = mode};
+  gpt::GptConfig config{
+      .vocab_size = 65, .block_size = seq, .n_layer = layers, .n_head = 4, .n_embd = 64, .recompute = mode};
   gpt::Gpt model(config);
   gpt::init_weights(*model, config.n_layer, 11);
   const at::Tensor idx = at::arange(batch * seq).remainder(65).view({batch, seq});
@@ -187,8 +181,7 @@ double korthikanti_bytes(dtrain::Recompute mode, double s, double b, double h, d
   switch (mode) {
     case dtrain::Recompute::kFull: return e * sbh;
     case dtrain::Recompute::kSelective: return e * 16 * sbh;
-    case dtrain::Recompute::kNone:
-      return e * 16 * sbh + (flash ? 4 * a * s * b : e * a * s * s * b);
+    case dtrain::Recompute::kNone: return e * 16 * sbh + (flash ? 4 * a * s * b : e * a * s * s * b);
   }
   return 0;
 }
