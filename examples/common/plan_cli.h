@@ -28,6 +28,7 @@ struct PlanCli {
   int pp = 0;
   int zero_stage = -1;  // -1: not given (3 where dp_shard > 1)
   std::string recompute = "none";
+  int recompute_every = 1;
   std::int64_t global_batch = 0;  // --global-batch-size; 0: from --batch-size
 
   void add_to(CLI::App& app) {
@@ -43,6 +44,9 @@ struct PlanCli {
         ->check(CLI::Range(0, 3));
     app.add_option("--recompute", recompute, "Activation recompute")
         ->check(CLI::IsMember({"none", "selective", "full"}))
+        ->capture_default_str();
+    app.add_option("--recompute-every", recompute_every, "Recompute blocks 0, k, 2k, ... (with --recompute)")
+        ->check(CLI::PositiveNumber)
         ->capture_default_str();
     app.add_option("--global-batch-size", global_batch,
                    "Sequences per optimizer step over all ranks (the per-rank batch follows from the plan)")
@@ -84,6 +88,7 @@ struct PlanCli {
                        .stages_per_rank = pipeline.stages_per_rank(),
                        .micro_batches = pipeline.micro_batches};
       plan.recompute = dtrain::parse_recompute(recompute);
+      plan.recompute_every = recompute_every;
     }
     if (global_batch > 0) plan.global_batch = global_batch;
     plan.accumulate = accumulate;
@@ -100,8 +105,10 @@ struct PlanCli {
 struct Resolved {
   std::string strategy;
   PipelineCli pipeline;
-  int hsdp_replicas = 1;                     // zeroK over dp_replicate x dp_shard
-  std::int64_t batch_size = 0;               // per data-parallel rank and micro-step
+  int hsdp_replicas = 1;                                   // zeroK over dp_replicate x dp_shard
+  std::int64_t batch_size = 0;                             // per data-parallel rank and micro-step
+  dtrain::Recompute recompute = dtrain::Recompute::kNone;  // for the program's model to apply
+  int recompute_every = 1;
   std::optional<dtrain::ParallelPlan> plan;  // when --plan or the degrees were given
 };
 
@@ -110,7 +117,11 @@ struct Resolved {
 inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, const PipelineCli& pipeline,
                             std::int64_t batch_size, int accumulate, int world, bool distributed,
                             const dtrain::PlanContext::Model& model) {
-  Resolved r{.strategy = strategy, .pipeline = pipeline, .batch_size = batch_size};
+  Resolved r{.strategy = strategy,
+             .pipeline = pipeline,
+             .batch_size = batch_size,
+             .recompute = dtrain::parse_recompute(cli.recompute),
+             .recompute_every = cli.recompute_every};
   int data_parallel = distributed ? world : 1;
   if (strategy == "pipeline") data_parallel = world / (pipeline.pp_size > 0 ? pipeline.pp_size : world);
   if (cli.given()) {
@@ -128,6 +139,8 @@ inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, con
       r.strategy = plan.dp_replicate > 1 ? "ddp" : "single";
     }
     data_parallel = plan.data_parallel();
+    r.recompute = plan.recompute;
+    r.recompute_every = plan.recompute_every;
     r.plan = plan;
   }
   if (cli.global_batch > 0) {

@@ -100,6 +100,10 @@ int run(Options opt) {
   const auto resolved = examples::resolve_run(opt.plan, opt.strategy, opt.pipeline, opt.batch_size, opt.accumulate,
                                               launched_world, distributed(opt.strategy),
                                               {.layers = static_cast<std::int64_t>(small_cnn_layers()->size())});
+  DTRAIN_CHECK(resolved.recompute == dtrain::Recompute::kNone, ConfigError,
+               "recompute " << dtrain::to_string(resolved.recompute) << ": this example's small CNN has no "
+                            << "activation recompute (its activations are a few MB).",
+               "set recompute none; examples/gpt applies it to its blocks");
   opt.strategy = resolved.strategy;
   opt.pipeline = resolved.pipeline;
   opt.batch_size = resolved.batch_size;

@@ -440,6 +440,8 @@ void apply_plan(Options& opt) {
   opt.pipeline = r.pipeline;
   opt.hsdp_replicas = r.hsdp_replicas;
   opt.batch_size = r.batch_size;
+  opt.model.recompute = r.recompute;
+  opt.model.recompute_every = r.recompute_every;
   if (r.plan && dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
     DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << r.plan->table();
   }

@@ -29,7 +29,9 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include "dtrain/nn/checkpoint.h"
 #include "dtrain/nn/linear.h"
+#include "dtrain/plan/plan.h"
 
 #include <cmath>
 #include <cstdint>
@@ -48,6 +50,12 @@ struct GptConfig {
   // The MLP's GELU: exact (erf, nanoGPT's nn.GELU()) or the tanh approximation
   // (GPT-2's "gelu_new"); a model imported from Hugging Face uses its config's.
   bool gelu_tanh = false;
+  // Activation recompute (dtrain::nn::checkpoint) of blocks 0, k, 2k, ...:
+  // full recomputes the whole block in backward, keeping only its input;
+  // selective recomputes the attention core (Korthikanti et al. 2022: the
+  // softmax region, kept as q, k, v), keeping every matmul's input.
+  dtrain::Recompute recompute = dtrain::Recompute::kNone;
+  std::int64_t recompute_every = 1;
 };
 
 // LayerNorm with an optional bias (LibTorch's has both or neither).
@@ -110,8 +118,13 @@ struct CausalSelfAttentionImpl : torch::nn::Cloneable<CausalSelfAttentionImpl> {
     const auto b = x.size(0), t = x.size(1), c = x.size(2), h = config.n_head;
     auto qkv = apply_linear(c_attn, x).split(c, 2);  // each [B, T, C] -> [B, h, T, C / h]
     auto heads = [&](const at::Tensor& m) { return m.view({b, t, h, c / h}).transpose(1, 2); };
-    at::Tensor y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), /*attn_mask=*/{},
-                                                    is_training() ? config.dropout : 0.0, /*is_causal=*/true);
+    const double dropout = is_training() ? config.dropout : 0.0;
+    auto core = [dropout](const std::vector<at::Tensor>& in) {
+      return at::scaled_dot_product_attention(in[0], in[1], in[2], /*attn_mask=*/{}, dropout, /*is_causal=*/true);
+    };
+    const std::vector<at::Tensor> qkv_heads{heads(qkv[0]), heads(qkv[1]), heads(qkv[2])};
+    at::Tensor y =
+        config.recompute == dtrain::Recompute::kSelective ? dtrain::nn::checkpoint(core, qkv_heads) : core(qkv_heads);
     return resid_drop(apply_linear(c_proj, y.transpose(1, 2).contiguous().view({b, t, c})));
   }
 
@@ -146,7 +159,11 @@ struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
     ln_2 = register_module("ln_2", LayerNorm(config.n_embd, config.bias));
     mlp = register_module("mlp", Mlp(config));
   }
-  at::Tensor forward(at::Tensor x) {
+  at::Tensor forward(const at::Tensor& x) {
+    if (config.recompute != dtrain::Recompute::kFull) return body(x);
+    return dtrain::nn::checkpoint([this](const std::vector<at::Tensor>& in) { return body(in[0]); }, {x}, parameters());
+  }
+  at::Tensor body(at::Tensor x) {
     x = x + attn(ln_1(x));
     return x + mlp(ln_2(x));
   }
@@ -181,7 +198,11 @@ inline torch::nn::Sequential gpt_layers(const GptConfig& config) {
   torch::nn::Sequential layers;
   Embed embed(config);
   layers->push_back("embed", embed);
-  for (std::int64_t i = 0; i < config.n_layer; ++i) layers->push_back("block" + std::to_string(i), Block(config));
+  for (std::int64_t i = 0; i < config.n_layer; ++i) {
+    GptConfig block = config;
+    if (i % config.recompute_every != 0) block.recompute = dtrain::Recompute::kNone;
+    layers->push_back("block" + std::to_string(i), Block(block));
+  }
   layers->push_back("head", Head(config, embed));
   return layers;
 }

@@ -122,9 +122,6 @@ void validate_applied(const ParallelPlan& p) {
   DTRAIN_CHECK(!(p.pp > 1 && p.zero_stage == 3), ConfigError,
                "ZeRO stage 3 inside a pipeline (pp " << p.pp << "): not in this build yet.",
                "use zero_stage 1 or 2 for pipeline stages");
-  DTRAIN_CHECK(p.recompute == Recompute::kNone, ConfigError,
-               "recompute " << to_string(p.recompute) << ": activation checkpointing is not in this build yet.",
-               "set recompute none");
 }
 
 }  // namespace

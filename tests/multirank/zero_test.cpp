@@ -347,6 +347,7 @@ TEST(Zero, CheckpointSavedOn4ResumesOn2And3) {
           ASSERT_TRUE(info.has_value());
           EXPECT_EQ(info->step, first);
           EXPECT_EQ(info->saved_world_size, 4);
+          EXPECT_EQ(info->extra, R"({"sampler": 3})");
         }
         const std::int64_t per_rank = kGlobal / world;
         for (int step = first; step < last; ++step) {

@@ -57,6 +57,7 @@ TEST(GptExample, EveryStrategyMatchesSingle) {
       {"dp", "--strategy dp --batch-size 4 --devices cpu,cpu", ""},
       {"model-parallel", "--strategy model-parallel --batch-size 4 --devices cpu,cpu,cpu", ""},
       {"ddp", "--strategy ddp --batch-size 2 --devices cpu", kLaunch},
+      {"ddp-recompute", "--strategy ddp --batch-size 2 --devices cpu --recompute selective", kLaunch},
       {"ddp-model-parallel", "--strategy ddp-model-parallel --batch-size 2 --devices cpu,cpu", kLaunch},
   };
   std::vector<float> reference;

@@ -44,8 +44,8 @@ TEST(GptZero, EveryStageMatchesSingle) {
   fs::create_directories(dir);
   const auto reference = single_reference(dir);
   ASSERT_GT(reference.size(), 20000u);
-  for (const std::string strategy : {"zero1", "zero2", "zero3"}) {
-    const auto file = dir / (strategy + ".f32");
+  for (const std::string strategy : {"zero1", "zero2", "zero3", "zero3 --recompute full"}) {
+    const auto file = dir / (strategy.substr(0, 5) + (strategy.size() > 5 ? "-recompute" : "") + ".f32");
     const auto r = dtrain::testing::run_example(
         kExample, kCommon + file.string() + " --batch-size 2 --strategy " + strategy, kLaunch);
     ASSERT_EQ(r.exit_code, 0) << strategy << ": " << r.stderr_text;
@@ -105,7 +105,8 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
 }
 
 // --checkpoint-dir under zero3: 3 steps on 2 ranks, then resumed on 1 rank
-// (the same global batch of 4), ends where an uninterrupted 2-rank run does.
+// (the same global batch of 4), ends where an uninterrupted 2-rank run does;
+// so does a run saved under HSDP 2 x 2 and resumed under ZeRO-3 on 2 ranks.
 TEST(GptZero, CheckpointResumesOnAnotherWorldSize) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-zero-ckpt-" + std::to_string(::getpid()));
@@ -131,6 +132,22 @@ TEST(GptZero, CheckpointResumesOnAnotherWorldSize) {
   ASSERT_EQ(a.size(), b.size());
   ASSERT_GT(a.size(), 20000u);
   EXPECT_EQ(dtrain::testing::compare_params(b, a).outside, 0u);
+
+  // Saved under HSDP (dp_replicate 2 x dp_shard 2 on 4 ranks, the same global
+  // batch), resumed under ZeRO-3 on 2 ranks.
+  const std::string hsdp_ckpt = "--checkpoint-dir " + (dir / "hsdp").string() + " ";
+  const auto hsdp = dtrain::testing::run_example(
+      kExample, common + hsdp_ckpt + "--dp-replicate 2 --dp-shard 2 --batch-size 1 --max-iters 3",
+      std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 4");
+  ASSERT_EQ(hsdp.exit_code, 0) << hsdp.stderr_text;
+  const auto after_hsdp = dtrain::testing::run_example(
+      kExample, common + hsdp_ckpt + "--batch-size 2 --max-iters 6 --save-params " + (dir / "hsdp.f32").string(),
+      kLaunch);
+  ASSERT_EQ(after_hsdp.exit_code, 0) << after_hsdp.stderr_text;
+  EXPECT_NE(after_hsdp.stderr_text.find("saved by 4 ranks"), std::string::npos) << after_hsdp.stderr_text;
+  const auto c = read_floats(dir / "hsdp.f32");
+  ASSERT_EQ(c.size(), a.size());
+  EXPECT_EQ(dtrain::testing::compare_params(c, a).outside, 0u);
   fs::remove_all(dir);
 }
 

@@ -49,6 +49,7 @@ TEST(GptPipelineExample, EveryScheduleAndTheMeshMatchSingle) {
       {"1f1b", "--pp-schedule 1f1b --micro-batches 2 --batch-size 4", 2, 2},
       {"interleaved", "--pp-schedule interleaved --micro-batches 4 --batch-size 4", 2, 4},
       {"zb", "--pp-schedule zb --micro-batches 4 --batch-size 4", 2, 2},
+      {"zb-recompute", "--pp-schedule zb --micro-batches 4 --batch-size 4 --recompute full", 2, 2},
       {"mesh2x2", "--pp-schedule 1f1b --micro-batches 2 --batch-size 2 --pp-size 2", 4, 2},
       {"mesh2x2-zero2", "--pp-schedule 1f1b --micro-batches 2 --batch-size 2 --pp-size 2 --dp-reduce zero2", 4, 2},
       {"mesh2x2-zb-zero1", "--pp-schedule zb --micro-batches 2 --batch-size 2 --pp-size 2 --dp-reduce zero1", 4, 2},

@@ -9,13 +9,10 @@
 #include <torch/serialize/archive.h>
 #include <unistd.h>
 
-#include <fstream>
 #include <functional>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "../../core/torch_compat.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
@@ -33,10 +30,6 @@ void fsync_path(const fs::path& path) {
   if (fd < 0) return;
   ::fsync(fd);
   ::close(fd);
-}
-
-fs::path step_dir(const fs::path& dir, std::int64_t step) {
-  return dir / ("step_" + std::to_string(step));
 }
 
 // The per-element optimizer state keys of an optimizer kind.
@@ -101,17 +94,27 @@ struct SavedLayout {
   std::vector<std::string> names;
   std::vector<std::int64_t> numel;
   std::vector<std::int64_t> shard;
+  int shard_rank = -1, shard_world = -1, replica = 0;  // -1: not recorded
 };
 
 // This rank's part: every unit's chunk (fp32 masters), its optimizer state
-// laid out like the chunk, the unit's optimizer step, and the layout.
-// Every replica of an HSDP group holds the same shards; the part files are
-// named by the sharding group's rank alone, so replicas would overwrite each
-// other's.
+// laid out like the chunk, the unit's optimizer step, and the layout
+// (the units' cut, the shard rank and the number of shards). Under HSDP
+// every replica holds the same shards: replica 0's ranks write them, the
+// others only the layout. The parts are named by the checkpoint group's rank;
+// replica 0's shard s must be that group's rank s (as a DeviceMesh with
+// dp_replicate outside dp_shard makes it), which loading checks.
+int replica_of(detail::ZeroEngine& engine) {
+  return engine.replicated() ? engine.options().replicate_group->rank() : 0;
+}
+
+// ShardedCheckpointer's Checkpointer spans the shard group only; replicas
+// would write into one folder at once.
 void refuse_replicated(ShardedDataParallel& sdp) {
   DTRAIN_CHECK(!sdp.engine().replicated(), ConfigError,
-               "sharded checkpoints of an HSDP model (ZeroOptions::replicate_group) are not supported yet.",
-               "checkpoint the model's full_state_dict() from one rank, or train without replicate_group");
+               "ShardedCheckpointer over an HSDP model (ZeroOptions::replicate_group) is not supported.",
+               "checkpoint HSDP through the Trainer (ZeroStrategy with the world group), or add zero_state() to a "
+               "Checkpointer over the world group");
 }
 
 void write_part(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
@@ -122,8 +125,13 @@ void write_part(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
   auto& shards = engine.shards();
   std::vector<std::int64_t> numel, shard;
   std::string names;
+  const bool owner = replica_of(engine) == 0;
   for (std::size_t u = 0; u < units.size(); ++u) {
     const detail::Unit& unit = units[u];
+    numel.push_back(unit.numel);
+    shard.push_back(unit.shard);
+    names += (u == 0 ? "" : "\n") + unit.name;
+    if (!owner) continue;
     archive.write(unit_key(u, "param"), unit.chunk.to(at::kFloat).clone());
     std::int64_t unit_step = 0;
     for (const std::string& key : state_keys(kind)) {
@@ -140,14 +148,14 @@ void write_part(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
       if (any) archive.write(unit_key(u, key), flat);
     }
     archive.write(unit_key(u, "step"), at::full({1}, unit_step, at::kLong));
-    numel.push_back(unit.numel);
-    shard.push_back(unit.shard);
-    names += (u == 0 ? "" : "\n") + unit.name;
   }
   archive.write("layout.kind", c10::IValue(kind));
   archive.write("layout.names", c10::IValue(names));
   archive.write("layout.numel", at::tensor(numel, at::kLong));
   archive.write("layout.shard", at::tensor(shard, at::kLong));
+  archive.write("layout.shard_rank", at::full({1}, engine.rank(), at::kLong));
+  archive.write("layout.shard_world", at::full({1}, engine.world(), at::kLong));
+  archive.write("layout.replica", at::full({1}, replica_of(engine), at::kLong));
 }
 
 SavedLayout read_layout(torch::serialize::InputArchive& archive) {
@@ -165,6 +173,10 @@ SavedLayout read_layout(torch::serialize::InputArchive& archive) {
     layout.numel.push_back(numel[i].item<std::int64_t>());
     layout.shard.push_back(shard[i].item<std::int64_t>());
   }
+  at::Tensor t;
+  if (archive.try_read("layout.shard_rank", t)) layout.shard_rank = static_cast<int>(t.item<std::int64_t>());
+  if (archive.try_read("layout.shard_world", t)) layout.shard_world = static_cast<int>(t.item<std::int64_t>());
+  if (archive.try_read("layout.replica", t)) layout.replica = static_cast<int>(t.item<std::int64_t>());
   return layout;
 }
 
@@ -177,6 +189,17 @@ void read_parts(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
   torch::NoGradGuard no_grad;
   const SavedLayout layout = read_layout(archive(0));
   const std::string& kind = layout.kind;
+  // The saving ranks that hold shards: all of them, or under HSDP the first
+  // replica's (parts 0 .. shards-1, checked).
+  const int old_shards = layout.shard_world > 0 ? layout.shard_world : old_world;
+  for (int r = 1; r < old_shards && layout.shard_world > 0; ++r) {
+    const SavedLayout other = read_layout(archive(r));
+    DTRAIN_CHECK(other.shard_rank == r && other.replica == 0, DataError,
+                 "checkpoint " << where << ": part " << r << " holds shard " << other.shard_rank << " of replica "
+                               << other.replica << ", not shard " << r << " of replica 0.",
+                 "save HSDP with the checkpoint group's ranks ordered replica-major (a DeviceMesh with dp_replicate "
+                 "outside dp_shard)");
+  }
   auto& units = engine.units();
   auto& shards = engine.shards();
   DTRAIN_CHECK(layout.numel.size() == units.size(), ConfigError,
@@ -198,7 +221,7 @@ void read_parts(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
     // This rank's new chunk of `what`, from the old ranks' chunks covering it.
     auto assemble = [&](const std::string& what, bool* found) {
       at::Tensor out = at::zeros({unit.shard}, at::kFloat);
-      for (int r = 0; r < old_world; ++r) {
+      for (int r = 0; r < old_shards; ++r) {
         const std::int64_t lo = std::max(begin, r * old_shard), hi = std::min(end, (r + 1) * old_shard);
         if (hi <= lo) continue;
         at::Tensor t;
@@ -211,7 +234,7 @@ void read_parts(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
     bool found = false;
     unit.chunk.copy_(assemble("param", &found));
     std::int64_t unit_step = 0;
-    for (int r = 0; r < old_world; ++r) {
+    for (int r = 0; r < old_shards; ++r) {
       at::Tensor t;
       if (archive(r).try_read(unit_key(u, "step"), t)) unit_step = std::max(unit_step, t.item<std::int64_t>());
     }
@@ -236,15 +259,22 @@ void read_parts(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
   engine.mark_dirty();
 }
 
-// The Trainer's Checkpointer's view of the same parts (StateScope::kSharded).
+}  // namespace
+
+namespace detail {
+
+// The parts as state of the Checkpointer (StateScope::kSharded): the
+// Trainer's ZeroStrategy and ShardedCheckpointer save and load through it.
 class ZeroState : public ShardedStateful {
  public:
+  int saved_world = 0;  // of the last load
   ZeroState(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer) : sdp_(&sdp), optimizer_(&optimizer) {}
   void save_state(torch::serialize::OutputArchive& archive) const override {
     write_part(sdp_->engine(), *optimizer_, archive);
   }
   void load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) override {
     read_parts(sdp_->engine(), *optimizer_, part, saved_world, "(sharded state)");
+    this->saved_world = saved_world;
     if (sdp_->engine().rank() == 0) {
       DTRAIN_LOG(kInfo) << "loaded ZeRO shards saved by " << saved_world << " ranks onto " << sdp_->engine().world();
     }
@@ -255,125 +285,41 @@ class ZeroState : public ShardedStateful {
   torch::optim::Optimizer* optimizer_;
 };
 
-}  // namespace
+}  // namespace detail
 
 ShardedCheckpointer::ShardedCheckpointer(ShardedCheckpointOptions options, ShardedDataParallel& sdp,
                                          torch::optim::Optimizer& optimizer)
-    : options_(std::move(options)), sdp_(&sdp), optimizer_(&optimizer) {
+    : sdp_(&sdp) {
   refuse_replicated(sdp);
+  state_ = std::make_shared<detail::ZeroState>(sdp, optimizer);
+  DTRAIN_CHECK(fs::is_directory(options.dir) || !fs::exists(options.dir), ConfigError,
+               "the checkpoint directory " << options.dir << " is a file.", "pass a directory");
+  checkpointer_ =
+      std::make_unique<Checkpointer>(CheckpointOptions{.dir = options.dir, .keep = options.keep}, sdp.engine().group());
+  checkpointer_->add_state("zero", state_, StateScope::kSharded);
+  checkpointer_->add_state("extra",
+                           json_state([this] { return extra_; }, [this](const std::string& s) { extra_ = s; }));
 }
 
+ShardedCheckpointer::~ShardedCheckpointer() = default;
+
 void ShardedCheckpointer::save(std::int64_t step, const std::string& extra) {
-  torch::NoGradGuard no_grad;
-  detail::ZeroEngine& engine = sdp_->engine();
-  dist::ProcessGroup& group = engine.group();
-  const int rank = engine.rank();
-  const std::string kind = kind_of(*optimizer_);
-  const fs::path tmp = options_.dir / (".step_" + std::to_string(step) + ".tmp");
-  if (rank == 0) {
-    fs::create_directories(options_.dir);
-    compat::remove_all(tmp);
-    fs::create_directories(tmp);
-  }
-  group.barrier();
-
-  torch::serialize::OutputArchive archive;
-  write_part(engine, *optimizer_, archive);
-  nlohmann::json manifest_units = nlohmann::json::array();
-  for (const detail::Unit& unit : engine.units()) {
-    manifest_units.push_back({{"name", unit.name}, {"numel", unit.numel}, {"shard", unit.shard}});
-  }
-  const fs::path file = tmp / ("rank_" + std::to_string(rank) + ".pt");
-  archive.save_to(file.string());
-  fsync_path(file);
-  group.barrier();  // every rank's part is on disk
-
-  if (rank == 0) {
-    nlohmann::json files = nlohmann::json::object();
-    for (int r = 0; r < engine.world(); ++r) {
-      const std::string name = "rank_" + std::to_string(r) + ".pt";
-      files[name] = fs::file_size(tmp / name);
-    }
-    const nlohmann::json manifest{
-        {"step", step},      {"world_size", engine.world()}, {"stage", engine.options().stage},
-        {"optimizer", kind}, {"units", manifest_units},      {"files", files},
-        {"extra", extra}};
-    {
-      std::ofstream out(tmp / "MANIFEST");
-      out << manifest.dump(2);
-    }
-    fsync_path(tmp / "MANIFEST");
-    fsync_path(tmp);
-    const fs::path final_dir = step_dir(options_.dir, step);
-    compat::remove_all(final_dir);
-    fs::rename(tmp, final_dir);
-    fsync_path(options_.dir);
-    const auto steps = complete_steps();
-    for (std::size_t i = static_cast<std::size_t>(std::max(options_.keep, 1)); i < steps.size(); ++i) {
-      compat::remove_all(step_dir(options_.dir, steps[i]));
-    }
-  }
-  group.barrier();
+  extra_ = extra;
+  checkpointer_->save({.step = step});
 }
 
 std::vector<std::int64_t> ShardedCheckpointer::complete_steps() const {
-  std::vector<std::int64_t> steps;
-  if (!fs::is_directory(options_.dir)) return steps;
-  for (const auto& entry : fs::directory_iterator(options_.dir)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("step_", 0) != 0 || !fs::exists(entry.path() / "MANIFEST")) continue;
-    try {
-      const auto manifest = nlohmann::json::parse(std::ifstream(entry.path() / "MANIFEST"));
-      bool complete = true;
-      for (const auto& [file, bytes] : manifest.at("files").items()) {
-        complete = complete && fs::exists(entry.path() / file) &&
-                   fs::file_size(entry.path() / file) == bytes.get<std::uintmax_t>();
-      }
-      if (complete) steps.push_back(std::stoll(name.substr(5)));
-    } catch (const std::exception& e) {
-      DTRAIN_LOG(kWarning) << "skipping checkpoint " << entry.path() << ": " << e.what();
-    }
-  }
-  std::sort(steps.rbegin(), steps.rend());
-  return steps;
+  return checkpointer_->complete_steps();
 }
 
 std::optional<ShardedCheckpointInfo> ShardedCheckpointer::load_latest() {
-  torch::NoGradGuard no_grad;
-  detail::ZeroEngine& engine = sdp_->engine();
-  dist::ProcessGroup& group = engine.group();
-  at::Tensor chosen = at::full({1}, std::int64_t{-1}, at::kLong);
-  if (engine.rank() == 0) {
-    const auto steps = complete_steps();
-    if (!steps.empty()) chosen.fill_(steps.front());
-  }
-  group.broadcast(chosen, 0).wait();
-  const std::int64_t step = chosen.item<std::int64_t>();
-  if (step < 0) return std::nullopt;
-  const fs::path dir = step_dir(options_.dir, step);
-  const auto manifest = nlohmann::json::parse(std::ifstream(dir / "MANIFEST"));
-  const int old_world = manifest.at("world_size").get<int>();
-  std::vector<std::unique_ptr<torch::serialize::InputArchive>> archives(static_cast<std::size_t>(old_world));
-  auto archive = [&](int r) -> torch::serialize::InputArchive& {
-    auto& a = archives[static_cast<std::size_t>(r)];
-    if (!a) {
-      a = std::make_unique<torch::serialize::InputArchive>();
-      a->load_from((dir / ("rank_" + std::to_string(r) + ".pt")).string());
-    }
-    return *a;
-  };
-  read_parts(engine, *optimizer_, archive, old_world, dir.string());
-  const int rank = engine.rank();
-  if (rank == 0) {
-    DTRAIN_LOG(kInfo) << "loaded ZeRO checkpoint of step " << step << " saved by " << old_world << " ranks";
-  }
-  return ShardedCheckpointInfo{
-      .step = step, .saved_world_size = old_world, .extra = manifest.at("extra").get<std::string>()};
+  const auto loaded = checkpointer_->load_latest();
+  if (!loaded) return std::nullopt;
+  return ShardedCheckpointInfo{.step = loaded->step, .saved_world_size = state_->saved_world, .extra = extra_};
 }
 
 std::shared_ptr<ShardedStateful> zero_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer) {
-  refuse_replicated(sdp);
-  return std::make_shared<ZeroState>(sdp, optimizer);
+  return std::make_shared<detail::ZeroState>(sdp, optimizer);
 }
 
 void ShardedCheckpointer::export_full_state_dict(const fs::path& path) {

@@ -1,21 +1,17 @@
 // Sharded checkpoints of ShardedDataParallel training that reshard on load.
 //
-// Layout of DIR/step_<N>/:
-//   rank_<R>.pt   rank R's chunk of every unit (fp32 masters) and its optimizer
-//                 state laid out like the chunk (exp_avg, exp_avg_sq, momentum...)
-//   MANIFEST      JSON: step, world size, units (name, numel, shard), the
-//                 optimizer kind, file sizes, and the caller's extra JSON
-// Every rank writes its file (in parallel) into a hidden temporary folder and
-// fsyncs it; after a barrier rank 0 writes the MANIFEST last, fsyncs, and
-// renames the folder into place, so a crash leaves a complete checkpoint or
-// none. Loading picks the newest folder with a MANIFEST (rank 0 decides) and
-// works on any world size: each rank reads, from the files of the ranks that
-// saved it, the ranges of each unit its new chunk covers.
+// A ShardedCheckpointer is the general Checkpointer (trainer/checkpoint.h:
+// its commit protocol, CRC-checked MANIFEST, pruning and per-rank generator
+// states) holding one sharded state, zero_state() below, and the caller's
+// extra JSON. Each rank's part (DIR/step_<N>/rank_<R>/zero.pt) holds its
+// chunk of every unit (fp32 masters), its optimizer state laid out like the
+// chunk (exp_avg, exp_avg_sq, momentum...) and how the units were cut.
+// Loading works on any world size: each rank reads, from the parts of the
+// ranks that saved, the ranges of each unit its new chunk covers.
 //
 // Optimizer state: torch::optim SGD (momentum), Adam and AdamW are resharded
 // element by element; Adam's `step` is one per unit (all of a unit's pieces
-// step together). Not the general Checkpointer because its per-rank parts are
-// read back by the same rank only (no resharding); see docs/zero.md.
+// step together). See docs/zero.md.
 #pragma once
 
 #include <cstdint>
@@ -31,8 +27,12 @@ class Optimizer;
 
 namespace dtrain {
 
+class Checkpointer;
 class ShardedDataParallel;
 class ShardedStateful;
+namespace detail {
+class ZeroState;
+}
 
 // The same shards (parameters and optimizer state, resharded on load) as a
 // state of the general Checkpointer (StateScope::kSharded): how the Trainer's
@@ -54,6 +54,9 @@ struct ShardedCheckpointInfo {
 class ShardedCheckpointer {
  public:
   ShardedCheckpointer(ShardedCheckpointOptions options, ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer);
+  ~ShardedCheckpointer();
+  ShardedCheckpointer(const ShardedCheckpointer&) = delete;
+  ShardedCheckpointer& operator=(const ShardedCheckpointer&) = delete;
 
   // Collective. `extra` (JSON) is stored in the MANIFEST (sampler, scaler, ...).
   void save(std::int64_t step, const std::string& extra = "{}");
@@ -66,9 +69,10 @@ class ShardedCheckpointer {
   void export_full_state_dict(const std::filesystem::path& path);
 
  private:
-  ShardedCheckpointOptions options_;
   ShardedDataParallel* sdp_;
-  torch::optim::Optimizer* optimizer_;
+  std::shared_ptr<detail::ZeroState> state_;
+  std::string extra_;  // saved and loaded with the shards
+  std::unique_ptr<Checkpointer> checkpointer_;
 };
 
 }  // namespace dtrain

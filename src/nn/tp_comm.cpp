@@ -1,0 +1,169 @@
+// Tensor- and sequence-parallel communication operators (see tp_comm.h).
+//
+// One autograd Function, RegionComm, carries a forward and a backward
+// primitive (identity, all-reduce, all-gather, slice, reduce-scatter); each
+// public operator is a pair of them. The group travels to backward inside a
+// capsule in the context's saved data (group_capsule.h).
+#include "dtrain/nn/tp_comm.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "dtrain/error.h"
+#include "group_capsule.h"
+
+namespace dtrain::nn::tp {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+enum class Primitive : std::int64_t { kIdentity, kAllReduce, kAllGather, kSlice, kReduceScatter };
+
+const char* name_of(Primitive p) {
+  switch (p) {
+    case Primitive::kIdentity: return "identity";
+    case Primitive::kAllReduce: return "all_reduce";
+    case Primitive::kAllGather: return "all_gather";
+    case Primitive::kSlice: return "slice";
+    case Primitive::kReduceScatter: return "reduce_scatter";
+  }
+  return "?";
+}
+
+std::int64_t wrap_dim(std::int64_t dim, const at::Tensor& x) {
+  const std::int64_t n = x.dim();
+  DTRAIN_CHECK(dim >= -n && dim < n, ConfigError,
+               "tensor-parallel communication along dimension " << dim << " of a tensor of shape " << x.sizes(),
+               "pass a dimension in " << -n << ".." << n - 1);
+  return dim < 0 ? dim + n : dim;
+}
+
+void check_divisible(const at::Tensor& x, std::int64_t dim, int parts, Primitive p) {
+  DTRAIN_CHECK(x.size(dim) % parts == 0, ConfigError,
+               "tensor parallelism: " << name_of(p) << " splits dimension " << dim << " of size " << x.size(dim)
+                                      << " (shape " << x.sizes() << ") into " << parts
+                                      << " ranks, which does not divide it.",
+               "make that size a multiple of the tensor-parallel degree " << parts);
+}
+
+at::Tensor all_reduce(const at::Tensor& x, dist::ProcessGroup& group) {
+  at::Tensor out = x.contiguous().clone();
+  group.all_reduce(out).wait();
+  return out;
+}
+
+// Rank r's piece of the result is rank r's x, concatenated along `dim`.
+at::Tensor all_gather(const at::Tensor& x, dist::ProcessGroup& group, std::int64_t dim) {
+  const at::Tensor local = x.contiguous();
+  const int parts = group.size();
+  auto sizes = local.sizes().vec();
+  at::Tensor flat = at::empty({parts * local.numel()}, local.options());
+  group.all_gather_into(flat, local).wait();
+  sizes.insert(sizes.begin(), parts);
+  const at::Tensor pieces = flat.view(sizes);  // [parts, *local]
+  if (dim == 0) {
+    sizes.erase(sizes.begin());
+    sizes[0] *= parts;
+    return pieces.view(sizes);
+  }
+  return at::cat(pieces.unbind(0), dim);
+}
+
+at::Tensor slice(const at::Tensor& x, dist::ProcessGroup& group, std::int64_t dim) {
+  check_divisible(x, dim, group.size(), Primitive::kSlice);
+  return x.chunk(group.size(), dim)[static_cast<std::size_t>(group.rank())].contiguous();
+}
+
+// Rank r gets the sum over ranks of their piece r along `dim`.
+at::Tensor reduce_scatter(const at::Tensor& x, dist::ProcessGroup& group, std::int64_t dim) {
+  const int parts = group.size();
+  check_divisible(x, dim, parts, Primitive::kReduceScatter);
+  // The collective takes the pieces one after another in memory.
+  const at::Tensor pieces = dim == 0 ? x.contiguous() : at::stack(x.chunk(parts, dim)).contiguous();
+  auto sizes = x.sizes().vec();
+  sizes[static_cast<std::size_t>(dim)] /= parts;
+  at::Tensor out = at::empty(sizes, x.options());
+  group.reduce_scatter(out, pieces).wait();
+  return out;
+}
+
+at::Tensor run(Primitive p, const at::Tensor& x, dist::ProcessGroup& group, std::int64_t dim) {
+  if (group.size() == 1) return x;
+  switch (p) {
+    case Primitive::kIdentity: return x;
+    case Primitive::kAllReduce: return all_reduce(x, group);
+    case Primitive::kAllGather: return all_gather(x, group, dim);
+    case Primitive::kSlice: return slice(x, group, dim);
+    case Primitive::kReduceScatter: return reduce_scatter(x, group, dim);
+  }
+  DTRAIN_INTERNAL_ASSERT(false, "unknown tensor-parallel primitive");
+  return x;
+}
+
+struct RegionComm : torch::autograd::Function<RegionComm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const c10::IValue& group_capsule,
+                            std::int64_t forward_op, std::int64_t backward_op, std::int64_t dim) {
+    ctx->saved_data["group"] = group_capsule;
+    ctx->saved_data["backward_op"] = backward_op;
+    ctx->saved_data["dim"] = dim;
+    dist::ProcessGroup group = detail::group_in(group_capsule);
+    at::Tensor y = run(static_cast<Primitive>(forward_op), x, group, dim);
+    // An identity forward returns a new tensor: autograd needs an output
+    // that is not the input itself.
+    return y.is_same(x) ? x.view(x.sizes()) : y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    dist::ProcessGroup group = detail::group_in(ctx->saved_data["group"]);
+    const auto op = static_cast<Primitive>(ctx->saved_data["backward_op"].toInt());
+    const std::int64_t dim = ctx->saved_data["dim"].toInt();
+    at::Tensor dx = grads[0].defined() ? run(op, grads[0], group, dim) : at::Tensor();
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor apply(const at::Tensor& x, dist::ProcessGroup group, Primitive forward, Primitive backward,
+                 std::int64_t dim) {
+  if (group.size() == 1) return x;
+  const std::int64_t d = wrap_dim(dim, x);
+  // Checked before any rank communicates, so a bad size fails on every rank
+  // alike instead of leaving the others waiting.
+  if (forward == Primitive::kSlice || forward == Primitive::kReduceScatter)
+    check_divisible(x, d, group.size(), forward);
+  const c10::IValue capsule = detail::capsule_of(std::move(group));
+  return RegionComm::apply(x, capsule, static_cast<std::int64_t>(forward), static_cast<std::int64_t>(backward), d);
+}
+
+}  // namespace
+
+at::Tensor copy_to_region(const at::Tensor& x, dist::ProcessGroup group) {
+  return apply(x, std::move(group), Primitive::kIdentity, Primitive::kAllReduce, -1);
+}
+
+at::Tensor reduce_from_region(const at::Tensor& x, dist::ProcessGroup group) {
+  return apply(x, std::move(group), Primitive::kAllReduce, Primitive::kIdentity, -1);
+}
+
+at::Tensor scatter_to_region(const at::Tensor& x, dist::ProcessGroup group, std::int64_t dim) {
+  return apply(x, std::move(group), Primitive::kSlice, Primitive::kAllGather, dim);
+}
+
+at::Tensor gather_from_region(const at::Tensor& x, dist::ProcessGroup group, std::int64_t dim) {
+  return apply(x, std::move(group), Primitive::kAllGather, Primitive::kSlice, dim);
+}
+
+at::Tensor gather_from_sequence(const at::Tensor& x, dist::ProcessGroup group, std::int64_t dim) {
+  return apply(x, std::move(group), Primitive::kAllGather, Primitive::kReduceScatter, dim);
+}
+
+at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, dist::ProcessGroup group, std::int64_t dim) {
+  return apply(x, std::move(group), Primitive::kReduceScatter, Primitive::kAllGather, dim);
+}
+
+at::Tensor scatter_to_sequence(const at::Tensor& x, dist::ProcessGroup group, std::int64_t dim) {
+  return apply(x, std::move(group), Primitive::kSlice, Primitive::kAllGather, dim);
+}
+
+}  // namespace dtrain::nn::tp
