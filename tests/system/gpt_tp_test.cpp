@@ -41,10 +41,10 @@ struct Case {
 // the gathered weights, must equal single's. `max_outside`: elements allowed
 // outside compare_params' bound (see EveryCompositionMatchesSingle).
 void expect_cases_match_single(const fs::path& dir, const std::string& clip, const std::vector<Case>& cases,
-                               std::size_t max_outside) {
+                               std::size_t max_outside, const std::string& single_args = "--batch-size 4") {
   const std::string common = kCommon + clip + " --sample-tokens 40 --save-params ";
   const auto single =
-      dtrain::testing::run_example(kExample, common + (dir / "single.f32").string() + " --batch-size 4");
+      dtrain::testing::run_example(kExample, common + (dir / "single.f32").string() + " " + single_args);
   ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
   const auto reference = read_floats(dir / "single.f32");
   ASSERT_GT(reference.size(), 20000u);
@@ -87,12 +87,18 @@ TEST(GptTp, EveryCompositionMatchesSingle) {
   fs::remove_all(dir);
 }
 
+// Also gradient accumulation (DDP's no_sync over dp_replicate): 2 micro-steps
+// of 1 sequence per data rank against single's 2 micro-steps of 2 (the same
+// global batch of 4, summed in the same two halves).
 TEST(GptTp, ClippedStepsMatchSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-tp-clip-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   expect_cases_match_single(dir, "0.05",
                             {{"tp2-sp-dp2", "--tp 2 --sequence-parallel --dp-replicate 2 --batch-size 2", 4}}, 0);
+  expect_cases_match_single(dir, "0.05",
+                            {{"tp2-dp2-accumulate", "--tp 2 --dp-replicate 2 --batch-size 1 --accumulate 2", 4}}, 0,
+                            "--batch-size 2 --accumulate 2");
   fs::remove_all(dir);
 }
 
