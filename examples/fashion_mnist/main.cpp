@@ -104,6 +104,9 @@ int run(Options opt) {
                "recompute " << dtrain::to_string(resolved.recompute) << ": this example's small CNN has no "
                             << "activation recompute (its activations are a few MB).",
                "set recompute none; examples/gpt applies it to its blocks");
+  DTRAIN_CHECK(resolved.tp == 1, ConfigError,
+               "tp " << resolved.tp << ": this example's small CNN has no tensor-parallel split.",
+               "set tp 1; examples/gpt trains under --tp");
   opt.strategy = resolved.strategy;
   opt.pipeline = resolved.pipeline;
   opt.batch_size = resolved.batch_size;

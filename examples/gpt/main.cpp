@@ -4,7 +4,8 @@
 //   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
 //       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
 //       [--dp-reduce ddp|zero1|zero2|allreduce] (pipeline_strategy.h)
-//       [--plan FILE | --dp-replicate N --dp-shard N --pp N --zero-stage K] [--global-batch-size G]
+//       [--plan FILE | --dp-replicate N --dp-shard N --pp N --tp N [--sequence-parallel] --zero-stage K]
+//       [--global-batch-size G]
 //       [--max-iters 2000] [--eval-interval 250] [--eval-iters 20] [--batch-size 12]
 //       [--block-size 64] [--n-layer 4] [--n-head 4] [--n-embd 128] [--dropout 0]
 //       [--lr 1e-3] [--min-lr 1e-4] [--warmup-iters 100] [--weight-decay 0.1]
@@ -21,8 +22,9 @@
 // --devices); model-parallel (the blocks placed over --devices); ddp and
 // ddp-model-parallel (one process per rank under `dtrain run`/torchrun);
 // zero1-3: ZeRO stages 1-3 (ShardedDataParallel, one process per rank);
-// pipeline (pipeline_strategy.h). A plan (--plan or the degree flags) picks
-// the strategy that runs it.
+// pipeline (pipeline_strategy.h); tp (a plan with --tp: the blocks split
+// the Megatron way, tensor_parallel.h, DDP over dp_replicate; no checkpoints
+// yet). A plan (--plan or the degree flags) picks the strategy that runs it.
 //
 // Every strategy is trained by dtrain::Trainer: this file holds the model,
 // its data (a StepStream of random windows, a function of the global step
@@ -52,6 +54,7 @@
 #include "corpus.h"
 #include "dtrain/dtrain.h"
 #include "dtrain/trainer/pipeline_strategy.h"
+#include "dtrain/trainer/tp_strategy.h"
 #include "dtrain/trainer/zero_strategy.h"
 #include "fused_adamw.h"
 #include "hf_export.h"
@@ -59,6 +62,7 @@
 #include "pipeline_strategy.h"
 #include "plan_cli.h"
 #include "sample.h"
+#include "tensor_parallel.h"
 #include "zero_strategy.h"
 
 namespace {
@@ -94,6 +98,8 @@ struct Options {
   examples::PipelineCli pipeline;  // --strategy pipeline (pipeline_strategy.h)
   examples::PlanCli plan;          // --plan or the degrees; --global-batch-size
   int hsdp_replicas = 1;           // zero1-3 on a dp_replicate x dp_shard mesh (from a plan)
+  int tp = 1;                      // strategy "tp" (from a plan): the degree
+  bool sequence_parallel = false;
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -115,7 +121,7 @@ class GptSchedule : public dtrain::ScheduledLR {
 };
 
 bool distributed(const std::string& s) {
-  return s == "ddp" || s == "ddp-model-parallel" || gpt::is_zero_strategy(s) || s == "pipeline";
+  return s == "ddp" || s == "ddp-model-parallel" || gpt::is_zero_strategy(s) || s == "pipeline" || s == "tp";
 }
 
 // Where this process trains and which ranks it trains with.
@@ -168,6 +174,8 @@ struct Trainee {
   std::function<at::Tensor(const at::Tensor&)> local;
   std::function<void(const std::string&)> save_params;  // collective where gather_full is
   std::shared_ptr<gpt::GptPipeline> pipeline;
+  // The loss of the strategy's outputs; null: gpt::lm_loss.
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
 };
 
 // Raw float32 parameters in order (tests compare strategies with it).
@@ -211,6 +219,35 @@ Trainee build(const Options& opt, Placement& where) {
     t.save_params = [p](const std::string& path) {
       auto full = p->strategy->full_parameters();
       gpt::write_stage_params(*p, path);
+    };
+    return t;
+  }
+  if (opt.strategy == "tp") {
+    // The full layers, initialised as every strategy's, split over tp; the
+    // full copy is kept to gather the trained weights into (sample, --save-params).
+    auto mesh = std::make_shared<dtrain::dist::DeviceMesh>(
+        *where.group, where.world > opt.tp
+                          ? std::vector<dtrain::dist::MeshDim>{{"dp_replicate", where.world / opt.tp}, {"tp", opt.tp}}
+                          : std::vector<dtrain::dist::MeshDim>{{"tp", opt.tp}});
+    torch::nn::Sequential full = gpt::gpt_layers(opt.model);
+    gpt::init_weights(*full, opt.model.n_layer, opt.seed);
+    torch::nn::Sequential split = gpt::apply_tp(full, *mesh, {.sequence_parallel = opt.sequence_parallel});
+    split->to(first);
+    auto strategy = std::make_shared<dtrain::TensorParallelStrategy<torch::nn::Sequential>>(split, mesh, first);
+    t.strategy = strategy;
+    t.keep.push_back(mesh);
+    t.loss = [tp = (*mesh)["tp"], vocab = opt.model.vocab_size](const at::Tensor& logits, const at::Tensor& target) {
+      return gpt::tp_lm_loss(logits, target, tp, vocab);
+    };
+    auto gather = [split, mesh, full]() mutable { gpt::gather_tp_params(*split, *mesh, *full); };
+    t.gather_full = [gather]() mutable {
+      gather();
+      return std::shared_ptr<void>();
+    };
+    t.local = [full](const at::Tensor& x) mutable { return full->forward(x.to(at::kCPU)); };
+    t.save_params = [gather, full, lead](const std::string& path) mutable {
+      gather();
+      if (lead) write_params(path, *full);
     };
     return t;
   }
@@ -349,7 +386,11 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
        .checkpoint_every = opt.eval_interval,
        .progress = lead,
        .log_every = 1});
-  trainer.set_loss(gpt::lm_loss);
+  if (t.loss) {
+    trainer.set_loss(t.loss);
+  } else {
+    trainer.set_loss(gpt::lm_loss);
+  }
   trainer.set_schedule(schedule);
   // Val batch k: batch x data_world windows from val_batch_seed(k), the same
   // under every plan of one global batch.
@@ -439,6 +480,8 @@ void apply_plan(Options& opt) {
   opt.strategy = r.strategy;
   opt.pipeline = r.pipeline;
   opt.hsdp_replicas = r.hsdp_replicas;
+  opt.tp = r.tp;
+  opt.sequence_parallel = r.sequence_parallel;
   opt.batch_size = r.batch_size;
   opt.model.recompute = r.recompute;
   opt.model.recompute_every = r.recompute_every;
@@ -461,6 +504,10 @@ int run(Options opt) {
                "--accumulate " << opt.accumulate << " with --strategy pipeline: a pipeline's micro-batches are its "
                                << "accumulation.",
                "use --micro-batches instead");
+  DTRAIN_CHECK(
+      opt.strategy != "tp" || opt.checkpoint_dir.empty(), ConfigError,
+      "--checkpoint-dir with tensor parallelism (tp " << opt.tp << "): checkpoints under tp are not supported yet.",
+      "train without --checkpoint-dir under --tp");
   Placement where = place(opt);
   at::set_num_threads(distributed(opt.strategy) ? 1 : at::get_num_threads());
   torch::manual_seed(opt.seed + static_cast<std::uint64_t>(where.rank));  // dropout masks

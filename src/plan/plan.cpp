@@ -109,10 +109,22 @@ void validate_pipeline(const ParallelPlan& p, const PlanContext& c) {
 // What the appliers of this build implement; a plan past them is refused by
 // name rather than failing mid-run.
 void validate_applied(const ParallelPlan& p) {
-  DTRAIN_CHECK(p.tp == 1 && !p.sequence_parallel, ConfigError,
-               "tp " << p.tp << (p.sequence_parallel ? " with sequence parallelism" : "")
-                     << ": no applier in this build handles the tp dimension yet.",
-               "set tp 1 and sequence_parallel false");
+  // Tensor parallelism runs alone or under DDP (dp_replicate); its
+  // compositions with ZeRO, pipelines and cp are not built yet.
+  if (p.tp > 1) {
+    DTRAIN_CHECK(p.dp_shard == 1, ConfigError,
+                 "tp " << p.tp << " with dp_shard " << p.dp_shard
+                       << " (ZeRO): no applier in this build composes tensor parallelism with ZeRO yet.",
+                 "put the data-parallel ranks on dp_replicate (DDP), or set tp 1");
+    DTRAIN_CHECK(p.pp == 1, ConfigError,
+                 "tp " << p.tp << " with pp " << p.pp
+                       << ": no applier in this build composes tensor parallelism with pipelines yet.",
+                 "set pp 1, or tp 1");
+    DTRAIN_CHECK(p.cp == 1, ConfigError,
+                 "tp " << p.tp << " with cp " << p.cp
+                       << ": no applier in this build composes tensor and context parallelism yet.",
+                 "set cp 1, or tp 1");
+  }
   DTRAIN_CHECK(p.cp == 1, ConfigError, "cp " << p.cp << ": no applier in this build handles the cp dimension yet.",
                "set cp 1");
   DTRAIN_CHECK(p.pp == 1 || p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,

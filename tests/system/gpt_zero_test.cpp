@@ -93,13 +93,13 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
     EXPECT_LT(diff.relative_l2, 1e-5) << c.name;
   }
   {
-    std::ofstream plan(dir / "tp.json");
-    plan << R"({"tp": 2})";
+    std::ofstream plan(dir / "cp.json");
+    plan << R"({"cp": 2})";
   }
   const auto refused =
-      dtrain::testing::run_example(kExample, kCommon + "/dev/null --plan " + (dir / "tp.json").string(), kLaunch);
+      dtrain::testing::run_example(kExample, kCommon + "/dev/null --plan " + (dir / "cp.json").string(), kLaunch);
   EXPECT_NE(refused.exit_code, 0);
-  EXPECT_NE(refused.stderr_text.find("no applier in this build handles the tp dimension"), std::string::npos)
+  EXPECT_NE(refused.stderr_text.find("no applier in this build handles the cp dimension"), std::string::npos)
       << refused.stderr_text;
   fs::remove_all(dir);
 }

@@ -97,8 +97,12 @@ TEST(ParallelPlan, PlansThatCannotWorkSayWhatToChange) {
                 .find("ZeRO stage 3 shards over dp_shard, which is 1 here"),
             std::string::npos);
   EXPECT_NE(invalid({.dp_shard = 2}, {.world = 2}).find("shards nothing"), std::string::npos);
-  EXPECT_NE(invalid({.tp = 2}, {.world = 2}).find("no applier in this build handles the tp dimension"),
+  EXPECT_NO_THROW((ParallelPlan{.tp = 2}.validate({.world = 2})));
+  EXPECT_NO_THROW((ParallelPlan{.dp_replicate = 2, .tp = 2, .sequence_parallel = true}.validate({.world = 4})));
+  EXPECT_NE(invalid({.dp_shard = 2, .tp = 2, .zero_stage = 3}, {.world = 4}).find("tensor parallelism with ZeRO"),
             std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .tp = 2}, {.world = 4}).find("tensor parallelism with pipelines"), std::string::npos);
+  EXPECT_NE(invalid({.cp = 2, .tp = 2}, {.world = 4}).find("tensor and context parallelism"), std::string::npos);
   EXPECT_NE(invalid({.cp = 2}, {.world = 2}).find("no applier in this build handles the cp dimension"),
             std::string::npos);
   EXPECT_NE(invalid({.tp = 3}, {.world = 3, .model = kGpt}).find("does not divide the model's 4 attention heads"),

@@ -1,0 +1,157 @@
+// Tensor parallelism through the Trainer: a module whose layers are split
+// over the mesh's `tp` dimension (nn::ColumnParallelLinear and the others,
+// their parameters carrying layouts), optionally replicated over
+// `dp_replicate` with DDP over that dimension's group.
+//
+//   auto mesh = std::make_shared<dist::DeviceMesh>(world, {{"dp_replicate", 2}, {"tp", 2}});
+//   auto model = gpt::apply_tp(gpt::gpt_layers(config), *mesh);  // any tp-split module
+//   auto s = std::make_shared<TensorParallelStrategy<torch::nn::Sequential>>(model, mesh, device);
+//
+// Contracts:
+//  - the mesh has `tp`, and besides it only `dp_replicate` (ZeRO, pipelines
+//    and cp do not compose with it here; ParallelPlan::validate refuses them);
+//  - the data rank and world are the dp_replicate coordinate and size: every
+//    rank of a tp group reads the same batch;
+//  - gradients are averaged over the dp_replicate group only (DDP), never
+//    over tp: the tp layers' own communication already makes each rank's
+//    gradient of its part complete;
+//  - the global gradient norm counts each element once: squares of
+//    parameters sharded on tp are summed over the tp group, replicated ones
+//    are counted on tp rank 0 only (their gradients are equal on every tp
+//    rank), read from dist::named_layouts; every rank's gradients, replicated
+//    ones included, are then scaled alike;
+//  - GradScaler found-inf flags are combined over the whole mesh;
+//  - the loss must be the tp one (e.g. vocab-parallel cross-entropy): it is
+//    collective over tp, as are forward and backward;
+//  - checkpoints are not supported yet (save/load throw ConfigError): a
+//    per-rank checkpoint resharded through the layouts is still to come.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/comm/mesh.h"
+#include "dtrain/dist/parameter_layouts.h"
+#include "dtrain/error.h"
+#include "dtrain/trainer/strategy.h"
+
+namespace dtrain {
+
+// Gradients of a tensor-parallel module (see the file comment): a parameter
+// counts on this rank when it is sharded on `tp` or this is tp rank 0;
+// partials combine over the tp group.
+class TensorParallelGradients : public GradientSet {
+ public:
+  TensorParallelGradients(const torch::nn::Module& module, dist::DeviceMesh& mesh) : tp_(mesh["tp"]) {
+    const auto params = module.named_parameters();
+    const auto layouts = dist::named_layouts(module, mesh);
+    std::size_t tp_dim = 0;
+    while (mesh.dims()[tp_dim].name != "tp") ++tp_dim;
+    for (const auto& [name, layout] : layouts) {
+      const bool sharded = layout.placements[tp_dim].kind == dist::Placement::Kind::kShard;
+      if (sharded || tp_.rank() == 0) counted_.push_back(params[name]);
+    }
+  }
+  std::vector<at::Tensor> local_parameters() const override { return counted_; }
+  void combine(at::Tensor& partial, bool max) const override {
+    at::Tensor moved = partial.to(tp_.device());
+    tp_.all_reduce(moved, max ? dist::ReduceOp::kMax : dist::ReduceOp::kSum).wait();
+    partial.copy_(moved);
+  }
+
+ private:
+  std::vector<at::Tensor> counted_;
+  mutable dist::ProcessGroup tp_;
+};
+
+template <typename Holder>
+class TensorParallelStrategy : public Strategy {
+ public:
+  // `module` holds this rank's parts (its tp layers built on `mesh`); DDP
+  // over dp_replicate when the mesh has it (collective there: parameters are
+  // broadcast from the group's first rank).
+  TensorParallelStrategy(Holder module, std::shared_ptr<dist::DeviceMesh> mesh, c10::Device device,
+                         const DDPOptions& options = {})
+      : module_(module), mesh_(std::move(mesh)), device_(device), bucket_views_(options.gradient_as_bucket_view) {
+    DTRAIN_CHECK(mesh_->has("tp"), ConfigError,
+                 "TensorParallelStrategy needs a mesh with a tp dimension; this one is " << mesh_->describe() << ".",
+                 "build the mesh with {\"tp\", degree}");
+    for (const auto& d : mesh_->dims())
+      DTRAIN_CHECK(d.name == "tp" || d.name == "dp_replicate", ConfigError,
+                   "TensorParallelStrategy composes tp with dp_replicate only; the mesh has " << d.name << ".",
+                   "put the data-parallel ranks on dp_replicate (DDP)");
+    if (mesh_->size("dp_replicate") > 1) {
+      ddp_ = std::make_unique<DistributedDataParallel<Holder>>(std::move(module), (*mesh_)["dp_replicate"], options);
+    }
+  }
+  std::string name() const override { return "tp"; }
+  torch::nn::Module& module() override { return *detail::as_module_ptr(module_); }
+  c10::Device input_device() const override { return device_; }
+  c10::Device output_device() const override { return device_; }
+  at::Tensor forward(const at::Tensor& input) override {
+    return ddp_ ? (*ddp_)(input) : at::Tensor(module_->forward(input));
+  }
+  at::Tensor eval_forward(const at::Tensor& input) override { return module_->forward(input); }
+  std::unique_ptr<Scope> no_sync() override {
+    if (!ddp_) return nullptr;
+    struct Guard : Scope {
+      explicit Guard(DistributedDataParallel<Holder>& ddp) : guard(ddp.no_sync()) {}
+      NoSync guard;
+    };
+    return std::make_unique<Guard>(*ddp_);
+  }
+  void zero_grad(torch::optim::Optimizer& optimizer) override {
+    if (ddp_ && bucket_views_) {
+      ddp_->zero_grad();
+    } else {
+      optimizer.zero_grad();
+    }
+  }
+  std::unique_ptr<GradientSet> gradients() override {
+    return std::make_unique<TensorParallelGradients>(module(), *mesh_);
+  }
+  // The norm over the counted gradients (see TensorParallelGradients), then
+  // every gradient of this rank scaled by the same factor as
+  // clip_grad_norm_'s, the replicated ones on tp ranks above 0 included.
+  at::Tensor clip_grad_norm(double max_norm) override {
+    at::NoGradGuard no_grad;
+    at::Tensor norm = grad_norm(*gradients());
+    const at::Tensor coef = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
+    for (const auto& p : module().parameters())
+      if (p.grad().defined()) p.grad().mul_(coef.to(p.grad().device()));
+    return norm;
+  }
+  std::optional<dist::ProcessGroup> found_inf_group() override { return mesh_->group(); }
+  int data_rank() const override { return mesh_->coordinate("dp_replicate"); }
+  int data_world() const override { return mesh_->size("dp_replicate"); }
+  std::optional<dist::ProcessGroup> group() override { return mesh_->group(); }
+  void save(Checkpointer& /*checkpointer*/, const TrainingState& /*state*/,
+            torch::optim::Optimizer& /*optimizer*/) override {
+    refuse_checkpoints();
+  }
+  std::optional<TrainingState> load(Checkpointer& /*checkpointer*/, torch::optim::Optimizer& /*optimizer*/) override {
+    refuse_checkpoints();
+    return std::nullopt;
+  }
+  dist::DeviceMesh& mesh() { return *mesh_; }
+
+ private:
+  static void refuse_checkpoints() {
+    DTRAIN_CHECK(false, ConfigError, "checkpoints under tensor parallelism are not supported yet.",
+                 "train without a checkpoint directory under tp");
+  }
+
+  Holder module_;
+  std::shared_ptr<dist::DeviceMesh> mesh_;
+  c10::Device device_;
+  bool bucket_views_;
+  std::unique_ptr<DistributedDataParallel<Holder>> ddp_;
+};
+
+}  // namespace dtrain
