@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
@@ -25,18 +24,12 @@
 #include "dtrain/data/loader.h"
 #include "dtrain/error.h"
 #include "dtrain/trainer/checkpoint.h"
+#include "gpu.h"
 #include "ranks.h"
 
 namespace {
 
-#define DTRAIN_REQUIRE_GPU() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"
-
 using dtrain::dist::ReduceOp;
-
-int gpus() {
-  return static_cast<int>(torch::cuda::device_count());
-}
 
 dtrain::dist::ProcessGroup nccl_group(int rank) {
   return dtrain::dist::init_process_group(dtrain::dist::GroupOptions{
@@ -94,7 +87,7 @@ TEST(GpuDevices, CudaVisibleDevicesNarrowsWhatIsSeen) {
 // Every collective over NCCL, one rank per GPU (one rank on a one-GPU machine).
 TEST(GpuNccl, EveryCollective) {
   DTRAIN_REQUIRE_GPU();
-  const int n = std::min(gpus(), 2);
+  const int n = std::min(dtrain::testing::visible_gpus(), 2);
   dtrain::testing::run_rank_processes(n, [n](int rank) {
     auto group = nccl_group(rank);
     ASSERT_EQ(group.backend(), dtrain::dist::BackendKind::kNccl);
@@ -136,7 +129,7 @@ TEST(GpuNccl, EveryCollective) {
 // NCCL send/recv of what a pipeline moves between stages: activations
 // [micro-batch, sequence, width] in fp32 and bf16, and their gradients back.
 TEST(GpuNccl, SendRecvPipelineShapes) {
-  if (gpus() < 2) GTEST_SKIP() << "needs two CUDA devices (NCCL refuses two ranks on one GPU)";
+  DTRAIN_REQUIRE_GPUS(2) << " (NCCL refuses two ranks on one GPU)";
   dtrain::testing::run_rank_processes(2, [](int rank) {
     auto group = nccl_group(rank);
     const auto on = at::TensorOptions().device(group.device());

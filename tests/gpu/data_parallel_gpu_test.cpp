@@ -4,7 +4,6 @@
 // so activations and gradients really cross devices.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
@@ -16,9 +15,7 @@
 #include "dtrain/comm/device.h"
 #include "dtrain/parallel/data_parallel/data_parallel.h"
 #include "dtrain/parallel/model_parallel/model_parallel.h"
-
-#define DTRAIN_REQUIRE_GPU() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"
+#include "gpu.h"
 
 namespace {
 

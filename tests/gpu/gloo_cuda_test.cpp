@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -16,27 +15,20 @@
 #include "dtrain/parallel/ddp/ddp.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
+#include "gpu.h"
 #include "ranks.h"
+#include "small_net.h"
+
+using dtrain::testing::mse;
+using dtrain::testing::small_net;
 
 namespace {
-
-#define DTRAIN_REQUIRE_GPU() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"
 
 const c10::Device kGpu(c10::kCUDA, 0);
 
 dtrain::dist::ProcessGroup gloo_on_gpu() {
   return dtrain::dist::init_process_group(dtrain::dist::GroupOptions{
       .backend = dtrain::dist::BackendKind::kGloo, .device = kGpu, .timeout = std::chrono::seconds(60)});
-}
-
-torch::nn::Sequential net() {
-  torch::manual_seed(3);
-  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
-}
-
-at::Tensor mse(const at::Tensor& out, const at::Tensor& target) {
-  return torch::nn::functional::mse_loss(out, target);
 }
 
 void expect_same_parameters(torch::nn::Module& got, torch::nn::Module& want) {
@@ -87,7 +79,7 @@ TEST(GpuGlooCuda, DdpEqualsLocalTraining) {
   DTRAIN_REQUIRE_GPU();
   dtrain::testing::run_rank_processes(2, [](int) {
     auto group = gloo_on_gpu();
-    auto reference = net(), wrapped = net();
+    auto reference = small_net(), wrapped = small_net();
     reference->to(kGpu);
     wrapped->to(kGpu);
     dtrain::DistributedDataParallel ddp(wrapped, group);
@@ -109,7 +101,7 @@ TEST(GpuGlooCuda, Zero3EqualsLocalTraining) {
   DTRAIN_REQUIRE_GPU();
   dtrain::testing::run_rank_processes(2, [](int) {
     auto group = gloo_on_gpu();
-    auto reference = net(), sharded = net();
+    auto reference = small_net(), sharded = small_net();
     reference->to(kGpu);
     sharded->to(kGpu);
     dtrain::ShardedDataParallel sdp(sharded, group, {.stage = 3});
@@ -135,13 +127,13 @@ TEST(GpuGlooCuda, PipelineEqualsLocalTraining) {
   DTRAIN_REQUIRE_GPU();
   dtrain::testing::run_rank_processes(2, [](int rank) {
     auto group = gloo_on_gpu();
-    auto layers = net();
+    auto layers = small_net();
     layers->to(kGpu);
     const auto stages = dtrain::pipeline::split_stages(layers, {0, 0, 1});
     dtrain::pipeline::Pipeline pipe({{.module = stages[rank]}}, group,
                                     {.schedule = dtrain::pipeline::ScheduleKind::k1F1B, .micro_batches = 4}, mse);
     torch::optim::SGD opt(pipe.parameters(), 0.1);
-    auto reference = net();
+    auto reference = small_net();
     reference->to(kGpu);
     torch::optim::SGD ref_opt(reference->parameters(), 0.1);
     for (int step = 0; step < 3; ++step) {

@@ -1,7 +1,6 @@
 // CUDA and NCCL paths; every test skips cleanly where no GPU is visible.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
@@ -9,11 +8,8 @@
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/ddp/ddp.h"
+#include "gpu.h"
 #include "ranks.h"
-
-// GTEST_SKIP returns from the enclosing function, so this must be a macro.
-#define DTRAIN_REQUIRE_GPU() \
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible"
 
 TEST(Gpu, InventorySeesDevices) {
   DTRAIN_REQUIRE_GPU();
@@ -26,7 +22,7 @@ TEST(Gpu, InventorySeesDevices) {
 TEST(Gpu, AutoBackendPicksNcclAndReduces) {
   DTRAIN_REQUIRE_GPU();
   // One rank per GPU (NCCL refuses two ranks on one device), as processes.
-  const int n = std::min<int>(static_cast<int>(torch::cuda::device_count()), 2);
+  const int n = std::min(dtrain::testing::visible_gpus(), 2);
   dtrain::testing::run_rank_processes(n, [n](int rank) {
     auto group = dtrain::dist::init_process_group(dtrain::dist::GroupOptions{
         .device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank)), .timeout = std::chrono::seconds(60)});
@@ -45,7 +41,7 @@ TEST(Gpu, DdpOverNcclEqualsLocalTraining) {
   DTRAIN_REQUIRE_GPU();
   // One rank per GPU over NCCL; with every rank fed the same batch, DDP's
   // averaged gradient equals the local one, so the result equals plain training.
-  const int n = std::min<int>(static_cast<int>(torch::cuda::device_count()), 2);
+  const int n = std::min(dtrain::testing::visible_gpus(), 2);
   dtrain::testing::run_rank_processes(n, [](int rank) {
     const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank));
     auto group = dtrain::dist::init_process_group(

@@ -2,7 +2,6 @@
 // refuses two ranks on one device); skips where fewer than two are visible.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -11,26 +10,18 @@
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
+#include "gpu.h"
 #include "ranks.h"
+#include "small_net.h"
 
-namespace {
-
-torch::nn::Sequential net() {
-  torch::manual_seed(3);
-  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
-}
-
-at::Tensor mse(const at::Tensor& out, const at::Tensor& target) {
-  return torch::nn::functional::mse_loss(out, target);
-}
-
-}  // namespace
+using dtrain::testing::mse;
+using dtrain::testing::small_net;
 
 // Every schedule on p = 2 (interleaved: the three layers over 2 x 2 stages
 // would need four; it runs GPipe, 1F1B and ZB), 4 micro-batches, three SGD
 // steps: the stages' weights equal training the whole model on one GPU.
 TEST(GpuPipeline, StagesOverNcclEqualOneDevice) {
-  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs two CUDA devices";
+  DTRAIN_REQUIRE_GPUS(2) << " (NCCL refuses two ranks on one GPU)";
   using dtrain::pipeline::ScheduleKind;
   for (const ScheduleKind kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubble}) {
     dtrain::testing::run_rank_processes(2, [kind](int rank) {
@@ -38,12 +29,12 @@ TEST(GpuPipeline, StagesOverNcclEqualOneDevice) {
       auto group = dtrain::dist::init_process_group(
           dtrain::dist::GroupOptions{.device = device, .timeout = std::chrono::seconds(60)});
       ASSERT_EQ(group.backend(), dtrain::dist::BackendKind::kNccl);
-      auto layers = net();
+      auto layers = small_net();
       layers->to(device);
       const auto stages = dtrain::pipeline::split_stages(layers, {0, 0, 1});
       dtrain::pipeline::Pipeline pipe({{.module = stages[rank]}}, group, {.schedule = kind, .micro_batches = 4}, mse);
       torch::optim::SGD opt(pipe.parameters(), 0.1);
-      auto reference = net();
+      auto reference = small_net();
       reference->to(device);
       torch::optim::SGD ref_opt(reference->parameters(), 0.1);
       for (int step = 0; step < 3; ++step) {

@@ -28,14 +28,14 @@ using dtrain::dist::ProcessGroup;
 using namespace dtrain::testing;
 
 namespace {
-constexpr double kLr = 0.1;
-constexpr int kBatch = 4;
+constexpr double kAmpLr = 0.1;
+constexpr int kAmpBatch = 4;
 
-GroupOptions group_options() {
+GroupOptions amp_group_options() {
   return GroupOptions{.timeout = std::chrono::seconds(30)};
 }
 
-Mlp seeded_mlp(int seed) {
+Mlp amp_mlp(int seed) {
   return seeded(seed, [] { return Mlp(16); });
 }
 
@@ -60,12 +60,12 @@ bool same_on_all_ranks(ProcessGroup& group, const at::Tensor& t) {
 TEST(AmpDdp, InfOnOneRankSkipsTheStepOnBothRanks) {
   constexpr int kWorld = 2, kSteps = 5, kBadStep = 2;
   run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
-    auto group = dtrain::dist::init_process_group(store, rank, kWorld, group_options());
-    DistributedDataParallel ddp(seeded_mlp(1), group);
-    torch::optim::SGD opt(ddp.module()->parameters(), kLr);
+    auto group = dtrain::dist::init_process_group(store, rank, kWorld, amp_group_options());
+    DistributedDataParallel ddp(amp_mlp(1), group);
+    torch::optim::SGD opt(ddp.module()->parameters(), kAmpLr);
     GradScaler scaler({.init_scale = 1024.0, .growth_interval = 2});
     for (int t = 0; t < kSteps; ++t) {
-      Batch b = batch_for(rank, t, kBatch);
+      Batch b = batch_for(rank, t, kAmpBatch);
       if (t == kBadStep && rank == 1) b.x[0][3] = std::numeric_limits<float>::infinity();
       ddp.zero_grad();
       const at::Tensor before = flat_params(*ddp.module());
@@ -88,13 +88,13 @@ TEST(AmpDdp, FoundInfGroupMakesRanksAgreeWhenGradientsDiffer) {
   constexpr int kWorld = 2;
   for (const bool reduce : {true, false}) {
     run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
-      auto group = dtrain::dist::init_process_group(store, rank, kWorld, group_options());
-      DistributedDataParallel ddp(seeded_mlp(1), group);
-      torch::optim::SGD opt(ddp.module()->parameters(), kLr);
+      auto group = dtrain::dist::init_process_group(store, rank, kWorld, amp_group_options());
+      DistributedDataParallel ddp(amp_mlp(1), group);
+      torch::optim::SGD opt(ddp.module()->parameters(), kAmpLr);
       dtrain::amp::GradScalerOptions options;
       if (reduce) options.found_inf_group = group;
       GradScaler scaler(options);
-      const Batch b = batch_for(rank, 0, kBatch);
+      const Batch b = batch_for(rank, 0, kAmpBatch);
       ddp.zero_grad();
       scaler.scale(loss_of(ddp(b.x), b.y)).backward();
       if (rank == 1) ddp.module()->fc2->bias.mutable_grad()[1] = std::numeric_limits<float>::quiet_NaN();
@@ -135,9 +135,9 @@ Batch micro_batch(int rank, int t, int i) {
 TEST_P(Accumulation, EqualsOneStepOnTheUnion) {
   const auto [world, with_scaler] = GetParam();
   // Reference: one process, one step per optimizer step on every rank's every micro-batch.
-  Mlp reference = seeded_mlp(1);
+  Mlp reference = amp_mlp(1);
   {
-    torch::optim::SGD opt(reference->parameters(), kLr);
+    torch::optim::SGD opt(reference->parameters(), kAmpLr);
     for (int t = 0; t < kOptSteps; ++t) {
       std::vector<Batch> parts;
       for (int r = 0; r < world; ++r) {
@@ -151,9 +151,9 @@ TEST_P(Accumulation, EqualsOneStepOnTheUnion) {
   }
   const auto expected = snapshot(*reference);
   run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
-    auto group = dtrain::dist::init_process_group(store, rank, world, group_options());
-    DistributedDataParallel ddp(seeded_mlp(1), group);
-    torch::optim::SGD opt(ddp.module()->parameters(), kLr);
+    auto group = dtrain::dist::init_process_group(store, rank, world, amp_group_options());
+    DistributedDataParallel ddp(amp_mlp(1), group);
+    torch::optim::SGD opt(ddp.module()->parameters(), kAmpLr);
     GradScaler scaler({.enabled = with_scaler});
     for (int t = 0; t < kOptSteps; ++t) {
       ddp.zero_grad();
@@ -184,7 +184,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, Accumulation,
 
 // A model without no_sync (a plain module) just runs the micro-steps.
 TEST(Accumulation, PlainModuleEqualsOneBigBatch) {
-  Mlp big = seeded_mlp(1), accumulated = seeded_mlp(1);
+  Mlp big = amp_mlp(1), accumulated = amp_mlp(1);
   std::vector<Batch> parts;
   for (int i = 0; i < kMicro; ++i) parts.push_back(micro_batch(0, 0, i));
   const Batch all = concat(parts);
@@ -220,7 +220,7 @@ TEST(ShardedClip, EqualsSingleProcessClipping) {
     const double expected = dtrain::clip_grad_norm_(single, 0.5, {.norm_type = p}).item<double>();
     for (const int world : {2, 3}) {
       run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
-        auto group = dtrain::dist::init_process_group(store, rank, world, group_options());
+        auto group = dtrain::dist::init_process_group(store, rank, world, amp_group_options());
         auto all = make();
         std::vector<at::Tensor> mine;
         for (int j = rank; j < kParams; j += world) mine.push_back(all[static_cast<size_t>(j)]);

@@ -18,7 +18,7 @@ namespace hooks = dtrain::hooks;
 using namespace dtrain::testing;
 
 namespace {
-dtrain::dist::GroupOptions group_options() {
+dtrain::dist::GroupOptions hook_group_options() {
   return {.timeout = std::chrono::seconds(60)};
 }
 
@@ -44,7 +44,7 @@ std::vector<at::Tensor> train_mlp(int world, const HookFactory& hook, int steps,
   std::vector<at::Tensor> result;
   std::mutex mutex;
   run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
-    auto group = dtrain::dist::init_process_group(store, rank, world, group_options());
+    auto group = dtrain::dist::init_process_group(store, rank, world, hook_group_options());
     DistributedDataParallel ddp(seeded(4, [] { return Mlp(32); }), group, {.comm_hook = make(hook)});
     torch::optim::SGD opt(ddp.module()->parameters(), lr);
     for (int t = 0; t < steps; ++t) {
@@ -77,7 +77,7 @@ double mnist_accuracy(const HookFactory& hook) {
   static const dtrain::data::FashionMnist test(dtrain::data::kFashionMnistDefaultDir, dtrain::data::Split::kTest);
   double accuracy = 0;
   run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
-    auto group = dtrain::dist::init_process_group(store, rank, 2, group_options());
+    auto group = dtrain::dist::init_process_group(store, rank, 2, hook_group_options());
     DistributedDataParallel ddp(seeded(11, [] { return MnistMlp(); }), group, {.comm_hook = make(hook)});
     torch::optim::SGD opt(ddp.module()->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     // Two epochs over all 60k examples (30k per rank); the learning rate
@@ -127,7 +127,7 @@ TEST(DdpHooks, PowerSgdWarmUpIsPlainAllReduce) {
 TEST(DdpHooks, PowerSgdRanksStayIdentical) {
   const HookFactory powersgd = [] { return hooks::powersgd({.matrix_approximation_rank = 2, .start_iteration = 2}); };
   run_rank_threads(3, [&](int rank, dtrain::dist::Store store) {
-    auto group = dtrain::dist::init_process_group(store, rank, 3, group_options());
+    auto group = dtrain::dist::init_process_group(store, rank, 3, hook_group_options());
     DistributedDataParallel ddp(seeded(4, [] { return Mlp(32); }), group, {.comm_hook = powersgd()});
     torch::optim::SGD opt(ddp.module()->parameters(), 0.1);
     for (int t = 0; t < 6; ++t) {

@@ -16,8 +16,8 @@
 using namespace dtrain::testing;
 
 namespace {
-constexpr int kSteps = 4;
-constexpr int kBatch = 5;
+constexpr int kHybridSteps = 4;
+constexpr int kHybridBatch = 5;
 
 torch::nn::Sequential make_layers(int seed) {
   return seeded(seed, [] {
@@ -29,8 +29,8 @@ torch::nn::Sequential make_layers(int seed) {
 std::vector<at::Tensor> reference(int world) {
   auto model = make_layers(1);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
-  for (int t = 0; t < kSteps; ++t) {
-    const Batch all = global_batch(world, t, kBatch);
+  for (int t = 0; t < kHybridSteps; ++t) {
+    const Batch all = global_batch(world, t, kHybridBatch);
     opt.zero_grad();
     loss_of(model->forward(all.x), all.y).backward();
     opt.step();
@@ -52,8 +52,8 @@ TEST_P(HybridSweep, DdpOverModelParallelEqualsSingleProcess) {
     ASSERT_EQ(split->placement()->device_of_layer, (std::vector<std::size_t>{0, 0, 1, 1, 2}));
     dtrain::DistributedDataParallel ddp(split, group);
     torch::optim::SGD opt(ddp.module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
-    for (int t = 0; t < kSteps; ++t) {
-      const Batch b = batch_for(rank, t, kBatch);
+    for (int t = 0; t < kHybridSteps; ++t) {
+      const Batch b = batch_for(rank, t, kHybridBatch);
       opt.zero_grad();
       const at::Tensor out = ddp(b.x);
       loss_of(out, b.y.to(split->output_device())).backward();

@@ -21,7 +21,7 @@ using dtrain::testing::run_rank_threads;
 
 namespace {
 
-constexpr auto kTimeout = std::chrono::seconds(30);
+constexpr auto kMeshTimeout = std::chrono::seconds(30);
 
 // The world ranks that share every coordinate of `rank` outside `span`
 // (dimension indices), given the mesh's sizes, in row-major order.
@@ -73,7 +73,7 @@ std::string config_error(const std::function<void()>& f) {
 TEST(DeviceMesh, ThreeDimensionsOnEightRanks) {
   constexpr int kWorld = 8;
   run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
-    auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = kTimeout});
+    auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = kMeshTimeout});
     DeviceMesh mesh(world, {{"pp", 2}, {"dp_shard", 2}, {"tp", 2}},
                     {.joins = {{"dp_replicate", "dp_shard"}, {"dp_shard", "tp"}, {"pp", "tp"}}});
     const std::vector<int> sizes{2, 2, 2};
@@ -104,7 +104,7 @@ TEST(DeviceMesh, ThreeDimensionsOnEightRanks) {
 TEST(DeviceMesh, ReplicateTimesShardJoinNumbersRanksRowMajor) {
   constexpr int kWorld = 4;
   run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
-    auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = kTimeout});
+    auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = kMeshTimeout});
     DeviceMesh mesh(world, {{"dp_replicate", 2}, {"dp_shard", 2}});
     auto& data = mesh.join({"dp_replicate", "dp_shard"});
     EXPECT_EQ(data.size(), 4);
@@ -120,7 +120,7 @@ TEST(DeviceMesh, ReplicateTimesShardJoinNumbersRanksRowMajor) {
 
 TEST(DeviceMesh, BadMeshesFailWithAClearError) {
   run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
-    auto world = dtrain::dist::init_process_group(store, rank, 2, {.timeout = kTimeout});
+    auto world = dtrain::dist::init_process_group(store, rank, 2, {.timeout = kMeshTimeout});
     auto make = [&](std::vector<MeshDim> dims) { return config_error([&] { DeviceMesh unused(world, dims); }); };
     EXPECT_NE(make({{"dp", 2}}).find("'dp' is not one dtrain knows"), std::string::npos);
     EXPECT_NE(make({{"tp", 1}, {"tp", 2}}).find("listed twice"), std::string::npos);

@@ -17,12 +17,12 @@ namespace {
 using Result = dtrain::testing::ExampleResult;
 using dtrain::testing::last_json_line;
 
-const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/fashion_mnist";
+const std::string kFashionMnist = std::string(DTRAIN_BINARY_DIR) + "/examples/fashion_mnist";
 const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node";
 
 // Runs the example (through `launcher` when given); stderr goes to a file.
 Result run(const std::string& args, const std::string& launcher = "") {
-  return dtrain::testing::run_example(kExample, args, launcher);
+  return dtrain::testing::run_example(kFashionMnist, args, launcher);
 }
 
 bool have_dataset() {

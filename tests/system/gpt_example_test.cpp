@@ -25,11 +25,11 @@ using dtrain::testing::read_floats;
 using Result = dtrain::testing::ExampleResult;
 using dtrain::testing::last_json_line;
 
-const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
-const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
+const std::string kGpt = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kGptLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
 
-Result run(const std::string& args, const std::string& launcher = "") {
-  return dtrain::testing::run_example(kExample, args, launcher);
+Result run_gpt(const std::string& args, const std::string& launcher = "") {
+  return dtrain::testing::run_example(kGpt, args, launcher);
 }
 
 }  // namespace
@@ -56,14 +56,14 @@ TEST(GptExample, EveryStrategyMatchesSingle) {
       {"accumulate", "--batch-size 2 --accumulate 2 --devices cpu", ""},
       {"dp", "--strategy dp --batch-size 4 --devices cpu,cpu", ""},
       {"model-parallel", "--strategy model-parallel --batch-size 4 --devices cpu,cpu,cpu", ""},
-      {"ddp", "--strategy ddp --batch-size 2 --devices cpu", kLaunch},
-      {"ddp-recompute", "--strategy ddp --batch-size 2 --devices cpu --recompute selective", kLaunch},
-      {"ddp-model-parallel", "--strategy ddp-model-parallel --batch-size 2 --devices cpu,cpu", kLaunch},
+      {"ddp", "--strategy ddp --batch-size 2 --devices cpu", kGptLaunch},
+      {"ddp-recompute", "--strategy ddp --batch-size 2 --devices cpu --recompute selective", kGptLaunch},
+      {"ddp-model-parallel", "--strategy ddp-model-parallel --batch-size 2 --devices cpu,cpu", kGptLaunch},
   };
   std::vector<float> reference;
   for (const auto& c : cases) {
     const auto file = dir / (c.name + ".f32");
-    const auto r = run(common + file.string() + " " + c.args, c.launcher);
+    const auto r = run_gpt(common + file.string() + " " + c.args, c.launcher);
     ASSERT_EQ(r.exit_code, 0) << c.name << ": " << r.stderr_text;
     EXPECT_EQ(last_json_line(r.stdout_text).value("steps", 0), 4) << r.stdout_text;
     const auto params = read_floats(file);
@@ -96,17 +96,17 @@ TEST(GptExample, EveryStrategyRunsItsDefaultsToTheEnd) {
       {"--strategy single", bound},
       {"--strategy dp --devices cpu,cpu", bound},
       {"--strategy model-parallel --devices cpu,cpu", bound},
-      {"--strategy ddp", bound + kLaunch},
-      {"--strategy ddp-model-parallel --devices cpu,cpu", bound + kLaunch},
-      {"--strategy zero1", bound + kLaunch},
-      {"--strategy zero2", bound + kLaunch},
-      {"--strategy zero3", bound + kLaunch},
-      {"--strategy zero3 --eval-iters 3", bound + kLaunch},
-      {"--strategy pipeline", bound + kLaunch},
-      {"--strategy pipeline --pp-schedule interleaved", bound + kLaunch},
+      {"--strategy ddp", bound + kGptLaunch},
+      {"--strategy ddp-model-parallel --devices cpu,cpu", bound + kGptLaunch},
+      {"--strategy zero1", bound + kGptLaunch},
+      {"--strategy zero2", bound + kGptLaunch},
+      {"--strategy zero3", bound + kGptLaunch},
+      {"--strategy zero3 --eval-iters 3", bound + kGptLaunch},
+      {"--strategy pipeline", bound + kGptLaunch},
+      {"--strategy pipeline --pp-schedule interleaved", bound + kGptLaunch},
   };
   for (const auto& c : cases) {
-    const auto r = run("--max-iters 20 --eval-interval 10 " + c.args, c.launcher);
+    const auto r = run_gpt("--max-iters 20 --eval-interval 10 " + c.args, c.launcher);
     ASSERT_EQ(r.exit_code, 0) << c.args << ":\n" << r.stderr_text;
     EXPECT_NE(r.stderr_text.find("train 100% 20/20"), std::string::npos) << c.args << ": no progress\n"
                                                                          << r.stderr_text;
@@ -129,9 +129,9 @@ TEST(GptExample, EveryStrategyRunsItsDefaultsToTheEnd) {
 // near ln(vocabulary) = 4.43.
 TEST(GptExample, ShortRunBeatsBigramModel) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  const auto r =
-      run("--n-layer 2 --n-head 4 --n-embd 64 --block-size 32 --batch-size 16 --max-iters 400 --eval-interval 400 "
-          "--lr 3e-3 --sample-tokens 200 --devices cpu");
+  const auto r = run_gpt(
+      "--n-layer 2 --n-head 4 --n-embd 64 --block-size 32 --batch-size 16 --max-iters 400 --eval-interval 400 "
+      "--lr 3e-3 --sample-tokens 200 --devices cpu");
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   const auto done = last_json_line(r.stdout_text);
   ASSERT_EQ(done.value("event", ""), "done") << r.stdout_text;
@@ -154,12 +154,12 @@ TEST(GptExample, ResumedRunEqualsUninterrupted) {
   const std::string common =
       "--n-layer 1 --n-head 2 --n-embd 16 --block-size 8 --batch-size 4 --eval-interval 3 --eval-iters 1 "
       "--warmup-iters 2 --lr-decay-iters 6 --sample-tokens 0 --devices cpu ";
-  const auto whole = run(common + "--max-iters 6 --save-params " + (dir / "whole.f32").string());
+  const auto whole = run_gpt(common + "--max-iters 6 --save-params " + (dir / "whole.f32").string());
   ASSERT_EQ(whole.exit_code, 0) << whole.stderr_text;
   const std::string ckpt = "--checkpoint-dir " + (dir / "ckpt").string() + " ";
-  const auto first = run(common + ckpt + "--max-iters 3");
+  const auto first = run_gpt(common + ckpt + "--max-iters 3");
   ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
-  const auto second = run(common + ckpt + "--max-iters 6 --save-params " + (dir / "resumed.f32").string());
+  const auto second = run_gpt(common + ckpt + "--max-iters 6 --save-params " + (dir / "resumed.f32").string());
   ASSERT_EQ(second.exit_code, 0) << second.stderr_text;
   EXPECT_NE(second.stderr_text.find("resumed at step 3"), std::string::npos) << second.stderr_text;
   const auto a = read_floats(dir / "whole.f32");
@@ -171,16 +171,16 @@ TEST(GptExample, ResumedRunEqualsUninterrupted) {
 // bf16 autocast (forward and loss): a short run still learns.
 TEST(GptExample, AmpBf16Trains) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  const auto r =
-      run("--amp bf16 --n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 8 --max-iters 60 "
-          "--eval-interval 60 --lr 3e-3 --warmup-iters 10 --sample-tokens 20 --devices cpu");
+  const auto r = run_gpt(
+      "--amp bf16 --n-layer 1 --n-head 2 --n-embd 32 --block-size 16 --batch-size 8 --max-iters 60 "
+      "--eval-interval 60 --lr 3e-3 --warmup-iters 10 --sample-tokens 20 --devices cpu");
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   const auto done = last_json_line(r.stdout_text);
   EXPECT_LT(done["val_loss"].get<double>(), 3.6) << r.stdout_text;  // from ln(84) = 4.43
 }
 
 TEST(GptExample, MissingCorpusFailsClearly) {
-  const auto r = run("--data-dir /nonexistent/shakespeare_char --max-iters 1");
+  const auto r = run_gpt("--data-dir /nonexistent/shakespeare_char --max-iters 1");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.stderr_text.find("no Shakespeare corpus"), std::string::npos) << r.stderr_text;
   EXPECT_NE(r.stderr_text.find("scripts/setup.sh"), std::string::npos) << r.stderr_text;

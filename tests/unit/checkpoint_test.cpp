@@ -15,8 +15,8 @@
 namespace fs = std::filesystem;
 
 namespace {
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(int hidden = 8) {
+struct TinyNetImpl : torch::nn::Module {
+  explicit TinyNetImpl(int hidden = 8) {
     a = register_module("a", torch::nn::Linear(4, hidden));
     b = register_module("b", torch::nn::Linear(hidden, 2));
     register_buffer("seen", at::zeros({1}));
@@ -24,7 +24,7 @@ struct NetImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) { return b(at::dropout(at::relu(a(x)), 0.3, is_training())); }
   torch::nn::Linear a{nullptr}, b{nullptr};
 };
-TORCH_MODULE(Net);
+TORCH_MODULE(TinyNet);
 
 fs::path temp_dir(const std::string& name) {
   auto dir = fs::temp_directory_path() / ("dtrain-ckpt-" + name + "-" + std::to_string(::getpid()));
@@ -33,7 +33,7 @@ fs::path temp_dir(const std::string& name) {
 }
 
 // Trains `steps` steps from `from` (0 = fresh), saving every 3 steps.
-void train(Net& net, torch::optim::Adam& opt, dtrain::Checkpointer* ckpt, std::int64_t from, std::int64_t steps) {
+void train(TinyNet& net, torch::optim::Adam& opt, dtrain::Checkpointer* ckpt, std::int64_t from, std::int64_t steps) {
   for (std::int64_t s = from; s < steps; ++s) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(s);
     const auto x = at::randn({5, 4}, gen);
@@ -45,7 +45,7 @@ void train(Net& net, torch::optim::Adam& opt, dtrain::Checkpointer* ckpt, std::i
   }
 }
 
-std::vector<at::Tensor> params(Net& net) {
+std::vector<at::Tensor> params(TinyNet& net) {
   std::vector<at::Tensor> out;
   for (auto& p : net->parameters()) out.push_back(p.detach().clone());
   return out;
@@ -55,19 +55,19 @@ std::vector<at::Tensor> params(Net& net) {
 TEST(Checkpoint, ResumeEqualsUninterruptedBitForBit) {
   const auto dir = temp_dir("resume");
   torch::manual_seed(0);
-  Net reference;
+  TinyNet reference;
   torch::optim::Adam ref_opt(reference->parameters(), 1e-2);
   train(reference, ref_opt, nullptr, 0, 10);
 
   torch::manual_seed(0);
-  Net first;
+  TinyNet first;
   torch::optim::Adam first_opt(first->parameters(), 1e-2);
   dtrain::Checkpointer ckpt({.dir = dir, .keep = 2});
   train(first, first_opt, &ckpt, 0, 7);  // "crashes" after step 7; newest checkpoint: step 6
   EXPECT_EQ(ckpt.complete_steps(), (std::vector<std::int64_t>{6, 3}));
 
   torch::manual_seed(123);  // a restart starts from other weights and RNG state
-  Net second;
+  TinyNet second;
   torch::optim::Adam second_opt(second->parameters(), 1e-2);
   const auto state = ckpt.load_latest(*second, second_opt);
   ASSERT_TRUE(state.has_value());
@@ -82,7 +82,7 @@ TEST(Checkpoint, ResumeEqualsUninterruptedBitForBit) {
 TEST(Checkpoint, PartialAndCorruptCheckpointsAreSkipped) {
   const auto dir = temp_dir("corrupt");
   torch::manual_seed(0);
-  Net net;
+  TinyNet net;
   torch::optim::Adam opt(net->parameters(), 1e-2);
   dtrain::Checkpointer ckpt({.dir = dir, .keep = 5});
   train(net, opt, &ckpt, 0, 9);  // checkpoints 3, 6, 9
@@ -100,7 +100,7 @@ TEST(Checkpoint, PartialAndCorruptCheckpointsAreSkipped) {
   const std::string warnings = testing::internal::GetCapturedStderr();
   EXPECT_NE(warnings.find("step_9: model.pt fails its CRC"), std::string::npos) << warnings;
   EXPECT_NE(warnings.find("step_6: no MANIFEST (incomplete)"), std::string::npos) << warnings;
-  Net other;
+  TinyNet other;
   torch::optim::Adam other_opt(other->parameters(), 1e-2);
   EXPECT_EQ(ckpt.load_latest(*other, other_opt)->step, 3);
   // The next save clears what crashed saves left behind.
@@ -113,7 +113,7 @@ TEST(Checkpoint, PartialAndCorruptCheckpointsAreSkipped) {
 TEST(Checkpoint, KeepsTheNewestAndHandlesNone) {
   const auto dir = temp_dir("keep");
   torch::manual_seed(0);
-  Net net;
+  TinyNet net;
   torch::optim::Adam opt(net->parameters(), 1e-2);
   dtrain::Checkpointer ckpt({.dir = dir, .keep = 2});
   EXPECT_FALSE(ckpt.load_latest(*net, opt).has_value());
@@ -124,11 +124,11 @@ TEST(Checkpoint, KeepsTheNewestAndHandlesNone) {
 
 TEST(Checkpoint, ADifferentModelIsRefused) {
   const auto dir = temp_dir("mismatch");
-  Net net;
+  TinyNet net;
   torch::optim::Adam opt(net->parameters(), 1e-2);
   dtrain::Checkpointer ckpt({.dir = dir});
   ckpt.save({.step = 1}, *net, opt);
-  Net wider(16);
+  TinyNet wider(16);
   torch::optim::Adam wider_opt(wider->parameters(), 1e-2);
   try {
     ckpt.load_latest(*wider, wider_opt);

@@ -9,6 +9,7 @@
 #include "dtrain/comm/cluster_env.h"
 #include "dtrain/comm/env.h"
 #include "dtrain/error.h"
+#include "fake_env.h"
 
 using dtrain::ConfigError;
 using dtrain::dist::EnvLookup;
@@ -17,18 +18,12 @@ using dtrain::dist::read_env_contract;
 using dtrain::dist::detail::expand_nodelist;
 using dtrain::dist::detail::expand_tasks_per_node;
 using dtrain::dist::detail::port_from_job_id;
+using dtrain::testing::expect_contains;
+using dtrain::testing::fake_env;
 
 namespace {
 using Vars = std::map<std::string, std::string>;
 using Hosts = std::vector<std::string>;
-
-EnvLookup fake(Vars vars) {
-  return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
 
 // Task `rank` of `srun -N 3 -n 5` (tasks per node 2,2,1) in job 4242, as srun sets it.
 Vars slurm_task(int rank) {
@@ -56,7 +51,7 @@ Vars open_mpi_rank(int rank) {
 
 std::string config_error(const Vars& vars) {
   try {
-    read_env_contract(fake(vars));
+    read_env_contract(fake_env(vars));
   } catch (const ConfigError& e) {
     EXPECT_FALSE(e.hint().empty()) << e.what();
     return e.what();
@@ -75,9 +70,6 @@ std::string nodelist_error(const std::string& text) {
   return {};
 }
 
-void expect_contains(const std::string& text, std::initializer_list<std::string> needles) {
-  for (const auto& n : needles) EXPECT_NE(text.find(n), std::string::npos) << "missing '" << n << "' in: " << text;
-}
 }  // namespace
 
 TEST(Nodelist, ExpandsRangesListsAndPadding) {
@@ -114,7 +106,7 @@ TEST(Nodelist, TasksPerNode) {
 }
 
 TEST(SlurmEnv, LogLineSaysWhereTheMasterCameFrom) {
-  const auto task = dtrain::dist::read_cluster_task(fake(slurm_task(1)));
+  const auto task = dtrain::dist::read_cluster_task(fake_env(slurm_task(1)));
   ASSERT_TRUE(task.has_value());
   EXPECT_EQ(task->origin,
             "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID; master gpu-a07 = first host of "
@@ -126,7 +118,7 @@ TEST(SlurmEnv, LogLineSaysWhereTheMasterCameFrom) {
 TEST(SlurmEnv, EveryTaskFindsTheSameMasterAndItsPlace) {
   for (int rank = 0; rank < 5; ++rank) {
     SCOPED_TRACE(rank);
-    const auto c = read_env_contract(fake(slurm_task(rank)));
+    const auto c = read_env_contract(fake_env(slurm_task(rank)));
     EXPECT_EQ(c.source, EnvSource::kSlurm);
     EXPECT_EQ(c.rank, rank);
     EXPECT_EQ(c.world_size, 5);
@@ -146,8 +138,8 @@ TEST(SlurmEnv, PortFollowsClusterJobAndStepAndStaysInRange) {
   auto b = slurm_task(0);
   a["SLURM_CLUSTER_NAME"] = "alpha";
   b["SLURM_CLUSTER_NAME"] = "beta";
-  EXPECT_NE(read_env_contract(fake(a)).master_port, read_env_contract(fake(b)).master_port);
-  EXPECT_EQ(read_env_contract(fake(a)).master_port, port_from_job_id("alpha/4242"));
+  EXPECT_NE(read_env_contract(fake_env(a)).master_port, read_env_contract(fake_env(b)).master_port);
+  EXPECT_EQ(read_env_contract(fake_env(a)).master_port, port_from_job_id("alpha/4242"));
   EXPECT_NE(port_from_job_id("4242", 0), port_from_job_id("4243", 0));
   EXPECT_NE(port_from_job_id("4242", 0), port_from_job_id("4242", 1));
   for (int job = 0; job < 2000; ++job) {
@@ -161,19 +153,19 @@ TEST(SlurmEnv, MasterVariablesOverrideAndJobNodelistIsTheFallback) {
   auto v = slurm_task(1);
   v["MASTER_ADDR"] = "10.1.2.3";
   v["MASTER_PORT"] = "23456";
-  auto c = read_env_contract(fake(v));
+  auto c = read_env_contract(fake_env(v));
   EXPECT_EQ(c.master_addr, "10.1.2.3");
   EXPECT_EQ(c.master_port, 23456);
 
   v = slurm_task(1);
   v.erase("SLURM_STEP_NODELIST");
-  c = read_env_contract(fake(v));
+  c = read_env_contract(fake_env(v));
   EXPECT_EQ(c.master_addr, "gpu-a07");
 
   v = slurm_task(1);  // the batch step's tasks-per-node when srun's is absent
   v.erase("SLURM_STEP_TASKS_PER_NODE");
   v["SLURM_TASKS_PER_NODE"] = "3,2";
-  EXPECT_EQ(read_env_contract(fake(v)).local_world_size, 3);
+  EXPECT_EQ(read_env_contract(fake_env(v)).local_world_size, 3);
 }
 
 TEST(SlurmEnv, BatchScriptShellIsNoTask) {
@@ -181,7 +173,7 @@ TEST(SlurmEnv, BatchScriptShellIsNoTask) {
   const Vars batch = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},        {"SLURM_LOCALID", "0"},
                       {"SLURM_NODEID", "0"}, {"SLURM_JOB_ID", "17"},       {"SLURM_JOB_NODELIST", "vm"},
                       {"SLURM_NNODES", "1"}, {"SLURM_TASKS_PER_NODE", "2"}};
-  EXPECT_FALSE(dtrain::dist::launched_by_launcher(fake(batch)));
+  EXPECT_FALSE(dtrain::dist::launched_by_launcher(fake_env(batch)));
   expect_contains(config_error(batch), {"batch script", "17", "SLURM_STEP_ID"});
 }
 
@@ -215,7 +207,7 @@ TEST(SlurmEnv, HalfSetEnvironmentNamesWhatIsMissing) {
 
 TEST(OpenMpiEnv, OneNodeUsesLoopbackAndTheJobIdsPort) {
   for (int rank = 0; rank < 2; ++rank) {
-    const auto c = read_env_contract(fake(open_mpi_rank(rank)));
+    const auto c = read_env_contract(fake_env(open_mpi_rank(rank)));
     EXPECT_EQ(c.source, EnvSource::kOpenMpi);
     EXPECT_EQ(c.rank, rank);
     EXPECT_EQ(c.world_size, 2);
@@ -227,9 +219,9 @@ TEST(OpenMpiEnv, OneNodeUsesLoopbackAndTheJobIdsPort) {
   auto v = open_mpi_rank(0);  // Open MPI 5 names its job by the PMIx namespace
   v.erase("OMPI_MCA_ess_base_jobid");
   v["PMIX_NAMESPACE"] = "prterun-vm-1234@1";
-  EXPECT_EQ(read_env_contract(fake(v)).master_port, port_from_job_id("prterun-vm-1234@1"));
+  EXPECT_EQ(read_env_contract(fake_env(v)).master_port, port_from_job_id("prterun-vm-1234@1"));
   v.erase("PMIX_NAMESPACE");  // no job id: torch's default port
-  EXPECT_EQ(read_env_contract(fake(v)).master_port, 29500);
+  EXPECT_EQ(read_env_contract(fake_env(v)).master_port, 29500);
 }
 
 TEST(OpenMpiEnv, SeveralNodesNeedMasterAddr) {
@@ -237,7 +229,7 @@ TEST(OpenMpiEnv, SeveralNodesNeedMasterAddr) {
   v["OMPI_COMM_WORLD_SIZE"] = "4";  // 2 ranks on each of 2 nodes
   expect_contains(config_error(v), {"Open MPI", "MASTER_ADDR", "-x MASTER_ADDR"});
   v["MASTER_ADDR"] = "node0";
-  const auto c = read_env_contract(fake(v));
+  const auto c = read_env_contract(fake_env(v));
   EXPECT_EQ(c.master_addr, "node0");
   EXPECT_EQ(c.world_size, 4);
 }
@@ -251,19 +243,19 @@ TEST(OpenMpiEnv, HalfSetEnvironmentNamesWhatIsMissing) {
 
 TEST(PmiEnv, HydraLocalRanksAndHalfSetEnvironments) {
   Vars v = {{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", "1"}, {"MPI_LOCALNRANKS", "2"}};
-  auto c = read_env_contract(fake(v));
+  auto c = read_env_contract(fake_env(v));
   EXPECT_EQ(c.source, EnvSource::kPmi);
   EXPECT_EQ(c.rank, 1);
   EXPECT_EQ(c.local_world_size, 2);
   EXPECT_EQ(c.master_addr, "127.0.0.1");
   EXPECT_EQ(c.master_port, 29500);
   v["MASTER_PORT"] = "31000";
-  EXPECT_EQ(read_env_contract(fake(v)).master_port, 31000);
+  EXPECT_EQ(read_env_contract(fake_env(v)).master_port, 31000);
 
   expect_contains(config_error({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", "1"}}), {"MPI_LOCALNRANKS"});
   expect_contains(config_error({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}}), {"MPI_LOCALNRANKS", "MASTER_ADDR"});
   expect_contains(config_error({{"PMI_RANK", "1"}}), {"PMI_SIZE is not"});
-  c = read_env_contract(fake({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MASTER_ADDR", "h0"}}));
+  c = read_env_contract(fake_env({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MASTER_ADDR", "h0"}}));
   EXPECT_EQ(c.master_addr, "h0");
 }
 
@@ -271,11 +263,11 @@ TEST(ClusterEnvOrder, TorchrunThenSlurmThenOpenMpiThenPmi) {
   // dtrain run / torchrun inside an srun step: the launcher's contract wins.
   auto v = slurm_task(3);
   v.insert({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29511"}});
-  EXPECT_EQ(read_env_contract(fake(v)).source, EnvSource::kTorchrun);
+  EXPECT_EQ(read_env_contract(fake_env(v)).source, EnvSource::kTorchrun);
   // srun --mpi=pmi2: Slurm's and PMI's variables agree; Slurm's are read.
   v = slurm_task(3);
   v.insert({{"PMI_RANK", "3"}, {"PMI_SIZE", "5"}});
-  EXPECT_EQ(read_env_contract(fake(v)).source, EnvSource::kSlurm);
+  EXPECT_EQ(read_env_contract(fake_env(v)).source, EnvSource::kSlurm);
   // mpirun inside an allocation: SLURM_* describe mpirun's daemon step.
   v = open_mpi_rank(1);
   v.insert({{"SLURM_PROCID", "0"},
@@ -283,27 +275,27 @@ TEST(ClusterEnvOrder, TorchrunThenSlurmThenOpenMpiThenPmi) {
             {"SLURM_LOCALID", "0"},
             {"SLURM_NODEID", "0"},
             {"SLURM_STEP_ID", "0"}});
-  const auto c = read_env_contract(fake(v));
+  const auto c = read_env_contract(fake_env(v));
   EXPECT_EQ(c.source, EnvSource::kOpenMpi);
   EXPECT_EQ(c.rank, 1);
   // Open MPI before PMI.
   v = open_mpi_rank(1);
   v.insert({{"PMI_RANK", "0"}, {"PMI_SIZE", "1"}});
-  EXPECT_EQ(read_env_contract(fake(v)).source, EnvSource::kOpenMpi);
+  EXPECT_EQ(read_env_contract(fake_env(v)).source, EnvSource::kOpenMpi);
 }
 
 TEST(ClusterEnvOrder, TorchrunHalfSetAndNothingSet) {
   expect_contains(config_error({{"RANK", "0"}, {"SLURM_PROCID", "0"}}), {"WORLD_SIZE is not set"});
   expect_contains(config_error({}), {"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"});
-  EXPECT_FALSE(dtrain::dist::launched_by_launcher(fake({})));
-  EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake(slurm_task(0))));
-  EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake(open_mpi_rank(0))));
-  EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake({{"PMI_RANK", "0"}})));
+  EXPECT_FALSE(dtrain::dist::launched_by_launcher(fake_env({})));
+  EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake_env(slurm_task(0))));
+  EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake_env(open_mpi_rank(0))));
+  EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake_env({{"PMI_RANK", "0"}})));
 }
 
 TEST(ClusterEnvOrder, WriterCarriesTheRoleAndReaderReadsItBack) {
   dtrain::dist::EnvContract c{.rank = 1, .world_size = 2, .local_rank = 1, .local_world_size = 2, .role = "trainer"};
   const auto vars = dtrain::dist::to_environment(c);
   EXPECT_EQ(vars.at("ROLE_NAME"), "trainer");
-  EXPECT_EQ(read_env_contract(fake(Vars(vars.begin(), vars.end()))).role, "trainer");
+  EXPECT_EQ(read_env_contract(fake_env(Vars(vars.begin(), vars.end()))).role, "trainer");
 }

@@ -5,21 +5,15 @@
 
 #include "dtrain/comm/env.h"
 #include "dtrain/error.h"
+#include "fake_env.h"
 
 using dtrain::ConfigError;
 using dtrain::dist::EnvLookup;
 using dtrain::dist::read_env_contract;
+using dtrain::testing::fake_env;
 
 namespace {
 using Vars = std::map<std::string, std::string>;
-
-EnvLookup fake(Vars vars) {
-  return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
 
 Vars good() {
   return {{"RANK", "2"},
@@ -33,7 +27,7 @@ Vars good() {
 // Expects read_env_contract to throw a ConfigError whose text contains every `needle`.
 void expect_config_error(const Vars& vars, std::initializer_list<std::string> needles) {
   try {
-    read_env_contract(fake(vars));
+    read_env_contract(fake_env(vars));
     ADD_FAILURE() << "no error thrown";
   } catch (const ConfigError& e) {
     const std::string what = e.what();
@@ -44,7 +38,7 @@ void expect_config_error(const Vars& vars, std::initializer_list<std::string> ne
 }  // namespace
 
 TEST(EnvContract, ReadsAllFields) {
-  const auto c = read_env_contract(fake(good()));
+  const auto c = read_env_contract(fake_env(good()));
   EXPECT_EQ(c.rank, 2);
   EXPECT_EQ(c.world_size, 4);
   EXPECT_EQ(c.local_rank, 0);
@@ -57,7 +51,7 @@ TEST(EnvContract, LocalVariablesDefaultToOneNode) {
   auto v = good();
   v.erase("LOCAL_RANK");
   v.erase("LOCAL_WORLD_SIZE");
-  const auto c = read_env_contract(fake(v));
+  const auto c = read_env_contract(fake_env(v));
   EXPECT_EQ(c.local_rank, 2);
   EXPECT_EQ(c.local_world_size, 4);
 }
@@ -109,10 +103,10 @@ TEST(EnvContract, OutOfRangeValues) {
 
 TEST(EnvContract, TorchElasticVariables) {
   auto v = good();
-  EXPECT_FALSE(read_env_contract(fake(v)).agent_store);
+  EXPECT_FALSE(read_env_contract(fake_env(v)).agent_store);
   v["TORCHELASTIC_USE_AGENT_STORE"] = "True";
   v["TORCHELASTIC_RESTART_COUNT"] = "3";
-  const auto c = read_env_contract(fake(v));
+  const auto c = read_env_contract(fake_env(v));
   EXPECT_TRUE(c.agent_store);
   EXPECT_EQ(c.restart_count, 3);
   v["TORCHELASTIC_RESTART_COUNT"] = "-1";
@@ -120,17 +114,19 @@ TEST(EnvContract, TorchElasticVariables) {
 }
 
 TEST(EnvContract, LaunchedByLauncher) {
-  EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake(good())));
-  EXPECT_FALSE(dtrain::dist::launched_by_launcher(fake({{"RANK", "0"}})));
+  EXPECT_TRUE(dtrain::dist::launched_by_launcher(fake_env(good())));
+  EXPECT_FALSE(dtrain::dist::launched_by_launcher(fake_env({{"RANK", "0"}})));
 }
 
 TEST(DefaultTimeout, FallbackAndOverride) {
   using namespace std::chrono;
-  EXPECT_EQ(dtrain::dist::default_timeout(seconds(7), fake({})), milliseconds(7000));
-  EXPECT_EQ(dtrain::dist::default_timeout(seconds(7), fake({{"DTRAIN_TIMEOUT_SECONDS", "2.5"}})), milliseconds(2500));
-  EXPECT_EQ(dtrain::dist::default_timeout(seconds(7), fake({{"DTRAIN_TIMEOUT_SECONDS", "120"}})), milliseconds(120000));
+  EXPECT_EQ(dtrain::dist::default_timeout(seconds(7), fake_env({})), milliseconds(7000));
+  EXPECT_EQ(dtrain::dist::default_timeout(seconds(7), fake_env({{"DTRAIN_TIMEOUT_SECONDS", "2.5"}})),
+            milliseconds(2500));
+  EXPECT_EQ(dtrain::dist::default_timeout(seconds(7), fake_env({{"DTRAIN_TIMEOUT_SECONDS", "120"}})),
+            milliseconds(120000));
   for (const char* bad : {"", "soon", "-3", "0", "1e400", "5s"}) {
-    EXPECT_THROW(dtrain::dist::default_timeout(seconds(7), fake({{"DTRAIN_TIMEOUT_SECONDS", bad}})), ConfigError)
+    EXPECT_THROW(dtrain::dist::default_timeout(seconds(7), fake_env({{"DTRAIN_TIMEOUT_SECONDS", bad}})), ConfigError)
         << bad;
   }
 }
@@ -150,7 +146,7 @@ TEST(EnvContract, WhatALauncherWritesReadsBackTheSame) {
   const auto vars = dtrain::dist::to_environment(written);
   EXPECT_EQ(vars.at("ROLE_RANK"), "5");
   EXPECT_EQ(vars.at("ROLE_WORLD_SIZE"), "8");
-  const auto c = read_env_contract(fake(Vars(vars.begin(), vars.end())));
+  const auto c = read_env_contract(fake_env(Vars(vars.begin(), vars.end())));
   EXPECT_EQ(c.rank, 5);
   EXPECT_EQ(c.world_size, 8);
   EXPECT_EQ(c.local_rank, 1);

@@ -7,23 +7,19 @@
 
 #include "dtrain/comm/cluster_env.h"
 #include "dtrain/error.h"
+#include "fake_env.h"
 #include "launch_options.h"
 #include "torchrun_args.h"
 
 using dtrain::ConfigError;
+using dtrain::testing::expect_contains;
+using dtrain::testing::fake_env;
 using dtrain::tools::LaunchPlan;
 using dtrain::tools::rewrite_torchrun_arguments;
 using Args = std::vector<std::string>;
 using Vars = std::map<std::string, std::string>;
 
 namespace {
-dtrain::dist::EnvLookup fake(Vars vars) {
-  return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
 
 // `dtrain run ARGS` under `env`, as tools/dtrain/main.cpp parses it.
 LaunchPlan plan(Args args, const Vars& env = {}) {
@@ -31,12 +27,12 @@ LaunchPlan plan(Args args, const Vars& env = {}) {
   dtrain::tools::LaunchOptions options;
   CLI::App* run = app.add_subcommand("run");
   dtrain::tools::add_launch_options(*run, options);
-  auto rewritten = rewrite_torchrun_arguments(args, fake(env)).args;
+  auto rewritten = rewrite_torchrun_arguments(args, fake_env(env)).args;
   rewritten.insert(rewritten.begin(), "run");
   std::reverse(rewritten.begin(), rewritten.end());
   app.parse(rewritten);
   options.program_and_args = run->remaining();
-  return dtrain::tools::plan_launch(options, fake(env));
+  return dtrain::tools::plan_launch(options, fake_env(env));
 }
 
 // The refusal's text; fails the test when `args` are accepted.
@@ -51,36 +47,34 @@ std::string refusal(const Args& args, const Vars& env = {}) {
   return {};
 }
 
-void expect_contains(const std::string& text, std::initializer_list<std::string> needles) {
-  for (const auto& n : needles) EXPECT_NE(text.find(n), std::string::npos) << "missing '" << n << "' in: " << text;
-}
 }  // namespace
 
 TEST(TorchrunArguments, PetVariablesAreDefaultsTheCommandLineOverrides) {
   const Vars env = {{"PET_NNODES", "1:3"}, {"PET_MAX_RESTARTS", "2"}, {"PET_STANDALONE", "0"}, {"PET_ROLE", "r"}};
-  const auto out = rewrite_torchrun_arguments({"--max_restarts", "5", "/bin/true", "--nnodes", "9"}, fake(env));
+  const auto out = rewrite_torchrun_arguments({"--max_restarts", "5", "/bin/true", "--nnodes", "9"}, fake_env(env));
   // --nnodes after PROGRAM is the program's: PET_NNODES still applies.
   EXPECT_EQ(out.args, (Args{"--nnodes=1:3", "--role=r", "--max_restarts", "5", "/bin/true", "--nnodes", "9"}));
   EXPECT_EQ(out.from_pet, (Args{"PET_NNODES=1:3", "PET_ROLE=r"}));
-  EXPECT_EQ(rewrite_torchrun_arguments({"x"}, fake({{"PET_STANDALONE", "1"}})).args, (Args{"--standalone", "x"}));
+  EXPECT_EQ(rewrite_torchrun_arguments({"x"}, fake_env({{"PET_STANDALONE", "1"}})).args, (Args{"--standalone", "x"}));
   // Kubeflow's training-operator before v1.7 wrote PET_N_PROC_PER_NODE.
-  EXPECT_EQ(rewrite_torchrun_arguments({"x"}, fake({{"PET_N_PROC_PER_NODE", "4"}})).args,
+  EXPECT_EQ(rewrite_torchrun_arguments({"x"}, fake_env({{"PET_N_PROC_PER_NODE", "4"}})).args,
             (Args{"--nproc-per-node=4", "x"}));
 }
 
 TEST(TorchrunArguments, TeeTakesTorchrunsValueOrStaysDtrainsFlag) {
-  EXPECT_EQ(rewrite_torchrun_arguments({"--tee", "3", "p"}, fake({})).args, (Args{"--tee-streams", "3", "p"}));
-  EXPECT_EQ(rewrite_torchrun_arguments({"-t", "0:3,1:3", "p"}, fake({})).args, (Args{"--tee-streams", "0:3,1:3", "p"}));
-  EXPECT_EQ(rewrite_torchrun_arguments({"--tee=3", "p"}, fake({})).args, (Args{"--tee-streams=3", "p"}));
-  EXPECT_EQ(rewrite_torchrun_arguments({"--tee", "./p", "3"}, fake({})).args, (Args{"--tee", "./p", "3"}));
-  EXPECT_EQ(rewrite_torchrun_arguments({"--log-dir", "--tee", "p"}, fake({})).args,
+  EXPECT_EQ(rewrite_torchrun_arguments({"--tee", "3", "p"}, fake_env({})).args, (Args{"--tee-streams", "3", "p"}));
+  EXPECT_EQ(rewrite_torchrun_arguments({"-t", "0:3,1:3", "p"}, fake_env({})).args,
+            (Args{"--tee-streams", "0:3,1:3", "p"}));
+  EXPECT_EQ(rewrite_torchrun_arguments({"--tee=3", "p"}, fake_env({})).args, (Args{"--tee-streams=3", "p"}));
+  EXPECT_EQ(rewrite_torchrun_arguments({"--tee", "./p", "3"}, fake_env({})).args, (Args{"--tee", "./p", "3"}));
+  EXPECT_EQ(rewrite_torchrun_arguments({"--log-dir", "--tee", "p"}, fake_env({})).args,
             (Args{"--log-dir", "--tee", "p"}));  // a value that looks like an option stays a value
 }
 
 TEST(TorchrunArguments, DoubleDashBeforeTheProgramIsASeparator) {
-  EXPECT_EQ(rewrite_torchrun_arguments({"--nnodes", "1", "--", "p", "--", "-x"}, fake({})).args,
+  EXPECT_EQ(rewrite_torchrun_arguments({"--nnodes", "1", "--", "p", "--", "-x"}, fake_env({})).args,
             (Args{"--nnodes", "1", "p", "--", "-x"}));
-  EXPECT_EQ(rewrite_torchrun_arguments({"--", "--p"}, fake({})).args, (Args{"--p"}));
+  EXPECT_EQ(rewrite_torchrun_arguments({"--", "--p"}, fake_env({})).args, (Args{"--p"}));
   const auto parsed = plan({"--nproc-per-node", "2", "--", "/bin/echo", "--", "--nnodes", "3"});
   ASSERT_EQ(parsed.argv.size(), 4u);
   EXPECT_EQ(parsed.argv.back(), "3");
