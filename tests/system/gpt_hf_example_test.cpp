@@ -21,9 +21,9 @@ namespace {
 namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;
 
-const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
-const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
-const std::string kCommon =
+const std::string kHfExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kHfLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
+const std::string kHfCommon =
     "--strategy zero3 --max-iters 3 --eval-interval 3 --eval-iters 2 --sample-tokens 0 --seed 5 --devices cpu "
     "--batch-size 2 ";
 
@@ -60,10 +60,10 @@ TEST(GptHfExample, Zero3ExportsWhatItTrainedAndResumesFromIt) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   const auto first =
-      dtrain::testing::run_example(kExample,
-                                   kCommon + "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --export-hf " +
+      dtrain::testing::run_example(kHfExample,
+                                   kHfCommon + "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --export-hf " +
                                        (dir / "hf").string() + " --save-params " + (dir / "trained.f32").string(),
-                                   kLaunch);
+                                   kHfLaunch);
   ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
   const auto trained = dtrain::testing::read_floats(dir / "trained.f32");
   const auto hf = ck::load_safetensors_dir(dir / "hf").tensors;
@@ -74,7 +74,7 @@ TEST(GptHfExample, Zero3ExportsWhatItTrainedAndResumesFromIt) {
 
   // Sizes come from the folder: the flags that would contradict it are absent.
   const auto second =
-      dtrain::testing::run_example(kExample, kCommon + "--init-from-hf " + (dir / "hf").string(), kLaunch);
+      dtrain::testing::run_example(kHfExample, kHfCommon + "--init-from-hf " + (dir / "hf").string(), kHfLaunch);
   ASSERT_EQ(second.exit_code, 0) << second.stderr_text;
   const double last = dtrain::testing::last_json_line(first.stdout_text).value("val_loss", 0.0);
   double resumed_at_0 = -1;

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "checkpoint_files.h"
 #include "dtrain/checkpoint/safetensors.h"
 #include "hf_export.h"
 #include "model.h"
@@ -16,20 +17,9 @@
 namespace {
 
 namespace fs = std::filesystem;
+using dtrain::testing::ckfiles::run_peer;
+using dtrain::testing::ckfiles::temp_dir;
 namespace ck = dtrain::checkpoint;
-
-fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("dtrain-gpt-hf-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-void run_peer(const std::string& args) {
-  const std::string cmd =
-      std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/tests/data/checkpoint/hf_peer.py " + args;
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-}
 
 at::Tensor tensor(const ck::NamedTensors& tensors, const std::string& name) {
   for (const auto& [n, t] : tensors)
@@ -49,7 +39,7 @@ TEST(GptHuggingFace, ExportLoadsInTransformersWithEqualLogits) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(12);
     for (auto& p : model->parameters()) p.add_(at::randn(p.sizes(), gen) * 0.05);  // norms and biases off 1 and 0
     model->eval();
-    const auto dir = temp_dir(bias ? "bias" : "nobias");
+    const auto dir = temp_dir("gpt-hf", bias ? "bias" : "nobias");
     gpt::export_hf(*model, config, dir);
 
     const at::Tensor idx = at::randint(0, 65, {3, 16}, gen, at::kLong);
@@ -63,13 +53,13 @@ TEST(GptHuggingFace, ExportLoadsInTransformersWithEqualLogits) {
                                                          {"logits", model->forward(idx).contiguous()},
                                                          {"prompt", idx.narrow(1, 0, 6).contiguous()},
                                                          {"greedy", tokens}});
-    run_peer("check " + dir.string());
+    run_peer("hf_peer.py", "check " + dir.string());
   }
 }
 
 TEST(GptHuggingFace, ImportsTransformersModel) {
-  const auto dir = temp_dir("import");
-  run_peer("make " + dir.string());
+  const auto dir = temp_dir("gpt-hf", "import");
+  run_peer("hf_peer.py", "make " + dir.string());
   const gpt::GptConfig config = gpt::config_from_hf(dir);
   EXPECT_TRUE(config.gelu_tanh);
   EXPECT_TRUE(config.bias);

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <string>
 
+#include "checkpoint_files.h"
 #include "corpus.h"
 #include "dtrain/host_memory.h"
 #include "fused_adamw.h"
@@ -21,6 +22,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using dtrain::testing::ckfiles::temp_dir;
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, double rtol, double atol,
                   const std::string& what) {
@@ -33,20 +35,13 @@ bool have_corpus() {
   return fs::exists(fs::path(gpt::default_data_dir()) / "meta.json");
 }
 
-fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("dtrain-gpt-test-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
 }  // namespace
 
 // The same weights (exported by the peer, loaded here) and the same batch give
 // the same logits, loss and gradients; the same seed gives the same weights.
 TEST(GptModel, MatchesPythonPeer) {
   if (!have_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  const auto dir = temp_dir("peer");
+  const auto dir = temp_dir("gpt-test", "peer");
   const auto ref_file = dir / "reference.pt";
   const std::string model_args = "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --batch-size 4 --seed 7";
   const std::string cmd = std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/gpt/peer.py --export " +
@@ -179,7 +174,7 @@ TEST(ClipGradNorm, MatchesTorch) {
 }
 
 TEST(Corpus, MissingOrDamagedFailsWithHowToGetIt) {
-  const auto dir = temp_dir("corpus");
+  const auto dir = temp_dir("gpt-test", "corpus");
   try {
     gpt::load_corpus(dir, 8);
     FAIL() << "no error for an empty folder";

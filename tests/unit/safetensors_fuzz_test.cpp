@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "checkpoint_files.h"
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/error.h"
 
@@ -19,13 +20,10 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;
-
-fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("dtrain-safetensors-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+using dtrain::testing::ckfiles::crc_of;
+using dtrain::testing::ckfiles::read_json;
+using dtrain::testing::ckfiles::run_peer;
+using dtrain::testing::ckfiles::temp_dir;
 
 std::string read_bytes(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
@@ -67,7 +65,7 @@ std::string entry(const std::string& dtype, const std::string& shape, std::uint6
 }  // namespace
 
 TEST(SafetensorsMalformed, EachProblemNamed) {
-  const auto dir = temp_dir("malformed");
+  const auto dir = temp_dir("safetensors-fuzz", "malformed");
   const auto f = dir / "bad.safetensors";
   const auto a8 = "\"a\":" + entry("F32", "[2]", 0, 8);
   expect_refused(f, "\x05\x00\x00", "shorter than the 8-byte header length");
@@ -114,7 +112,7 @@ TEST(SafetensorsMalformed, EachProblemNamed) {
 // bytes and the header fill the file exactly, and every byte is readable)
 // or throws DataError.
 TEST(SafetensorsMalformed, FuzzedFilesGiveOnlyDataErrors) {
-  const auto dir = temp_dir("fuzz");
+  const auto dir = temp_dir("safetensors-fuzz", "fuzz");
   std::vector<std::string> seeds;
   ck::save_safetensors(dir / "s0", {{"w", at::randn({3, 4})}, {"b", at::arange(5, at::kLong)}},
                        {.metadata = {{"step", "3"}}});

@@ -14,36 +14,17 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint_files.h"
 #include "dtrain/error.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;
-
-fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("dtrain-safetensors-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-void run_peer(const std::string& args) {
-  const std::string cmd =
-      std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/tests/data/checkpoint/safetensors_peer.py " + args;
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-}
-
-nlohmann::json read_json(const fs::path& file) {
-  std::ifstream in(file);
-  return nlohmann::json::parse(in);
-}
-
-std::uint32_t crc_of(const at::Tensor& t) {
-  const auto c = t.contiguous();
-  return static_cast<std::uint32_t>(
-      ::crc32(0L, static_cast<const Bytef*>(c.data_ptr()), static_cast<uInt>(c.nbytes())));
-}
+using dtrain::testing::ckfiles::crc_of;
+using dtrain::testing::ckfiles::read_json;
+using dtrain::testing::ckfiles::run_peer;
+using dtrain::testing::ckfiles::temp_dir;
 
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
@@ -123,7 +104,7 @@ const at::Tensor& find(const ck::NamedTensors& tensors, const std::string& name)
 }  // namespace
 
 TEST(Safetensors, RoundTripInCppEveryDtype) {
-  const auto dir = temp_dir("cpp");
+  const auto dir = temp_dir("safetensors", "cpp");
   const auto tensors = every_dtype(1);
   for (const bool copy : {false, true}) {
     ck::save_safetensors(dir / "a.safetensors", tensors, {.metadata = {{"step", "12"}}});
@@ -136,11 +117,11 @@ TEST(Safetensors, RoundTripInCppEveryDtype) {
 
 // C++ writes, Python reads (and describes) and writes again, C++ reads that.
 TEST(Safetensors, CppToPythonToCppBitwise) {
-  const auto dir = temp_dir("py-roundtrip");
+  const auto dir = temp_dir("safetensors", "py-roundtrip");
   const auto tensors = every_dtype(2);
   ck::save_safetensors(dir / "cpp.safetensors", tensors, {.metadata = {{"written_by", "dtrain"}}});
-  run_peer("roundtrip " + (dir / "cpp.safetensors").string() + " " + (dir / "py.safetensors").string() + " " +
-           (dir / "report.json").string());
+  run_peer("safetensors_peer.py", "roundtrip " + (dir / "cpp.safetensors").string() + " " +
+                                      (dir / "py.safetensors").string() + " " + (dir / "report.json").string());
   const auto report = read_json(dir / "report.json");
   expect_described(tensors, report);
   EXPECT_EQ(report["metadata"]["written_by"], "dtrain");
@@ -153,9 +134,9 @@ TEST(Safetensors, CppToPythonToCppBitwise) {
 // Python writes a file and a sharded folder (its own seeded tensors); C++
 // reads both and finds what Python described.
 TEST(Safetensors, ReadsPythonFileAndShardedFolder) {
-  const auto dir = temp_dir("py-make");
-  run_peer("make " + (dir / "py.safetensors").string() + " " + (dir / "sharded").string() + " " +
-           (dir / "report.json").string());
+  const auto dir = temp_dir("safetensors", "py-make");
+  run_peer("safetensors_peer.py", "make " + (dir / "py.safetensors").string() + " " + (dir / "sharded").string() + " " +
+                                      (dir / "report.json").string());
   const auto report = read_json(dir / "report.json");
   const auto file = ck::load_safetensors(dir / "py.safetensors");
   expect_described(file.tensors, report);
@@ -167,7 +148,7 @@ TEST(Safetensors, ReadsPythonFileAndShardedFolder) {
 
 // C++ writes shards by size; Python reads them through the index.
 TEST(Safetensors, ShardedFolderReadByPython) {
-  const auto dir = temp_dir("sharded");
+  const auto dir = temp_dir("safetensors", "sharded");
   ck::NamedTensors tensors;
   for (int i = 0; i < 7; ++i) tensors.emplace_back("layer." + std::to_string(i), at::randn({10 + i, 8}));
   const auto files = ck::save_safetensors_sharded(dir, tensors, {.max_shard_bytes = 1000, .metadata = {{"k", "v"}}});
@@ -179,7 +160,7 @@ TEST(Safetensors, ShardedFolderReadByPython) {
                                                 std::to_string(files.size() - 1)),
               std::string::npos);
   }
-  run_peer("readdir " + dir.string() + " " + (dir / "report.json").string());
+  run_peer("safetensors_peer.py", "readdir " + dir.string() + " " + (dir / "report.json").string());
   expect_described(tensors, read_json(dir / "report.json"));
   const auto back = ck::load_safetensors_dir(dir);
   ASSERT_EQ(back.tensors.size(), tensors.size());
@@ -196,7 +177,7 @@ TEST(Safetensors, ShardedFolderReadByPython) {
 // Views into the mapping stay valid after the file is gone; writing into one
 // changes neither the file nor another load of it.
 TEST(Safetensors, ViewsOutliveFileAndAreCopyOnWrite) {
-  const auto dir = temp_dir("views");
+  const auto dir = temp_dir("safetensors", "views");
   const auto w = at::arange(1000, at::kFloat);
   ck::save_safetensors(dir / "a.safetensors", {{"w", w}});
   at::Tensor view = ck::load_safetensors(dir / "a.safetensors").tensors.at(0).second;
@@ -207,7 +188,7 @@ TEST(Safetensors, ViewsOutliveFileAndAreCopyOnWrite) {
 }
 
 TEST(Safetensors, RefusesWhatItCannotWrite) {
-  const auto dir = temp_dir("refuse");
+  const auto dir = temp_dir("safetensors", "refuse");
   EXPECT_THROW(ck::save_safetensors(dir / "a", {{"a", at::ones(2)}, {"a", at::ones(2)}}), dtrain::ConfigError);
   EXPECT_THROW(ck::save_safetensors(dir / "a", {{"__metadata__", at::ones(2)}}), dtrain::ConfigError);
   EXPECT_THROW(ck::save_safetensors(dir / "a", {{"c", at::ones(2, at::kComplexDouble)}}), dtrain::ConfigError);

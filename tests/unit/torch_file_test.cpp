@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "checkpoint_files.h"
 #include "dtrain/checkpoint/optimizer_state.h"
 #include "dtrain/checkpoint/torch_file.h"
 #include "dtrain/error.h"
@@ -26,30 +27,10 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;
-
-fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("dtrain-torchfile-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-void run_peer(const std::string& args) {
-  const std::string cmd =
-      std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/tests/data/checkpoint/torch_peer.py " + args;
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-}
-
-nlohmann::json read_json(const fs::path& file) {
-  std::ifstream in(file);
-  return nlohmann::json::parse(in);
-}
-
-std::uint32_t crc_of(const at::Tensor& t) {
-  const auto c = t.contiguous();
-  return static_cast<std::uint32_t>(
-      ::crc32(0L, static_cast<const Bytef*>(c.data_ptr()), static_cast<uInt>(c.nbytes())));
-}
+using dtrain::testing::ckfiles::crc_of;
+using dtrain::testing::ckfiles::read_json;
+using dtrain::testing::ckfiles::run_peer;
+using dtrain::testing::ckfiles::temp_dir;
 
 std::string python_dtype(at::ScalarType t) {
   switch (t) {
@@ -96,8 +77,8 @@ ck::NamedTensors named_state(const torch::nn::Module& m) {
 
 // Python's torch.save of state dicts, every dtype, views, nested containers.
 TEST(TorchFile, ReadsWhatPythonSaved) {
-  const auto dir = temp_dir("read");
-  run_peer("write " + dir.string());
+  const auto dir = temp_dir("torchfile", "read");
+  run_peer("torch_peer.py", "write " + dir.string());
 
   const auto sd = ck::load_torch_state_dict(dir / "state_dict.pt");  // an OrderedDict with _metadata
   EXPECT_EQ(describe(sd), read_json(dir / "state_dict.json"));
@@ -146,7 +127,7 @@ TEST(TorchFile, ReadsWhatPythonSaved) {
 // C++ writes; Python opens with weights_only=True, resumes model and AdamW
 // from our checkpoint and takes one step; ours and Python's next step agree.
 TEST(TorchFile, PythonLoadsWhatCppSaved) {
-  const auto dir = temp_dir("write");
+  const auto dir = temp_dir("torchfile", "write");
   // Every dtype torch.save names, non-contiguous and 0-d tensors.
   ck::NamedTensors tensors;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
@@ -163,7 +144,7 @@ TEST(TorchFile, PythonLoadsWhatCppSaved) {
 
   // A model and AdamW after two steps on a fixed batch (the same initial
   // weights as the Python model: the peer's file).
-  run_peer("write " + dir.string());
+  run_peer("torch_peer.py", "write " + dir.string());
   auto model = make_model();
   {
     at::NoGradGuard no_grad;
@@ -190,7 +171,7 @@ TEST(TorchFile, PythonLoadsWhatCppSaved) {
   checkpoint.insert("step", 2);
   ck::save_torch_file(dir / "cpp_checkpoint.pt", checkpoint);
 
-  run_peer("check " + dir.string());
+  run_peer("torch_peer.py", "check " + dir.string());
   train_step();  // the step Python took from our checkpoint
   const auto python = ck::load_torch_state_dict(dir / "py_after_step.pt");
   const auto ours = named_state(*model);
@@ -205,7 +186,7 @@ TEST(TorchFile, PythonLoadsWhatCppSaved) {
 }
 
 TEST(TorchFile, RefusesWhatItCannotReadOrWrite) {
-  const auto dir = temp_dir("refuse");
+  const auto dir = temp_dir("torchfile", "refuse");
   // LibTorch's pickler would name torch.Float8_e4m3fnStorage, which Python lacks.
   EXPECT_THROW(ck::save_torch_state_dict(dir / "f8.pt", {{"w", at::zeros(2, at::kFloat8_e4m3fn)}}),
                dtrain::ConfigError);
@@ -228,8 +209,8 @@ TEST(TorchFile, RefusesWhatItCannotReadOrWrite) {
 // put back into a valid zip: loading gives the value or a DataError, never
 // anything else; what loads has every tensor's bytes readable.
 TEST(TorchFile, FuzzedPicklesGiveOnlyDataErrors) {
-  const auto dir = temp_dir("fuzz");
-  run_peer("write " + dir.string());
+  const auto dir = temp_dir("torchfile", "fuzz");
+  run_peer("torch_peer.py", "write " + dir.string());
   struct Archive {
     std::vector<std::pair<std::string, std::string>> records;  // without data.pkl
     std::string pickle;
@@ -303,8 +284,8 @@ TEST(TorchFile, FuzzedPicklesGiveOnlyDataErrors) {
 // Python's AdamW and SGD checkpoints (two steps) resume in LibTorch's
 // optimizers; the third step equals Python's third.
 TEST(TorchFile, CppResumesPythonOptimizers) {
-  const auto dir = temp_dir("resume");
-  run_peer("write " + dir.string());
+  const auto dir = temp_dir("torchfile", "resume");
+  run_peer("torch_peer.py", "write " + dir.string());
   const auto batch = at::linspace(-1, 1, 20).reshape({5, 4});
   for (const std::string name : {"adamw", "sgd"}) {
     auto model = make_model();
