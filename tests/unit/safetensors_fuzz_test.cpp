@@ -20,9 +20,6 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;
-using dtrain::testing::ckfiles::crc_of;
-using dtrain::testing::ckfiles::read_json;
-using dtrain::testing::ckfiles::run_peer;
 using dtrain::testing::ckfiles::temp_dir;
 
 std::string read_bytes(const fs::path& file) {
