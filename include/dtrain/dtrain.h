@@ -39,8 +39,8 @@
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/plan/plan.h"
 #include "dtrain/trainer/accumulate.h"
-#include "dtrain/trainer/checkpoint.h"
-#include "dtrain/trainer/clip.h"
+#include "dtrain/checkpoint/checkpointer.h"
+#include "dtrain/dist/clip.h"
 #include "dtrain/trainer/pipeline_strategy.h"
 #include "dtrain/trainer/progress.h"
 #include "dtrain/trainer/trainer.h"        // issue 12: Trainer, strategies, schedules (metrics.h, trace.h separately)

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <mutex>
 
-#include "../core/module_loader.h"
+#include "dtrain/module_loader.h"
 #include "backends.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/error.h"

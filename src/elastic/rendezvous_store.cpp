@@ -17,7 +17,7 @@
 #include <future>
 #include <thread>
 
-#include "../core/net.h"
+#include "dtrain/net.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/elastic/rendezvous.h"
 #include "dtrain/error.h"

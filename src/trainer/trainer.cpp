@@ -15,8 +15,8 @@
 #include "dtrain/elastic/error_file.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
-#include "dtrain/trainer/checkpoint.h"
-#include "dtrain/trainer/clip.h"
+#include "dtrain/checkpoint/checkpointer.h"
+#include "dtrain/dist/clip.h"
 #include "dtrain/trainer/metrics.h"
 #include "dtrain/trainer/progress.h"
 #include "dtrain/trainer/trace.h"
@@ -406,7 +406,7 @@ struct Trainer::Run {
       const auto optimizer_start = Clock::now();
       if (o.clip_norm > 0 || (want_metrics && log_now)) {
         scaler->unscale_(st.optimizer);
-        last_norm = o.clip_norm > 0 ? s.clip_grad_norm(o.clip_norm) : grad_norm(*s.gradients());
+        last_norm = o.clip_norm > 0 ? s.clip_grad_norm(o.clip_norm) : grad_norm(s.gradients());
       }
       if (!scaler->step(st.optimizer)) ++summary.skipped_steps;
       scaler->update();

@@ -23,7 +23,7 @@
 #include "dtrain/comm/process_group.h"
 #include "dtrain/data/loader.h"
 #include "dtrain/error.h"
-#include "dtrain/trainer/checkpoint.h"
+#include "dtrain/checkpoint/checkpointer.h"
 #include "gpu.h"
 #include "ranks.h"
 

@@ -26,7 +26,7 @@
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
-#include "dtrain/trainer/clip.h"
+#include "dtrain/dist/clip.h"
 #include "model.h"
 #include "pipeline_stages.h"
 #include "ranks.h"

@@ -11,7 +11,7 @@
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
-#include "dtrain/trainer/checkpoint.h"
+#include "dtrain/checkpoint/checkpointer.h"
 #include "ranks.h"
 
 namespace fs = std::filesystem;

@@ -10,7 +10,7 @@
 #include <fstream>
 
 #include "dtrain/error.h"
-#include "dtrain/trainer/checkpoint.h"
+#include "dtrain/checkpoint/checkpointer.h"
 
 namespace fs = std::filesystem;
 

@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "../../src/core/module_loader.h"
+#include "dtrain/module_loader.h"
 #include "dtrain/error.h"
 
 namespace dtrain::tools {

@@ -11,7 +11,7 @@
 #include <iostream>
 #include <thread>
 
-#include "../../src/core/net.h"
+#include "dtrain/net.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/elastic/agent.h"
 #include "dtrain/error.h"

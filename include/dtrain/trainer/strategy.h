@@ -8,7 +8,7 @@
 // norm), which ranks must agree on skipped steps (GradScaler), which share of
 // the data this rank reads, and what goes into a checkpoint. The sharded
 // (ZeRO) and pipeline strategies implement the same interface: ZeRO returns
-// ShardedGradients, a found-inf group and sharded checkpoint state; a
+// sharded gradients (GradientSet::sharded), a found-inf group and sharded checkpoint state; a
 // pipeline (pipeline_strategy.h), whose loss lives on its last stage, runs
 // forward, loss and backward of its micro-batches in forward_backward.
 //
@@ -29,8 +29,8 @@
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/parallel/ddp/ddp.h"
-#include "dtrain/trainer/checkpoint.h"
-#include "dtrain/trainer/clip.h"
+#include "dtrain/checkpoint/checkpointer.h"
+#include "dtrain/dist/clip.h"
 
 namespace dtrain {
 
@@ -93,12 +93,10 @@ class Strategy {
   virtual std::unique_ptr<Scope> no_sync() { return nullptr; }
   virtual void zero_grad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
   // How this rank's gradients combine into the global norm.
-  virtual std::unique_ptr<GradientSet> gradients() {
-    return std::make_unique<ReplicatedGradients>(module().parameters());
-  }
+  virtual GradientSet gradients() { return GradientSet::replicated(module().parameters()); }
   // Clips by global norm (returns the norm before clipping); strategies with
   // gradient copies outside gradients() (a pipeline's tied weights) scale those too.
-  virtual at::Tensor clip_grad_norm(double max_norm) { return clip_grad_norm_(*gradients(), max_norm); }
+  virtual at::Tensor clip_grad_norm(double max_norm) { return clip_grad_norm_(gradients(), max_norm); }
   // Ranks whose GradScaler found-inf flags must be combined (nullopt: the
   // gradients are identical where they are checked, e.g. after DDP's all-reduce).
   virtual std::optional<dist::ProcessGroup> found_inf_group() { return std::nullopt; }

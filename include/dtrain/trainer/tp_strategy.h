@@ -43,33 +43,6 @@
 
 namespace dtrain {
 
-// Gradients of a tensor-parallel module (see the file comment): a parameter
-// counts on this rank when it is sharded on `tp` or this is tp rank 0;
-// partials combine over the tp group.
-class TensorParallelGradients : public GradientSet {
- public:
-  TensorParallelGradients(const torch::nn::Module& module, dist::DeviceMesh& mesh) : tp_(mesh["tp"]) {
-    const auto params = module.named_parameters();
-    const auto layouts = dist::named_layouts(module, mesh);
-    std::size_t tp_dim = 0;
-    while (mesh.dims()[tp_dim].name != "tp") ++tp_dim;
-    for (const auto& [name, layout] : layouts) {
-      const bool sharded = layout.placements[tp_dim].kind == dist::Placement::Kind::kShard;
-      if (sharded || tp_.rank() == 0) counted_.push_back(params[name]);
-    }
-  }
-  std::vector<at::Tensor> local_parameters() const override { return counted_; }
-  void combine(at::Tensor& partial, bool max) const override {
-    at::Tensor moved = partial.to(tp_.device());
-    tp_.all_reduce(moved, max ? dist::ReduceOp::kMax : dist::ReduceOp::kSum).wait();
-    partial.copy_(moved);
-  }
-
- private:
-  std::vector<at::Tensor> counted_;
-  mutable dist::ProcessGroup tp_;
-};
-
 template <typename Holder>
 class TensorParallelStrategy : public Strategy {
  public:
@@ -113,15 +86,20 @@ class TensorParallelStrategy : public Strategy {
       optimizer.zero_grad();
     }
   }
-  std::unique_ptr<GradientSet> gradients() override {
-    return std::make_unique<TensorParallelGradients>(module(), *mesh_);
+  // From the parameters' layouts: sharded on tp, summed over tp; replicated,
+  // counted on tp rank 0 (dp_replicate holds equal copies after DDP).
+  GradientSet gradients() override {
+    const auto params = module().named_parameters();
+    std::vector<std::pair<at::Tensor, dist::Layout>> laid_out;
+    for (auto& [name, layout] : dist::named_layouts(module(), *mesh_)) laid_out.emplace_back(params[name], layout);
+    return GradientSet::from_layouts(laid_out, *mesh_);
   }
-  // The norm over the counted gradients (see TensorParallelGradients), then
+  // The norm over the counted gradients (see gradients()), then
   // every gradient of this rank scaled by the same factor as
   // clip_grad_norm_'s, the replicated ones on tp ranks above 0 included.
   at::Tensor clip_grad_norm(double max_norm) override {
     at::NoGradGuard no_grad;
-    at::Tensor norm = grad_norm(*gradients());
+    at::Tensor norm = grad_norm(gradients());
     const at::Tensor coef = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
     for (const auto& p : module().parameters())
       if (p.grad().defined()) p.grad().mul_(coef.to(p.grad().device()));

@@ -16,7 +16,7 @@
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
-#include "dtrain/trainer/checkpoint.h"
+#include "dtrain/checkpoint/checkpointer.h"
 #include "zero_engine.h"
 
 namespace dtrain {

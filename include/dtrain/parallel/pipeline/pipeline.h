@@ -44,7 +44,7 @@
 #include "dtrain/parallel/model_parallel/placement.h"
 #include "dtrain/parallel/pipeline/schedule.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
-#include "dtrain/trainer/clip.h"
+#include "dtrain/dist/clip.h"
 
 namespace dtrain::amp {
 class GradScaler;

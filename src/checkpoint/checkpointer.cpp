@@ -1,5 +1,5 @@
 // Atomic, verified checkpoints written by every rank.
-#include "dtrain/trainer/checkpoint.h"
+#include "dtrain/checkpoint/checkpointer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
