@@ -15,10 +15,10 @@
 #include "ddp_helpers.h"
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/dist/clip.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/ddp/ddp.h"
 #include "dtrain/trainer/accumulate.h"
-#include "dtrain/dist/clip.h"
 #include "ranks.h"
 
 using dtrain::DistributedDataParallel;

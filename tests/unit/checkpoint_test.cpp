@@ -9,8 +9,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "dtrain/error.h"
 #include "dtrain/checkpoint/checkpointer.h"
+#include "dtrain/error.h"
 
 namespace fs = std::filesystem;
 

@@ -8,8 +8,8 @@
 #include <limits>
 #include <vector>
 
-#include "dtrain/error.h"
 #include "dtrain/dist/clip.h"
+#include "dtrain/error.h"
 
 namespace {
 
@@ -62,7 +62,8 @@ TEST(ClipGradNorm, EqualsTorchClipGradNorm) {
 
 TEST(ClipGradNorm, EmptyGradientsAddNothing) {
   auto params = params_with_grads(4);
-  const double expected = dtrain::grad_norm(dtrain::GradientSet::replicated(params), {.norm_type = kInf}).item<double>();
+  const double expected =
+      dtrain::grad_norm(dtrain::GradientSet::replicated(params), {.norm_type = kInf}).item<double>();
   at::Tensor empty = at::ones({0}).requires_grad_();
   empty.mutable_grad() = at::ones({0});
   params.push_back(empty);

@@ -27,10 +27,10 @@
 #include <string>
 #include <vector>
 
-#include "dtrain/comm/process_group.h"
-#include "dtrain/parallel/ddp/ddp.h"
 #include "dtrain/checkpoint/checkpointer.h"
+#include "dtrain/comm/process_group.h"
 #include "dtrain/dist/clip.h"
+#include "dtrain/parallel/ddp/ddp.h"
 
 namespace dtrain {
 
