@@ -71,10 +71,12 @@ class LayoutState : public ShardedStateful {
 // dist::named_layouts(module, mesh)) and, if given, the per-parameter state
 // of `optimizer` ("optimizer.<name>.<field>", with its parameter's layout):
 // Adam and AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq, step) and SGD
-// (momentum_buffer); other optimizers are a ConfigError. Optimizer state
-// that the checkpoint has and the optimizer lacks is created. The
-// optimizer's options (learning rate, ...) are not saved: set them as the
-// run does (ScheduledLR sets the rate of the resumed step).
+// (momentum_buffer); other optimizers are a ConfigError. At load, a
+// parameter without optimizer state gets a fresh one (zeros, step 0: what
+// these optimizers create at their first step), filled from the checkpoint
+// where it has that state. The optimizer's options (learning rate, ...) are
+// not saved: set them as the run does (ScheduledLR sets the rate of the
+// resumed step). `module`, `mesh` and `optimizer` must outlive the state.
 std::shared_ptr<LayoutState> layout_state(torch::nn::Module& module, const dist::DeviceMesh& mesh,
                                           torch::optim::Optimizer* optimizer);
 
