@@ -231,11 +231,18 @@ Trainee build(const Options& opt, Placement& where) {
                           : std::vector<dtrain::dist::MeshDim>{{"tp", opt.tp}});
     torch::nn::Sequential full = gpt::gpt_layers(opt.model);
     gpt::init_weights(*full, opt.model.n_layer, opt.seed);
-    torch::nn::Sequential split = gpt::apply_tp(full, *mesh, {.sequence_parallel = opt.sequence_parallel});
+    // Dropout streams (Note [TP dropout]): the replicated one shared by the
+    // tp group, seeded per data-parallel replica like the other strategies'
+    // per-rank seeds; the tensor-parallel one per tp rank on top of it.
+    const std::uint64_t dropout_seed = opt.seed + 7919 * static_cast<std::uint64_t>(mesh->coordinate("dp_replicate"));
+    auto rng =
+        std::make_shared<dtrain::nn::RngTracker>(dtrain::nn::RngTracker::for_tp(dropout_seed, mesh->coordinate("tp")));
+    torch::nn::Sequential split = gpt::apply_tp(full, *mesh, {.sequence_parallel = opt.sequence_parallel, .rng = rng});
     split->to(first);
     auto strategy = std::make_shared<dtrain::TensorParallelStrategy<torch::nn::Sequential>>(split, mesh, first);
     t.strategy = strategy;
     t.keep.push_back(mesh);
+    t.keep.push_back(rng);
     t.loss = [tp = (*mesh)["tp"], vocab = opt.model.vocab_size](const at::Tensor& logits, const at::Tensor& target) {
       return gpt::tp_lm_loss(logits, target, tp, vocab);
     };
@@ -504,10 +511,6 @@ int run(Options opt) {
                "--accumulate " << opt.accumulate << " with --strategy pipeline: a pipeline's micro-batches are its "
                                << "accumulation.",
                "use --micro-batches instead");
-  DTRAIN_CHECK(
-      opt.strategy != "tp" || opt.checkpoint_dir.empty(), ConfigError,
-      "--checkpoint-dir with tensor parallelism (tp " << opt.tp << "): checkpoints under tp are not supported yet.",
-      "train without --checkpoint-dir under --tp");
   Placement where = place(opt);
   at::set_num_threads(distributed(opt.strategy) ? 1 : at::get_num_threads());
   torch::manual_seed(opt.seed + static_cast<std::uint64_t>(where.rank));  // dropout masks

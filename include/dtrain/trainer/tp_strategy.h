@@ -23,8 +23,11 @@
 //  - GradScaler found-inf flags are combined over the whole mesh;
 //  - the loss must be the tp one (e.g. vocab-parallel cross-entropy): it is
 //    collective over tp, as are forward and backward;
-//  - checkpoints are not supported yet (save/load throw ConfigError): a
-//    per-rank checkpoint resharded through the layouts is still to come.
+//  - checkpoints: every rank saves its parameters and optimizer state with
+//    their layouts (layout_state, StateScope::kSharded, through the
+//    Checkpointer's commit protocol); loading under another tp degree (or
+//    dp_replicate size) fills each rank's parts from the saved boxes that
+//    meet them. The mesh must outlive the Checkpointer's use of it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/checkpoint/layout_state.h"
 #include "dtrain/comm/mesh.h"
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
@@ -109,20 +113,23 @@ class TensorParallelStrategy : public Strategy {
   int data_rank() const override { return mesh_->coordinate("dp_replicate"); }
   int data_world() const override { return mesh_->size("dp_replicate"); }
   std::optional<dist::ProcessGroup> group() override { return mesh_->group(); }
-  void save(Checkpointer& /*checkpointer*/, const TrainingState& /*state*/,
-            torch::optim::Optimizer& /*optimizer*/) override {
-    refuse_checkpoints();
+  void save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) override {
+    add_to(checkpointer, optimizer);
+    checkpointer.save(state);
   }
-  std::optional<TrainingState> load(Checkpointer& /*checkpointer*/, torch::optim::Optimizer& /*optimizer*/) override {
-    refuse_checkpoints();
-    return std::nullopt;
+  std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) override {
+    add_to(checkpointer, optimizer);
+    return checkpointer.load_latest();
   }
   dist::DeviceMesh& mesh() { return *mesh_; }
 
  private:
-  static void refuse_checkpoints() {
-    DTRAIN_CHECK(false, ConfigError, "checkpoints under tensor parallelism are not supported yet.",
-                 "train without a checkpoint directory under tp");
+  void add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
+    if (added_to_ == &checkpointer) return;
+    DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "TensorParallelStrategy is used with a second Checkpointer.",
+                 "use one Trainer (one checkpoint directory) per strategy");
+    checkpointer.add_state("tp", layout_state(module(), *mesh_, &optimizer), StateScope::kSharded);
+    added_to_ = &checkpointer;
   }
 
   Holder module_;
@@ -130,6 +137,7 @@ class TensorParallelStrategy : public Strategy {
   c10::Device device_;
   bool bucket_views_;
   std::unique_ptr<DistributedDataParallel<Holder>> ddp_;
+  Checkpointer* added_to_ = nullptr;
 };
 
 }  // namespace dtrain
