@@ -17,7 +17,10 @@
 // apply_cp(layers, cp_group, options) returns a Sequential of the same layer
 // and parameter names that *shares* the modules of gpt_layers(config):
 // training it trains them, so the full weights (sample, --save-params) are
-// the layers themselves.
+// the layers themselves. CpGpt holds it as Gpt holds gpt_layers, so the
+// parameter names ("layers.block0.attn.c_attn.weight", ...) and checkpoints
+// are the single-process model's: a run saved under cp resumes under any
+// other cp degree or in one process.
 //
 // Not yet: dropout and activation recompute under cp (refused by validate_cp).
 #pragma once
@@ -124,6 +127,15 @@ inline torch::nn::Sequential apply_cp(const torch::nn::Sequential& layers, dtrai
   out->push_back("head", Head(layers->ptr<HeadImpl>(layers->size() - 1)));
   return out;
 }
+
+// apply_cp's layers under the name Gpt gives gpt_layers ("layers").
+struct CpGptImpl : torch::nn::Module {
+  explicit CpGptImpl(torch::nn::Sequential split) { layers = register_module("layers", std::move(split)); }
+  at::Tensor forward(const at::Tensor& idx) { return layers->forward(idx); }
+
+  torch::nn::Sequential layers{nullptr};
+};
+TORCH_MODULE(CpGpt);
 
 // This rank's targets: the zig-zag rows of targets [B, T].
 inline at::Tensor cp_targets(const at::Tensor& targets, dtrain::dist::ProcessGroup& cp) {

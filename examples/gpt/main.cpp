@@ -266,15 +266,15 @@ Trainee build(const Options& opt, Placement& where) {
         *where.group, where.world > opt.cp
                           ? std::vector<dtrain::dist::MeshDim>{{"dp_replicate", where.world / opt.cp}, {"cp", opt.cp}}
                           : std::vector<dtrain::dist::MeshDim>{{"cp", opt.cp}});
-    torch::nn::Sequential full = gpt::gpt_layers(opt.model);
+    gpt::Gpt full(opt.model);
     gpt::init_weights(*full, opt.model.n_layer, opt.seed);
     if (!opt.init_from_hf.empty()) gpt::load_hf(*full, opt.model, opt.init_from_hf);
     full->to(first);
     const auto exchange =
         opt.cp_exchange == "allgather" ? dtrain::nn::cp::KvExchange::kAllGather : dtrain::nn::cp::KvExchange::kRing;
     dtrain::dist::ProcessGroup cp = (*mesh)["cp"];
-    torch::nn::Sequential split = gpt::apply_cp(full, cp, {.exchange = exchange});
-    t.strategy = std::make_shared<dtrain::ContextParallelStrategy<torch::nn::Sequential>>(
+    gpt::CpGpt split(gpt::apply_cp(full->layers, cp, {.exchange = exchange}));  // names as full's
+    t.strategy = std::make_shared<dtrain::ContextParallelStrategy<gpt::CpGpt>>(
         split, mesh, first, [cp](const at::Tensor& target) mutable { return gpt::cp_targets(target, cp); });
     t.keep.push_back(mesh);
     t.loss = [cp](const at::Tensor& logits, const at::Tensor& target) { return gpt::cp_lm_loss(logits, target, cp); };

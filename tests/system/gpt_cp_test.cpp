@@ -1,7 +1,8 @@
 // examples/gpt under context parallelism (--cp, through `dtrain run`) ends
 // where --strategy single does on the same global batches: cp 2 (K/V ring and
-// all-gather) and cp 2 x dp_replicate 2 on 4 processes; plans cp does not
-// compose with yet are refused by name.
+// all-gather) and cp 2 x dp_replicate 2 on 4 processes; a checkpoint saved
+// under cp 2 resumes in one process; plans cp does not compose with yet are
+// refused by name.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -72,6 +73,34 @@ TEST(GptCp, EveryCompositionMatchesSingle) {
     EXPECT_EQ(diff.outside, 0u) << c.name;
     EXPECT_LT(diff.relative_l2, 1e-5) << c.name;
   }
+  fs::remove_all(dir);
+}
+
+// A checkpoint saved under cp 2 (parameters Replicate on cp, the
+// single-process names) resumes in one process: 2 steps under cp 2, 2 more
+// in one process end where 4 single-process steps do.
+TEST(GptCp, CheckpointResumesInOneProcess) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-cp-ckpt-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  // The schedule decays over 4 steps in every run, whatever --max-iters.
+  const std::string common = kCpCommon + "/dev/null --sample-tokens 0 --lr-decay-iters 4 --batch-size 4 ";
+  const auto single =
+      dtrain::testing::run_example(kCpExample, common + "--max-iters 4 --save-params " + (dir / "single.f32").string());
+  ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
+  const std::string ckpt = " --checkpoint-dir " + (dir / "ckpt").string();
+  const auto first = dtrain::testing::run_example(kCpExample, common + "--cp 2 --max-iters 2" + ckpt, cp_launch(2));
+  ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
+  const auto resumed = dtrain::testing::run_example(
+      kCpExample, common + "--max-iters 4 --save-params " + (dir / "resumed.f32").string() + ckpt);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.stderr_text;
+  EXPECT_NE(resumed.stderr_text.find("resumed from"), std::string::npos) << resumed.stderr_text;
+  const auto reference = read_floats(dir / "single.f32");
+  const auto params = read_floats(dir / "resumed.f32");
+  ASSERT_EQ(params.size(), reference.size());
+  const auto diff = dtrain::testing::compare_params(params, reference);
+  EXPECT_EQ(diff.outside, 0u);
+  EXPECT_LT(diff.relative_l2, 1e-5);
   fs::remove_all(dir);
 }
 

@@ -3,10 +3,9 @@
 // replicated, optionally with data-parallel replicas over `dp_replicate`.
 //
 //   auto mesh = std::make_shared<dist::DeviceMesh>(world, {{"dp_replicate", 2}, {"cp", 2}});
-//   auto model = gpt::apply_cp(layers, (*mesh)["cp"]);
-//   auto s = std::make_shared<ContextParallelStrategy<torch::nn::Sequential>>(model, mesh, device,
-//                                                                            [cp = (*mesh)["cp"]](const at::Tensor& t)
-//                                                                            {...});
+//   gpt::CpGpt model(gpt::apply_cp(layers, (*mesh)["cp"]));  // any cp module
+//   auto s = std::make_shared<ContextParallelStrategy<gpt::CpGpt>>(
+//       model, mesh, device, [cp = (*mesh)["cp"]](const at::Tensor& t) { return gpt::cp_targets(t, cp); });
 //
 // Contracts:
 //  - the mesh has `cp`, and besides it only `dp_replicate` (tp, ZeRO and
