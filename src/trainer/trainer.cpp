@@ -167,7 +167,7 @@ EvalResult Trainer::evaluate() {
   for (std::int64_t k = 0; k < rounds; ++k) {
     const bool counted = k < plan.count;
     const auto batch = plan.load(k);
-    const at::Tensor target = batch.target.to(s.output_device());
+    const at::Tensor target = s.local_target(batch.target.to(s.output_device()));
     at::Tensor output, loss;
     {
       std::optional<amp::Autocast> autocast;
@@ -361,7 +361,7 @@ struct Trainer::Run {
       auto span = Tracer::span(tracer.get(), "forward", "compute");
       std::optional<amp::Autocast> autocast;
       if (o.amp_dtype) autocast.emplace(s.input_device().type(), amp::AutocastOptions{.dtype = o.amp_dtype});
-      loss = st.loss(s.forward(input), target);
+      loss = st.loss(s.forward(input), s.local_target(target));
       if (o.accumulate > 1) loss = loss / o.accumulate;
     }
     const auto backward_start = Clock::now();

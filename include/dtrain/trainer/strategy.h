@@ -67,6 +67,10 @@ class Strategy {
   // forward(). An undefined result: the outputs are on another rank (a
   // pipeline's last stage), and this rank adds nothing to the metrics.
   virtual at::Tensor eval_forward(const at::Tensor& input) { return forward(input); }
+  // The part of a batch's targets that this rank's outputs hold, which the
+  // loss and the accuracy compare them with; default all of it (context
+  // parallelism keeps this rank's rows of the sequence).
+  virtual at::Tensor local_target(const at::Tensor& target) { return target; }
   // Whether the forward is collective over data-parallel ranks (ZeRO
   // all-gathers parameters in it): evaluation then runs as many forwards on
   // every rank, a rank with fewer batches repeating one it leaves uncounted.
