@@ -59,8 +59,13 @@ DeviceMesh::DeviceMesh(ProcessGroup group, std::vector<MeshDim> dims, MeshOption
     coordinates_[d] = rest % dims_[d].size;
     rest /= dims_[d].size;
   }
+  // Every join is checked before any group is made: a bad one must fail on
+  // every rank alike, before the others start connecting a group that this
+  // rank would abandon (they got "connection closed" instead of the ConfigError).
+  std::vector<unsigned> join_spans;
+  for (const auto& j : options.joins) join_spans.push_back(span_of(j, "a join"));
   for (std::size_t d = 0; d < dims_.size(); ++d) make_groups(1u << d);
-  for (const auto& j : options.joins) make_groups(span_of(j, "a join"));
+  for (const unsigned span : join_spans) make_groups(span);
 }
 
 std::optional<std::size_t> DeviceMesh::index_of(std::string_view name) const {
