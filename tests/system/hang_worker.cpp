@@ -30,6 +30,10 @@ int main() {
     const int culprit = std::stoi(hang_env("HANG_RANK", "-1"));
     const int at = std::stoi(hang_env("HANG_AT", "3"));
     const int steps = std::stoi(hang_env("HANG_STEPS", "5"));
+    // Every rank checks in under a long timeout first, so that the short
+    // one (DTRAIN_TIMEOUT_SECONDS) only ever times out the collectives, not
+    // a slow start on a loaded machine.
+    auto started = dtrain::dist::init_process_group({.timeout = std::chrono::seconds(120), .name = "started"});
     auto group = dtrain::dist::init_process_group();
     for (int seq = 1; seq <= steps; ++seq) {
       at::Tensor t = at::ones({1000});
