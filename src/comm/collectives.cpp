@@ -24,6 +24,7 @@
 #include "../core/serial_executor.h"
 #include "../core/torch_compat.h"
 #include "dtrain/error.h"
+#include "flight_recorder.h"
 #include "group_state.h"
 #include "shm_p2p.h"
 #include "shm_transport.h"
@@ -143,7 +144,10 @@ bool use_shared_memory(const std::shared_ptr<GroupState>& s, const OpInfo& info,
 Work on_shared_memory(const std::shared_ptr<GroupState>& s, OpInfo info, const at::Tensor& result,
                       std::function<void(detail::SharedMemoryTransport&)> op) {
   GroupState* raw = s.get();
-  auto future = s->shm_executor->post(c10::IValue(result), [raw, op = std::move(op)] { op(*raw->shm); });
+  auto future = s->shm_executor->post(c10::IValue(result), [raw, op = std::move(op), ticket = info.flight] {
+    if (ticket != 0) detail::FlightRecorder::get()->mark(ticket, detail::FlightState::kStarted);
+    op(*raw->shm);
+  });
   return detail::make_future_work(s, std::move(info), std::move(future));
 }
 
@@ -199,12 +203,15 @@ detail::GroupState::~GroupState() = default;
 void ProcessGroup::barrier() {
   c10d::BarrierOptions options;
   options.timeout = state_->timeout;
-  detail::make_work(state_, {.op = "barrier"}, c10::IValue(), [&] { return state_->backend->barrier(options); }).wait();
+  OpInfo info{.op = "barrier"};
+  detail::note_issue(*state_, info, OpKind::kBarrier, at::Tensor(), 0);
+  detail::make_work(state_, std::move(info), c10::IValue(), [&] { return state_->backend->barrier(options); }).wait();
 }
 
 Work ProcessGroup::all_reduce(at::Tensor& tensor, ReduceOp op) {
   OpInfo info{.op = "all_reduce(" + to_string(op) + ")", .sizes = detail::describe_tensor(tensor)};
   check_dense(*state_, info, tensor, "the tensor");
+  detail::note_issue(*state_, info, OpKind::kAllReduce, tensor, static_cast<std::int64_t>(tensor.nbytes()));
   const bool summing = op == ReduceOp::kSum || op == ReduceOp::kAvg;
   if (summing && use_shared_memory(state_, info, {&tensor})) {
     const int size = state_->size;
@@ -234,6 +241,7 @@ Work ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   DTRAIN_CHECK(root >= 0 && root < state_->size, ConfigError,
                "broadcast root " << root << " is not a rank of " << detail::describe(*state_) << ".",
                "pass a root in 0.." << state_->size - 1);
+  detail::note_issue(*state_, info, OpKind::kBroadcast, tensor, static_cast<std::int64_t>(tensor.nbytes()));
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
@@ -256,6 +264,7 @@ Work ProcessGroup::all_gather_into(at::Tensor& output, const at::Tensor& input) 
          "the output must be contiguous, of the input's dtype, with " + std::to_string(state_->size) +
              " x the input's elements");
   }
+  detail::note_issue(*state_, info, OpKind::kAllGather, input, static_cast<std::int64_t>(input.nbytes()));
   at::Tensor in = input.contiguous();
   if (use_shared_memory(state_, info, {&in, &output})) {
     return on_shared_memory(state_, std::move(info), output,
@@ -291,6 +300,7 @@ Work ProcessGroup::reduce_scatter(at::Tensor& output, const at::Tensor& input, R
          "the input must hold " + std::to_string(state_->size) +
              " x the output's elements, of the output's dtype, and the output must be contiguous");
   }
+  detail::note_issue(*state_, info, OpKind::kReduceScatter, input, static_cast<std::int64_t>(input.nbytes()));
   at::Tensor in = input.contiguous();
   const bool summing = op == ReduceOp::kSum || op == ReduceOp::kAvg;
   auto divide = divide_if_avg(op, output, state_->size);

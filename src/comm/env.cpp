@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "dtrain/comm/cluster_env.h"
+#include "dtrain/comm/flight_recorder.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 
@@ -166,6 +167,15 @@ std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallback, co
   DTRAIN_CHECK(ok, ConfigError, "DTRAIN_TIMEOUT_SECONDS='" << *raw << "' is not a positive number of seconds.",
                "set it to e.g. 60 or 0.5, or unset it for the default of " << fallback.count() / 1000 << " s");
   return std::chrono::milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
+}
+
+FlightRecorderOptions flight_recorder_options(const EnvLookup& env) {
+  FlightRecorderOptions options;
+  if (const auto entries = env("DTRAIN_FLIGHT_RECORDER"); entries && !entries->empty()) {
+    options.entries = detail::parse_int("DTRAIN_FLIGHT_RECORDER", *entries, 0, 1 << 24);
+  }
+  if (const auto dir = env("DTRAIN_FLIGHT_RECORDER_DIR"); dir && !dir->empty()) options.dump_dir = *dir;
+  return options;
 }
 
 }  // namespace dtrain::dist

@@ -8,15 +8,19 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/store.h"
+#include "dtrain/comm/traffic.h"
 #include "dtrain/log.h"
 
 namespace dtrain {
@@ -28,6 +32,7 @@ namespace detail {
 
 class SharedMemoryTransport;
 class SharedMemoryP2P;
+struct FlightCounters;
 
 struct StoreImpl {
   c10::intrusive_ptr<c10d::Store> store;
@@ -64,10 +69,19 @@ struct GroupState {
   // null for NCCL groups, one-rank groups, or with intra_host_shared_memory off.
   std::unique_ptr<SharedMemoryP2P> p2p;
 
+  // dist::traffic(): ops and bytes per OpKind (relaxed; any thread).
+  std::array<std::atomic<std::int64_t>, 2 * kOpKinds> traffic{};
+  // Sequence numbers for the flight recorder; null while it is off.
+  std::unique_ptr<FlightCounters> flight;
+
   // Out of line: the transport's types are complete only in collectives.cpp.
   GroupState();
   ~GroupState();
 };
+
+// Renames a group made by new_group: the mesh names its groups after their
+// dimensions ("tp", "dp_shard+cp") for errors and flight-recorder dumps.
+void rename_group(GroupState& state, std::string name);
 
 // "gloo group 'world' (rank 1 of 4)", for messages.
 std::string describe(const GroupState& state);
@@ -84,6 +98,12 @@ struct OpInfo {
   std::string group;  // describe(group)
   log::Identity identity;
   std::chrono::milliseconds timeout{0};
+  // The flight recorder's ticket (flight_recorder.h); 0: not recorded.
+  std::uint64_t flight = 0;
+  // NCCL groups: the backend to abort when the operation fails (Note
+  // [Abort instead of hang], work.cpp); empty otherwise. Weak: an operation
+  // never keeps its group alive.
+  std::optional<c10::weak_intrusive_ptr<c10d::Backend>> abort_backend;
 };
 std::string describe_tensor(const at::Tensor& tensor);
 

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "dtrain/error.h"
+#include "group_state.h"
 
 namespace dtrain::dist {
 
@@ -120,6 +121,9 @@ void DeviceMesh::make_groups(unsigned span) {
   // inside it (which pick a member), each in mesh order.
   std::vector<std::size_t> outer_dims, inner_dims;
   for (std::size_t d = 0; d < dims_.size(); ++d) ((span >> d) & 1u ? inner_dims : outer_dims).push_back(d);
+  // The groups' name in errors and flight-recorder dumps: "tp", "dp_shard+cp".
+  std::string name;
+  for (auto d : inner_dims) name += (name.empty() ? "" : "+") + dims_[d].name;
   std::vector<int> outer_sizes, inner_sizes;
   for (auto d : outer_dims) outer_sizes.push_back(dims_[d].size);
   for (auto d : inner_dims) inner_sizes.push_back(dims_[d].size);
@@ -131,7 +135,10 @@ void DeviceMesh::make_groups(unsigned span) {
       for (std::size_t k = 0; k < inner_dims.size(); ++k) at[inner_dims[k]] = inner[k];
       ranks.push_back(rank_at(at));
     });
-    if (auto made = group_.new_group(ranks)) groups_.emplace(span, std::move(*made));
+    if (auto made = group_.new_group(ranks)) {
+      detail::rename_group(*made->state(), name);
+      groups_.emplace(span, std::move(*made));
+    }
   });
   DTRAIN_INTERNAL_ASSERT(groups_.count(span) == 1, "mesh rank " << group_.rank() << " is in no group of a span");
 }

@@ -6,6 +6,7 @@
 #include <ATen/core/ivalue.h>
 
 #include "dtrain/error.h"
+#include "flight_recorder.h"
 #include "group_state.h"
 #include "shm_p2p.h"
 
@@ -41,6 +42,7 @@ bool use_shared_memory(const detail::GroupState& s, const at::Tensor& tensor) {
 Work ProcessGroup::isend(const at::Tensor& tensor, int peer, int tag) {
   auto info = p2p_info("send", tensor, peer, tag);
   check_p2p(*state_, info, tensor, peer);
+  detail::note_issue(*state_, info, OpKind::kSend, tensor, static_cast<std::int64_t>(tensor.nbytes()));
   std::vector<at::Tensor> tensors{tensor};
   return detail::make_work(state_, std::move(info), c10::IValue(tensor), [&] {
     return use_shared_memory(*state_, tensor) ? state_->p2p->send(tensor, peer, tag)
@@ -51,6 +53,7 @@ Work ProcessGroup::isend(const at::Tensor& tensor, int peer, int tag) {
 Work ProcessGroup::irecv(at::Tensor& tensor, int peer, int tag) {
   auto info = p2p_info("recv", tensor, peer, tag);
   check_p2p(*state_, info, tensor, peer);
+  detail::note_issue(*state_, info, OpKind::kRecv, tensor, static_cast<std::int64_t>(tensor.nbytes()));
   std::vector<at::Tensor> tensors{tensor};
   return detail::make_work(state_, std::move(info), c10::IValue(tensor), [&] {
     return use_shared_memory(*state_, tensor) ? state_->p2p->recv(tensor, peer, tag)

@@ -7,6 +7,7 @@
 #include "backends.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "flight_recorder.h"
 #include "group_state.h"
 #include "membership.h"
 #include "shm_p2p.h"
@@ -81,6 +82,13 @@ ProcessGroup make_group(const Store& store, int rank, int size, GroupOptions opt
   state->store = store;
   state->identity = log::identity();
   state->options = std::move(options);
+  if (detail::FlightRecorder::get() != nullptr) {
+    state->flight = std::make_unique<detail::FlightCounters>();
+    state->flight->group = std::make_shared<const detail::FlightGroup>(detail::FlightGroup{
+        .name = state->name, .backend = to_string(kind), .rank = rank, .world_ranks = state->world_ranks});
+    state->flight->sends.assign(static_cast<std::size_t>(size), 0);
+    state->flight->recvs.assign(static_cast<std::size_t>(size), 0);
+  }
   if (shared_p2p) {
     c10::intrusive_ptr<c10d::Backend> backend = state->backend;
     state->p2p = std::make_unique<detail::SharedMemoryP2P>(
@@ -141,6 +149,27 @@ const std::string& ProcessGroup::name() const {
 const std::vector<int>& ProcessGroup::world_ranks() const {
   return state_->world_ranks;
 }
+
+Traffic traffic(const ProcessGroup& group) {
+  const detail::GroupState& s = *group.state();
+  Traffic out;
+  for (int k = 0; k < kOpKinds; ++k) {
+    out.by_kind[k].ops = s.traffic[static_cast<std::size_t>(2 * k)].load(std::memory_order_relaxed);
+    out.by_kind[k].bytes = s.traffic[static_cast<std::size_t>(2 * k + 1)].load(std::memory_order_relaxed);
+  }
+  return out;
+}
+
+namespace detail {
+void rename_group(GroupState& state, std::string name) {
+  state.name = std::move(name);
+  if (state.flight) {
+    auto renamed = std::make_shared<FlightGroup>(*state.flight->group);
+    renamed->name = state.name;
+    state.flight->group = std::move(renamed);
+  }
+}
+}  // namespace detail
 
 std::optional<ProcessGroup> ProcessGroup::new_group(std::vector<int> ranks) {
   std::sort(ranks.begin(), ranks.end());

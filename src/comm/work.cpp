@@ -10,9 +10,32 @@
 // sizes. Wait paths and future paths translate alike, so a failure reaches
 // user code the same way whether it waited on a Work, on a DDP bucket, or
 // inside backward.
+//
+// Note [Abort instead of hang]
+// Every wait a rank makes on another rank ends by a deadline of its own:
+//  - Gloo: collectives and barriers carry the group's timeout in their
+//    options (Gloo's algorithms time out every transfer), send/recv waits
+//    pass it to Gloo's buffer waits, and Work::wait passes it to c10d's wait;
+//  - shared memory: every barrier and ring wait checks the deadline (and
+//    whether the peer's process still exists) every few milliseconds
+//    (shm_transport.cpp, shm_p2p.cpp);
+//  - operations completed through a future of ours (shared-memory
+//    collectives, coalesced operations) are waited on with the timeout plus a
+//    grace (the transport's own error, which names the peer, normally comes
+//    first), never with an unbounded wait;
+//  - NCCL: c10d's watchdog enforces the timeout on the GPU side; when a
+//    wait on an NCCL operation fails (a timeout included), its group's
+//    communicators are aborted at once (Backend::abort, ncclCommAbort), so
+//    that no later stream synchronisation waits on a collective that cannot
+//    finish. Compiled; not yet run on a GPU.
+// A failure becomes a CommunicationError naming the operation, group, rank
+// and peer (above), and the flight recorder dumps (flight_recorder.h).
 #include <ATen/core/ivalue.h>
 
+#include <condition_variable>
+
 #include "dtrain/error.h"
+#include "flight_recorder.h"
 #include "group_state.h"
 
 namespace dtrain::dist {
@@ -48,6 +71,7 @@ OpInfo with_group(const GroupState& group, OpInfo info) {
   info.group = describe(group);
   info.identity = group.identity;
   info.timeout = group.timeout;
+  if (group.kind == BackendKind::kNccl) info.abort_backend.emplace(group.backend);
   return info;
 }
 }  // namespace
@@ -85,7 +109,43 @@ void Outcome::settle(std::exception_ptr failure) {
   finish = nullptr;  // drops what it holds
   done = true;
   error = failure ? translate(info, failure) : nullptr;
+  if (info.flight != 0) {
+    FlightRecorder::get()->mark(info.flight, error ? FlightState::kFailed : FlightState::kCompleted);
+  }
+  if (!error) return;
+  if (FlightRecorder* recorder = FlightRecorder::get()) {
+    log::ScopedIdentity scoped(info.identity);
+    recorder->dump(info.op + " failed on " + info.group, /*after_failure=*/true);
+  }
 }
+
+namespace {
+// Marks a recorded operation's entry when `future` completes.
+void mark_when_done(const Future& future, std::uint64_t ticket) {
+  if (ticket == 0) return;
+  future->addCallback([ticket](c10::ivalue::Future& f) {
+    FlightRecorder::get()->mark(ticket, f.hasError() ? FlightState::kFailed : FlightState::kCompleted);
+  });
+}
+
+// Waits for `future` until `deadline`; false if it did not complete by then.
+bool wait_until(const Future& future, std::chrono::steady_clock::time_point deadline) {
+  if (future->completed()) return true;
+  struct Flag {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto flag = std::make_shared<Flag>();
+  future->addCallback([flag](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(flag->mutex);
+    flag->done = true;
+    flag->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(flag->mutex);
+  return flag->cv.wait_until(lock, deadline, [&] { return flag->done; });
+}
+}  // namespace
 
 namespace {
 std::shared_ptr<Work::Impl> new_impl(const GroupState& group, OpInfo info, c10::IValue result,
@@ -105,7 +165,20 @@ Work make_work(const std::shared_ptr<GroupState>& group, OpInfo info, c10::IValu
   try {
     impl->work = issue();
   } catch (...) {
+    if (impl->outcome->info.flight != 0) FlightRecorder::get()->mark(impl->outcome->info.flight, FlightState::kFailed);
     std::rethrow_exception(translate(impl->outcome->info, std::current_exception()));
+  }
+  if (const std::uint64_t ticket = impl->outcome->info.flight; ticket != 0) {
+    FlightRecorder::get()->mark(ticket, FlightState::kStarted);
+    // Collectives complete through their future; a point-to-point Work of
+    // Gloo's or ours has none, and is marked when waited on (Outcome::settle).
+    if (impl->outcome->info.peer < 0) {
+      try {
+        mark_when_done(impl->work->getFuture(), ticket);
+      } catch (const c10::Error&) {
+        // No future on this Work type: marked at the wait.
+      }
+    }
   }
   return Work(std::move(impl));
 }
@@ -114,6 +187,7 @@ Work make_future_work(const std::shared_ptr<GroupState>& group, OpInfo info, Fut
                       std::function<void()> finish) {
   auto impl = new_impl(*group, std::move(info), c10::IValue(), std::move(finish));
   impl->future = std::move(future);
+  mark_when_done(impl->future, impl->outcome->info.flight);
   return Work(std::move(impl));
 }
 
@@ -129,7 +203,12 @@ void Work::wait() {
       if (impl_->work) {
         impl_->work->wait(outcome.info.timeout);
       } else {
-        impl_->future->wait();
+        // Note [Abort instead of hang]: the transport's own deadline normally ends it first.
+        const auto grace = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), outcome.info.timeout / 10);
+        if (!detail::wait_until(impl_->future, std::chrono::steady_clock::now() + outcome.info.timeout + grace)) {
+          throw std::runtime_error("did not complete within " + log::format_seconds(outcome.info.timeout + grace) +
+                                   " (timed out)");
+        }
         if (impl_->future->hasError()) error = impl_->future->exception_ptr();
         if (!error && outcome.result.isNone()) outcome.result = impl_->future->value();
       }
@@ -137,6 +216,17 @@ void Work::wait() {
       error = std::current_exception();
     }
     outcome.settle(error);
+    // Note [Abort instead of hang]: on the waiting thread only, never in a
+    // future's callback, which may run on the backend's own watchdog thread.
+    if (outcome.error && outcome.info.abort_backend) {
+      if (auto backend = outcome.info.abort_backend->lock()) {
+        try {
+          backend->abort();
+        } catch (...) {
+          // Already torn down: nothing left to release.
+        }
+      }
+    }
   }
   if (outcome.error) std::rethrow_exception(outcome.error);
 }

@@ -37,6 +37,7 @@
 #include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "flight_dumps.h"
 
 namespace dtrain::elastic {
 
@@ -98,6 +99,8 @@ std::map<std::string, std::string> Agent::worker_env(int local_rank, const Round
                                               .role = options_.role});
   for (const auto& [name, value] : contract) env[name] = value;
   env["DTRAIN_RDZV_ROUND"] = std::to_string(plan.round);
+  if (!options_.flight_dump_dir.empty())
+    env["DTRAIN_FLIGHT_RECORDER_DIR"] = flight_dump_dir(options_.flight_dump_dir, plan);
   if (std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   return env;
 }
@@ -159,6 +162,10 @@ AgentResult Agent::run(const std::atomic<int>& interrupt) {
     if (!ending) {
       result.root_cause = failure;
       ending = rendezvous_->report_failure(*failure);
+    }
+    if (!options_.flight_dump_dir.empty() && ending->kind == RoundEnding::Kind::kFailure) {
+      result.flight_report =
+          collect_flight_report(workers_, flight_dump_dir(options_.flight_dump_dir, plan), options_.flight_dump_wait);
     }
     workers_.stop(SIGTERM, options_.stop_grace);
     store_host_.stop();  // the next round has its own: Note [Worker store]

@@ -300,6 +300,14 @@ GroupStatus ProcessWorkerGroup::poll(std::chrono::milliseconds interval, std::op
   return GroupStatus::kRunning;
 }
 
+std::vector<int> ProcessWorkerGroup::signal_live(int signal) {
+  std::vector<int> ranks;
+  for (auto& w : workers_) {
+    if (!w.done && w.pid > 0 && ::kill(w.pid, signal) == 0) ranks.push_back(w.launch.global_rank);
+  }
+  return ranks;
+}
+
 void ProcessWorkerGroup::stop(int signal, std::chrono::milliseconds grace) {
   for (auto& w : workers_) {
     if (!w.done && w.pid > 0) {

@@ -11,6 +11,7 @@
 #include "dtrain/comm/cluster_env.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"
+#include "dtrain/comm/flight_recorder.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "torchrun_args.h"
@@ -323,6 +324,16 @@ LaunchPlan plan_launch(const LaunchOptions& given, const dist::EnvLookup& env) {
 
   plan.log_dir = o.log_dir;
   plan.tee = o.tee;
+  // The flight recorder (docs/flight_recorder.md): workers inherit
+  // DTRAIN_FLIGHT_RECORDER; they dump under DTRAIN_FLIGHT_RECORDER_DIR if set,
+  // else LOG_DIR/flight_recorder, else the workers' default.
+  if (const auto recorder = dist::flight_recorder_options(env); recorder.entries > 0) {
+    const bool dir_set = env("DTRAIN_FLIGHT_RECORDER_DIR").has_value();
+    const std::filesystem::path dir = !dir_set && !o.log_dir.empty()
+                                          ? std::filesystem::path(o.log_dir) / "flight_recorder"
+                                          : std::filesystem::path(recorder.dump_dir);
+    plan.agent.flight_dump_dir = std::filesystem::absolute(dir).string();
+  }
   plan.argv = o.program_and_args;
   plan.argv[0] = elastic::resolve_program(plan.argv[0]);
   plan.error_file_dir =

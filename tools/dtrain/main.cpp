@@ -9,9 +9,11 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "dtrain/comm/device.h"
+#include "dtrain/comm/flight_analysis.h"
 #include "dtrain/elastic/agent.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
@@ -70,6 +72,11 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
   std::cerr << "dtrain run: failed after " << result.restarts << " restart" << (result.restarts == 1 ? "" : "s")
             << " (--max-restarts " << opt.max_restarts << ")\n"
             << "  root cause: " << (result.root_cause_text.empty() ? "unknown" : result.root_cause_text) << std::endl;
+  if (!result.flight_report.empty()) {
+    std::istringstream lines(result.flight_report);
+    for (std::string line; std::getline(lines, line);) std::cerr << "  flight recorder: " << line << "\n";
+    std::cerr << std::flush;
+  }
   return result.exit_code;
 }
 }  // namespace
@@ -102,6 +109,14 @@ int main(int argc, char** argv) {
   convert->add_option("--key", ckpt_key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
   convert->add_option("--max-shard-bytes", max_shard_bytes, "shard size of a safetensors folder")
       ->capture_default_str();
+  // dtrain trace analyze: the flight recorder's dumps (docs/flight_recorder.md),
+  // the same analysis `dtrain run` reports when a round fails.
+  CLI::App* trace = app.add_subcommand("trace", "Read the flight recorder's dumps");
+  trace->require_subcommand(1);
+  std::string trace_dir;
+  CLI::App* analyze = trace->add_subcommand(
+      "analyze", "Say which rank kept the others waiting in which operation, from the ranks' dumps in DIR");
+  analyze->add_option("dir", trace_dir, "the folder of rank_<R>.json dumps (DTRAIN_FLIGHT_RECORDER_DIR)")->required();
   // torchrun's PET_* variables and spellings (tools/dtrain/torchrun_args.h).
   std::vector<std::string> args(argv + 1, argv + argc);
   std::vector<std::string> from_pet;
@@ -122,6 +137,15 @@ int main(int argc, char** argv) {
       return dtrain::tools::plan_command(plan_opt, std::cout, std::cerr);
     } catch (const dtrain::Error& e) {
       std::cerr << "dtrain plan: error: " << e.what() << std::endl;
+      return 2;
+    }
+  }
+  if (trace->parsed()) {
+    try {
+      std::cout << dtrain::dist::analyze_flight_dumps(trace_dir).text() << std::flush;
+      return 0;
+    } catch (const dtrain::Error& e) {
+      std::cerr << "dtrain trace: error: " << e.what() << std::endl;
       return 2;
     }
   }

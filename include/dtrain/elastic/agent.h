@@ -44,6 +44,13 @@ struct AgentOptions {
   std::string master_addr = "127.0.0.1";
   std::map<std::string, std::string> extra_env;  // e.g. CUDA_VISIBLE_DEVICES from --devices
   int master_port = 0;                           // 0: a free port each round
+  // Where workers dump their flight recorders (DTRAIN_FLIGHT_RECORDER_DIR,
+  // one attempt_N folder per round); "" when the recorder is off. When a
+  // round fails, the agent asks live workers to dump (SIGUSR1), waits up to
+  // `flight_dump_wait` for them, and reports which rank kept the others
+  // waiting (AgentResult::flight_report; see flight_analysis.h).
+  std::string flight_dump_dir;
+  std::chrono::milliseconds flight_dump_wait{3000};
 };
 
 struct AgentResult {
@@ -53,6 +60,7 @@ struct AgentResult {
   int rounds = 0;                        // rounds started (restarts and membership changes)
   std::optional<WorkerExit> root_cause;  // this node's failure that ended the run, or the last one
   std::string root_cause_text;           // the failure that ended the run (maybe another node's)
+  std::string flight_report;             // the last failed round's flight-recorder analysis, if any
 };
 
 class Agent {

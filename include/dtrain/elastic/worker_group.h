@@ -43,6 +43,10 @@ class WorkerGroup {
   // Sends `signal` to every live worker's process group, waits up to `grace`,
   // then SIGKILLs what is left; reaps everything.
   virtual void stop(int signal, std::chrono::milliseconds grace) = 0;
+  // Sends `signal` to every live worker's own process (not its children;
+  // e.g. SIGUSR1, the flight recorder's dump request) and returns their
+  // global ranks. The default (fakes): none.
+  virtual std::vector<int> signal_live(int /*signal*/) { return {}; }
 };
 
 struct ProcessWorkerGroupOptions {
@@ -63,6 +67,7 @@ class ProcessWorkerGroup : public WorkerGroup {
   void start(const std::vector<WorkerLaunch>& workers, int attempt) override;
   GroupStatus poll(std::chrono::milliseconds interval, std::optional<WorkerExit>& failure) override;
   void stop(int signal, std::chrono::milliseconds grace) override;
+  std::vector<int> signal_live(int signal) override;
 
  private:
   struct Worker;
