@@ -1,0 +1,73 @@
+// One replica group (of one rank) for the fault-tolerance system test
+// (tests/system/ft_test.cpp), started by `dtrain run --ft-replicas N`:
+// trains the MLP of ft_model.h through ft::FaultTolerantReplicas.
+//   FT_DIR (required): replica_<r>.log gets one line per committed step,
+//     "step S quorum Q members a,b,c first_sample F incarnation I pid P",
+//     and "recovered S pid P" when it loaded a peer's state; final_<r>.pt the
+//     final parameters (torch::save of the list).
+//   FT_STEPS (default 60), FT_STEP_MS (sleep per step, default 20),
+//   FT_RESTART_DELAY_MS (a restarted replica waits this long before it
+//   joins, as a replacement machine would take; default 0).
+// A restarted replica (TORCHELASTIC_RESTART_COUNT > 0) initialises its model
+// from another seed: everything it ends with must come from its peer.
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "dtrain/dtrain.h"
+#include "ft_model.h"
+
+namespace {
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? v : fallback;
+}
+}  // namespace
+
+int main() {
+  namespace ft = dtrain::ft;
+  namespace problem = dtrain::testing::ft_problem;
+  return dtrain::elastic::run_recording_errors([] {
+    const std::string dir = env_or("FT_DIR", "");
+    const int steps = std::stoi(env_or("FT_STEPS", "60"));
+    const int step_ms = std::stoi(env_or("FT_STEP_MS", "20"));
+    const auto endpoint = ft::lighthouse_from_env();
+    const int restart = std::stoi(env_or("TORCHELASTIC_RESTART_COUNT", "0"));
+    at::set_num_threads(1);
+    if (restart > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::stoi(env_or("FT_RESTART_DELAY_MS", "0"))));
+    auto model = problem::make_model(restart == 0 ? 0 : 1000 + restart);
+    auto optimizer = problem::make_optimizer(model);
+    ft::LighthouseClient client(ft::connect_lighthouse(endpoint.host, endpoint.port),
+                                ft::connect_lighthouse(endpoint.host, endpoint.port),
+                                {.replica_id = endpoint.replica_id, .commit_timeout = std::chrono::seconds(5)});
+    ft::FaultTolerantReplicas replicas(client, ft::module_and_optimizer_state(*model, optimizer),
+                                       {.group_timeout = std::chrono::seconds(5)});
+    const int r = endpoint.replica_id;
+    std::ofstream log(dir + "/replica_" + std::to_string(r) + ".log", std::ios::app);
+    while (replicas.step() < steps) {
+      replicas.start_step();
+      if (replicas.recovered()) log << "recovered " << replicas.step() << " pid " << ::getpid() << std::endl;
+      const std::int64_t step = replicas.step();
+      std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));  // the rest of a real step's compute
+      problem::compute_gradients(model, step, r);
+      std::vector<at::Tensor> grads;
+      for (auto& p : model->parameters()) grads.push_back(p.grad());
+      replicas.all_reduce_gradients(grads);
+      if (!replicas.should_commit()) continue;
+      optimizer.step();
+      std::string members;
+      for (const auto& m : replicas.quorum().members)
+        members += (members.empty() ? "" : ",") + std::to_string(m.replica_id);
+      log << "step " << step << " quorum " << replicas.quorum().quorum_id << " members " << members << " first_sample "
+          << problem::first_sample(step, r) << " incarnation " << client.incarnation() << " pid " << ::getpid()
+          << std::endl;
+    }
+    std::vector<at::Tensor> params;
+    for (auto& p : model->parameters()) params.push_back(p.detach().clone());
+    torch::save(params, dir + "/final_" + std::to_string(r) + ".pt");
+    return 0;
+  });
+}
