@@ -2,8 +2,9 @@
 // (tests/system/ft_test.cpp), started by `dtrain run --ft-replicas N`:
 // trains the MLP of ft_model.h through ft::FaultTolerantReplicas.
 //   FT_DIR (required): replica_<r>.log gets one line per committed step,
-//     "step S quorum Q members a,b,c first_sample F incarnation I pid P",
-//     and "recovered S pid P" when it loaded a peer's state; final_<r>.pt the
+//     "step S quorum Q members a,b,c first_sample F incarnation I pid P t_ms T",
+//     and "recovered S pid P t_ms T" when it loaded a peer's state (T: the
+//     wall clock in ms, for figures); final_<r>.pt the
 //     final parameters (torch::save of the list).
 //   FT_STEPS (default 60), FT_STEP_MS (sleep per step, default 20),
 //   FT_RESTART_DELAY_MS (a restarted replica waits this long before it
@@ -23,6 +24,10 @@ namespace {
 std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
   return v != nullptr ? v : fallback;
+}
+std::int64_t unix_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 }  // namespace
 
@@ -49,7 +54,9 @@ int main() {
     std::ofstream log(dir + "/replica_" + std::to_string(r) + ".log", std::ios::app);
     while (replicas.step() < steps) {
       replicas.start_step();
-      if (replicas.recovered()) log << "recovered " << replicas.step() << " pid " << ::getpid() << std::endl;
+      if (replicas.recovered()) {
+        log << "recovered " << replicas.step() << " pid " << ::getpid() << " t_ms " << unix_ms() << std::endl;
+      }
       const std::int64_t step = replicas.step();
       std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));  // the rest of a real step's compute
       problem::compute_gradients(model, step, r);
@@ -63,7 +70,7 @@ int main() {
         members += (members.empty() ? "" : ",") + std::to_string(m.replica_id);
       log << "step " << step << " quorum " << replicas.quorum().quorum_id << " members " << members << " first_sample "
           << problem::first_sample(step, r) << " incarnation " << client.incarnation() << " pid " << ::getpid()
-          << std::endl;
+          << " t_ms " << unix_ms() << std::endl;
     }
     std::vector<at::Tensor> params;
     for (auto& p : model->parameters()) params.push_back(p.detach().clone());
