@@ -14,7 +14,10 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
 #include <torch/serialize/archive.h>
+
+#include <cstring>
 
 #include "dtrain/error.h"
 #include "dtrain/ft/replicas.h"
@@ -41,8 +44,28 @@ void FaultTolerantReplicas::fail(const std::string& what, const std::exception& 
   want_fresh_ = true;
 }
 
+namespace {
+// `text` from rank 0 of `group` to all of its ranks.
+std::string broadcast_text(dist::ProcessGroup& group, const std::string& text) {
+  at::Tensor length = at::empty({1}, at::kLong);
+  length.fill_(static_cast<std::int64_t>(text.size()));
+  group.broadcast(length, 0).wait();
+  at::Tensor bytes = at::empty({length.item<std::int64_t>()}, at::kByte);
+  if (group.rank() == 0) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  group.broadcast(bytes, 0).wait();
+  return {static_cast<const char*>(bytes.const_data_ptr()), static_cast<std::size_t>(bytes.numel())};
+}
+}  // namespace
+
 void FaultTolerantReplicas::start_step() {
-  quorum_ = client_.quorum(step_, want_fresh_);
+  if (shared_by_ranks()) {
+    // Rank 0 of the replica group asks; the others take its answer.
+    std::string text;
+    if (local_rank() == 0) text = client_.quorum(step_, want_fresh_).to_text();
+    quorum_ = Quorum::from_text(broadcast_text(*options_.replica_group, text));
+  } else {
+    quorum_ = client_.quorum(step_, want_fresh_);
+  }
   failed_ = false;
   want_fresh_ = false;
   recovered_ = false;
@@ -62,12 +85,13 @@ void FaultTolerantReplicas::make_group() {
   // its own job's, not its index in the quorum.
   log::ScopedIdentity keep(log::identity());
   try {
-    group_ =
-        dist::init_process_group(client_.store().with_prefix("pg/" + std::to_string(quorum_.quorum_id)), rank, size,
-                                 {.backend = dist::BackendKind::kGloo,
-                                  .timeout = options_.group_timeout,
-                                  .name = "dp_replicate (quorum " + std::to_string(quorum_.quorum_id) + ")",
-                                  .intra_host_shared_memory = options_.intra_host_shared_memory});
+    group_ = dist::init_process_group(
+        client_.store().with_prefix("pg/" + std::to_string(quorum_.quorum_id) + "/" + std::to_string(local_rank())),
+        rank, size,
+        {.backend = dist::BackendKind::kGloo,
+         .timeout = options_.group_timeout,
+         .name = "dp_replicate (quorum " + std::to_string(quorum_.quorum_id) + ")",
+         .intra_host_shared_memory = options_.intra_host_shared_memory});
     group_quorum_id_ = quorum_.quorum_id;
   } catch (const std::exception& e) {
     fail("making the group", e);
@@ -140,7 +164,23 @@ void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensor
 }
 
 bool FaultTolerantReplicas::should_commit() {
-  const bool commit = client_.agree_commit(quorum_, !failed_);
+  bool commit = false;
+  if (shared_by_ranks()) {
+    // The replica group votes ok only if each of its ranks is; rank 0 votes
+    // for it and shares the decision.
+    at::Tensor flags = at::empty({2}, at::kInt);
+    flags[0].fill_(failed_ ? 0 : 1);
+    flags[1].fill_(want_fresh_ ? 0 : 1);
+    options_.replica_group->all_reduce(flags, dist::ReduceOp::kMin).wait();
+    const bool ok = flags[0].item<int>() == 1;
+    want_fresh_ = flags[1].item<int>() == 0;
+    at::Tensor decision = at::zeros({1}, at::kInt);
+    if (local_rank() == 0) decision.fill_(client_.agree_commit(quorum_, ok) ? 1 : 0);
+    options_.replica_group->broadcast(decision, 0).wait();
+    commit = decision.item<int>() == 1;
+  } else {
+    commit = client_.agree_commit(quorum_, !failed_);
+  }
   if (commit) {
     ++step_;
   } else if (!failed_) {

@@ -68,8 +68,10 @@ std::size_t ft_steps_logged(const fs::path& path) {
   return read_ft_log(path).steps.size();
 }
 
-TEST(FaultTolerance, KilledReplicaGroupRecoversLiveAndMatchesReplay) {
-  constexpr int kReplicas = 3;
+// `kReplicas` replica groups of `k` ranks; rank 0 of group kVictim is
+// SIGKILLed after 20 steps (with k > 1 the launcher then stops its other
+// ranks and restarts the whole group).
+void run_ft_kill_scenario(const int kReplicas, const int k) {
   constexpr int kSteps = 200;
   constexpr int kVictim = 1;
   Scratch scratch;
@@ -81,8 +83,8 @@ TEST(FaultTolerance, KilledReplicaGroupRecoversLiveAndMatchesReplay) {
   // survivors step on without it meanwhile.
   ::setenv("FT_RESTART_DELAY_MS", "2000", 1);
   Launch launch(
-      {"--nproc-per-node", std::to_string(kReplicas), "--ft-replicas", std::to_string(kReplicas), "--max-restarts", "2",
-       "--ft-heartbeat-timeout", "0.5", "--log-dir", (dir / "logs").string(), kFtWorker},
+      {"--nproc-per-node", std::to_string(kReplicas * k), "--ft-replicas", std::to_string(kReplicas), "--max-restarts",
+       "2", "--ft-heartbeat-timeout", "0.5", "--log-dir", (dir / "logs").string(), kFtWorker},
       scratch);
   const fs::path victim_log = dir / ("replica_" + std::to_string(kVictim) + ".log");
   ASSERT_TRUE(wait_for([&] { return ft_steps_logged(victim_log) >= 20; }, std::chrono::seconds(60))) << launch.err();
@@ -148,7 +150,7 @@ TEST(FaultTolerance, KilledReplicaGroupRecoversLiveAndMatchesReplay) {
       EXPECT_EQ(it->members, membership[s]) << "replicas disagree on step " << s << "'s members";
       // The sample audit: each (step, replica) batch consumed once.
       EXPECT_TRUE(samples.insert(it->first_sample).second) << "samples of step " << s << " consumed twice";
-      EXPECT_EQ(it->first_sample, ft_problem::first_sample(s, m));
+      EXPECT_EQ(it->first_sample, ft_problem::first_sample(s, m * k));
     }
   }
   EXPECT_TRUE(shrank) << "no step ran without the killed replica group: the kill did not take it out";
@@ -160,15 +162,33 @@ TEST(FaultTolerance, KilledReplicaGroupRecoversLiveAndMatchesReplay) {
   auto model = ft_problem::make_model(0);
   auto optimizer = ft_problem::make_optimizer(model);
   auto params = model->parameters();
+  // A replica group's gradient: its ranks' summed in rank order, divided by k.
+  auto replica_gradients = [&](std::int64_t s, int m) {
+    std::vector<at::Tensor> g;
+    for (int local = 0; local < k; ++local) {
+      ft_problem::compute_gradients(model, s, m * k + local);
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        if (local == 0) {
+          g.push_back(params[i].grad().clone());
+        } else {
+          g[i].add_(params[i].grad());
+        }
+      }
+    }
+    if (k > 1) {
+      for (auto& t : g) t.div_(k);
+    }
+    return g;
+  };
   for (int s = 0; s < kSteps; ++s) {
     std::vector<at::Tensor> sum;
     for (const int m : membership[s]) {
-      ft_problem::compute_gradients(model, s, m);
+      auto g = replica_gradients(s, m);
       for (std::size_t i = 0; i < params.size(); ++i) {
         if (sum.size() < params.size()) {
-          sum.push_back(params[i].grad().clone());
+          sum.push_back(g[i]);
         } else {
-          sum[i].add_(params[i].grad());
+          sum[i].add_(g[i]);
         }
       }
     }
@@ -180,13 +200,26 @@ TEST(FaultTolerance, KilledReplicaGroupRecoversLiveAndMatchesReplay) {
     optimizer.step();
   }
   for (int r = 0; r < kReplicas; ++r) {
-    std::vector<at::Tensor> final_params;
-    torch::load(final_params, (dir / ("final_" + std::to_string(r) + ".pt")).string());
-    ASSERT_EQ(final_params.size(), params.size());
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      EXPECT_TRUE(at::equal(final_params[i], params[i])) << "replica " << r << " parameter " << i;
+    for (int local = 0; local < k; ++local) {
+      std::vector<at::Tensor> final_params;
+      torch::load(final_params, (dir / ("final_" + std::to_string(r) + "_" + std::to_string(local) + ".pt")).string());
+      ASSERT_EQ(final_params.size(), params.size());
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::equal(final_params[i], params[i]))
+            << "replica " << r << " rank " << local << " parameter " << i;
+      }
     }
   }
+}
+
+TEST(FaultTolerance, KilledReplicaGroupRecoversLiveAndMatchesReplay) {
+  run_ft_kill_scenario(/*replicas=*/3, /*ranks_per_replica=*/1);
+}
+
+// Two ranks per replica group, averaging among themselves first: each rank
+// recovers from the same rank of a peer group.
+TEST(FaultTolerance, KilledTwoRankReplicaGroupRecoversLiveAndMatchesReplay) {
+  run_ft_kill_scenario(/*replicas=*/2, /*ranks_per_replica=*/2);
 }
 
 }  // namespace

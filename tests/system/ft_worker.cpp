@@ -1,11 +1,14 @@
-// One replica group (of one rank) for the fault-tolerance system test
+// One rank of a replica group for the fault-tolerance system test
 // (tests/system/ft_test.cpp), started by `dtrain run --ft-replicas N`:
-// trains the MLP of ft_model.h through ft::FaultTolerantReplicas.
+// trains the MLP of ft_model.h through ft::FaultTolerantReplicas. With
+// WORLD_SIZE k > 1 the replica group's ranks average their gradients first
+// (one all-reduce over the group, as DDP would); rank i of replica r draws
+// the batch of data replica r * k + i. Rank 0 writes the log.
 //   FT_DIR (required): replica_<r>.log gets one line per committed step,
 //     "step S quorum Q members a,b,c first_sample F incarnation I pid P t_ms T",
 //     and "recovered S pid P t_ms T" when it loaded a peer's state (T: the
-//     wall clock in ms, for figures); final_<r>.pt the
-//     final parameters (torch::save of the list).
+//     wall clock in ms, for figures); final_<r>_<i>.pt
+//     each rank's final parameters (torch::save of the list).
 //   FT_STEPS (default 60), FT_STEP_MS (sleep per step, default 20),
 //   FT_RESTART_DELAY_MS (a restarted replica waits this long before it
 //   joins, as a replacement machine would take; default 0).
@@ -14,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -48,10 +52,16 @@ int main() {
     ft::LighthouseClient client(ft::connect_lighthouse(endpoint.host, endpoint.port),
                                 ft::connect_lighthouse(endpoint.host, endpoint.port),
                                 {.replica_id = endpoint.replica_id, .commit_timeout = std::chrono::seconds(5)});
+    const int k = std::stoi(env_or("WORLD_SIZE", "1"));
+    std::optional<dtrain::dist::ProcessGroup> replica_group;
+    if (k > 1) replica_group = dtrain::dist::init_process_group();
+    const int local = replica_group ? replica_group->rank() : 0;
     ft::FaultTolerantReplicas replicas(client, ft::module_and_optimizer_state(*model, optimizer),
-                                       {.group_timeout = std::chrono::seconds(5)});
+                                       {.replica_group = replica_group, .group_timeout = std::chrono::seconds(5)});
     const int r = endpoint.replica_id;
-    std::ofstream log(dir + "/replica_" + std::to_string(r) + ".log", std::ios::app);
+    const int data_replica = r * k + local;
+    std::ofstream log;
+    if (local == 0) log.open(dir + "/replica_" + std::to_string(r) + ".log", std::ios::app);
     while (replicas.step() < steps) {
       replicas.start_step();
       if (replicas.recovered()) {
@@ -59,9 +69,10 @@ int main() {
       }
       const std::int64_t step = replicas.step();
       std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));  // the rest of a real step's compute
-      problem::compute_gradients(model, step, r);
+      problem::compute_gradients(model, step, data_replica);
       std::vector<at::Tensor> grads;
       for (auto& p : model->parameters()) grads.push_back(p.grad());
+      if (replica_group) replica_group->all_reduce_coalesced(grads, dtrain::dist::ReduceOp::kAvg).wait();
       replicas.all_reduce_gradients(grads);
       if (!replicas.should_commit()) continue;
       optimizer.step();
@@ -69,12 +80,12 @@ int main() {
       for (const auto& m : replicas.quorum().members)
         members += (members.empty() ? "" : ",") + std::to_string(m.replica_id);
       log << "step " << step << " quorum " << replicas.quorum().quorum_id << " members " << members << " first_sample "
-          << problem::first_sample(step, r) << " incarnation " << client.incarnation() << " pid " << ::getpid()
-          << " t_ms " << unix_ms() << std::endl;
+          << problem::first_sample(step, data_replica) << " incarnation " << client.incarnation() << " pid "
+          << ::getpid() << " t_ms " << unix_ms() << std::endl;
     }
     std::vector<at::Tensor> params;
     for (auto& p : model->parameters()) params.push_back(p.detach().clone());
-    torch::save(params, dir + "/final_" + std::to_string(r) + ".pt");
+    torch::save(params, dir + "/final_" + std::to_string(r) + "_" + std::to_string(local) + ".pt");
     return 0;
   });
 }

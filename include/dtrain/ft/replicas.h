@@ -24,8 +24,9 @@
 // parameters, optimizer state, whatever ReplicaState saves, and the step
 // counter. No checkpoint is read; no step is lost or repeated.
 //
-// Today a replica group is one rank (DDP, ZeRO or a pipeline inside a
-// replica group are not wired yet: docs/fault_tolerance.md, Limits).
+// A replica group may have several ranks (FaultTolerantOptions::replica_group)
+// that reduce among themselves first (a plain all-reduce or DDP; ZeRO and
+// pipelines inside are not tested yet: docs/fault_tolerance.md, Limits).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -67,6 +68,16 @@ ReplicaState module_and_optimizer_state(torch::nn::Module& module, torch::optim:
                                         ReplicaState extra = {});
 
 struct FaultTolerantOptions {
+  // The ranks of this replica group when it has more than one (its world
+  // group under dtrain run --ft-replicas): its rank 0 talks to the
+  // lighthouse and shares the quorum and the commit decision with the
+  // others; rank i of every replica group forms the cross-replica group of
+  // local rank i, and recovers from rank i of its source (so each rank's
+  // own state, shards included, is copied rank to rank). Every rank of the
+  // replica group makes the same calls. A replica group's internal
+  // collectives are not fault-tolerant: a rank that fails takes its group
+  // down (the launcher restarts all of it).
+  std::optional<dist::ProcessGroup> replica_group;
   // Rendezvous and operation timeout of each quorum's group: a member that
   // died between the quorum and the group's making fails the step after it.
   std::chrono::milliseconds group_timeout{std::chrono::seconds(10)};
@@ -104,6 +115,8 @@ class FaultTolerantReplicas {
   void make_group();
   void recover_or_serve();
   void fail(const std::string& what, const std::exception& e);
+  bool shared_by_ranks() const { return options_.replica_group && options_.replica_group->size() > 1; }
+  int local_rank() const { return options_.replica_group ? options_.replica_group->rank() : 0; }
 
   LighthouseClient& client_;
   ReplicaState state_;
