@@ -197,17 +197,21 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
   q.round = ++round_;
   q.quorum_id = quorum_id_;
   const std::string text = q.to_text();
+  if (quorum_id_ != (history_.empty() ? 0 : history_.back().quorum_id)) {
+    DTRAIN_LOG(kInfo) << "lighthouse: " << q.describe();
+  }
+  {
+    // Recorded before anyone is answered: a member that reads history()
+    // after its answer finds its quorum there.
+    std::lock_guard lock(mutex_);
+    history_.push_back(q);
+  }
   store_.set("quorum/" + std::to_string(q.round), text);
   for (Replica* r : asking) {
     store_.set("answer/" + std::to_string(r->incarnation) + "/" + std::to_string(r->seq), text);
     r->answered_seq = r->seq;
     r->pending = false;
   }
-  if (quorum_id_ != (history_.empty() ? 0 : history_.back().quorum_id)) {
-    DTRAIN_LOG(kInfo) << "lighthouse: " << q.describe();
-  }
-  std::lock_guard lock(mutex_);
-  history_.push_back(std::move(q));
 }
 
 std::unique_ptr<HostedLighthouse> host_lighthouse(const HostedLighthouseOptions& options) {
