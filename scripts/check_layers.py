@@ -26,12 +26,13 @@ ALLOWED = {
     "amp": {"core", "comm"},
     "data": {"core", "comm"},
     "elastic": {"core", "comm"},
+    "ft": {"core", "comm"},
     "nn": {"core", "comm", "dist", "amp"},
     "checkpoint": {"core", "comm", "dist", "data"},
     "parallel": {"core", "comm", "dist", "amp", "nn", "data", "checkpoint"},
     "plan": {"core", "comm", "parallel"},
-    "trainer": {"core", "comm", "dist", "amp", "nn", "data", "checkpoint", "parallel", "plan", "elastic"},
-    "tools": {"core", "comm", "dist", "amp", "nn", "data", "checkpoint", "parallel", "plan", "elastic", "trainer"},
+    "trainer": {"core", "comm", "dist", "amp", "nn", "data", "checkpoint", "parallel", "plan", "elastic", "ft"},
+    "tools": {"core", "comm", "dist", "amp", "nn", "data", "checkpoint", "parallel", "plan", "elastic", "ft", "trainer"},
 }
 # The umbrella header includes everything by design.
 UMBRELLA = "include/dtrain/dtrain.h"

@@ -24,6 +24,9 @@
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/elastic/error_file.h"
 #include "dtrain/error.h"
+#include "dtrain/ft/lighthouse.h"  // issue 27: fault-tolerant replica groups
+#include "dtrain/ft/quorum.h"
+#include "dtrain/ft/replicas.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/log.h"
 #include "dtrain/nn/linear.h"

@@ -183,6 +183,22 @@ TEST(TorchrunOptions, RefusalsSayWhy) {
   expect_contains(refusal({"/bin/true"}, {{"PET_START_METHOD", "forkserver"}}), {"forkserver"});
 }
 
+// --ft-replicas (issue 27): the lighthouse's settings, and what it refuses.
+TEST(FaultToleranceOptions, ReplicaGroupsAndTheirRefusals) {
+  const auto p = plan({"--nproc-per-node", "4", "--ft-replicas", "2", "--ft-min-replicas", "2",
+                       "--ft-heartbeat-timeout", "0.5", "/bin/true"});
+  EXPECT_EQ(p.fault_tolerance.replicas, 2);
+  EXPECT_EQ(p.fault_tolerance.lighthouse_config,
+            "min_replicas=2,startup_replicas=2,heartbeat_timeout_ms=500,join_timeout_ms=10000");
+  EXPECT_EQ(plan({"/bin/true"}).fault_tolerance.replicas, 0);
+  expect_contains(refusal({"--nproc-per-node", "3", "--ft-replicas", "2", "/bin/true"}), {"multiple of --ft-replicas"});
+  expect_contains(refusal({"--nproc-per-node", "2", "--ft-replicas", "2", "--ft-min-replicas", "3", "/bin/true"}),
+                  {"--ft-min-replicas 3"});
+  expect_contains(
+      refusal({"--nproc-per-node", "2", "--ft-replicas", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "/bin/true"}),
+      {"one node"});
+}
+
 TEST(ClusterLayout, OneLauncherPerNodeUnderSrun) {
   // srun -N 2 --ntasks-per-node=1 dtrain run --nproc-per-node 2 PROGRAM, task 1 of job 77.
   Vars env = {{"SLURM_PROCID", "1"},

@@ -164,6 +164,19 @@ void add_launch_options(CLI::App& run, LaunchOptions& o) {
       ->capture_default_str();
   run.add_option("--stop-grace", o.stop_grace, "Seconds between forwarding a signal and SIGKILL")
       ->capture_default_str();
+  run.add_option("--ft-replicas", o.ft_replicas,
+                 "Fault-tolerant replica groups: split the workers into N groups under a lighthouse; a failure "
+                 "restarts its group only, which recovers live from the others (docs/fault_tolerance.md)")
+      ->capture_default_str();
+  run.add_option("--ft-min-replicas", o.ft_min_replicas, "Replica groups a step needs at least")->capture_default_str();
+  run.add_option("--ft-heartbeat-timeout", o.ft_heartbeat_timeout,
+                 "Seconds without a heartbeat after which a replica group is dropped from the quorum")
+      ->capture_default_str();
+  run.add_option("--ft-join-timeout", o.ft_join_timeout,
+                 "Seconds a quorum waits for live replica groups that have not asked for it yet")
+      ->capture_default_str();
+  run.add_option("--ft-lighthouse-port", o.ft_lighthouse_port, "The lighthouse's port (0: a free one)")
+      ->capture_default_str();
 }
 
 namespace {
@@ -322,6 +335,31 @@ LaunchPlan plan_launch(const LaunchOptions& given, const dist::EnvLookup& env) {
                  "drop it, or pass --rdzv-endpoint");
   }
 
+  if (o.ft_replicas != 0) {
+    DTRAIN_CHECK(o.ft_replicas >= 1, ConfigError, "--ft-replicas " << o.ft_replicas << " is negative.",
+                 "pass the number of replica groups, e.g. --ft-replicas 4");
+    DTRAIN_CHECK(!plan.rendezvous.multi_node, ConfigError,
+                 "--ft-replicas runs the replica groups of one node; it is not combined with a multi-node "
+                 "rendezvous yet.",
+                 "drop --rdzv-endpoint/--nnodes, or drop --ft-replicas (docs/fault_tolerance.md, Limits)");
+    DTRAIN_CHECK(nproc % o.ft_replicas == 0, ConfigError,
+                 "--nproc-per-node " << nproc << " does not split into --ft-replicas " << o.ft_replicas
+                                     << " equal replica groups.",
+                 "make --nproc-per-node a multiple of --ft-replicas");
+    DTRAIN_CHECK(o.ft_min_replicas >= 1 && o.ft_min_replicas <= o.ft_replicas, ConfigError,
+                 "--ft-min-replicas " << o.ft_min_replicas << " is not in 1..--ft-replicas " << o.ft_replicas << ".",
+                 "pass 1 (go on with any survivor) up to the number of replica groups");
+    DTRAIN_CHECK(o.ft_lighthouse_port >= 0 && o.ft_lighthouse_port <= 65535, ConfigError,
+                 "--ft-lighthouse-port " << o.ft_lighthouse_port << " is not a port.",
+                 "pass 0 (a free one) or 1..65535");
+    plan.fault_tolerance.replicas = o.ft_replicas;
+    plan.fault_tolerance.lighthouse_port = o.ft_lighthouse_port;
+    plan.fault_tolerance.lighthouse_config =
+        "min_replicas=" + std::to_string(o.ft_min_replicas) + ",startup_replicas=" + std::to_string(o.ft_replicas) +
+        ",heartbeat_timeout_ms=" +
+        std::to_string(seconds_option("--ft-heartbeat-timeout", o.ft_heartbeat_timeout).count()) +
+        ",join_timeout_ms=" + std::to_string(seconds_option("--ft-join-timeout", o.ft_join_timeout).count());
+  }
   plan.log_dir = o.log_dir;
   plan.tee = o.tee;
   // The flight recorder (docs/flight_recorder.md): workers inherit

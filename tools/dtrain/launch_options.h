@@ -29,6 +29,12 @@ struct LaunchOptions {
   double stop_grace = 5;
   std::string rdzv_conf;         // KEY=VALUE,... (last_call_timeout, heartbeat_interval, heartbeat_timeout)
   std::string rdzv_secret_file;  // else DTRAIN_RDZV_SECRET; see Note [Rendezvous authentication]
+  // Fault-tolerant replica groups (docs/fault_tolerance.md); 0: off.
+  int ft_replicas = 0;
+  int ft_min_replicas = 1;
+  double ft_heartbeat_timeout = 2;
+  double ft_join_timeout = 10;
+  int ft_lighthouse_port = 0;
   // torchrun's (tools/dtrain/torchrun_args.h rewrites its spellings and PET_* variables):
   std::string rdzv_backend;  // "": c10d with --rdzv-endpoint, static with --master-addr/--master-port
   std::string master_addr;   // static backend; "" unset (127.0.0.1)
@@ -59,8 +65,16 @@ struct RendezvousPlan {
   elastic::StoreRendezvousOptions options;
 };
 
+// --ft-replicas: the node's workers as replica groups under a lighthouse.
+struct FaultTolerancePlan {
+  int replicas = 0;  // 0: off
+  int lighthouse_port = 0;
+  std::string lighthouse_config;  // for src/ft/lighthouse_host.cpp
+};
+
 struct LaunchPlan {
   elastic::AgentOptions agent;
+  FaultTolerancePlan fault_tolerance;
   RendezvousPlan rendezvous;
   std::vector<std::string> argv;  // resolved program first
   std::chrono::milliseconds hang_timeout{0};

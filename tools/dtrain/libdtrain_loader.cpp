@@ -10,6 +10,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 
 #include "dtrain/error.h"
 #include "dtrain/module_loader.h"
@@ -64,6 +65,7 @@ Fn libdtrain_function(const char* name) {
 using ConnectFn = void (*)(const std::string*, int, long long, const std::string*, int,
                            std::shared_ptr<elastic::RendezvousStore>*);
 using HostFn = void (*)(int, int, std::shared_ptr<void>*);
+using LighthouseFn = void (*)(int, int, const std::string*, std::shared_ptr<void>*);
 
 }  // namespace
 
@@ -98,14 +100,19 @@ void BackgroundWorkerStore::serve(int listen_fd, int port) {
   starter_ = std::thread([this, listen_fd, port] {
     std::shared_ptr<void> store;
     std::exception_ptr error;
-    HostFn host = nullptr;
+    std::function<void(int, int, std::shared_ptr<void>*)> host;
     try {
-      host = libdtrain_function<HostFn>("dtrain_host_worker_store");
+      if (lighthouse_) {
+        host = [fn = libdtrain_function<LighthouseFn>("dtrain_host_lighthouse"), config = lighthouse_config_](
+                   int fd, int p, std::shared_ptr<void>* out) { fn(fd, p, &config, out); };
+      } else {
+        host = libdtrain_function<HostFn>("dtrain_host_worker_store");
+      }
     } catch (...) {
       ::close(listen_fd);  // workers' connections fail at once instead of waiting for their timeout
       error = std::current_exception();
     }
-    if (host != nullptr) {
+    if (host) {
       try {
         host(listen_fd, port, &store);  // owns listen_fd from here on, even when it throws
       } catch (...) {

@@ -34,6 +34,13 @@ int run_ckpt_command(const std::vector<std::string>& args, std::ostream& out);
 class BackgroundWorkerStore : public elastic::WorkerStoreHost {
  public:
   BackgroundWorkerStore() = default;
+  // The fault-tolerance lighthouse (src/ft/lighthouse_host.cpp) instead of a
+  // workers' store; `config` is its settings line.
+  struct Lighthouse {
+    std::string config;
+  };
+  explicit BackgroundWorkerStore(Lighthouse lighthouse)
+      : lighthouse_config_(std::move(lighthouse.config)), lighthouse_(true) {}
   BackgroundWorkerStore(const BackgroundWorkerStore&) = delete;
   BackgroundWorkerStore& operator=(const BackgroundWorkerStore&) = delete;
   ~BackgroundWorkerStore() override;
@@ -46,6 +53,8 @@ class BackgroundWorkerStore : public elastic::WorkerStoreHost {
   std::mutex mutex_;
   std::shared_ptr<void> store_;  // the running server; guarded by mutex_
   std::exception_ptr error_;     // why it is not running; guarded by mutex_
+  std::string lighthouse_config_;
+  bool lighthouse_ = false;
 };
 
 }  // namespace dtrain::tools

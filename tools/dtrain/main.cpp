@@ -15,6 +15,7 @@
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/flight_analysis.h"
 #include "dtrain/elastic/agent.h"
+#include "dtrain/elastic/replica_agent.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/net.h"
@@ -30,6 +31,47 @@ void on_signal(int sig) {
   g_interrupt.store(sig);
 }
 
+void install_signal_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+// --ft-replicas: replica groups under a lighthouse (replica_agent.h).
+int run_replica_groups(const dtrain::tools::LaunchOptions& opt, const dtrain::tools::LaunchPlan& plan) {
+  namespace el = dtrain::elastic;
+  dtrain::tools::BackgroundWorkerStore lighthouse(
+      dtrain::tools::BackgroundWorkerStore::Lighthouse{plan.fault_tolerance.lighthouse_config});
+  el::ReplicaAgent agent(
+      {.agent = plan.agent,
+       .replicas = plan.fault_tolerance.replicas,
+       .lighthouse_port = plan.fault_tolerance.lighthouse_port},
+      [&plan](int replica) {
+        const std::string sub = "/replica_" + std::to_string(replica);
+        return std::make_unique<el::ProcessWorkerGroup>(
+            el::ProcessWorkerGroupOptions{.argv = plan.argv,
+                                          .log_dir = plan.log_dir.empty() ? "" : plan.log_dir + sub,
+                                          .tee = plan.tee,
+                                          .hang_timeout = plan.hang_timeout,
+                                          .error_file_dir = plan.error_file_dir + sub});
+      },
+      [] { return std::make_unique<dtrain::tools::BackgroundWorkerStore>(); }, lighthouse);
+  install_signal_handlers();
+  const auto result = agent.run(g_interrupt);
+  std::filesystem::remove_all(plan.error_file_dir);
+  if (result.state == el::AgentState::kSucceeded) return 0;
+  if (result.state == el::AgentState::kInterrupted) {
+    std::cerr << "dtrain run: interrupted; workers stopped" << std::endl;
+    return result.exit_code;
+  }
+  std::cerr << "dtrain run: failed after " << result.restarts << " replica-group restart"
+            << (result.restarts == 1 ? "" : "s") << " (--max-restarts " << opt.max_restarts << " per group)\n"
+            << "  root cause: " << result.root_cause_text << std::endl;
+  return result.exit_code;
+}
+
 int run_command(const dtrain::tools::LaunchOptions& opt) {
   namespace el = dtrain::elastic;
   const auto plan = dtrain::tools::plan_launch(opt);
@@ -38,6 +80,7 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
                                   .tee = plan.tee,
                                   .hang_timeout = plan.hang_timeout,
                                   .error_file_dir = plan.error_file_dir});
+  if (plan.fault_tolerance.replicas > 0) return run_replica_groups(opt, plan);
   dtrain::tools::BackgroundWorkerStore worker_store;  // node rank 0 hosts it: see agent.h
   std::unique_ptr<el::StoreRendezvous> rendezvous;
   if (plan.rendezvous.multi_node) {
@@ -57,11 +100,7 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
   }
   el::Agent agent = rendezvous ? el::Agent(plan.agent, workers, worker_store, *rendezvous)
                                : el::Agent(plan.agent, workers, worker_store);
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  install_signal_handlers();
   const auto result = agent.run(g_interrupt);
   std::filesystem::remove_all(plan.error_file_dir);
   if (result.state == el::AgentState::kSucceeded) return 0;

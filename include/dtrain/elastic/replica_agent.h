@@ -1,0 +1,58 @@
+// The launcher's agent for fault-tolerant replica groups (`dtrain run
+// --ft-replicas N`, docs/fault_tolerance.md): the node's workers split into
+// N replica groups, each a job of its own (its own WORLD_SIZE, ranks and
+// workers' store), and the lighthouse that forms their quorums hosted for
+// the whole run. A failed or hung worker stops and restarts its replica
+// group only; the other groups never stop, and the restarted one recovers
+// its state from them live (ft::FaultTolerantReplicas).
+//
+// Per replica group:  running -> (a worker failed, restarts left) stop the
+// group, fresh store on a new port, start it again (its restart count + 1)
+//                     running -> (a worker failed, none left) the run fails
+//                     running -> (all exited 0) done; the run succeeds when
+//                     every group is done.
+// One node only today (the elastic rendezvous across nodes is not combined
+// with it yet).
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+
+#include "dtrain/elastic/agent.h"
+
+namespace dtrain::elastic {
+
+struct ReplicaAgentOptions {
+  // nproc_per_node: all workers of the node, replicas * ranks per replica;
+  // max_restarts: how often each replica group may be restarted.
+  AgentOptions agent;
+  int replicas = 2;
+  // The lighthouse's port (0: a free one); workers get it as DTRAIN_FT_LIGHTHOUSE.
+  int lighthouse_port = 0;
+};
+
+class ReplicaAgent {
+ public:
+  using MakeWorkers = std::function<std::unique_ptr<WorkerGroup>(int replica)>;
+  using MakeStoreHost = std::function<std::unique_ptr<WorkerStoreHost>()>;
+  // `lighthouse` serves the lighthouse on the socket it is given (not owned).
+  ReplicaAgent(ReplicaAgentOptions options, MakeWorkers make_workers, MakeStoreHost make_store,
+               WorkerStoreHost& lighthouse);
+  AgentResult run(const std::atomic<int>& interrupt);
+  // The environment of worker `local_rank` of replica group `replica`.
+  std::map<std::string, std::string> worker_env(int replica, int local_rank, int port, int restarts) const;
+
+ private:
+  struct Replica;
+  void start(Replica& replica);
+  int ranks_per_replica() const { return options_.agent.nproc_per_node / options_.replicas; }
+
+  ReplicaAgentOptions options_;
+  MakeWorkers make_workers_;
+  MakeStoreHost make_store_;
+  WorkerStoreHost& lighthouse_;
+  int lighthouse_port_ = 0;
+};
+
+}  // namespace dtrain::elastic

@@ -1,0 +1,159 @@
+// The lighthouse: forms, each training step, the quorum of live replica
+// groups (Note [Quorum protocol] in src/ft/lighthouse.cpp), and the client a
+// replica talks to it with. Both meet in a key-value store: `dtrain run
+// --ft-replicas N` hosts one (a TCPStore and this service, for the whole job),
+// a test hosts it in-process with host_lighthouse() or over Store::in_memory().
+//
+//   auto lighthouse = ft::host_lighthouse({.port = 0});            // the job's, once
+//   ft::LighthouseClient client(ft::connect_lighthouse("host", port), {.replica_id = 2});
+//   ft::Quorum q = client.quorum(/*step=*/committed_steps);        // each step
+//   bool commit = client.agree_commit(q, /*ok=*/all_reduce_succeeded);
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "dtrain/comm/env.h"
+#include "dtrain/comm/store.h"
+#include "dtrain/ft/quorum.h"
+
+namespace dtrain::ft {
+
+struct LighthouseOptions {
+  // A quorum needs at least this many replicas.
+  int min_replicas = 1;
+  // The first quorum waits for this many replicas (up to join_timeout), so a
+  // job's replica groups start together instead of the first one to load
+  // training alone and the others recovering from it (0: no such wait).
+  int startup_replicas = 0;
+  // A replica whose heartbeat has not moved for this long is dead: no quorum
+  // waits for it (its process may still be running, stopped or cut off).
+  std::chrono::milliseconds heartbeat_timeout{2000};
+  // Once a replica asks for a quorum, how long to wait for live replicas that
+  // have not asked yet before forming it without them.
+  std::chrono::milliseconds join_timeout{10000};
+  // How often the service looks at heartbeats when no request arrives.
+  std::chrono::milliseconds scan_interval{50};
+};
+
+// The service over `store` (its keys under "ft/"), on a thread of its own
+// until destroyed. One per job.
+class Lighthouse {
+ public:
+  Lighthouse(dist::Store store, LighthouseOptions options);
+  ~Lighthouse();
+  Lighthouse(const Lighthouse&) = delete;
+  Lighthouse& operator=(const Lighthouse&) = delete;
+  // The quorums formed so far, in round order (the per-step membership).
+  std::vector<Quorum> history() const;
+  // Throws the error that stopped the service, if one did.
+  void check() const;
+
+ private:
+  struct Replica;
+  void serve();
+  void scan(std::chrono::steady_clock::time_point now);
+  void form_quorum_if_ready(std::chrono::steady_clock::time_point now);
+
+  dist::Store store_;
+  LighthouseOptions options_;
+  std::vector<std::unique_ptr<Replica>> replicas_;  // by registration; the serving thread's
+  std::int64_t registrations_seen_ = 0;
+  std::int64_t events_seen_ = 0;
+  std::int64_t round_ = 0;
+  std::int64_t quorum_id_ = 0;
+  std::string last_members_;               // "id:incarnation ..." of the last quorum
+  std::int64_t highest_step_ = 0;          // the newest step a quorum has had
+  std::vector<std::int64_t> last_quorum_;  // its members' incarnations
+  bool warned_stale_ = false;
+  std::atomic<bool> stop_{false};
+  mutable std::mutex mutex_;  // guards history_ and error_
+  std::vector<Quorum> history_;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+struct HostedLighthouseOptions {
+  int port = 0;        // 0: a free port (see HostedLighthouse::port)
+  int listen_fd = -1;  // a socket already listening on `port` to serve on
+  LighthouseOptions lighthouse;
+};
+
+// A TCPStore server with the lighthouse on it.
+struct HostedLighthouse {
+  dist::Store store;
+  std::unique_ptr<Lighthouse> lighthouse;
+  int port() const { return store.port(); }
+};
+std::unique_ptr<HostedLighthouse> host_lighthouse(const HostedLighthouseOptions& options);
+
+// A client's connection to the lighthouse at host:port (TimeoutError when it
+// cannot be reached within `timeout`).
+dist::Store connect_lighthouse(const std::string& host, int port,
+                               std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// Where a worker of `dtrain run --ft-replicas N` finds the lighthouse, and
+// which replica group it belongs to: DTRAIN_FT_LIGHTHOUSE (HOST:PORT),
+// DTRAIN_FT_REPLICA_ID, DTRAIN_FT_REPLICAS. ConfigError when one is missing
+// or malformed.
+struct LighthouseEndpoint {
+  std::string host;
+  int port = 0;
+  int replica_id = 0;
+  int replicas = 1;
+};
+LighthouseEndpoint lighthouse_from_env(const dist::EnvLookup& env = dist::process_env());
+
+struct LighthouseClientOptions {
+  int replica_id = 0;  // this replica group's index along dp_replicate
+  std::chrono::milliseconds heartbeat_interval{100};
+  // How long quorum() waits for the lighthouse's answer.
+  std::chrono::milliseconds quorum_timeout{std::chrono::seconds(120)};
+  // How long agree_commit() waits for the other members' votes; a member
+  // that has not voted by then counts as failed.
+  std::chrono::milliseconds commit_timeout{std::chrono::seconds(10)};
+};
+
+// One replica group's side. Registers (a new incarnation) and starts
+// heartbeats at the first quorum(). `heartbeat_store` is a second connection
+// to the same store for the heartbeat thread (may be `store` itself for an
+// in-memory store), so heartbeats never queue behind a blocking wait.
+class LighthouseClient {
+ public:
+  LighthouseClient(dist::Store store, dist::Store heartbeat_store, LighthouseClientOptions options);
+  ~LighthouseClient();
+  LighthouseClient(const LighthouseClient&) = delete;
+  LighthouseClient& operator=(const LighthouseClient&) = delete;
+
+  // Asks for the next quorum, having committed `step` steps; `fresh_group`
+  // asks that the quorum id change (this replica's group failed). Blocks
+  // until the lighthouse answers; TimeoutError after quorum_timeout.
+  Quorum quorum(std::int64_t step, bool fresh_group = false);
+  // The commit vote of a step run in quorum `q`: true when every member
+  // voted ok; every member gets the same answer (Note [Commit vote]).
+  bool agree_commit(const Quorum& q, bool ok);
+  std::int64_t incarnation() const { return incarnation_; }
+  int replica_id() const { return options_.replica_id; }
+  // The lighthouse's store, for groups made per quorum (prefixes under "pg/").
+  dist::Store& store() { return store_; }
+
+ private:
+  void register_once();
+  void beat();
+
+  dist::Store store_;
+  dist::Store heartbeat_store_;
+  LighthouseClientOptions options_;
+  std::int64_t incarnation_ = 0;
+  std::int64_t seq_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread heartbeat_;
+};
+
+}  // namespace dtrain::ft

@@ -1,0 +1,133 @@
+// Fault-tolerant replica groups: the gradient all-reduce across the replica
+// groups of the mesh's dp_replicate dimension, over a group re-formed each
+// step from the lighthouse's quorum, with a commit vote and live recovery.
+// See docs/fault_tolerance.md.
+//
+//   ft::LighthouseClient client(ft::connect_lighthouse(host, port), ft::connect_lighthouse(host, port),
+//                               {.replica_id = r});
+//   ft::FaultTolerantReplicas replicas(client, ft::module_and_optimizer_state(model, optimizer));
+//   while (replicas.step() < steps) {
+//     replicas.start_step();                       // quorum; recovers here if behind
+//     auto batch = data(replicas.step(), r);       // the data position is the step
+//     optimizer.zero_grad(); loss(model, batch).backward();
+//     replicas.all_reduce_gradients(grads);        // mean over the quorum's replicas
+//     if (replicas.should_commit()) optimizer.step();   // all members commit, or none
+//   }
+//
+// Semantics: a step's gradient is the mean over the replicas in its quorum,
+// so while a replica is down the effective batch of a step shrinks to the
+// survivors'. A step commits only when every member's all-reduce succeeded
+// (Note [Commit vote] in src/ft/lighthouse_client.cpp); an aborted step is
+// run again, same step number, same data. A replica that joins behind (a
+// restarted process, a new one, one that missed a commit) receives the
+// state of an up-to-date member over the quorum's group before the step:
+// parameters, optimizer state, whatever ReplicaState saves, and the step
+// counter. No checkpoint is read; no step is lost or repeated.
+//
+// A replica group may have several ranks (FaultTolerantOptions::replica_group)
+// that reduce among themselves first (a plain all-reduce or DDP; ZeRO and
+// pipelines inside are not tested yet: docs/fault_tolerance.md, Limits).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/ft/lighthouse.h"
+
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtrain::ft {
+
+// What an up-to-date replica hands a recovering one: save() on the source,
+// load() on the receiver, into state of the same structure. The step counter
+// travels alongside (FaultTolerantReplicas keeps it).
+struct ReplicaState {
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> load;
+};
+
+// A module's parameters and buffers (copied into the receiver's own tensors,
+// so references to them stay valid) and an optimizer's state; `extra` adds
+// more under the same archive (a GradScaler, a data position).
+ReplicaState module_and_optimizer_state(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                                        ReplicaState extra = {});
+
+struct FaultTolerantOptions {
+  // The ranks of this replica group when it has more than one (its world
+  // group under dtrain run --ft-replicas): its rank 0 talks to the
+  // lighthouse and shares the quorum and the commit decision with the
+  // others; rank i of every replica group forms the cross-replica group of
+  // local rank i, and recovers from rank i of its source (so each rank's
+  // own state, shards included, is copied rank to rank). Every rank of the
+  // replica group makes the same calls. A replica group's internal
+  // collectives are not fault-tolerant: a rank that fails takes its group
+  // down (the launcher restarts all of it).
+  std::optional<dist::ProcessGroup> replica_group;
+  // Rendezvous and operation timeout of each quorum's group: a member that
+  // died between the quorum and the group's making fails the step after it.
+  std::chrono::milliseconds group_timeout{std::chrono::seconds(10)};
+  // See GroupOptions::intra_host_shared_memory. With it, the all-reduce sums
+  // in member order on every rank (the tests' bitwise reference relies on
+  // that); replicas on several hosts use Gloo.
+  bool intra_host_shared_memory = true;
+};
+
+class FaultTolerantReplicas {
+ public:
+  // `client` and the state's tensors must outlive this object.
+  FaultTolerantReplicas(LighthouseClient& client, ReplicaState state, FaultTolerantOptions options = {});
+
+  // Joins this step's quorum, makes its group when the quorum id changed,
+  // and recovers (this replica behind) or sends state (a recovering member
+  // was assigned to it). Failures of the group or of the transfer are not
+  // thrown: the step then votes to abort. TimeoutError when the lighthouse
+  // does not answer.
+  void start_step();
+  // In place: the mean of `tensors` over the quorum's members (one flat
+  // all-reduce). Failures are recorded, not thrown (see should_commit).
+  void all_reduce_gradients(std::vector<at::Tensor>& tensors);
+  // The commit vote: true when every member's step succeeded; then apply
+  // the optimizer step. step() counts the committed steps.
+  bool should_commit();
+
+  std::int64_t step() const { return step_; }
+  const Quorum& quorum() const { return quorum_; }
+  int replica_id() const { return client_.replica_id(); }
+  // Whether this step's start_step() loaded a peer's state.
+  bool recovered() const { return recovered_; }
+
+ private:
+  void make_group();
+  void recover_or_serve();
+  void fail(const std::string& what, const std::exception& e);
+  bool shared_by_ranks() const { return options_.replica_group && options_.replica_group->size() > 1; }
+  int local_rank() const { return options_.replica_group ? options_.replica_group->rank() : 0; }
+
+  LighthouseClient& client_;
+  ReplicaState state_;
+  FaultTolerantOptions options_;
+  std::int64_t step_ = 0;
+  Quorum quorum_;
+  std::optional<dist::ProcessGroup> group_;
+  std::int64_t group_quorum_id_ = -1;
+  bool failed_ = false;      // this step's group, transfer or all-reduce failed
+  bool want_fresh_ = false;  // ask the next quorum for a fresh group
+  bool recovered_ = false;
+};
+
+}  // namespace dtrain::ft

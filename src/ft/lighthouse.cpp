@@ -1,0 +1,233 @@
+// The lighthouse service (include/dtrain/ft/lighthouse.h).
+//
+// Note [Quorum protocol]
+// Replica groups meet the lighthouse in a key-value store, under "ft/":
+//   nreg, reg/<k>        a registration: `add(nreg, 1)` gives the incarnation k,
+//                        reg/<k> holds the replica id. A restarted replica
+//                        registers again under a new k; the older one is gone.
+//   hb/<k>               the heartbeat: a counter the replica's heartbeat
+//                        thread adds to every interval. The lighthouse keeps,
+//                        on its own clock, when each counter last moved (no
+//                        clocks are compared across machines).
+//   join/<k>             "seq step fresh": the replica's seq-th request for a
+//                        quorum, with the steps it has committed, and whether
+//                        its group failed (it asks for a fresh one).
+//   nev, ev/<m>          wake-ups: a client that writes a join also sets the
+//                        next ev/<m>, on which the lighthouse blocks (it scans
+//                        every scan_interval regardless, so a wake-up lost to a
+//                        client that died half-way costs latency, not progress).
+//   answer/<k>/<seq>     the quorum given to that request; quorum/<round> the
+//                        same, for the record.
+// A quorum is formed when at least min_replicas live replicas have asked and
+// either every live replica has asked or join_timeout has passed since the
+// first of them did. Live: its heartbeat moved within heartbeat_timeout, so a
+// SIGKILLed replica stops being waited for a heartbeat timeout after it died.
+// Members are sorted by replica id; their index is their rank in the
+// quorum's group. The quorum id changes when the members (ids or
+// incarnations) differ from the last quorum's or a member asks for a fresh
+// group: members agreeing on a quorum id may reuse the group they made for it.
+// A quorum also needs a member at the newest step any quorum has seen, so
+// replicas that all lost that state (every up-to-date one died) wait instead
+// of training on from an old step, and a member of the last quorum, so
+// quorums form a chain: no two disjoint ones ever run the same step (a
+// replica dropped while its request was pending is not answered alone
+// while the others step on). If every member of the last quorum is lost,
+// the job waits (and its replicas' quorum calls time out): resume it from
+// a checkpoint. The lighthouse decides membership only; who is behind and who recovers
+// from whom each member computes alike from the quorum (quorum.h).
+#include <algorithm>
+#include <sstream>
+
+#include "dtrain/error.h"
+#include "dtrain/ft/lighthouse.h"
+#include "dtrain/log.h"
+
+namespace dtrain::ft {
+
+using Clock = std::chrono::steady_clock;
+
+struct Lighthouse::Replica {
+  int id = 0;
+  std::int64_t incarnation = 0;
+  std::int64_t beats = -1;
+  Clock::time_point last_beat;
+  std::int64_t answered_seq = 0;
+  // The pending request, if any.
+  bool pending = false;
+  std::int64_t seq = 0;
+  std::int64_t step = 0;
+  bool fresh = false;
+  Clock::time_point asked_at;
+};
+
+Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
+    : store_(store.with_prefix("ft")), options_(options) {
+  DTRAIN_CHECK(options_.min_replicas >= 1, ConfigError,
+               "lighthouse: min_replicas " << options_.min_replicas << " is below 1.", "pass 1 or more");
+  thread_ = std::thread([this] {
+    try {
+      serve();
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      error_ = std::current_exception();
+    }
+  });
+}
+
+Lighthouse::~Lighthouse() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+std::vector<Quorum> Lighthouse::history() const {
+  std::lock_guard lock(mutex_);
+  return history_;
+}
+
+void Lighthouse::check() const {
+  std::lock_guard lock(mutex_);
+  if (error_) std::rethrow_exception(error_);
+}
+
+void Lighthouse::serve() {
+  while (!stop_) {
+    try {
+      store_.wait({"ev/" + std::to_string(events_seen_ + 1)}, options_.scan_interval);
+      events_seen_ = store_.add("nev", 0);
+    } catch (const TimeoutError&) {
+      // a scan on the clock: heartbeats age, join timeouts pass
+    }
+    const auto now = Clock::now();
+    scan(now);
+    form_quorum_if_ready(now);
+  }
+}
+
+void Lighthouse::scan(Clock::time_point now) {
+  const std::int64_t registered = store_.add("nreg", 0);
+  while (registrations_seen_ < registered) {
+    const std::string key = "reg/" + std::to_string(registrations_seen_ + 1);
+    if (!store_.check({key})) break;  // added, not yet written: next scan
+    const int id = std::stoi(store_.get(key));
+    ++registrations_seen_;
+    std::erase_if(replicas_, [id](const auto& r) { return r->id == id; });
+    auto r = std::make_unique<Replica>();
+    r->id = id;
+    r->incarnation = registrations_seen_;
+    r->last_beat = now;
+    DTRAIN_LOG(kInfo) << "lighthouse: replica " << id << " registered (incarnation " << r->incarnation << ")";
+    replicas_.push_back(std::move(r));
+  }
+  for (auto& r : replicas_) {
+    const std::string k = std::to_string(r->incarnation);
+    const std::int64_t beats = store_.add("hb/" + k, 0);
+    if (beats != r->beats) {
+      r->beats = beats;
+      r->last_beat = now;
+    }
+    if (r->pending || !store_.check({"join/" + k})) continue;
+    std::istringstream join(store_.get("join/" + k));
+    std::int64_t seq = 0, step = 0;
+    int fresh = 0;
+    join >> seq >> step >> fresh;
+    if (seq <= r->answered_seq) continue;
+    r->pending = true;
+    r->seq = seq;
+    r->step = step;
+    r->fresh = fresh != 0;
+    r->asked_at = now;
+  }
+}
+
+void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
+  std::vector<Replica*> asking;
+  bool all_live_asked = true;
+  Clock::time_point first_ask = now;
+  for (auto& r : replicas_) {
+    const bool live = now - r->last_beat < options_.heartbeat_timeout;
+    if (!live) continue;
+    if (!r->pending) {
+      all_live_asked = false;
+      continue;
+    }
+    asking.push_back(r.get());
+    first_ask = std::min(first_ask, r->asked_at);
+  }
+  if (static_cast<int>(asking.size()) < options_.min_replicas) return;
+  if (!all_live_asked && now - first_ask < options_.join_timeout) return;
+  if (round_ == 0 && static_cast<int>(asking.size()) < options_.startup_replicas &&
+      now - first_ask < options_.join_timeout) {
+    return;
+  }
+  // Someone must hold the newest state: replicas that are all behind it (the
+  // up-to-date ones died) would otherwise train on from an old step.
+  std::int64_t newest = 0;
+  for (const Replica* r : asking) newest = std::max(newest, r->step);
+  if (newest < highest_step_) {
+    if (!warned_stale_) {
+      DTRAIN_LOG(kWarning) << "lighthouse: no replica asking for a quorum has step " << highest_step_
+                           << " (the newest reported); waiting for one that has";
+    }
+    warned_stale_ = true;
+    return;
+  }
+  // And it must share a member with the last quorum: two quorums that share
+  // none could commit the same step twice, differently (a replica cut off
+  // and back, its old request answered alone while the others step on).
+  if (!last_quorum_.empty() && std::none_of(asking.begin(), asking.end(), [this](const Replica* r) {
+        return std::find(last_quorum_.begin(), last_quorum_.end(), r->incarnation) != last_quorum_.end();
+      })) {
+    return;
+  }
+  highest_step_ = newest;
+  warned_stale_ = false;
+  last_quorum_.clear();
+  for (const Replica* r : asking) last_quorum_.push_back(r->incarnation);
+  std::sort(asking.begin(), asking.end(), [](const Replica* a, const Replica* b) { return a->id < b->id; });
+  Quorum q;
+  std::string members;
+  bool fresh = false;
+  for (const Replica* r : asking) {
+    q.members.push_back({.replica_id = r->id, .incarnation = r->incarnation, .step = r->step});
+    members += std::to_string(r->id) + ":" + std::to_string(r->incarnation) + " ";
+    fresh = fresh || r->fresh;
+  }
+  if (members != last_members_ || fresh) ++quorum_id_;
+  last_members_ = members;
+  q.round = ++round_;
+  q.quorum_id = quorum_id_;
+  const std::string text = q.to_text();
+  if (quorum_id_ != (history_.empty() ? 0 : history_.back().quorum_id)) {
+    DTRAIN_LOG(kInfo) << "lighthouse: " << q.describe();
+  }
+  {
+    // Recorded before anyone is answered: a member that reads history()
+    // after its answer finds its quorum there.
+    std::lock_guard lock(mutex_);
+    history_.push_back(q);
+  }
+  store_.set("quorum/" + std::to_string(q.round), text);
+  for (Replica* r : asking) {
+    store_.set("answer/" + std::to_string(r->incarnation) + "/" + std::to_string(r->seq), text);
+    r->answered_seq = r->seq;
+    r->pending = false;
+  }
+}
+
+std::unique_ptr<HostedLighthouse> host_lighthouse(const HostedLighthouseOptions& options) {
+  auto hosted = std::make_unique<HostedLighthouse>(
+      HostedLighthouse{.store = dist::Store::tcp({.host = "127.0.0.1",
+                                                  .port = options.port,
+                                                  .is_server = true,
+                                                  .timeout = std::chrono::seconds(60),
+                                                  .listen_fd = options.listen_fd}),
+                       .lighthouse = nullptr});
+  hosted->lighthouse = std::make_unique<Lighthouse>(hosted->store, options.lighthouse);
+  return hosted;
+}
+
+dist::Store connect_lighthouse(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  return dist::Store::tcp({.host = host, .port = port, .is_server = false, .timeout = timeout});
+}
+
+}  // namespace dtrain::ft

@@ -1,0 +1,193 @@
+// FaultTolerantReplicas (include/dtrain/ft/replicas.h): one step's quorum,
+// group, recovery, gradient average and commit vote.
+//
+// Note [Live recovery]
+// Every member computes from the quorum alike who is behind (step below the
+// quorum's highest) and which up-to-date member serves it (quorum.h:
+// recovery_source). The source serialises its ReplicaState and step counter
+// into one torch archive and sends its length and its bytes over the
+// quorum's group (point to point: the other members go on with their
+// forward and backward meanwhile and meet both at the all-reduce). The
+// receiver loads it only once every byte has arrived, so a source dying
+// mid-transfer leaves the receiver as it was: behind, voting to abort, and
+// recovering again at the next quorum.
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
+#include <torch/serialize/archive.h>
+
+#include <cstring>
+
+#include "dtrain/error.h"
+#include "dtrain/ft/replicas.h"
+#include "dtrain/log.h"
+
+namespace dtrain::ft {
+
+namespace {
+constexpr const char* kStepKey = "dtrain_ft/step";
+constexpr int kRecoveryTag = 27;
+}  // namespace
+
+FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaState state, FaultTolerantOptions options)
+    : client_(client), state_(std::move(state)), options_(options) {
+  DTRAIN_CHECK(state_.save && state_.load, ConfigError,
+               "FaultTolerantReplicas needs a ReplicaState with both save and load.",
+               "use ft::module_and_optimizer_state(model, optimizer)");
+}
+
+void FaultTolerantReplicas::fail(const std::string& what, const std::exception& e) {
+  DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": " << what << " failed in " << quorum_.describe()
+                       << "; the step will not commit: " << e.what();
+  failed_ = true;
+  want_fresh_ = true;
+}
+
+namespace {
+// `text` from rank 0 of `group` to all of its ranks.
+std::string broadcast_text(dist::ProcessGroup& group, const std::string& text) {
+  at::Tensor length = at::empty({1}, at::kLong);
+  length.fill_(static_cast<std::int64_t>(text.size()));
+  group.broadcast(length, 0).wait();
+  at::Tensor bytes = at::empty({length.item<std::int64_t>()}, at::kByte);
+  if (group.rank() == 0) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  group.broadcast(bytes, 0).wait();
+  return {static_cast<const char*>(bytes.const_data_ptr()), static_cast<std::size_t>(bytes.numel())};
+}
+}  // namespace
+
+void FaultTolerantReplicas::start_step() {
+  if (shared_by_ranks()) {
+    // Rank 0 of the replica group asks; the others take its answer.
+    std::string text;
+    if (local_rank() == 0) text = client_.quorum(step_, want_fresh_).to_text();
+    quorum_ = Quorum::from_text(broadcast_text(*options_.replica_group, text));
+  } else {
+    quorum_ = client_.quorum(step_, want_fresh_);
+  }
+  failed_ = false;
+  want_fresh_ = false;
+  recovered_ = false;
+  DTRAIN_INTERNAL_ASSERT(quorum_.index_of(replica_id()) >= 0,
+                         "replica " << replica_id() << " is not in its own " << quorum_.describe());
+  if (quorum_.quorum_id != group_quorum_id_) make_group();
+  if (!failed_) recover_or_serve();
+}
+
+void FaultTolerantReplicas::make_group() {
+  group_.reset();
+  group_quorum_id_ = -1;
+  const int rank = quorum_.index_of(replica_id());
+  const int size = static_cast<int>(quorum_.members.size());
+  DTRAIN_LOG(kInfo) << "replica " << replica_id() << ": " << quorum_.describe();
+  // The group takes over the calling thread's log identity; this rank's is
+  // its own job's, not its index in the quorum.
+  log::ScopedIdentity keep(log::identity());
+  try {
+    group_ = dist::init_process_group(
+        client_.store().with_prefix("pg/" + std::to_string(quorum_.quorum_id) + "/" + std::to_string(local_rank())),
+        rank, size,
+        {.backend = dist::BackendKind::kGloo,
+         .timeout = options_.group_timeout,
+         .name = "dp_replicate (quorum " + std::to_string(quorum_.quorum_id) + ")",
+         .intra_host_shared_memory = options_.intra_host_shared_memory});
+    group_quorum_id_ = quorum_.quorum_id;
+  } catch (const std::exception& e) {
+    fail("making the group", e);
+  }
+}
+
+void FaultTolerantReplicas::recover_or_serve() {
+  const auto late = quorum_.behind();
+  if (late.empty()) return;
+  const int me = quorum_.index_of(replica_id());
+  try {
+    if (std::find(late.begin(), late.end(), me) != late.end()) {
+      const int source = quorum_.recovery_source(me);
+      at::Tensor length = at::empty({1}, at::kLong);
+      group_->recv(length, source, kRecoveryTag);
+      at::Tensor bytes = at::empty({length.item<std::int64_t>()}, at::kByte);
+      group_->recv(bytes, source, kRecoveryTag);
+      torch::serialize::InputArchive archive;
+      archive.load_from(static_cast<const char*>(bytes.const_data_ptr()), static_cast<std::size_t>(bytes.numel()));
+      state_.load(archive);
+      at::Tensor step;
+      archive.read(kStepKey, step);
+      DTRAIN_LOG(kInfo) << "replica " << replica_id() << ": recovered step " << step.item<std::int64_t>() << " ("
+                        << bytes.numel() << " bytes) from replica " << quorum_.members[source].replica_id
+                        << " (was at step " << step_ << ")";
+      step_ = step.item<std::int64_t>();
+      recovered_ = true;
+      return;
+    }
+    std::string blob;
+    for (const int peer : late) {
+      if (quorum_.recovery_source(peer) != me) continue;
+      if (blob.empty()) {
+        torch::serialize::OutputArchive archive;
+        state_.save(archive);
+        archive.write(kStepKey, at::scalar_tensor(step_, at::kLong));
+        archive.save_to([&blob](const void* data, std::size_t n) {
+          blob.append(static_cast<const char*>(data), n);
+          return n;
+        });
+      }
+      at::Tensor length = at::empty({1}, at::kLong);
+      length.fill_(static_cast<std::int64_t>(blob.size()));
+      group_->send(length, peer, kRecoveryTag);
+      group_->send(at::from_blob(blob.data(), {static_cast<std::int64_t>(blob.size())}, at::kByte), peer, kRecoveryTag);
+      DTRAIN_LOG(kInfo) << "replica " << replica_id() << ": sent step " << step_ << " (" << blob.size()
+                        << " bytes) to recovering replica " << quorum_.members[peer].replica_id;
+    }
+  } catch (const std::exception& e) {
+    fail("live recovery", e);
+  }
+}
+
+void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensors) {
+  if (failed_ || tensors.empty()) return;
+  try {
+    std::vector<at::Tensor> flat;
+    flat.reserve(tensors.size());
+    for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
+    at::Tensor buffer = at::cat(flat);
+    group_->all_reduce(buffer, dist::ReduceOp::kAvg).wait();
+    std::int64_t offset = 0;
+    for (auto& t : tensors) {
+      t.copy_(buffer.narrow(0, offset, t.numel()).view_as(t));
+      offset += t.numel();
+    }
+  } catch (const std::exception& e) {
+    fail("the gradient all-reduce", e);
+  }
+}
+
+bool FaultTolerantReplicas::should_commit() {
+  bool commit = false;
+  if (shared_by_ranks()) {
+    // The replica group votes ok only if each of its ranks is; rank 0 votes
+    // for it and shares the decision.
+    at::Tensor flags = at::empty({2}, at::kInt);
+    flags[0].fill_(failed_ ? 0 : 1);
+    flags[1].fill_(want_fresh_ ? 0 : 1);
+    options_.replica_group->all_reduce(flags, dist::ReduceOp::kMin).wait();
+    const bool ok = flags[0].item<int>() == 1;
+    want_fresh_ = flags[1].item<int>() == 0;
+    at::Tensor decision = at::zeros({1}, at::kInt);
+    if (local_rank() == 0) decision.fill_(client_.agree_commit(quorum_, ok) ? 1 : 0);
+    options_.replica_group->broadcast(decision, 0).wait();
+    commit = decision.item<int>() == 1;
+  } else {
+    commit = client_.agree_commit(quorum_, !failed_);
+  }
+  if (commit) {
+    ++step_;
+  } else if (!failed_) {
+    DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": step " << step_ << " aborted (another member of "
+                         << quorum_.describe() << " failed)";
+  }
+  return commit;
+}
+
+}  // namespace dtrain::ft

@@ -1,0 +1,153 @@
+// The lighthouse's quorums and the commit vote (issue 27), with replica
+// groups as threads over an in-memory store: membership, quorum ids, a dead
+// replica dropped after its heartbeat timeout, a restarted one seen as a new
+// incarnation that is behind, the vote's all-or-none answer, no quorum
+// without a member holding the newest step, none disjoint from the last.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <thread>
+
+#include "dtrain/error.h"
+#include "dtrain/ft/lighthouse.h"
+#include "dtrain/ft/quorum.h"
+
+namespace dtrain::ft {
+namespace {
+
+using std::chrono::milliseconds;
+
+// `replicas` start together (the first quorum waits for them).
+LighthouseOptions fast_lighthouse(int replicas) {
+  return {.min_replicas = 1,
+          .startup_replicas = replicas,
+          .heartbeat_timeout = milliseconds(400),
+          .join_timeout = milliseconds(5000),
+          .scan_interval = milliseconds(10)};
+}
+
+std::unique_ptr<LighthouseClient> ft_client(dist::Store& store, int id) {
+  return std::make_unique<LighthouseClient>(store, store,
+                                            LighthouseClientOptions{.replica_id = id,
+                                                                    .heartbeat_interval = milliseconds(50),
+                                                                    .quorum_timeout = milliseconds(5000),
+                                                                    .commit_timeout = milliseconds(500)});
+}
+
+// Every client asks at once (with its step); the answers in client order.
+std::vector<Quorum> ask_all(std::vector<LighthouseClient*> clients, std::vector<std::int64_t> steps) {
+  std::vector<std::future<Quorum>> answers;
+  for (std::size_t i = 0; i < clients.size(); ++i) {
+    answers.push_back(std::async(std::launch::async, [c = clients[i], s = steps[i]] { return c->quorum(s); }));
+  }
+  std::vector<Quorum> out;
+  for (auto& a : answers) out.push_back(a.get());
+  return out;
+}
+
+TEST(FtQuorum, BehindMembersTakeUpToDateSourcesInTurn) {
+  Quorum q{.round = 4, .quorum_id = 2, .members = {{0, 1, 7}, {1, 5, 0}, {2, 3, 7}, {3, 6, 2}}};
+  EXPECT_EQ(q.max_step(), 7);
+  EXPECT_EQ(q.behind(), (std::vector<int>{1, 3}));
+  EXPECT_EQ(q.recovery_source(1), 0);
+  EXPECT_EQ(q.recovery_source(3), 2);
+  EXPECT_THROW(q.recovery_source(0), InternalError);
+  const Quorum back = Quorum::from_text(q.to_text());
+  EXPECT_EQ(back.round, 4);
+  EXPECT_EQ(back.quorum_id, 2);
+  EXPECT_EQ(back.members, q.members);
+  EXPECT_EQ(q.index_of(3), 3);
+  EXPECT_EQ(q.index_of(9), -1);
+}
+
+TEST(FtLighthouse, QuorumIdChangesWithMembersOnly) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(3));
+  auto a = ft_client(store, 0), b = ft_client(store, 1), c = ft_client(store, 2);
+  auto first = ask_all({a.get(), b.get(), c.get()}, {0, 0, 0});
+  for (const auto& q : first) {
+    EXPECT_EQ(q.to_text(), first[0].to_text());
+    EXPECT_EQ(q.members.size(), 3u);
+  }
+  auto second = ask_all({a.get(), b.get(), c.get()}, {1, 1, 1});
+  EXPECT_EQ(second[0].quorum_id, first[0].quorum_id) << "same members: same group";
+  EXPECT_EQ(second[0].round, first[0].round + 1);
+  // A member asking for a fresh group changes the id for all.
+  std::vector<std::future<Quorum>> answers;
+  answers.push_back(std::async(std::launch::async, [&] { return a->quorum(2, /*fresh_group=*/true); }));
+  answers.push_back(std::async(std::launch::async, [&] { return b->quorum(2); }));
+  answers.push_back(std::async(std::launch::async, [&] { return c->quorum(2); }));
+  for (auto& f : answers) EXPECT_EQ(f.get().quorum_id, first[0].quorum_id + 1);
+  lighthouse.check();
+}
+
+TEST(FtLighthouse, DeadReplicaIsDroppedAndItsRestartIsBehind) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(3));
+  auto a = ft_client(store, 0), b = ft_client(store, 1), c = ft_client(store, 2);
+  const auto all = ask_all({a.get(), b.get(), c.get()}, {5, 5, 5});
+  const std::int64_t old_incarnation = c->incarnation();
+  c.reset();  // its heartbeat stops: as a SIGKILLed process's
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto two = ask_all({a.get(), b.get()}, {6, 6});
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(300)) << "did not wait for the heartbeat timeout";
+  EXPECT_EQ(two[0].members.size(), 2u);
+  EXPECT_NE(two[0].quorum_id, all[0].quorum_id);
+  // The restarted replica 2: a new incarnation at step 0, behind; a peer sends.
+  auto c2 = ft_client(store, 2);
+  const auto back = ask_all({a.get(), b.get(), c2.get()}, {7, 7, 0});
+  const Quorum& q = back[2];
+  ASSERT_EQ(q.members.size(), 3u);
+  EXPECT_NE(q.members[2].incarnation, old_incarnation);
+  EXPECT_EQ(q.behind(), (std::vector<int>{2}));
+  EXPECT_EQ(q.recovery_source(2), 0);
+  EXPECT_NE(q.quorum_id, two[0].quorum_id);
+  EXPECT_EQ(lighthouse.history().size(), 3u);
+}
+
+TEST(FtLighthouse, CommitIsAllOrNone) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(3));
+  auto a = ft_client(store, 0), b = ft_client(store, 1), c = ft_client(store, 2);
+  auto vote = [&](std::vector<bool> ok, const std::vector<Quorum>& qs, std::vector<LighthouseClient*> who) {
+    std::vector<std::future<bool>> out;
+    for (std::size_t i = 0; i < who.size(); ++i) {
+      out.push_back(std::async(std::launch::async, [&, i] { return who[i]->agree_commit(qs[i], ok[i]); }));
+    }
+    std::vector<bool> got;
+    for (auto& f : out) got.push_back(f.get());
+    return got;
+  };
+  auto q1 = ask_all({a.get(), b.get(), c.get()}, {0, 0, 0});
+  EXPECT_EQ(vote({true, true, true}, q1, {a.get(), b.get(), c.get()}), (std::vector<bool>{true, true, true}));
+  auto q2 = ask_all({a.get(), b.get(), c.get()}, {1, 1, 1});
+  EXPECT_EQ(vote({true, false, true}, q2, {a.get(), b.get(), c.get()}), (std::vector<bool>{false, false, false}));
+  // A member that never votes (it died after the all-reduce): the others abort.
+  auto q3 = ask_all({a.get(), b.get(), c.get()}, {1, 1, 1});
+  EXPECT_EQ(vote({true, true}, q3, {a.get(), b.get()}), (std::vector<bool>{false, false}));
+}
+
+TEST(FtLighthouse, NoQuorumWithoutTheNewestStep) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(1));
+  auto a = ft_client(store, 0);
+  EXPECT_EQ(a->quorum(9).members.size(), 1u);
+  a.reset();  // the last up-to-date replica is gone
+  auto late = std::make_unique<LighthouseClient>(
+      store, store, LighthouseClientOptions{.replica_id = 1, .quorum_timeout = milliseconds(800)});
+  EXPECT_THROW(late->quorum(0), TimeoutError);
+}
+
+TEST(FtLighthouse, NoQuorumDisjointFromTheLastOne) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(1));
+  auto a = ft_client(store, 0);
+  EXPECT_EQ(a->quorum(3).members.size(), 1u);
+  a.reset();  // the whole last quorum is gone; a newcomer at the same step
+  auto b = std::make_unique<LighthouseClient>(
+      store, store, LighthouseClientOptions{.replica_id = 1, .quorum_timeout = milliseconds(800)});
+  EXPECT_THROW(b->quorum(3), TimeoutError);
+}
+
+}  // namespace
+}  // namespace dtrain::ft
