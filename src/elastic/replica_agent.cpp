@@ -9,10 +9,10 @@
 #include <cstdlib>
 #include <vector>
 
-#include "../core/net.h"
 #include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "dtrain/net.h"
 
 namespace dtrain::elastic {
 
