@@ -52,19 +52,19 @@ void expect_full_parameters(const ck::NamedTensors& actual, const std::map<std::
 }  // namespace
 
 TEST(CkptFolderCommand, InspectsConsolidatesAndConvertsZeroCheckpoints) {
-  using namespace dtrain::testing::zero;
+  namespace tz = dtrain::testing::zero;
   const auto dir = dtrain::testing::ckfiles::temp_dir("ckpt", "folder");
   std::map<std::string, at::Tensor> full;
   std::size_t unique = 0;  // parameters, each once (make_model shares one)
   dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
     auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(30)});
-    auto model = make_model();
+    auto model = tz::make_model();
     dtrain::ShardedDataParallel sdp(model, group, {.stage = 3});
     torch::optim::AdamW opt(sdp.parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
     for (int step = 0; step < 2; ++step) {
-      const Batch mine = global_batch(step, 8).slice(rank * 4, 4);
+      const tz::Batch mine = tz::global_batch(step, 8).slice(rank * 4, 4);
       opt.zero_grad();
-      loss_of(sdp(mine.x), mine.y).backward();
+      tz::loss_of(sdp(mine.x), mine.y).backward();
       opt.step();
     }
     dtrain::ShardedCheckpointer({.dir = dir / "ckpt"}, sdp, opt).save(2);
@@ -73,7 +73,7 @@ TEST(CkptFolderCommand, InspectsConsolidatesAndConvertsZeroCheckpoints) {
   });
   {
     std::set<const void*> seen;
-    auto m = make_model();
+    auto m = tz::make_model();
     for (const auto& p : m->parameters()) unique += seen.insert(p.unsafeGetTensorImpl()).second ? 1 : 0;
   }
   const auto log = dir / "log.txt";
@@ -86,7 +86,9 @@ TEST(CkptFolderCommand, InspectsConsolidatesAndConvertsZeroCheckpoints) {
     EXPECT_NE(listing.find(expected), std::string::npos) << expected << " not in\n" << listing;
   }
   for (const auto& [name, t] : full) {
-    if (name != "out.s") EXPECT_NE(listing.find(name), std::string::npos) << name;
+    if (name != "out.s") {
+      EXPECT_NE(listing.find(name), std::string::npos) << name;
+    }
   }
 
   ASSERT_EQ(ckpt_folder_cli("consolidate " + ckpt + " " + (dir / "model.safetensors").string(), log), 0)

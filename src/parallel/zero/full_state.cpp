@@ -120,7 +120,7 @@ void load_zero_full_state(ShardedDataParallel& sdp, torch::optim::Optimizer& opt
     auto* impl = piece.shard.unsafeGetTensorImpl();
     optimizer.state().erase(impl);
     const auto it = full.optimizer_state.find(piece.name);
-    if (it == full.optimizer_state.end() || kind == "other") continue;
+    if (it == full.optimizer_state.end() || it->second.state.empty() || kind == "other") continue;
     std::map<std::string, at::Tensor> mine;
     for (const auto& [key, t] : it->second.state) {
       DTRAIN_CHECK(t.numel() == piece.parameter.numel(), DataError,
