@@ -1,7 +1,7 @@
 // The examples' parallelism-plan options, one copy for examples/gpt and
 // examples/fashion_mnist: a plan file (--plan FILE, dtrain::ParallelPlan's
 // JSON) or the degrees as flags (--dp-replicate, --dp-shard, --pp, --tp,
-// --sequence-parallel, --zero-stage, --recompute; the pipeline's schedule and micro-batches come
+// --sequence-parallel, --cp, --zero-stage, --recompute; the pipeline's schedule and micro-batches come
 // from pipeline_cli.h), and the global batch (--global-batch-size). The
 // plan is checked against the world and the model before anything is built
 // (ParallelPlan::validate), so a plan that cannot run fails with what to
@@ -28,6 +28,7 @@ struct PlanCli {
   int pp = 0;
   int tp = 0;
   bool sequence_parallel = false;
+  int cp = 0;
   int zero_stage = -1;  // -1: not given (3 where dp_shard > 1)
   std::string recompute = "none";
   int recompute_every = 1;
@@ -46,6 +47,8 @@ struct PlanCli {
         ->check(CLI::PositiveNumber);
     app.add_flag("--sequence-parallel", sequence_parallel,
                  "Sequence parallelism over --tp (LayerNorm and residual regions hold 1/tp of the sequence)");
+    app.add_option("--cp", cp, "Context-parallel ranks splitting every sequence (ring attention, zig-zag split)")
+        ->check(CLI::PositiveNumber);
     app.add_option("--zero-stage", zero_stage, "ZeRO stage over --dp-shard (default 3 where it is above 1)")
         ->check(CLI::Range(0, 3));
     app.add_option("--recompute", recompute, "Activation recompute")
@@ -61,7 +64,7 @@ struct PlanCli {
 
   // Whether the plan comes from these options rather than --strategy.
   bool given() const {
-    return !file.empty() || dp_replicate > 0 || dp_shard > 0 || pp > 0 || tp > 0 || sequence_parallel ||
+    return !file.empty() || dp_replicate > 0 || dp_shard > 0 || pp > 0 || tp > 0 || cp > 0 || sequence_parallel ||
            zero_stage >= 0;
   }
 
@@ -81,11 +84,12 @@ struct PlanCli {
       plan.pp = pp > 0 ? pp : 1;
       plan.tp = tp > 0 ? tp : 1;
       plan.sequence_parallel = sequence_parallel;
+      plan.cp = cp > 0 ? cp : 1;
       plan.dp_shard = dp_shard > 0 ? dp_shard : 1;
       plan.zero_stage = zero_stage >= 0 ? zero_stage : (plan.dp_shard > 1 ? 3 : 0);
       if (dp_shard == 0 && zero_stage > 0) plan.dp_shard = 0;  // the rest of the world shards
       plan.dp_replicate = dp_replicate > 0 ? dp_replicate : 0;
-      const int given = plan.pp * plan.tp * std::max(plan.dp_shard, 1) * std::max(plan.dp_replicate, 1);
+      const int given = plan.pp * plan.tp * plan.cp * std::max(plan.dp_shard, 1) * std::max(plan.dp_replicate, 1);
       DTRAIN_CHECK(given > 0 && world % given == 0, ConfigError,
                    "the degrees given make " << given << " ranks, which do not divide the world of " << world << ".",
                    "give degrees whose product divides the number of ranks");
@@ -111,7 +115,8 @@ struct PlanCli {
 // What the examples run for their flags: the strategy a plan names (pp > 1:
 // pipeline, its replicas reduced by ZeRO where dp_shard > 1, else DDP;
 // dp_shard > 1: zeroK, HSDP with dp_replicate > 1; tp > 1: tp, DDP over
-// dp_replicate; dp_replicate > 1: ddp; else single), and the per-rank (per-replica under a pipeline) batch a
+// dp_replicate; cp > 1: cp, DDP over dp_replicate x cp; dp_replicate > 1:
+// ddp; else single), and the per-rank (per-replica under a pipeline) batch a
 // global batch sets. --strategy names are shorthands for plans.
 struct Resolved {
   std::string strategy;
@@ -119,6 +124,7 @@ struct Resolved {
   int hsdp_replicas = 1;                                   // zeroK over dp_replicate x dp_shard
   int tp = 1;                                              // strategy "tp": its degree
   bool sequence_parallel = false;                          // and sequence parallelism
+  int cp = 1;                                              // strategy "cp": its degree
   std::int64_t batch_size = 0;                             // per data-parallel rank and micro-step
   dtrain::Recompute recompute = dtrain::Recompute::kNone;  // for the program's model to apply
   int recompute_every = 1;
@@ -149,6 +155,9 @@ inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, con
       r.strategy = "tp";
       r.tp = plan.tp;
       r.sequence_parallel = plan.sequence_parallel;
+    } else if (plan.cp > 1) {  // validate() allows dp_replicate only beside it
+      r.strategy = "cp";
+      r.cp = plan.cp;
     } else if (plan.dp_shard > 1) {
       r.strategy = "zero" + std::to_string(plan.zero_stage);
       r.hsdp_replicas = plan.dp_replicate;

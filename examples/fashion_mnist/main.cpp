@@ -107,6 +107,9 @@ int run(Options opt) {
   DTRAIN_CHECK(resolved.tp == 1, ConfigError,
                "tp " << resolved.tp << ": this example's small CNN has no tensor-parallel split.",
                "set tp 1; examples/gpt trains under --tp");
+  DTRAIN_CHECK(resolved.cp == 1, ConfigError,
+               "cp " << resolved.cp << ": this example's images have no sequence to split.",
+               "set cp 1; examples/gpt trains under --cp");
   opt.strategy = resolved.strategy;
   opt.pipeline = resolved.pipeline;
   opt.batch_size = resolved.batch_size;

@@ -4,7 +4,8 @@
 //   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
 //       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
 //       [--dp-reduce ddp|zero1|zero2|allreduce] (pipeline_strategy.h)
-//       [--plan FILE | --dp-replicate N --dp-shard N --pp N --tp N [--sequence-parallel] --zero-stage K]
+//       [--plan FILE | --dp-replicate N --dp-shard N --pp N --tp N [--sequence-parallel] --cp N --zero-stage K]
+//       [--cp-exchange ring|allgather]
 //       [--global-batch-size G]
 //       [--max-iters 2000] [--eval-interval 250] [--eval-iters 20] [--batch-size 12]
 //       [--block-size 64] [--n-layer 4] [--n-head 4] [--n-embd 128] [--dropout 0]
@@ -24,7 +25,9 @@
 // zero1-3: ZeRO stages 1-3 (ShardedDataParallel, one process per rank);
 // pipeline (pipeline_strategy.h); tp (a plan with --tp: the blocks split
 // the Megatron way, tensor_parallel.h, DDP over dp_replicate; no checkpoints
-// yet). A plan (--plan or the degree flags) picks the strategy that runs it.
+// yet); cp (a plan with --cp: every sequence split over the cp ranks, zig-zag,
+// attention by a K/V ring, context_parallel.h; DDP over dp_replicate x cp).
+// A plan (--plan or the degree flags) picks the strategy that runs it.
 //
 // Every strategy is trained by dtrain::Trainer: this file holds the model,
 // its data (a StepStream of random windows, a function of the global step
@@ -51,8 +54,10 @@
 #include <numeric>
 #include <optional>
 
+#include "context_parallel.h"
 #include "corpus.h"
 #include "dtrain/dtrain.h"
+#include "dtrain/trainer/cp_strategy.h"
 #include "dtrain/trainer/pipeline_strategy.h"
 #include "dtrain/trainer/tp_strategy.h"
 #include "dtrain/trainer/zero_strategy.h"
@@ -100,6 +105,8 @@ struct Options {
   int hsdp_replicas = 1;           // zero1-3 on a dp_replicate x dp_shard mesh (from a plan)
   int tp = 1;                      // strategy "tp" (from a plan): the degree
   bool sequence_parallel = false;
+  int cp = 1;                        // strategy "cp" (from a plan): the degree
+  std::string cp_exchange = "ring";  // ring | allgather (context_parallel.h)
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -121,7 +128,8 @@ class GptSchedule : public dtrain::ScheduledLR {
 };
 
 bool distributed(const std::string& s) {
-  return s == "ddp" || s == "ddp-model-parallel" || gpt::is_zero_strategy(s) || s == "pipeline" || s == "tp";
+  return s == "ddp" || s == "ddp-model-parallel" || gpt::is_zero_strategy(s) || s == "pipeline" || s == "tp" ||
+         s == "cp";
 }
 
 // Where this process trains and which ranks it trains with.
@@ -231,11 +239,18 @@ Trainee build(const Options& opt, Placement& where) {
                           : std::vector<dtrain::dist::MeshDim>{{"tp", opt.tp}});
     torch::nn::Sequential full = gpt::gpt_layers(opt.model);
     gpt::init_weights(*full, opt.model.n_layer, opt.seed);
-    torch::nn::Sequential split = gpt::apply_tp(full, *mesh, {.sequence_parallel = opt.sequence_parallel});
+    // Dropout streams (Note [TP dropout]): the replicated one shared by the
+    // tp group, seeded per data-parallel replica like the other strategies'
+    // per-rank seeds; the tensor-parallel one per tp rank on top of it.
+    const std::uint64_t dropout_seed = opt.seed + 7919 * static_cast<std::uint64_t>(mesh->coordinate("dp_replicate"));
+    auto rng =
+        std::make_shared<dtrain::nn::RngTracker>(dtrain::nn::RngTracker::for_tp(dropout_seed, mesh->coordinate("tp")));
+    torch::nn::Sequential split = gpt::apply_tp(full, *mesh, {.sequence_parallel = opt.sequence_parallel, .rng = rng});
     split->to(first);
     auto strategy = std::make_shared<dtrain::TensorParallelStrategy<torch::nn::Sequential>>(split, mesh, first);
     t.strategy = strategy;
     t.keep.push_back(mesh);
+    t.keep.push_back(rng);
     t.loss = [tp = (*mesh)["tp"], vocab = opt.model.vocab_size](const at::Tensor& logits, const at::Tensor& target) {
       return gpt::tp_lm_loss(logits, target, tp, vocab);
     };
@@ -247,6 +262,32 @@ Trainee build(const Options& opt, Placement& where) {
     t.local = [full](const at::Tensor& x) mutable { return full->forward(x.to(at::kCPU)); };
     t.save_params = [gather, full, lead](const std::string& path) mutable {
       gather();
+      if (lead) write_params(path, *full);
+    };
+    return t;
+  }
+  if (opt.strategy == "cp") {
+    // The full layers, initialised as every strategy's; the cp view shares
+    // their modules, so they are the full weights (sample, --save-params).
+    auto mesh = std::make_shared<dtrain::dist::DeviceMesh>(
+        *where.group, where.world > opt.cp
+                          ? std::vector<dtrain::dist::MeshDim>{{"dp_replicate", where.world / opt.cp}, {"cp", opt.cp}}
+                          : std::vector<dtrain::dist::MeshDim>{{"cp", opt.cp}});
+    gpt::Gpt full(opt.model);
+    gpt::init_weights(*full, opt.model.n_layer, opt.seed);
+    if (!opt.init_from_hf.empty()) gpt::load_hf(*full, opt.model, opt.init_from_hf);
+    full->to(first);
+    const auto exchange =
+        opt.cp_exchange == "allgather" ? dtrain::nn::cp::KvExchange::kAllGather : dtrain::nn::cp::KvExchange::kRing;
+    dtrain::dist::ProcessGroup cp = (*mesh)["cp"];
+    gpt::CpGpt split(gpt::apply_cp(full->layers, cp, {.exchange = exchange}));  // names as full's
+    t.strategy = std::make_shared<dtrain::ContextParallelStrategy<gpt::CpGpt>>(
+        split, mesh, first, [cp](const at::Tensor& target) mutable { return gpt::cp_targets(target, cp); });
+    t.keep.push_back(mesh);
+    t.loss = [cp](const at::Tensor& logits, const at::Tensor& target) { return gpt::cp_lm_loss(logits, target, cp); };
+    t.gather_full = [] { return std::shared_ptr<void>(); };
+    t.local = [full](const at::Tensor& x) mutable { return full->forward(x); };
+    t.save_params = [full, lead](const std::string& path) mutable {
       if (lead) write_params(path, *full);
     };
     return t;
@@ -482,6 +523,7 @@ void apply_plan(Options& opt) {
   opt.hsdp_replicas = r.hsdp_replicas;
   opt.tp = r.tp;
   opt.sequence_parallel = r.sequence_parallel;
+  opt.cp = r.cp;
   opt.batch_size = r.batch_size;
   opt.model.recompute = r.recompute;
   opt.model.recompute_every = r.recompute_every;
@@ -504,10 +546,6 @@ int run(Options opt) {
                "--accumulate " << opt.accumulate << " with --strategy pipeline: a pipeline's micro-batches are its "
                                << "accumulation.",
                "use --micro-batches instead");
-  DTRAIN_CHECK(
-      opt.strategy != "tp" || opt.checkpoint_dir.empty(), ConfigError,
-      "--checkpoint-dir with tensor parallelism (tp " << opt.tp << "): checkpoints under tp are not supported yet.",
-      "train without --checkpoint-dir under --tp");
   Placement where = place(opt);
   at::set_num_threads(distributed(opt.strategy) ? 1 : at::get_num_threads());
   torch::manual_seed(opt.seed + static_cast<std::uint64_t>(where.rank));  // dropout masks
@@ -533,6 +571,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   opt.pipeline.add_to(app);
   opt.plan.add_to(app);
+  app.add_option(
+         "--cp-exchange", opt.cp_exchange,
+         "How K/V blocks reach the other ranks under --cp: a ring (overlapped with attention) or one all-gather")
+      ->check(CLI::IsMember({"ring", "allgather"}))
+      ->capture_default_str();
   app.add_option("--devices", opt.devices, "Devices (cpu, cuda, cuda:N, all; cpu,cpu for two CPU replicas or stages)")
       ->capture_default_str();
   app.add_option("--max-iters", opt.max_iters, "Optimizer steps")

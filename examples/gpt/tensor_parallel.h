@@ -25,16 +25,24 @@
 // The vocabulary splits by torch.chunk's rule (the layout's), so the 65
 // Shakespeare characters run under tp 2 as 33 + 32 rows.
 //
-// Not yet: dropout (needs per-rank RNG streams for the split regions and
-// shared ones for the replicated regions; refused), cloning (DataParallel
-// replicas).
+// Dropout (Note [TP dropout]) draws from TpOptions::rng, a
+// dtrain::nn::RngTracker: masks of regions every tp rank holds alike (the
+// embedding's output, the residual branches under plain TP) from its
+// kReplicated stream, equal on every tp rank; masks of split regions (the
+// attention probabilities of this rank's heads; under SP every dropout, each
+// rank holding its own part of the sequence) from its kTensorParallel
+// stream, different per tp rank. Megatron draws the same way.
+//
+// Not yet: cloning (DataParallel replicas).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "dtrain/comm/mesh.h"
@@ -42,6 +50,7 @@
 #include "dtrain/error.h"
 #include "dtrain/nn/linear.h"
 #include "dtrain/nn/parallel_linear.h"
+#include "dtrain/nn/rng_tracker.h"
 #include "dtrain/nn/tp_comm.h"
 #include "dtrain/nn/vocab_parallel.h"
 #include "model.h"
@@ -50,11 +59,14 @@ namespace gpt {
 
 struct TpOptions {
   bool sequence_parallel = false;
+  // The dropout streams of this rank (RngTracker::for_tp(seed, tp rank));
+  // required when the config's dropout is above 0.
+  std::shared_ptr<dtrain::nn::RngTracker> rng;
 };
 
 // ConfigError naming the size when the tp degree does not divide the heads,
 // the width or the vocabulary, when the block size does not split under
-// sequence parallelism, or when dropout is on.
+// sequence parallelism, or when dropout is on without TpOptions::rng.
 inline void validate_tp(const GptConfig& c, std::int64_t tp, const TpOptions& options) {
   auto require = [&](std::int64_t size, const char* what) {
     DTRAIN_CHECK(size % tp == 0, ConfigError,
@@ -72,9 +84,10 @@ inline void validate_tp(const GptConfig& c, std::int64_t tp, const TpOptions& op
                                                      << " leaves the last rank no rows.",
                "use a smaller tp degree");
   if (options.sequence_parallel) require(c.block_size, "block_size (sequence parallelism splits the sequence)");
-  DTRAIN_CHECK(c.dropout == 0.0, ConfigError,
-               "GPT tensor parallelism does not support dropout yet (dropout " << c.dropout << ").",
-               "train with --dropout 0 under tp");
+  DTRAIN_CHECK(c.dropout == 0.0 || options.rng, ConfigError,
+               "GPT tensor parallelism with dropout " << c.dropout
+                                                      << " needs the dropout streams (TpOptions::rng) and has none.",
+               "pass TpOptions{.rng = std::make_shared<dtrain::nn::RngTracker>(RngTracker::for_tp(seed, tp_rank))}");
 }
 
 namespace detail {
@@ -98,11 +111,51 @@ inline at::Tensor bias_of(const torch::nn::Linear& l) {
   return l->bias.defined() ? l->bias : at::Tensor();
 }
 
+// Note [TP dropout]: where each dropout of the GPT draws under tp.
+//   embedding output, residual branches (attention's c_proj, the MLP):
+//     plain TP: the tensor is replicated over tp, so every rank must drop
+//     the same elements: kReplicated. SP: each rank holds its own part of
+//     the sequence: kTensorParallel.
+//   attention probabilities: this rank's heads: kTensorParallel.
+// The unsplit GPT with the masks the ranks drew put together (heads and
+// sequence parts concatenated in rank order, the replicated ones as they
+// are) is the reference (tests/multirank/gpt_tp_dropout_test.cpp).
+struct TpDropout {
+  double p = 0.0;
+  std::shared_ptr<dtrain::nn::RngTracker> rng;
+  bool sp = false;
+
+  // A replicated-region dropout (kTensorParallel under SP); identity in eval.
+  at::Tensor operator()(const at::Tensor& x, bool training) const {
+    if (!training || p == 0.0) return x;
+    return rng->dropout(x, p, sp ? dtrain::nn::RngTracker::kTensorParallel : dtrain::nn::RngTracker::kReplicated);
+  }
+};
+
+// Causal attention of q, k, v [B, heads, T, d] whose probabilities are
+// dropped with a mask from the kTensorParallel stream: SDPA's math kernel
+// (softmax(q k^T / sqrt(d)) masked, then times v), with our mask, as
+// at::_scaled_dot_product_attention_math(..., dropout_mask) computes it.
+inline at::Tensor causal_attention_with_dropout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const TpDropout& drop) {
+  const std::int64_t t = q.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  const at::Tensor future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
+  const at::Tensor probs =
+      at::softmax(at::matmul(q, k.transpose(-2, -1)).mul(scale).masked_fill(future, -INFINITY), -1);
+  const at::Tensor mask =
+      drop.rng->draw_mask(dtrain::nn::RngTracker::kTensorParallel, probs.sizes(), drop.p, probs.options());
+  return at::matmul(dtrain::nn::apply_dropout_mask(probs, mask, drop.p), v);
+}
+
 }  // namespace detail
 
 struct TpEmbedImpl : torch::nn::Module {
   TpEmbedImpl(const EmbedImpl& full, dtrain::dist::DeviceMesh& mesh, const TpOptions& options)
-      : config(full.config), sp(options.sequence_parallel), tp(mesh["tp"]) {
+      : config(full.config),
+        sp(options.sequence_parallel),
+        tp(mesh["tp"]),
+        drop{.p = full.config.dropout, .rng = options.rng, .sp = options.sequence_parallel} {
     wte = register_module("wte", dtrain::nn::VocabParallelEmbedding(mesh, {.num_embeddings = config.vocab_size,
                                                                            .embedding_dim = config.n_embd,
                                                                            .sequence_parallel = sp}));
@@ -114,15 +167,16 @@ struct TpEmbedImpl : torch::nn::Module {
   // idx [B, T] -> [B, T, C], or [B, T/t, C] (this rank's part) under SP.
   at::Tensor forward(const at::Tensor& idx) {
     const std::int64_t t = idx.size(1);
-    if (!sp) return wte(idx) + wpe(at::arange(t, idx.options()));
+    if (!sp) return drop(wte(idx) + wpe(at::arange(t, idx.options())), is_training());
     const std::int64_t part = t / tp.size();
     const at::Tensor pos = at::arange(tp.rank() * part, (tp.rank() + 1) * part, idx.options());
-    return wte(idx) + at::embedding(dtrain::nn::tp::copy_to_region(wpe->weight, tp), pos);
+    return drop(wte(idx) + at::embedding(dtrain::nn::tp::copy_to_region(wpe->weight, tp), pos), is_training());
   }
 
   GptConfig config;
   bool sp;
   dtrain::dist::ProcessGroup tp;
+  detail::TpDropout drop;
   dtrain::nn::VocabParallelEmbedding wte{nullptr};
   torch::nn::Embedding wpe{nullptr};
 };
@@ -130,7 +184,9 @@ TORCH_MODULE(TpEmbed);
 
 struct TpAttentionImpl : torch::nn::Module {
   TpAttentionImpl(const CausalSelfAttentionImpl& full, dtrain::dist::DeviceMesh& mesh, const TpOptions& options)
-      : config(full.config), tp_size(mesh.size("tp")) {
+      : config(full.config),
+        tp_size(mesh.size("tp")),
+        drop{.p = full.config.dropout, .rng = options.rng, .sp = options.sequence_parallel} {
     const std::int64_t c = config.n_embd;
     c_attn = register_module("c_attn",
                              dtrain::nn::ColumnParallelLinear(mesh, {.in_features = c,
@@ -153,13 +209,17 @@ struct TpAttentionImpl : torch::nn::Module {
     const auto h = config.n_head / tp_size, d = config.n_embd / config.n_head;
     auto qkv = qkv_all.split(local, 2);
     auto heads = [&](const at::Tensor& m) { return m.view({b, t, h, d}).transpose(1, 2); };
-    const at::Tensor y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {}, 0.0,
-                                                          /*is_causal=*/true);
-    return c_proj(y.transpose(1, 2).contiguous().view({b, t, local}));
+    const bool dropping = is_training() && drop.p > 0;
+    const at::Tensor y = dropping
+                             ? detail::causal_attention_with_dropout(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), drop)
+                             : at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {}, 0.0,
+                                                                /*is_causal=*/true);
+    return drop(c_proj(y.transpose(1, 2).contiguous().view({b, t, local})), is_training());
   }
 
   GptConfig config;
   std::int64_t tp_size;
+  detail::TpDropout drop;
   dtrain::nn::ColumnParallelLinear c_attn{nullptr};
   dtrain::nn::RowParallelLinear c_proj{nullptr};
 };
@@ -167,7 +227,8 @@ TORCH_MODULE(TpAttention);
 
 struct TpMlpImpl : torch::nn::Module {
   TpMlpImpl(const MlpImpl& full, dtrain::dist::DeviceMesh& mesh, const TpOptions& options)
-      : gelu_tanh(full.config.gelu_tanh) {
+      : gelu_tanh(full.config.gelu_tanh),
+        drop{.p = full.config.dropout, .rng = options.rng, .sp = options.sequence_parallel} {
     const auto& c = full.config;
     c_fc = register_module("c_fc",
                            dtrain::nn::ColumnParallelLinear(mesh, {.in_features = c.n_embd,
@@ -182,9 +243,12 @@ struct TpMlpImpl : torch::nn::Module {
                                                                   .sequence_parallel = options.sequence_parallel}));
     c_proj->copy_from_full(full.c_proj->weight, detail::bias_of(full.c_proj));
   }
-  at::Tensor forward(const at::Tensor& x) { return c_proj(at::gelu(c_fc(x), gelu_tanh ? "tanh" : "none")); }
+  at::Tensor forward(const at::Tensor& x) {
+    return drop(c_proj(at::gelu(c_fc(x), gelu_tanh ? "tanh" : "none")), is_training());
+  }
 
   bool gelu_tanh;  // the full MLP's GELU (model.h)
+  detail::TpDropout drop;
   dtrain::nn::ColumnParallelLinear c_fc{nullptr};
   dtrain::nn::RowParallelLinear c_proj{nullptr};
 };

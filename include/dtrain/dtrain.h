@@ -3,6 +3,7 @@
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/amp/grad_scaler.h"
+#include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/checkpoint/optimizer_state.h"  // issue 26: checkpoint formats
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/checkpoint/torch_file.h"
@@ -18,6 +19,7 @@
 #include "dtrain/data/loader.h"
 #include "dtrain/data/sampler.h"
 #include "dtrain/data/token_file.h"
+#include "dtrain/dist/clip.h"
 #include "dtrain/dist/layout.h"
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/elastic/error_file.h"
@@ -39,8 +41,6 @@
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/plan/plan.h"
 #include "dtrain/trainer/accumulate.h"
-#include "dtrain/trainer/checkpoint.h"
-#include "dtrain/trainer/clip.h"
 #include "dtrain/trainer/pipeline_strategy.h"
 #include "dtrain/trainer/progress.h"
 #include "dtrain/trainer/trainer.h"        // issue 12: Trainer, strategies, schedules (metrics.h, trace.h separately)

@@ -9,10 +9,17 @@
 
 #include <cstdlib>
 
+#include "../core/torch_compat.h"
 #include "backends.h"
 #include "dtrain/error.h"
 
 namespace dtrain::dist::detail {
+
+namespace {
+// Before any Gloo group exists (libdtrain's load): see
+// compat::c10d_flight_recorder_off_by_default().
+[[maybe_unused]] const bool c10d_flight_recorder_turned_off = compat::c10d_flight_recorder_off_by_default();
+}  // namespace
 
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const BackendRequest& request) {
   auto options = c10d::ProcessGroupGloo::Options::create(request.timeout);

@@ -7,10 +7,10 @@
 #include <filesystem>
 #include <mutex>
 
-#include "../core/module_loader.h"
 #include "backends.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/error.h"
+#include "dtrain/module_loader.h"
 
 namespace dtrain::dist::detail {
 namespace {

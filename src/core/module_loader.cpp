@@ -1,5 +1,5 @@
 // dlopen/dlsym with dtrain's errors; see module_loader.h.
-#include "module_loader.h"
+#include "dtrain/module_loader.h"
 
 #include <dlfcn.h>
 

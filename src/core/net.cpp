@@ -1,5 +1,5 @@
 // TCP/IP helpers; see net.h.
-#include "net.h"
+#include "dtrain/net.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>

@@ -29,6 +29,12 @@
 // - Neither wheel ships Gloo's own headers (c10d's ProcessGroupGloo.hpp
 //   includes <gloo/...>); Debian's libgloo-dev (scripts/setup.sh) provides
 //   them for both.
+// - c10d's own flight recorder (FlightRecorder<c10::Event>, which
+//   ProcessGroupGloo records every collective into) inserts into its
+//   all_pg_status_ map before taking its mutex in 2.11 (under it in 2.15), so
+//   two threads issuing collectives on different Gloo groups at once can
+//   corrupt the map (SIGSEGV in recordWithResetEnabled). c10d_flight_recorder_
+//   off_by_default() turns that recorder off on the versions before 2.15.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -41,6 +47,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <system_error>
@@ -146,6 +153,38 @@ inline void remove_all(const std::filesystem::path& root) {
   std::error_code ec;
   compat::remove_all(root, ec);  // qualified: ADL would find std::filesystem::remove_all too
   if (ec) throw std::system_error(ec, "removing " + root.string());
+}
+
+// --- c10d's flight recorder ------------------------------------------------
+
+// torch 2.11's FlightRecorder::recordWithResetEnabled (FlightRecorderDetail.hpp,
+// compiled into libtorch_cpu) does `all_pg_status_[pg_id] = ...`, a std::map
+// insert, before it locks the recorder's mutex; 2.15 moved the insert under the
+// lock. ProcessGroupGloo records every collective it enqueues, so threads of
+// one process issuing collectives on different groups (rank threads; DDP's
+// bucket thread beside the training thread; pipeline stages) race on the map:
+// multirank.PipelineTraining.OneFOneBEqualsUnpipelined died by SIGSEGV there in
+// 3 of 85 runs on 2.11 and in 0 of 60 with the recorder off. 2.12-2.14 were not
+// inspected and get the same treatment as 2.11.
+inline constexpr bool kC10dFlightRecorderRacy = !DTRAIN_TORCH_AT_LEAST(2, 15);
+
+// Turns c10d's flight recorder off (TORCH_FR_BUFFER_SIZE=0) on the versions
+// where it races, unless the user chose a size (TORCH_FR_BUFFER_SIZE or its
+// older name TORCH_NCCL_TRACE_BUFFER_SIZE; then theirs stands, race included).
+// The recorder reads its size once, when first used, which is when the first
+// Gloo group is made; so this must run before that, and runs when libdtrain is
+// loaded (src/comm/backend_gloo.cpp), before any thread of ours exists, since
+// setenv is not safe beside concurrent getenv. Returns whether it turned it off.
+// dtrain's own recorder (issue 27) does not depend on c10d's.
+inline bool c10d_flight_recorder_off_by_default() {
+  if constexpr (!kC10dFlightRecorderRacy) {
+    return false;
+  } else {
+    if (std::getenv("TORCH_FR_BUFFER_SIZE") != nullptr || std::getenv("TORCH_NCCL_TRACE_BUFFER_SIZE") != nullptr) {
+      return false;
+    }
+    return ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0) == 0;
+  }
 }
 
 }  // namespace dtrain::compat

@@ -14,13 +14,11 @@
 #include <thread>
 #include <vector>
 
+#include "dtrain/elastic/rendezvous.h"
+
 namespace dtrain::elastic::auth {
 
-// The secret from `file` (--rdzv-secret-file) when given, else the variable
-// DTRAIN_RDZV_SECRET, else "" (no authentication). Trailing white space of
-// a file is dropped. ConfigError when the file cannot be read or the secret
-// is shorter than 16 bytes.
-std::string read_secret(const std::string& file);
+// read_secret() is declared with the rendezvous (include/dtrain/elastic/rendezvous.h).
 
 // Accepts connections on `listen_fd` (taken over) until destroyed, serving
 // each on a thread of its own with `serve(*this, fd, peer address)` (the

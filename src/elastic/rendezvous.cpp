@@ -38,7 +38,7 @@
 // it closes.
 #include "dtrain/elastic/rendezvous.h"
 
-#include "../core/net.h"
+#include "dtrain/net.h"
 
 #include <unistd.h>
 

@@ -17,11 +17,11 @@
 #include <future>
 #include <thread>
 
-#include "../core/net.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/elastic/rendezvous.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "dtrain/net.h"
 #include "rdzv_auth.h"
 
 namespace dtrain::elastic {

@@ -98,9 +98,14 @@ void ColumnParallelLinearImpl::copy_from_full(const at::Tensor& full_weight, con
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  const at::Tensor input =
-      options_.sequence_parallel ? tp::gather_from_sequence(x, tp_, options_.sequence_dim) : tp::copy_to_region(x, tp_);
-  const at::Tensor y = nn::linear(input, weight, bias);
+  at::Tensor y;
+  if (options_.sequence_parallel && tp_.size() > 1) {
+    // Keeps 1/t of the input for backward (see gathered_linear).
+    y = tp::gathered_linear(x, weight, tp_, options_.sequence_dim);
+    if (bias.defined()) y = y + bias.to(y.scalar_type());
+  } else {
+    y = nn::linear(tp::copy_to_region(x, tp_), weight, bias);
+  }
   return options_.gather_output ? tp::gather_from_region(y, tp_, -1) : y;
 }
 

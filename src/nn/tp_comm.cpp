@@ -7,9 +7,11 @@
 #include "dtrain/nn/tp_comm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "dtrain/error.h"
+#include "dtrain/nn/linear.h"
 #include "group_capsule.h"
 
 namespace dtrain::nn::tp {
@@ -136,7 +138,64 @@ at::Tensor apply(const at::Tensor& x, dist::ProcessGroup group, Primitive forwar
   return RegionComm::apply(x, capsule, static_cast<std::int64_t>(forward), static_cast<std::int64_t>(backward), d);
 }
 
+// Products of gathered_linear: oneDNN's where nn::linear would use it, at::mm
+// otherwise (other dtypes, autocast's bf16).
+at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
+  const bool fp32_cpu = a.device().is_cpu() && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat;
+  return fp32_cpu && onednn_matmul_available() ? onednn_mm(a, b) : at::mm(a, b);
+}
+
+// See gathered_linear in tp_comm.h. Saved: the local input and the weight;
+// the compute dtype (the autocast dtype or the input's) in saved_data.
+struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const c10::IValue& group_capsule, std::int64_t dim) {
+    dist::ProcessGroup group = detail::group_in(group_capsule);
+    const bool autocast = at::autocast::is_autocast_enabled(at::kCPU) && x.device().is_cpu();
+    const at::ScalarType dtype = autocast ? at::autocast::get_autocast_dtype(at::kCPU) : x.scalar_type();
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["group"] = group_capsule;
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["dtype"] = static_cast<std::int64_t>(dtype);
+    const at::Tensor total = run(Primitive::kAllGather, x, group, dim).to(dtype);
+    auto sizes = total.sizes().vec();
+    sizes.back() = weight.size(0);
+    return product(total.reshape({-1, total.size(-1)}), weight.to(dtype).t()).view(sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    DTRAIN_CHECK(!at::GradMode::is_enabled(), ConfigError,
+                 "higher-order gradients through a sequence-parallel column layer are not supported.",
+                 "call backward without create_graph");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    dist::ProcessGroup group = detail::group_in(ctx->saved_data["group"]);
+    const std::int64_t dim = ctx->saved_data["dim"].toInt();
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    const at::Tensor dy = grads[0].to(dtype).reshape({-1, grads[0].size(-1)});
+    at::Tensor dx, dweight;
+    if (ctx->needs_input_grad(1)) {
+      // The input again, gathered: the forward kept only this rank's part.
+      const at::Tensor total = run(Primitive::kAllGather, x, group, dim).to(dtype);
+      dweight = product(dy.t(), total.reshape({-1, total.size(-1)})).to(weight.scalar_type());
+    }
+    if (ctx->needs_input_grad(0)) {
+      auto sizes = grads[0].sizes().vec();
+      sizes.back() = weight.size(1);
+      const at::Tensor dtotal = product(dy, weight.to(dtype)).view(sizes);
+      dx = run(Primitive::kReduceScatter, dtotal, group, dim).to(x.scalar_type());
+    }
+    return {dx, dweight, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& weight, dist::ProcessGroup group, std::int64_t dim) {
+  const std::int64_t d = wrap_dim(dim, x);
+  return GatheredLinear::apply(x, weight, detail::capsule_of(std::move(group)), d);
+}
 
 at::Tensor copy_to_region(const at::Tensor& x, dist::ProcessGroup group) {
   return apply(x, std::move(group), Primitive::kIdentity, Primitive::kAllReduce, -1);

@@ -125,8 +125,18 @@ void validate_applied(const ParallelPlan& p) {
                        << ": no applier in this build composes tensor and context parallelism yet.",
                  "set cp 1, or tp 1");
   }
-  DTRAIN_CHECK(p.cp == 1, ConfigError, "cp " << p.cp << ": no applier in this build handles the cp dimension yet.",
-               "set cp 1");
+  // Context parallelism runs alone or under DDP (dp_replicate); with ZeRO and
+  // pipelines not yet (with tp: above).
+  if (p.cp > 1) {
+    DTRAIN_CHECK(p.dp_shard == 1, ConfigError,
+                 "cp " << p.cp << " with dp_shard " << p.dp_shard
+                       << " (ZeRO): no applier in this build composes context parallelism with ZeRO yet.",
+                 "put the data-parallel ranks on dp_replicate (DDP), or set cp 1");
+    DTRAIN_CHECK(p.pp == 1, ConfigError,
+                 "cp " << p.cp << " with pp " << p.pp
+                       << ": no applier in this build composes context parallelism with pipelines yet.",
+                 "set pp 1, or cp 1");
+  }
   DTRAIN_CHECK(p.pp == 1 || p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,
                "dp_replicate " << p.dp_replicate << " x dp_shard " << p.dp_shard << " (HSDP) inside a pipeline (pp "
                                << p.pp << "): no applier in this build composes them yet.",

@@ -25,10 +25,11 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/checkpoint/checkpoint_reader.h"
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/checkpoint/torch_file.h"
 #include "dtrain/error.h"
-#include "dtrain/trainer/checkpoint_reader.h"
+#include "dtrain/parallel/zero/full_state.h"
 
 namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;

@@ -8,21 +8,6 @@
 
 namespace dtrain {
 
-namespace {
-
-// Gradients of the pipeline's gradient_set(), which the pipeline owns.
-class BorrowedGradients : public GradientSet {
- public:
-  explicit BorrowedGradients(const GradientSet& inner) : inner_(inner) {}
-  std::vector<at::Tensor> local_parameters() const override { return inner_.local_parameters(); }
-  void combine(at::Tensor& partial, bool max) const override { inner_.combine(partial, max); }
-
- private:
-  const GradientSet& inner_;
-};
-
-}  // namespace
-
 PipelineStrategy::PipelineStrategy(std::shared_ptr<pipeline::Pipeline> pipe, dist::DeviceMesh& mesh)
     : pipe_(std::move(pipe)), world_(mesh.group()), pipeline_group_(mesh["pp"]) {
   DTRAIN_CHECK(pipe_ != nullptr, ConfigError, "PipelineStrategy got no Pipeline.",
@@ -116,8 +101,8 @@ void PipelineStrategy::zero_grad(torch::optim::Optimizer& /*optimizer*/) {
   pipe_->zero_grad();
 }
 
-std::unique_ptr<GradientSet> PipelineStrategy::gradients() {
-  return std::make_unique<BorrowedGradients>(pipe_->gradient_set());
+GradientSet PipelineStrategy::gradients() {
+  return pipe_->gradient_set();
 }
 
 at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {

@@ -11,12 +11,12 @@
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/amp/grad_scaler.h"
+#include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/data/loader.h"
+#include "dtrain/dist/clip.h"
 #include "dtrain/elastic/error_file.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
-#include "dtrain/trainer/checkpoint.h"
-#include "dtrain/trainer/clip.h"
 #include "dtrain/trainer/metrics.h"
 #include "dtrain/trainer/progress.h"
 #include "dtrain/trainer/trace.h"
@@ -167,7 +167,7 @@ EvalResult Trainer::evaluate() {
   for (std::int64_t k = 0; k < rounds; ++k) {
     const bool counted = k < plan.count;
     const auto batch = plan.load(k);
-    const at::Tensor target = batch.target.to(s.output_device());
+    const at::Tensor target = s.local_target(batch.target.to(s.output_device()));
     at::Tensor output, loss;
     {
       std::optional<amp::Autocast> autocast;
@@ -361,7 +361,7 @@ struct Trainer::Run {
       auto span = Tracer::span(tracer.get(), "forward", "compute");
       std::optional<amp::Autocast> autocast;
       if (o.amp_dtype) autocast.emplace(s.input_device().type(), amp::AutocastOptions{.dtype = o.amp_dtype});
-      loss = st.loss(s.forward(input), target);
+      loss = st.loss(s.forward(input), s.local_target(target));
       if (o.accumulate > 1) loss = loss / o.accumulate;
     }
     const auto backward_start = Clock::now();
@@ -406,7 +406,7 @@ struct Trainer::Run {
       const auto optimizer_start = Clock::now();
       if (o.clip_norm > 0 || (want_metrics && log_now)) {
         scaler->unscale_(st.optimizer);
-        last_norm = o.clip_norm > 0 ? s.clip_grad_norm(o.clip_norm) : grad_norm(*s.gradients());
+        last_norm = o.clip_norm > 0 ? s.clip_grad_norm(o.clip_norm) : grad_norm(s.gradients());
       }
       if (!scaler->step(st.optimizer)) ++summary.skipped_steps;
       scaler->update();

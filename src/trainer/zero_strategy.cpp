@@ -68,8 +68,8 @@ void ZeroStrategy::zero_grad(torch::optim::Optimizer& /*optimizer*/) {
   sdp_->zero_grad();
 }
 
-std::unique_ptr<GradientSet> ZeroStrategy::gradients() {
-  return std::make_unique<ShardedGradients>(sdp_->parameters(), sdp_->group());
+GradientSet ZeroStrategy::gradients() {
+  return GradientSet::sharded(sdp_->parameters(), sdp_->group());
 }
 
 std::optional<dist::ProcessGroup> ZeroStrategy::found_inf_group() {

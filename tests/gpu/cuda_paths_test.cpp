@@ -19,11 +19,11 @@
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/amp/grad_scaler.h"
+#include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/data/loader.h"
 #include "dtrain/error.h"
-#include "dtrain/trainer/checkpoint.h"
 #include "gpu.h"
 #include "ranks.h"
 

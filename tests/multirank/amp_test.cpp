@@ -15,10 +15,10 @@
 #include "ddp_helpers.h"
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/dist/clip.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/ddp/ddp.h"
 #include "dtrain/trainer/accumulate.h"
-#include "dtrain/trainer/clip.h"
 #include "ranks.h"
 
 using dtrain::DistributedDataParallel;
@@ -224,7 +224,7 @@ TEST(ShardedClip, EqualsSingleProcessClipping) {
         auto all = make();
         std::vector<at::Tensor> mine;
         for (int j = rank; j < kParams; j += world) mine.push_back(all[static_cast<size_t>(j)]);
-        const dtrain::ShardedGradients shards(mine, group);
+        const auto shards = dtrain::GradientSet::sharded(mine, group);
         const double norm = dtrain::clip_grad_norm_(shards, 0.5, {.norm_type = p}).item<double>();
         EXPECT_NEAR(norm, expected, 1e-6 * expected) << "p=" << p << " world " << world;
         for (int j = rank; j < kParams; j += world) {

@@ -239,6 +239,12 @@ struct DeathCase {
   bool shared_memory;
 };
 
+// So that gtest (and `ctest -N`) show the case, not its bytes (a pointer
+// that changes from build to build).
+void PrintTo(const DeathCase& c, std::ostream* os) {
+  *os << c.op << (c.shared_memory ? " over shared memory" : " over Gloo");
+}
+
 class PeerDeath : public ::testing::TestWithParam<DeathCase> {};
 
 TEST_P(PeerDeath, SurvivorGetsCommunicationErrorNamingRankOpAndPeer) {

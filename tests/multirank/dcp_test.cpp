@@ -9,12 +9,12 @@
 #include <map>
 
 #include "../unit/checkpoint_files.h"
+#include "dtrain/checkpoint/checkpoint_reader.h"
 #include "dtrain/checkpoint/torch_file.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/parallel/zero/full_state.h"
 #include "dtrain/parallel/zero/sharded_checkpoint.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
-#include "dtrain/trainer/checkpoint_reader.h"
 #include "ranks.h"
 #include "zero_helpers.h"
 

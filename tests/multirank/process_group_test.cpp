@@ -143,3 +143,24 @@ TEST(TorchrunContract, AgentHostedStoreSurvivesRestartRounds) {
                        }});
   }
 }
+
+// Rank threads making and using new Gloo groups at once: every group's first
+// collective registers the group in c10d's process-wide flight recorder, which
+// torch 2.11 does outside its lock (src/core/torch_compat.h,
+// c10d_flight_recorder_off_by_default). This crashed there with the recorder
+// on (TORCH_FR_BUFFER_SIZE=2000 set by hand) and must pass as dtrain sets it.
+TEST(GlooGroups, RankThreadsCreatingGroupsAtOnce) {
+  constexpr int kWorld = 4;
+  constexpr int kGroups = 40;
+  run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
+    auto world = dtrain::dist::init_process_group(store, rank, kWorld, options());
+    for (int i = 0; i < kGroups; ++i) {
+      auto group = world.new_group({0, 1, 2, 3});
+      ASSERT_TRUE(group.has_value());
+      at::Tensor t = at::full({3}, static_cast<float>(rank + i));
+      group->all_reduce(t).wait();
+      EXPECT_TRUE(at::equal(t, at::full({3}, static_cast<float>(kWorld * i + 6)))) << "group " << i;
+    }
+    world.barrier();
+  });
+}

@@ -94,12 +94,13 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
   }
   {
     std::ofstream plan(dir / "cp.json");
-    plan << R"({"cp": 2})";
+    plan << R"({"cp": 2, "dp_shard": 2, "zero_stage": 3})";
   }
   const auto refused =
-      dtrain::testing::run_example(kExample, kCommon + "/dev/null --plan " + (dir / "cp.json").string(), kLaunch);
+      dtrain::testing::run_example(kExample, kCommon + "/dev/null --plan " + (dir / "cp.json").string(),
+                                   std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 4");
   EXPECT_NE(refused.exit_code, 0);
-  EXPECT_NE(refused.stderr_text.find("no applier in this build handles the cp dimension"), std::string::npos)
+  EXPECT_NE(refused.stderr_text.find("composes context parallelism with ZeRO"), std::string::npos)
       << refused.stderr_text;
   fs::remove_all(dir);
 }

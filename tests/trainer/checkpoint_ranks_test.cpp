@@ -9,9 +9,9 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
-#include "dtrain/trainer/checkpoint.h"
 #include "ranks.h"
 
 namespace fs = std::filesystem;

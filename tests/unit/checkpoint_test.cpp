@@ -9,8 +9,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/error.h"
-#include "dtrain/trainer/checkpoint.h"
 
 namespace fs = std::filesystem;
 

@@ -8,8 +8,8 @@
 #include <limits>
 #include <vector>
 
+#include "dtrain/dist/clip.h"
 #include "dtrain/error.h"
-#include "dtrain/trainer/clip.h"
 
 namespace {
 
@@ -53,7 +53,7 @@ TEST(ClipGradNorm, EqualsTorchClipGradNorm) {
         }
       }
       if (max_norm < expected) {
-        EXPECT_NEAR(dtrain::grad_norm(dtrain::ReplicatedGradients(ours), {.norm_type = p}).item<double>(), max_norm,
+        EXPECT_NEAR(dtrain::grad_norm(dtrain::GradientSet::replicated(ours), {.norm_type = p}).item<double>(), max_norm,
                     1e-5);
       }
     }
@@ -62,11 +62,12 @@ TEST(ClipGradNorm, EqualsTorchClipGradNorm) {
 
 TEST(ClipGradNorm, EmptyGradientsAddNothing) {
   auto params = params_with_grads(4);
-  const double expected = dtrain::grad_norm(dtrain::ReplicatedGradients(params), {.norm_type = kInf}).item<double>();
+  const double expected =
+      dtrain::grad_norm(dtrain::GradientSet::replicated(params), {.norm_type = kInf}).item<double>();
   at::Tensor empty = at::ones({0}).requires_grad_();
   empty.mutable_grad() = at::ones({0});
   params.push_back(empty);
-  EXPECT_EQ(dtrain::grad_norm(dtrain::ReplicatedGradients(params), {.norm_type = kInf}).item<double>(), expected);
+  EXPECT_EQ(dtrain::grad_norm(dtrain::GradientSet::replicated(params), {.norm_type = kInf}).item<double>(), expected);
 }
 
 TEST(ClipGradNorm, NoGradientsGiveZero) {

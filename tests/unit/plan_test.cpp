@@ -103,8 +103,11 @@ TEST(ParallelPlan, PlansThatCannotWorkSayWhatToChange) {
             std::string::npos);
   EXPECT_NE(invalid({.pp = 2, .tp = 2}, {.world = 4}).find("tensor parallelism with pipelines"), std::string::npos);
   EXPECT_NE(invalid({.cp = 2, .tp = 2}, {.world = 4}).find("tensor and context parallelism"), std::string::npos);
-  EXPECT_NE(invalid({.cp = 2}, {.world = 2}).find("no applier in this build handles the cp dimension"),
+  EXPECT_NO_THROW((ParallelPlan{.cp = 2}.validate({.world = 2})));
+  EXPECT_NO_THROW((ParallelPlan{.dp_replicate = 2, .cp = 2}.validate({.world = 4})));
+  EXPECT_NE(invalid({.dp_shard = 2, .cp = 2, .zero_stage = 3}, {.world = 4}).find("context parallelism with ZeRO"),
             std::string::npos);
+  EXPECT_NE(invalid({.pp = 2, .cp = 2}, {.world = 4}).find("context parallelism with pipelines"), std::string::npos);
   EXPECT_NE(invalid({.tp = 3}, {.world = 3, .model = kGpt}).find("does not divide the model's 4 attention heads"),
             std::string::npos);
   EXPECT_NE(invalid({.pp = 2, .dp_replicate = 2, .dp_shard = 2, .zero_stage = 2}, {.world = 8}).find("(HSDP) inside"),

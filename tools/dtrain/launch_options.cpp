@@ -8,7 +8,6 @@
 #include <sstream>
 #include <thread>
 
-#include "../../src/elastic/rdzv_auth.h"
 #include "dtrain/comm/cluster_env.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/env.h"

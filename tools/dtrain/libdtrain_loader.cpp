@@ -11,8 +11,8 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "../../src/core/module_loader.h"
 #include "dtrain/error.h"
+#include "dtrain/module_loader.h"
 
 namespace dtrain::tools {
 namespace {

@@ -11,12 +11,12 @@
 #include <iostream>
 #include <thread>
 
-#include "../../src/core/net.h"
 #include "ckpt_dispatch.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/elastic/agent.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
+#include "dtrain/net.h"
 #include "launch_options.h"
 #include "libdtrain_loader.h"
 #include "plan_command.h"

@@ -165,4 +165,12 @@ std::shared_ptr<RendezvousStore> connect_tcp_rendezvous_store(const std::string&
 // An in-memory store for tests (shared by "nodes" that are threads). In libdtrain.
 std::shared_ptr<RendezvousStore> make_memory_rendezvous_store();
 
+namespace auth {
+// The rendezvous secret from `file` (--rdzv-secret-file) when given, else the
+// variable DTRAIN_RDZV_SECRET, else "" (no authentication). Trailing white
+// space of a file is dropped. ConfigError when the file cannot be read or the
+// secret is shorter than 16 bytes. In dtrain_base.
+std::string read_secret(const std::string& file);
+}  // namespace auth
+
 }  // namespace dtrain::elastic

@@ -55,4 +55,15 @@ at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, dist::ProcessGroup gr
 // sequence-parallel region from a replicated tensor.
 at::Tensor scatter_to_sequence(const at::Tensor& x, dist::ProcessGroup group, std::int64_t dim);
 
+// The sequence-parallel column product: gather_from_sequence(x) W^T in one
+// Function that keeps only x, this rank's 1/t of the sequence, for backward
+// and all-gathers it again there for dW (Korthikanti et al. 2022, 4.2.2;
+// Megatron's LinearWithGradAccumulationAndAsyncCommunication). Chaining the
+// two operators would keep the gathered [.., s, in] alive between forward and
+// backward instead: t times the activation. Same values and gradients (the
+// same products, summed in the same order); the bias is added by the caller.
+// Under CPU autocast the products run in the autocast dtype, as at::linear's
+// would. No higher-order gradients (create_graph is refused).
+at::Tensor gathered_linear(const at::Tensor& x, const at::Tensor& weight, dist::ProcessGroup group, std::int64_t dim);
+
 }  // namespace dtrain::nn::tp

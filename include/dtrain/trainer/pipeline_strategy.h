@@ -55,7 +55,7 @@ class PipelineStrategy : public Strategy {
   bool needs_whole_batches() const override { return true; }
   at::Tensor forward_backward(const at::Tensor& input, const at::Tensor& target, amp::GradScaler* scaler) override;
   void zero_grad(torch::optim::Optimizer& optimizer) override;
-  std::unique_ptr<GradientSet> gradients() override;
+  GradientSet gradients() override;
   at::Tensor clip_grad_norm(double max_norm) override;
   std::optional<dist::ProcessGroup> found_inf_group() override { return world_; }
   int data_rank() const override { return data_rank_; }

@@ -8,7 +8,7 @@
 // norm), which ranks must agree on skipped steps (GradScaler), which share of
 // the data this rank reads, and what goes into a checkpoint. The sharded
 // (ZeRO) and pipeline strategies implement the same interface: ZeRO returns
-// ShardedGradients, a found-inf group and sharded checkpoint state; a
+// sharded gradients (GradientSet::sharded), a found-inf group and sharded checkpoint state; a
 // pipeline (pipeline_strategy.h), whose loss lives on its last stage, runs
 // forward, loss and backward of its micro-batches in forward_backward.
 //
@@ -27,10 +27,10 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/dist/clip.h"
 #include "dtrain/parallel/ddp/ddp.h"
-#include "dtrain/trainer/checkpoint.h"
-#include "dtrain/trainer/clip.h"
 
 namespace dtrain {
 
@@ -67,6 +67,10 @@ class Strategy {
   // forward(). An undefined result: the outputs are on another rank (a
   // pipeline's last stage), and this rank adds nothing to the metrics.
   virtual at::Tensor eval_forward(const at::Tensor& input) { return forward(input); }
+  // The part of a batch's targets that this rank's outputs hold, which the
+  // loss and the accuracy compare them with; default all of it (context
+  // parallelism keeps this rank's rows of the sequence).
+  virtual at::Tensor local_target(const at::Tensor& target) { return target; }
   // Whether the forward is collective over data-parallel ranks (ZeRO
   // all-gathers parameters in it): evaluation then runs as many forwards on
   // every rank, a rank with fewer batches repeating one it leaves uncounted.
@@ -93,12 +97,10 @@ class Strategy {
   virtual std::unique_ptr<Scope> no_sync() { return nullptr; }
   virtual void zero_grad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
   // How this rank's gradients combine into the global norm.
-  virtual std::unique_ptr<GradientSet> gradients() {
-    return std::make_unique<ReplicatedGradients>(module().parameters());
-  }
+  virtual GradientSet gradients() { return GradientSet::replicated(module().parameters()); }
   // Clips by global norm (returns the norm before clipping); strategies with
   // gradient copies outside gradients() (a pipeline's tied weights) scale those too.
-  virtual at::Tensor clip_grad_norm(double max_norm) { return clip_grad_norm_(*gradients(), max_norm); }
+  virtual at::Tensor clip_grad_norm(double max_norm) { return clip_grad_norm_(gradients(), max_norm); }
   // Ranks whose GradScaler found-inf flags must be combined (nullopt: the
   // gradients are identical where they are checked, e.g. after DDP's all-reduce).
   virtual std::optional<dist::ProcessGroup> found_inf_group() { return std::nullopt; }

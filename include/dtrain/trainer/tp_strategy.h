@@ -23,8 +23,11 @@
 //  - GradScaler found-inf flags are combined over the whole mesh;
 //  - the loss must be the tp one (e.g. vocab-parallel cross-entropy): it is
 //    collective over tp, as are forward and backward;
-//  - checkpoints are not supported yet (save/load throw ConfigError): a
-//    per-rank checkpoint resharded through the layouts is still to come.
+//  - checkpoints: every rank saves its parameters and optimizer state with
+//    their layouts (layout_state, StateScope::kSharded, through the
+//    Checkpointer's commit protocol); loading under another tp degree (or
+//    dp_replicate size) fills each rank's parts from the saved boxes that
+//    meet them. The mesh must outlive the Checkpointer's use of it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,39 +39,13 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/checkpoint/layout_state.h"
 #include "dtrain/comm/mesh.h"
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
 #include "dtrain/trainer/strategy.h"
 
 namespace dtrain {
-
-// Gradients of a tensor-parallel module (see the file comment): a parameter
-// counts on this rank when it is sharded on `tp` or this is tp rank 0;
-// partials combine over the tp group.
-class TensorParallelGradients : public GradientSet {
- public:
-  TensorParallelGradients(const torch::nn::Module& module, dist::DeviceMesh& mesh) : tp_(mesh["tp"]) {
-    const auto params = module.named_parameters();
-    const auto layouts = dist::named_layouts(module, mesh);
-    std::size_t tp_dim = 0;
-    while (mesh.dims()[tp_dim].name != "tp") ++tp_dim;
-    for (const auto& [name, layout] : layouts) {
-      const bool sharded = layout.placements[tp_dim].kind == dist::Placement::Kind::kShard;
-      if (sharded || tp_.rank() == 0) counted_.push_back(params[name]);
-    }
-  }
-  std::vector<at::Tensor> local_parameters() const override { return counted_; }
-  void combine(at::Tensor& partial, bool max) const override {
-    at::Tensor moved = partial.to(tp_.device());
-    tp_.all_reduce(moved, max ? dist::ReduceOp::kMax : dist::ReduceOp::kSum).wait();
-    partial.copy_(moved);
-  }
-
- private:
-  std::vector<at::Tensor> counted_;
-  mutable dist::ProcessGroup tp_;
-};
 
 template <typename Holder>
 class TensorParallelStrategy : public Strategy {
@@ -113,15 +90,20 @@ class TensorParallelStrategy : public Strategy {
       optimizer.zero_grad();
     }
   }
-  std::unique_ptr<GradientSet> gradients() override {
-    return std::make_unique<TensorParallelGradients>(module(), *mesh_);
+  // From the parameters' layouts: sharded on tp, summed over tp; replicated,
+  // counted on tp rank 0 (dp_replicate holds equal copies after DDP).
+  GradientSet gradients() override {
+    const auto params = module().named_parameters();
+    std::vector<std::pair<at::Tensor, dist::Layout>> laid_out;
+    for (auto& [name, layout] : dist::named_layouts(module(), *mesh_)) laid_out.emplace_back(params[name], layout);
+    return GradientSet::from_layouts(laid_out, *mesh_);
   }
-  // The norm over the counted gradients (see TensorParallelGradients), then
+  // The norm over the counted gradients (see gradients()), then
   // every gradient of this rank scaled by the same factor as
   // clip_grad_norm_'s, the replicated ones on tp ranks above 0 included.
   at::Tensor clip_grad_norm(double max_norm) override {
     at::NoGradGuard no_grad;
-    at::Tensor norm = grad_norm(*gradients());
+    at::Tensor norm = grad_norm(gradients());
     const at::Tensor coef = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
     for (const auto& p : module().parameters())
       if (p.grad().defined()) p.grad().mul_(coef.to(p.grad().device()));
@@ -131,20 +113,23 @@ class TensorParallelStrategy : public Strategy {
   int data_rank() const override { return mesh_->coordinate("dp_replicate"); }
   int data_world() const override { return mesh_->size("dp_replicate"); }
   std::optional<dist::ProcessGroup> group() override { return mesh_->group(); }
-  void save(Checkpointer& /*checkpointer*/, const TrainingState& /*state*/,
-            torch::optim::Optimizer& /*optimizer*/) override {
-    refuse_checkpoints();
+  void save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) override {
+    add_to(checkpointer, optimizer);
+    checkpointer.save(state);
   }
-  std::optional<TrainingState> load(Checkpointer& /*checkpointer*/, torch::optim::Optimizer& /*optimizer*/) override {
-    refuse_checkpoints();
-    return std::nullopt;
+  std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) override {
+    add_to(checkpointer, optimizer);
+    return checkpointer.load_latest();
   }
   dist::DeviceMesh& mesh() { return *mesh_; }
 
  private:
-  static void refuse_checkpoints() {
-    DTRAIN_CHECK(false, ConfigError, "checkpoints under tensor parallelism are not supported yet.",
-                 "train without a checkpoint directory under tp");
+  void add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
+    if (added_to_ == &checkpointer) return;
+    DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "TensorParallelStrategy is used with a second Checkpointer.",
+                 "use one Trainer (one checkpoint directory) per strategy");
+    checkpointer.add_state("tp", layout_state(module(), *mesh_, &optimizer), StateScope::kSharded);
+    added_to_ = &checkpointer;
   }
 
   Holder module_;
@@ -152,6 +137,7 @@ class TensorParallelStrategy : public Strategy {
   c10::Device device_;
   bool bucket_views_;
   std::unique_ptr<DistributedDataParallel<Holder>> ddp_;
+  Checkpointer* added_to_ = nullptr;
 };
 
 }  // namespace dtrain

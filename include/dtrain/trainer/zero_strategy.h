@@ -8,7 +8,7 @@
 // Forward and evaluation go through ShardedDataParallel (stage 3 gathers each
 // unit as it runs); accumulation's first micro-batches run under its no_sync
 // (full gradients kept until the last, memory as DDP); clipping sums the
-// shards' squares over the group (ShardedGradients); GradScaler's found-inf
+// shards' squares over the group (GradientSet::sharded); GradScaler's found-inf
 // is combined over the group (under HSDP the replicas' gradients are equal
 // after their all-reduce, so the shard group suffices). Checkpoints hold this rank's shards of the
 // parameters and optimizer state as StateScope::kSharded state of the
@@ -44,7 +44,7 @@ class ZeroStrategy : public Strategy {
   bool collective_forward() const override;
   std::unique_ptr<Scope> no_sync() override;
   void zero_grad(torch::optim::Optimizer& optimizer) override;
-  std::unique_ptr<GradientSet> gradients() override;
+  GradientSet gradients() override;
   std::optional<dist::ProcessGroup> found_inf_group() override;
   int data_rank() const override { return rank_; }
   int data_world() const override { return world_; }

@@ -67,22 +67,6 @@ std::vector<std::int64_t> meta_from(const at::Tensor& t) {
   return {c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel()};
 }
 
-// Shards of each stage over its data group, stages over the pipeline: a
-// partial sum (or max) is combined over the data group, then the pipeline.
-class MeshGradients : public GradientSet {
- public:
-  MeshGradients(std::vector<at::Tensor> parameters, dist::ProcessGroup pipeline, dist::ProcessGroup data)
-      : over_pipeline_(std::move(parameters), std::move(pipeline)), over_data_({}, std::move(data)) {}
-  std::vector<at::Tensor> local_parameters() const override { return over_pipeline_.local_parameters(); }
-  void combine(at::Tensor& partial, bool max) const override {
-    over_data_.combine(partial, max);
-    over_pipeline_.combine(partial, max);
-  }
-
- private:
-  ShardedGradients over_pipeline_, over_data_;
-};
-
 }  // namespace
 
 struct Pipeline::Impl {
@@ -111,7 +95,9 @@ struct Pipeline::Impl {
   // Tied copies that are not among any local stage's module parameters
   // (the borrowers' copies): DDP and sharding do not see them.
   std::vector<std::pair<std::size_t, std::size_t>> borrowed;  // (local stage, tie index)
-  std::unique_ptr<GradientSet> counted_gradients;
+  // The gradients counted on this rank; partials combine over the data group
+  // (sharded stages), then the pipeline.
+  GradientSet counted_gradients;
   // Agreed on the first training step: each received stage input's and each
   // sent stage output's meta, and the micro-batch input's.
   std::map<int, std::vector<std::int64_t>> input_meta, output_meta;
@@ -241,9 +227,9 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
     }
   }
   if (s.sharded()) {
-    s.counted_gradients = std::make_unique<MeshGradients>(std::move(counted), s.group, *dp);
+    s.counted_gradients = GradientSet{std::move(counted), {*dp, s.group}};
   } else {
-    s.counted_gradients = std::make_unique<ShardedGradients>(std::move(counted), s.group);
+    s.counted_gradients = GradientSet::sharded(std::move(counted), s.group);
   }
 }
 
@@ -637,7 +623,7 @@ std::vector<at::Tensor> Pipeline::Impl::parameters() const {
 }
 
 const GradientSet& Pipeline::gradient_set() const {
-  return *impl_->counted_gradients;
+  return impl_->counted_gradients;
 }
 
 void Pipeline::zero_grad() {
@@ -735,7 +721,7 @@ at::Tensor Pipeline::clip_grad_norm_(double max_norm, const ClipGradNormOptions&
   if (impl_->sharded()) return norm;
   // clip.cpp's factor, spelled the same way, for the copies it did not see.
   const at::Tensor factor = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
-  const std::vector<at::Tensor> seen = counted.local_parameters();
+  const std::vector<at::Tensor>& seen = counted.parameters;
   at::NoGradGuard no_grad;
   for (const PipelineStage& stage : impl_->stages) {
     for (const TiedParameter& tied : stage.tied) {

@@ -9,8 +9,11 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
+#include <filesystem>
+#include <memory>
 #include <set>
 
+#include "dtrain/checkpoint/checkpoint_reader.h"
 #include "dtrain/checkpoint/optimizer_state.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
@@ -87,6 +90,24 @@ ZeroFullState consolidate_zero_parts(const std::function<torch::serialize::Input
     full.optimizer_state[p.name] = std::move(state);
   }
   return full;
+}
+
+ZeroFullState read_zero_checkpoint(const CheckpointFolder& folder, const std::string& name) {
+  DTRAIN_CHECK(
+      std::filesystem::exists(sharded_part(folder, name, 0)), DataError,
+      "checkpoint " << folder.dir.string() << " has no sharded state '" << name << "' (rank_0/" << name << ".pt).",
+      "this reads checkpoints of ZeRO runs (--strategy zero1|zero2|zero3, ShardedCheckpointer)");
+  std::vector<std::unique_ptr<torch::serialize::InputArchive>> parts(static_cast<std::size_t>(folder.world_size));
+  auto part = [&](int r) -> torch::serialize::InputArchive& {
+    const auto file = sharded_part(folder, name, r);
+    auto& slot = parts[static_cast<std::size_t>(r)];
+    if (!slot) {
+      slot = std::make_unique<torch::serialize::InputArchive>();
+      slot->load_from(file.string());
+    }
+    return *slot;
+  };
+  return consolidate_zero_parts(part, folder.world_size);
 }
 
 void load_zero_full_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer, const ZeroFullState& full) {

@@ -13,10 +13,10 @@
 #include <map>
 #include <sstream>
 
+#include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
-#include "dtrain/trainer/checkpoint.h"
 #include "zero_engine.h"
 #include "zero_part_format.h"
 

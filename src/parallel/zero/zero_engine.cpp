@@ -209,7 +209,7 @@ void ZeroEngine::build_units() {
       unit.gathered = false;
     }
   }
-  gradient_set_ = std::make_unique<ShardedGradients>(shard_tensors(), group_);
+  gradient_set_ = GradientSet::sharded(shard_tensors(), group_);
   if (rank_ == 0) {
     std::int64_t total = 0;
     for (const Unit& unit : units_) total += unit.numel;

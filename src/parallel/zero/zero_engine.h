@@ -101,7 +101,7 @@ class ZeroEngine {
   // HSDP: ZeroOptions::replicate_group is set and spans several replicas.
   bool replicated() const { return options_.replicate_group && options_.replicate_group->size() > 1; }
   torch::nn::Module& module() { return *module_; }
-  const GradientSet& gradients() const { return *gradient_set_; }
+  const GradientSet& gradients() const { return gradient_set_; }
   ZeroMemoryStats memory_stats() const;
   void reset_peak() { peak_bytes_ = current_parameter_bytes(); }
   bool sync = true;
@@ -134,7 +134,7 @@ class ZeroEngine {
   std::vector<Unit> units_;         // sequential units in forward order, then the root unit (last)
   std::vector<int> unit_of_child_;  // per child of the Sequential: its unit, or -1
   std::vector<ParameterShard> shards_;
-  std::unique_ptr<GradientSet> gradient_set_;
+  GradientSet gradient_set_;
   std::vector<std::size_t> order_;                // reduction order: sequential units last to first, then the root
   std::size_t next_reduction_ = 0;                // index into order_
   std::vector<std::int64_t> piece_chunk_offset_;  // per shard: its first element in the unit's chunk

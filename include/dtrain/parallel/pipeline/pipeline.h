@@ -40,11 +40,11 @@
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/dist/clip.h"
 #include "dtrain/parallel/ddp/ddp.h"
 #include "dtrain/parallel/model_parallel/placement.h"
 #include "dtrain/parallel/pipeline/schedule.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
-#include "dtrain/trainer/clip.h"
 
 namespace dtrain::amp {
 class GradScaler;

@@ -5,7 +5,7 @@
 // between dtrain's sharded checkpoints and torch.distributed.checkpoint (DCP).
 //
 //   // a dtrain checkpoint (ZeroStrategy / ShardedCheckpointer) -> Python
-//   auto full = dtrain::consolidate_zero_parts(part, saved_world);  // or read_zero_checkpoint (trainer/)
+//   auto full = dtrain::consolidate_zero_parts(part, saved_world);  // or read_zero_checkpoint(open_checkpoint(dir))
 //   dtrain::checkpoint::save_torch_file("full.pt", dtrain::to_fsdp_state_dict(full));
 //   //   python python/dtrain_dcp.py to-dcp full.pt dcp/   ->  dcp.load(...) into fully_shard(model)
 //
@@ -46,6 +46,7 @@ class InputArchive;
 namespace dtrain {
 
 class ShardedDataParallel;
+struct CheckpointFolder;  // checkpoint/checkpoint_reader.h
 
 struct ParameterOptimizerState {
   std::int64_t step = 0;                    // optimizer steps this parameter took (Adam family)
@@ -92,6 +93,11 @@ ZeroFullState consolidate_zero_parts(const std::function<torch::serialize::Input
 // optimizer state is replaced; the optimizer's options are set from `full`
 // when recorded. The optimizer must be of `full.optimizer_kind`.
 void load_zero_full_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer, const ZeroFullState& full);
+
+// The sharded state `name` of a committed checkpoint (ZeroStrategy and
+// ShardedCheckpointer save ZeRO's as "zero"), consolidated from every rank's
+// part; a checkpoint without it is a DataError saying so.
+ZeroFullState read_zero_checkpoint(const CheckpointFolder& folder, const std::string& name = "zero");
 
 // The Python structure above, for save_torch_file (and python/dtrain_dcp.py
 // to-dcp). Needs the options for param_groups; without them a ConfigError.

@@ -1,6 +1,6 @@
 // Sharded checkpoints of ShardedDataParallel training that reshard on load.
 //
-// A ShardedCheckpointer is the general Checkpointer (trainer/checkpoint.h:
+// A ShardedCheckpointer is the general Checkpointer (checkpoint/checkpointer.h:
 // its commit protocol, CRC-checked MANIFEST, pruning and per-rank generator
 // states) holding one sharded state, zero_state() below, and the caller's
 // extra JSON. Each rank's part (DIR/step_<N>/rank_<R>/zero.pt) holds its

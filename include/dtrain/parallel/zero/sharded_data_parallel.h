@@ -55,7 +55,7 @@
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
-#include "dtrain/trainer/clip.h"
+#include "dtrain/dist/clip.h"
 
 namespace torch::nn {
 class Module;

@@ -1,15 +1,12 @@
-// Committed checkpoints read outside a run (include/dtrain/trainer/checkpoint_reader.h).
-#include "dtrain/trainer/checkpoint_reader.h"
-
-#include <torch/serialize/archive.h>
+// Committed checkpoints read outside a run (include/dtrain/checkpoint/checkpoint_reader.h).
+#include "dtrain/checkpoint/checkpoint_reader.h"
 
 #include <fstream>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/error.h"
-#include "dtrain/trainer/checkpoint.h"
 
 namespace dtrain {
 
@@ -64,23 +61,10 @@ CheckpointFolder open_checkpoint(const fs::path& dir) {
   return folder;
 }
 
-ZeroFullState read_zero_checkpoint(const CheckpointFolder& folder, const std::string& name) {
-  DTRAIN_CHECK(
-      fs::exists(folder.dir / "rank_0" / (name + ".pt")), DataError,
-      "checkpoint " << folder.dir.string() << " has no sharded state '" << name << "' (rank_0/" << name << ".pt).",
-      "this command reads checkpoints of ZeRO runs (--strategy zero1|zero2|zero3, ShardedCheckpointer)");
-  std::vector<std::unique_ptr<torch::serialize::InputArchive>> parts(static_cast<std::size_t>(folder.world_size));
-  auto part = [&](int r) -> torch::serialize::InputArchive& {
-    DTRAIN_CHECK(r >= 0 && r < folder.world_size, DataError,
-                 "the state asked for the part of rank " << r << " of " << folder.world_size << ".", "");
-    auto& slot = parts[static_cast<std::size_t>(r)];
-    if (!slot) {
-      slot = std::make_unique<torch::serialize::InputArchive>();
-      slot->load_from((folder.dir / ("rank_" + std::to_string(r)) / (name + ".pt")).string());
-    }
-    return *slot;
-  };
-  return consolidate_zero_parts(part, folder.world_size);
+fs::path sharded_part(const CheckpointFolder& folder, const std::string& name, int rank) {
+  DTRAIN_CHECK(rank >= 0 && rank < folder.world_size, DataError,
+               "the state asked for the part of rank " << rank << " of " << folder.world_size << ".", "");
+  return folder.dir / ("rank_" + std::to_string(rank)) / (name + ".pt");
 }
 
 }  // namespace dtrain

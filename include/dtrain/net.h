@@ -1,5 +1,6 @@
-// Private: the few TCP/IP helpers the launcher and the rendezvous need, in
-// one place (dtrain_base: no LibTorch).
+// The few TCP/IP helpers the launcher (tools/dtrain) and the rendezvous
+// need, in one place (dtrain_base: no LibTorch). Internal to dtrain: public
+// only so that the CLI includes no private header; not a stable API.
 #pragma once
 
 #include <chrono>

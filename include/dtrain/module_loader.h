@@ -1,4 +1,5 @@
-// Private: loading the modules dtrain loads on demand — libdtrain from the
+// Internal to dtrain (public only so that the CLI includes no private
+// header; not a stable API): loading the modules dtrain loads on demand — libdtrain from the
 // `dtrain run` CLI (which links no LibTorch) and libdtrain_nccl from
 // libdtrain (so CPU processes never load CUDA). One place for dlopen and
 // dlsym and their error messages.

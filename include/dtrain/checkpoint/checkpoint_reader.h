@@ -1,5 +1,5 @@
 // Reading a committed checkpoint outside a run: `dtrain ckpt`, converters to
-// other formats. The folder is the Checkpointer's (trainer/checkpoint.h):
+// other formats. The folder is the Checkpointer's (checkpoint/checkpointer.h):
 // state.json (step, world size), the MANIFEST (every file's size and CRC32),
 // rank 0's replicated states, and each rank's rank_<R>/ part.
 //
@@ -11,8 +11,6 @@
 #include <filesystem>
 #include <string>
 #include <vector>
-
-#include "dtrain/parallel/zero/full_state.h"
 
 namespace dtrain {
 
@@ -41,8 +39,9 @@ std::string checkpoint_problem(const std::filesystem::path& step_dir);
 // fails its MANIFEST is a DataError saying which file fails and how.
 CheckpointFolder open_checkpoint(const std::filesystem::path& dir);
 
-// The sharded state `name` (ZeroStrategy and ShardedCheckpointer save ZeRO's
-// as "zero") consolidated from every rank's part.
-ZeroFullState read_zero_checkpoint(const CheckpointFolder& folder, const std::string& name = "zero");
+// The part of rank `rank` of the sharded state `name` (rank_<R>/<name>.pt);
+// what a part holds is its owner's format (ZeRO's: parallel/zero/full_state.h,
+// read_zero_checkpoint).
+std::filesystem::path sharded_part(const CheckpointFolder& folder, const std::string& name, int rank);
 
 }  // namespace dtrain

@@ -1,5 +1,5 @@
 // Atomic, verified checkpoints written by every rank.
-#include "dtrain/trainer/checkpoint.h"
+#include "dtrain/checkpoint/checkpointer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -17,9 +17,9 @@
 #include <sstream>
 
 #include "../core/torch_compat.h"
+#include "dtrain/checkpoint/checkpoint_reader.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
-#include "dtrain/trainer/checkpoint_reader.h"
 
 namespace fs = std::filesystem;
 

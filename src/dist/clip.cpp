@@ -1,5 +1,5 @@
-// Global-norm gradient clipping over a GradientSet (see include/dtrain/trainer/clip.h).
-#include "dtrain/trainer/clip.h"
+// Global-norm gradient clipping over a GradientSet (see include/dtrain/dist/clip.h).
+#include "dtrain/dist/clip.h"
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/clamp.h>
@@ -7,6 +7,7 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -53,26 +54,67 @@ at::Tensor total_norm(const GradientSet& gradients, const std::vector<at::Tensor
     const at::Tensor stacked = at::stack(norms);
     partial = is_inf_norm(p) ? stacked.max() : stacked.pow(p).sum();
   }
-  gradients.combine(partial, is_inf_norm(p));
+  for (dist::ProcessGroup group : gradients.combine_over) {  // a handle: the copy is the same group
+    at::Tensor on_group_device = partial.to(group.device());
+    group.all_reduce(on_group_device, is_inf_norm(p) ? dist::ReduceOp::kMax : dist::ReduceOp::kSum).wait();
+    partial = on_group_device.to(partial.device());
+  }
   return is_inf_norm(p) ? partial : partial.pow(1.0 / p);
 }
 
 }  // namespace
 
-void ShardedGradients::combine(at::Tensor& partial, bool max) const {
-  at::Tensor on_group_device = partial.to(group_.device());
-  group_.all_reduce(on_group_device, max ? dist::ReduceOp::kMax : dist::ReduceOp::kSum).wait();
-  partial = on_group_device.to(partial.device());
+GradientSet GradientSet::from_layouts(const std::vector<std::pair<at::Tensor, dist::Layout>>& parameters,
+                                      dist::DeviceMesh& mesh, const std::vector<std::string>& partitioned) {
+  const std::vector<dist::MeshDim>& dims = mesh.dims();
+  for (const std::string& name : partitioned) {
+    DTRAIN_CHECK(mesh.has(name), ConfigError,
+                 "gradients partitioned over '" << name << "', which the mesh " << mesh.describe() << " lacks",
+                 "name a dimension of the mesh the parameters were split over (e.g. pp)");
+  }
+  // The combining dimensions: partitioned ones and those sharding some parameter.
+  std::vector<bool> combines(dims.size(), false);
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    combines[d] = std::find(partitioned.begin(), partitioned.end(), dims[d].name) != partitioned.end();
+  }
+  for (const auto& [parameter, layout] : parameters) {
+    DTRAIN_CHECK(layout.mesh == dims, ConfigError,
+                 "a parameter's layout " << layout.to_string() << " is over another mesh than " << mesh.describe(),
+                 "take layouts from dist::named_layouts(module, mesh) with the mesh the gradients are reduced on");
+    for (std::size_t d = 0; d < dims.size(); ++d) {
+      const dist::Placement& placement = layout.placements[d];
+      DTRAIN_CHECK(placement.kind != dist::Placement::Kind::kPartial, ConfigError,
+                   "a gradient laid out as " << layout.to_string()
+                                             << " is Partial (not yet reduced), so it has no norm of its own",
+                   "take the norm after gradient synchronisation (the Trainer does)");
+      if (placement.kind == dist::Placement::Kind::kShard && dims[d].size > 1) combines[d] = true;
+    }
+  }
+  GradientSet set;
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    if (combines[d] && dims[d].size > 1) set.combine_over.push_back(mesh[dims[d].name]);
+  }
+  const std::vector<int>& at = mesh.coordinates();
+  for (const auto& [parameter, layout] : parameters) {
+    bool counted = true;
+    for (std::size_t d = 0; d < dims.size() && counted; ++d) {
+      const bool replicated_here = layout.placements[d].kind == dist::Placement::Kind::kReplicate &&
+                                   std::find(partitioned.begin(), partitioned.end(), dims[d].name) == partitioned.end();
+      if (combines[d] && replicated_here && at[d] != 0) counted = false;
+    }
+    if (counted) set.parameters.push_back(parameter);
+  }
+  return set;
 }
 
 at::Tensor grad_norm(const GradientSet& gradients, const ClipGradNormOptions& options) {
   at::NoGradGuard no_grad;
-  return total_norm(gradients, grads_of(gradients.local_parameters()), options.norm_type);
+  return total_norm(gradients, grads_of(gradients.parameters), options.norm_type);
 }
 
 at::Tensor clip_grad_norm_(const GradientSet& gradients, double max_norm, const ClipGradNormOptions& options) {
   at::NoGradGuard no_grad;
-  const std::vector<at::Tensor> grads = grads_of(gradients.local_parameters());
+  const std::vector<at::Tensor> grads = grads_of(gradients.parameters);
   at::Tensor norm = total_norm(gradients, grads, options.norm_type);  // not const: returned by move
   if (options.error_if_nonfinite) {
     const double value = norm.item<double>();
@@ -95,7 +137,7 @@ at::Tensor clip_grad_norm_(const GradientSet& gradients, double max_norm, const 
 
 at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                            const ClipGradNormOptions& options) {
-  return clip_grad_norm_(ReplicatedGradients(parameters), max_norm, options);
+  return clip_grad_norm_(GradientSet::replicated(parameters), max_norm, options);
 }
 
 }  // namespace dtrain

@@ -1,0 +1,152 @@
+// The GPT over the mesh's `cp` dimension (context parallelism): every rank of
+// a cp group holds all the parameters (Replicate on cp) and 1/c of every
+// sequence, in the zig-zag split of dtrain::nn::cp (rank r: chunks r and
+// 2c-1-r of 2c). Only two things differ from the unsplit model:
+//
+//   embed    takes the whole batch [B, T], keeps this rank's tokens and adds
+//            the position embeddings of their *global* positions -> [B, T/c, C]
+//   attention  nn::cp::causal_attention (K/V passed round the cp ring, or
+//            all-gathered) instead of at::scaled_dot_product_attention
+//
+// LayerNorms, the MLP and the head are per position and run on the rank's
+// rows as they are; the logits are [B, T/c, V]. The targets are cut alike
+// (cp_targets) and the loss, cp_lm_loss, is the mean over the rank's tokens
+// with its value averaged over cp (nn::cp::mean_loss); gradients are then
+// averaged over dp x cp (ContextParallelStrategy).
+//
+// apply_cp(layers, cp_group, options) returns a Sequential of the same layer
+// and parameter names that *shares* the modules of gpt_layers(config):
+// training it trains them, so the full weights (sample, --save-params) are
+// the layers themselves. CpGpt holds it as Gpt holds gpt_layers, so the
+// parameter names ("layers.block0.attn.c_attn.weight", ...) and checkpoints
+// are the single-process model's: a run saved under cp resumes under any
+// other cp degree or in one process.
+//
+// Not yet: dropout and activation recompute under cp (refused by validate_cp).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <string>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/error.h"
+#include "dtrain/nn/context_parallel.h"
+#include "model.h"
+
+namespace gpt {
+
+struct CpOptions {
+  dtrain::nn::cp::KvExchange exchange = dtrain::nn::cp::KvExchange::kRing;
+};
+
+// ConfigError naming the size when 2 x cp does not divide the block size, or
+// when dropout or recompute is asked for.
+inline void validate_cp(const GptConfig& c, std::int64_t cp) {
+  DTRAIN_CHECK(c.block_size % (2 * cp) == 0, ConfigError,
+               "GPT context parallelism: block_size " << c.block_size << " does not split into " << 2 * cp
+                                                      << " zig-zag chunks (2 x cp " << cp << ").",
+               "choose a block size that is a multiple of " << 2 * cp);
+  DTRAIN_CHECK(c.dropout == 0.0, ConfigError,
+               "GPT context parallelism does not support dropout yet (dropout " << c.dropout << ").",
+               "train with --dropout 0 under cp");
+  DTRAIN_CHECK(c.recompute == dtrain::Recompute::kNone, ConfigError,
+               "GPT context parallelism does not support activation recompute yet.",
+               "train with --recompute none under cp");
+}
+
+struct CpEmbedImpl : torch::nn::Module {
+  CpEmbedImpl(const Embed& full, dtrain::dist::ProcessGroup group) : cp(std::move(group)) {
+    wte = register_module("wte", full->wte);
+    wpe = register_module("wpe", full->wpe);
+  }
+  // idx [B, T] (the whole sequences) -> [B, T/c, C], this rank's zig-zag rows.
+  at::Tensor forward(const at::Tensor& idx) {
+    const at::Tensor mine = dtrain::nn::cp::zigzag_shard(idx, cp.size(), cp.rank(), 1);
+    return wte(mine) + wpe(dtrain::nn::cp::zigzag_positions(idx.size(1), cp.size(), cp.rank(), idx.options()));
+  }
+
+  dtrain::dist::ProcessGroup cp;
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+};
+TORCH_MODULE(CpEmbed);
+
+struct CpAttentionImpl : torch::nn::Module {
+  CpAttentionImpl(const CausalSelfAttention& full, dtrain::dist::ProcessGroup group, const CpOptions& options)
+      : n_head(full->config.n_head), cp(std::move(group)), exchange(options.exchange) {
+    c_attn = register_module("c_attn", full->c_attn);
+    c_proj = register_module("c_proj", full->c_proj);
+  }
+  // x [B, T/c, C] -> the same shape.
+  at::Tensor forward(const at::Tensor& x) {
+    const auto b = x.size(0), t = x.size(1), c = x.size(2);
+    auto qkv = apply_linear(c_attn, x).split(c, 2);
+    auto heads = [&](const at::Tensor& m) { return m.view({b, t, n_head, c / n_head}).transpose(1, 2); };
+    const at::Tensor y =
+        dtrain::nn::cp::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), cp, {.exchange = exchange});
+    return apply_linear(c_proj, y.transpose(1, 2).contiguous().view({b, t, c}));
+  }
+
+  std::int64_t n_head;
+  dtrain::dist::ProcessGroup cp;
+  dtrain::nn::cp::KvExchange exchange;
+  torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
+};
+TORCH_MODULE(CpAttention);
+
+struct CpBlockImpl : torch::nn::Module {
+  CpBlockImpl(const Block& full, dtrain::dist::ProcessGroup group, const CpOptions& options) {
+    ln_1 = register_module("ln_1", full->ln_1);
+    attn = register_module("attn", CpAttention(full->attn, std::move(group), options));
+    ln_2 = register_module("ln_2", full->ln_2);
+    mlp = register_module("mlp", full->mlp);
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = x + attn(ln_1(x));
+    return x + mlp(ln_2(x));
+  }
+
+  LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  CpAttention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(CpBlock);
+
+// The context-parallel view of gpt_layers(config) `layers` on this rank (see
+// the file comment). Collective over `cp` in forward and backward only.
+inline torch::nn::Sequential apply_cp(const torch::nn::Sequential& layers, dtrain::dist::ProcessGroup cp,
+                                      const CpOptions& options = {}) {
+  const Embed embed(layers->ptr<EmbedImpl>(0));
+  validate_cp(embed->config, cp.size());
+  torch::nn::Sequential out;
+  out->push_back("embed", CpEmbed(embed, cp));
+  for (std::size_t i = 1; i + 1 < layers->size(); ++i)
+    out->push_back("block" + std::to_string(i - 1), CpBlock(Block(layers->ptr<BlockImpl>(i)), cp, options));
+  out->push_back("head", Head(layers->ptr<HeadImpl>(layers->size() - 1)));
+  return out;
+}
+
+// apply_cp's layers under the name Gpt gives gpt_layers ("layers").
+struct CpGptImpl : torch::nn::Module {
+  explicit CpGptImpl(torch::nn::Sequential split) { layers = register_module("layers", std::move(split)); }
+  at::Tensor forward(const at::Tensor& idx) { return layers->forward(idx); }
+
+  torch::nn::Sequential layers{nullptr};
+};
+TORCH_MODULE(CpGpt);
+
+// This rank's targets: the zig-zag rows of targets [B, T].
+inline at::Tensor cp_targets(const at::Tensor& targets, dtrain::dist::ProcessGroup& cp) {
+  return dtrain::nn::cp::zigzag_shard(targets, cp.size(), cp.rank(), 1);
+}
+
+// Mean cross-entropy of this rank's logits [B, T/c, V] against its targets
+// [B, T/c] (cp_targets), its value averaged over cp: the loss of the whole
+// sequences, on every cp rank. Collective over cp.
+inline at::Tensor cp_lm_loss(const at::Tensor& logits, const at::Tensor& local_targets, dtrain::dist::ProcessGroup cp) {
+  return dtrain::nn::cp::mean_loss(lm_loss(logits, local_targets), std::move(cp));
+}
+
+}  // namespace gpt

@@ -1,0 +1,83 @@
+// Checkpoint state keyed by layouts: each rank saves the tensors it holds
+// together with where they sit in the global tensor (dist::Layout: global
+// shape and this rank's box), and a rank loading under another plan (another
+// tp degree, later other pipeline cuts or ZeRO shardings) fills each of its
+// tensors from every saved box that meets its own (dist::intersect,
+// dist::copy_intersection). Nothing here knows a strategy: it serves any
+// state that can say, per tensor, its layout.
+//
+//   auto state = std::make_shared<LayoutState>([&] { return my_laid_out_tensors(); });
+//   checkpointer.add_state("tp", state, StateScope::kSharded);
+//
+// Contracts:
+//  - a tensor replicated over some mesh dimensions is written once, by the
+//    rank at coordinate 0 of those dimensions, so the saved boxes of a
+//    tensor are disjoint; Partial placements (unreduced sums) are refused;
+//  - at load every element of every target must be covered by the saved
+//    boxes of its name, else DataError naming the tensor and the count; a
+//    name absent from the checkpoint is a DataError too, unless the tensor
+//    is marked optional (optimizer state a fresh optimizer does not have);
+//  - shapes: the global shapes must agree; `local` may have any shape with
+//    its box's number of elements (a fused QKV weight [3C/t, C] under the
+//    layout [3, C, C]), and is read and written through a view of the box.
+// Format of a part (one rank's file): "laid_out.names" (the names, one per
+// line), and per name i "laid_out.<i>.values" (the box's shape),
+// "laid_out.<i>.box" (int64 [2, dims]: offsets, sizes) and
+// "laid_out.<i>.global_shape".
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/checkpoint/checkpointer.h"
+#include "dtrain/dist/layout.h"
+
+namespace dtrain {
+
+// A tensor this rank holds, with its layout at this rank's coordinates.
+struct LaidOutTensor {
+  at::Tensor local;
+  dist::Layout layout;
+  std::vector<int> coordinates;
+  bool optional = false;  // may be absent from a checkpoint (left untouched then)
+};
+using LaidOutTensors = std::vector<std::pair<std::string, LaidOutTensor>>;
+
+class LayoutState : public ShardedStateful {
+ public:
+  // `collect` gives this rank's tensors by name: at save the values to
+  // write; at load the tensors to fill in place (no autograd). `after_load`
+  // runs once they are filled (e.g. to move scalars into optimizer state).
+  explicit LayoutState(std::function<LaidOutTensors()> collect, std::function<void()> after_load = {});
+  void save_state(torch::serialize::OutputArchive& archive) const override;
+  void load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) override;
+  // Whether the last checkpoint loaded had `name` (for optional tensors).
+  bool loaded(const std::string& name) const;
+
+ private:
+  std::function<LaidOutTensors()> collect_;
+  std::function<void()> after_load_;
+  std::vector<std::string> loaded_;
+};
+
+// The parameters of `module` ("model.<name>", layouts from
+// dist::named_layouts(module, mesh)) and, if given, the per-parameter state
+// of `optimizer` ("optimizer.<name>.<field>", with its parameter's layout):
+// Adam and AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq, step) and SGD
+// (momentum_buffer); other optimizers are a ConfigError. At load, a
+// parameter without optimizer state gets a fresh one (zeros, step 0: what
+// these optimizers create at their first step), filled from the checkpoint
+// where it has that state. The optimizer's options (learning rate, ...) are
+// not saved: set them as the run does (ScheduledLR sets the rate of the
+// resumed step). `module`, `mesh` and `optimizer` must outlive the state.
+std::shared_ptr<LayoutState> layout_state(torch::nn::Module& module, const dist::DeviceMesh& mesh,
+                                          torch::optim::Optimizer* optimizer);
+
+}  // namespace dtrain

@@ -1,0 +1,160 @@
+// LayoutState (include/dtrain/checkpoint/layout_state.h), the layout-keyed
+// checkpoint store, on its own: tensors saved by 2 rank threads under one
+// layout load under others (3 ranks sharding another dimension, 1 rank)
+// as exactly their parts of the global tensors; a replicated tensor is
+// written once; a different global shape, a missing tensor and a partial
+// sum are errors naming the tensor.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/serialize/archive.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/checkpoint/checkpointer.h"
+#include "dtrain/checkpoint/layout_state.h"
+#include "dtrain/comm/mesh.h"
+#include "dtrain/error.h"
+#include "ranks.h"
+
+namespace {
+
+using dtrain::dist::Layout;
+using dtrain::dist::Placement;
+
+// Global tensors: "w" [5, 7] (values 0..34) and "b" [4].
+at::Tensor global_w() {
+  return at::arange(35, at::kFloat).view({5, 7});
+}
+at::Tensor global_b() {
+  return at::arange(4, at::kFloat).add(100);
+}
+
+struct LaidOutRank {
+  std::shared_ptr<dtrain::dist::DeviceMesh> mesh;
+  at::Tensor w, b;
+  dtrain::LaidOutTensors tensors() const {
+    return {{"w", {.local = w, .layout = w_layout, .coordinates = mesh->coordinates()}},
+            {"b", {.local = b, .layout = Layout::replicated(*mesh, {4}), .coordinates = mesh->coordinates()}}};
+  }
+  Layout w_layout;
+};
+
+// This rank's parts of the globals under w's placement `w_on` (over "x").
+LaidOutRank make_rank(dtrain::dist::ProcessGroup group, int world, Placement w_on, bool filled) {
+  LaidOutRank r;
+  r.mesh = std::make_shared<dtrain::dist::DeviceMesh>(group, std::vector<dtrain::dist::MeshDim>{{"dp_shard", world}});
+  r.w_layout = {.mesh = r.mesh->dims(), .placements = {w_on}, .global_shape = {5, 7}};
+  const auto box = r.w_layout.local_box(r.mesh->coordinates());
+  r.w = filled ? dtrain::dist::local_part(global_w(), r.w_layout, r.mesh->coordinates()).clone()
+               : at::full(box.sizes, -1.0F);
+  r.b = filled ? global_b() : at::full({4}, -1.0F);
+  return r;
+}
+
+std::filesystem::path layout_state_dir(const std::string& name) {
+  auto dir =
+      std::filesystem::temp_directory_path() / ("dtrain-layout-state-" + name + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  return dir;
+}
+
+void save_two_ranks(const std::filesystem::path& dir) {
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(30)});
+    LaidOutRank r = make_rank(group, 2, Placement::shard(0), true);  // rows 3 + 2
+    dtrain::Checkpointer checkpointer({.dir = dir}, group);
+    checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&r] { return r.tensors(); }),
+                           dtrain::StateScope::kSharded);
+    checkpointer.save({.step = 1});
+  });
+}
+
+}  // namespace
+
+TEST(LayoutState, LoadsEachRanksPartsUnderAnotherLayoutAndWorld) {
+  const auto dir = layout_state_dir("reshard");
+  save_two_ranks(dir);
+  // The replicated "b" was written once: only rank 0's part names it.
+  for (int r : {0, 1}) {
+    torch::serialize::InputArchive part;
+    part.load_from((dir / "step_1" / ("rank_" + std::to_string(r)) / "laid_out.pt").string());
+    c10::IValue names;
+    part.read("laid_out.names", names);
+    EXPECT_EQ(names.toStringRef(), r == 0 ? "w\nb" : "w") << "rank " << r;
+  }
+  for (int world : {3, 1}) {
+    dtrain::testing::run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
+      auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(30)});
+      LaidOutRank r = make_rank(group, world, Placement::shard(1), false);  // columns 3 + 3 + 1
+      auto state = std::make_shared<dtrain::LayoutState>([&r] { return r.tensors(); });
+      dtrain::Checkpointer checkpointer({.dir = dir}, group);
+      checkpointer.add_state("laid_out", state, dtrain::StateScope::kSharded);
+      ASSERT_TRUE(checkpointer.load_latest().has_value());
+      EXPECT_TRUE(at::equal(r.w, dtrain::dist::local_part(global_w(), r.w_layout, r.mesh->coordinates())))
+          << "world " << world << " rank " << rank << ": " << r.w;
+      EXPECT_TRUE(at::equal(r.b, global_b())) << "world " << world << " rank " << rank;
+      EXPECT_TRUE(state->loaded("w"));
+    });
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(LayoutState, ShapeMismatchMissingTensorsAndPartialSumsAreErrors) {
+  const auto dir = layout_state_dir("errors");
+  save_two_ranks(dir);
+  auto load_error = [&](const std::function<dtrain::LaidOutTensors(dtrain::dist::DeviceMesh&)>& tensors) {
+    std::string message = "(no error)";
+    dtrain::testing::run_rank_threads(1, [&](int rank, dtrain::dist::Store store) {
+      auto group = dtrain::dist::init_process_group(store, rank, 1, {.timeout = std::chrono::seconds(30)});
+      dtrain::dist::DeviceMesh mesh(group, {{"dp_shard", 1}});
+      dtrain::Checkpointer checkpointer({.dir = dir}, group);
+      checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&] { return tensors(mesh); }),
+                             dtrain::StateScope::kSharded);
+      try {
+        checkpointer.load_latest();
+      } catch (const dtrain::DataError& e) {
+        message = e.what();
+      }
+    });
+    return message;
+  };
+  const std::string shape = load_error([](dtrain::dist::DeviceMesh& mesh) {
+    return dtrain::LaidOutTensors{
+        {"w", {.local = at::zeros({5, 8}), .layout = Layout::replicated(mesh, {5, 8}), .coordinates = {0}}}};
+  });
+  EXPECT_NE(shape.find("w was saved with the global shape [5, 7]"), std::string::npos) << shape;
+  const std::string missing = load_error([](dtrain::dist::DeviceMesh& mesh) {
+    return dtrain::LaidOutTensors{
+        {"v", {.local = at::zeros({2}), .layout = Layout::replicated(mesh, {2}), .coordinates = {0}}}};
+  });
+  EXPECT_NE(missing.find("the checkpoint has no v"), std::string::npos) << missing;
+  // Optional tensors may be absent and are left as they are.
+  EXPECT_EQ(
+      load_error([](dtrain::dist::DeviceMesh& mesh) {
+        return dtrain::LaidOutTensors{
+            {"v",
+             {.local = at::zeros({2}), .layout = Layout::replicated(mesh, {2}), .coordinates = {0}, .optional = true}}};
+      }),
+      "(no error)");
+
+  dtrain::testing::run_rank_threads(1, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 1, {.timeout = std::chrono::seconds(30)});
+    dtrain::dist::DeviceMesh mesh(group, {{"dp_shard", 1}});
+    const Layout partial{.mesh = mesh.dims(), .placements = {Placement::partial()}, .global_shape = {2}};
+    dtrain::LayoutState state([&] {
+      return dtrain::LaidOutTensors{{"g", {.local = at::zeros({2}), .layout = partial, .coordinates = {0}}}};
+    });
+    torch::serialize::OutputArchive archive;
+    try {
+      state.save_state(archive);
+      ADD_FAILURE() << "a partial sum was saved";
+    } catch (const dtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("g is a partial sum"), std::string::npos) << e.what();
+    }
+  });
+  std::filesystem::remove_all(dir);
+}

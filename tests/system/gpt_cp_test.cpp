@@ -1,0 +1,121 @@
+// examples/gpt under context parallelism (--cp, through `dtrain run`) ends
+// where --strategy single does on the same global batches: cp 2 (K/V ring and
+// all-gather) and cp 2 x dp_replicate 2 on 4 processes; a checkpoint saved
+// under cp 2 resumes in one process; plans cp does not compose with yet are
+// refused by name.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "example_run.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using dtrain::testing::read_floats;
+
+const std::string kCpExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+std::string cp_launch(int ranks) {
+  return std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
+}
+
+// Four AdamW steps of a small GPT (tied embedding; sequences of 16, four
+// zig-zag chunks of 4 under cp 2) with clipping, a cosine schedule and
+// evaluation; --save-params FILE goes last.
+const std::string kCpCommon =
+    "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --max-iters 4 --eval-interval 2 --eval-iters 2 "
+    "--warmup-iters 2 --seed 5 --devices cpu --grad-clip 0.5 --sample-tokens 40 --save-params ";
+
+struct CpCase {
+  std::string name, args;
+  int ranks;
+};
+
+// Each case's final parameters against single's on the global batch of 4,
+// within compare_params' bound on every element (as the DDP and ZeRO system
+// tests); the val loss (averaged over cp) and the sample, generated from the
+// trained weights, equal single's.
+TEST(GptCp, EveryCompositionMatchesSingle) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-cp-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const auto single =
+      dtrain::testing::run_example(kCpExample, kCpCommon + (dir / "single.f32").string() + " --batch-size 4");
+  ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
+  const auto reference = read_floats(dir / "single.f32");
+  ASSERT_GT(reference.size(), 20000u);
+  const double single_val = dtrain::testing::last_json_line(single.stdout_text).value("val_loss", 0.0);
+  const auto sample_of = [](const std::string& out) {
+    const auto at = out.find("--- sample");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find("--- end of sample") - at);
+  };
+  ASSERT_FALSE(sample_of(single.stdout_text).empty()) << single.stdout_text;
+  const std::vector<CpCase> cases{{"cp2", "--cp 2 --batch-size 4", 2},
+                                  {"cp2-allgather", "--cp 2 --cp-exchange allgather --batch-size 4", 2},
+                                  {"cp2-dp2", "--cp 2 --dp-replicate 2 --global-batch-size 4", 4}};
+  for (const auto& c : cases) {
+    const auto file = dir / (c.name + ".f32");
+    const auto r =
+        dtrain::testing::run_example(kCpExample, kCpCommon + file.string() + " " + c.args, cp_launch(c.ranks));
+    ASSERT_EQ(r.exit_code, 0) << c.name << ": " << r.stderr_text;
+    const auto done = dtrain::testing::last_json_line(r.stdout_text);
+    EXPECT_EQ(done.value("steps", 0), 4) << r.stdout_text;
+    EXPECT_EQ(done.value("strategy", ""), "cp") << r.stdout_text;
+    EXPECT_NEAR(done.value("val_loss", 0.0), single_val, 1e-5 * single_val) << c.name;
+    EXPECT_NE(r.stderr_text.find("parallelism plan"), std::string::npos) << c.name << r.stderr_text;
+    EXPECT_EQ(sample_of(r.stdout_text), sample_of(single.stdout_text)) << c.name;
+    const auto params = read_floats(file);
+    ASSERT_EQ(params.size(), reference.size()) << c.name;
+    const auto diff = dtrain::testing::compare_params(params, reference);
+    EXPECT_EQ(diff.outside, 0u) << c.name;
+    EXPECT_LT(diff.relative_l2, 1e-5) << c.name;
+  }
+  fs::remove_all(dir);
+}
+
+// A checkpoint saved under cp 2 (parameters Replicate on cp, the
+// single-process names) resumes in one process: 2 steps under cp 2, 2 more
+// in one process end where 4 single-process steps do.
+TEST(GptCp, CheckpointResumesInOneProcess) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-cp-ckpt-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  // The schedule decays over 4 steps in every run, whatever --max-iters.
+  const std::string common = kCpCommon + "/dev/null --sample-tokens 0 --lr-decay-iters 4 --batch-size 4 ";
+  const auto single =
+      dtrain::testing::run_example(kCpExample, common + "--max-iters 4 --save-params " + (dir / "single.f32").string());
+  ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
+  const std::string ckpt = " --checkpoint-dir " + (dir / "ckpt").string();
+  const auto first = dtrain::testing::run_example(kCpExample, common + "--cp 2 --max-iters 2" + ckpt, cp_launch(2));
+  ASSERT_EQ(first.exit_code, 0) << first.stderr_text;
+  const auto resumed = dtrain::testing::run_example(
+      kCpExample, common + "--max-iters 4 --save-params " + (dir / "resumed.f32").string() + ckpt);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.stderr_text;
+  EXPECT_NE(resumed.stderr_text.find("resumed from"), std::string::npos) << resumed.stderr_text;
+  const auto reference = read_floats(dir / "single.f32");
+  const auto params = read_floats(dir / "resumed.f32");
+  ASSERT_EQ(params.size(), reference.size());
+  const auto diff = dtrain::testing::compare_params(params, reference);
+  EXPECT_EQ(diff.outside, 0u);
+  EXPECT_LT(diff.relative_l2, 1e-5);
+  fs::remove_all(dir);
+}
+
+TEST(GptCp, UnsupportedCompositionsAreRefused) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const std::string common = kCpCommon + "/dev/null --sample-tokens 0 --batch-size 2 ";
+  const auto tp = dtrain::testing::run_example(kCpExample, common + "--cp 2 --tp 2", cp_launch(4));
+  EXPECT_NE(tp.exit_code, 0);
+  EXPECT_NE(tp.stderr_text.find("composes tensor and context parallelism"), std::string::npos) << tp.stderr_text;
+  const auto pp = dtrain::testing::run_example(kCpExample, common + "--cp 2 --pp 2", cp_launch(4));
+  EXPECT_NE(pp.exit_code, 0);
+  EXPECT_NE(pp.stderr_text.find("composes context parallelism with pipelines"), std::string::npos) << pp.stderr_text;
+  const auto odd = dtrain::testing::run_example(kCpExample, common + "--cp 2 --block-size 10", cp_launch(2));
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_NE(odd.stderr_text.find("into 4 balanced chunks"), std::string::npos) << odd.stderr_text;
+}
+
+}  // namespace
