@@ -4,6 +4,9 @@
 # safetensors.torch save_file / load_file, one intra-op thread, in turn, two
 # rounds; each case keeps its best (this machine is shared). Loads include
 # reading every byte once (a sum per tensor). The files sit in the page cache.
+# Then a sharded checkpoint saved and loaded by 4 ranks: dtrain's ZeRO-3
+# ShardedCheckpointer (sharded_bench.cpp) against FSDP2 with dcp.save/dcp.load
+# (sharded_peer.py), same model (16 Linear 1024x1024) and AdamW state.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 rounds="${DTRAIN_BENCH_ROUNDS:-2}"
@@ -12,6 +15,9 @@ trap 'rm -rf "$tmp"' EXIT
 for ((r = 0; r < rounds; r++)); do
   OMP_NUM_THREADS=1 "$DTRAIN_BUILD/bench/bench_checkpoint_io" "$tmp" >>"$tmp/dtrain_all.jsonl"
   OMP_NUM_THREADS=1 "$DTRAIN_PYTHON" "$here/peer.py" "$tmp" >>"$tmp/peer_all.jsonl"
+  # A sharded checkpoint of 4 ranks: ZeRO-3 (ShardedCheckpointer) against FSDP2 + DCP.
+  OMP_NUM_THREADS=1 "$DTRAIN_BUILD/bench/bench_checkpoint_io_sharded" "$tmp" >>"$tmp/dtrain_all.jsonl"
+  OMP_NUM_THREADS=1 "$DTRAIN_PYTHON" "$here/sharded_peer.py" "$tmp" >>"$tmp/peer_all.jsonl"
 done
 echo "# raw results, every round"
 cat "$tmp/dtrain_all.jsonl" "$tmp/peer_all.jsonl"

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "../core/torch_compat.h"
+#include "dtrain/checkpoint/checkpoint_reader.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 
@@ -241,6 +242,10 @@ std::shared_ptr<Stateful> optimizer_state(torch::optim::Optimizer& optimizer) {
 
 void ShardedStateful::load_state(torch::serialize::InputArchive& /*archive*/) {
   DTRAIN_INTERNAL_ASSERT(false, "sharded state is loaded through load_parts");
+}
+
+std::string checkpoint_problem(const fs::path& step_dir) {
+  return verify(step_dir);
 }
 
 Checkpointer::Checkpointer(CheckpointOptions options, std::optional<dist::ProcessGroup> group)

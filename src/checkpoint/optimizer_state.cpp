@@ -84,6 +84,22 @@ void check_python_only_flags(const Dict& group) {
                "load it into torch::optim::Adam");
 }
 
+// A Python param group's options into LibTorch's AdamW or SGD options.
+void apply_group(const Dict& group, std::size_t g, torch::optim::AdamWOptions* adamw, torch::optim::SGDOptions* sgd) {
+  if (adamw) {
+    DTRAIN_CHECK(
+        group.contains("betas") && group.at("betas").isTuple() && group.at("betas").toTupleRef().elements().size() == 2,
+        DataError, "param group " << g << " has no betas pair: not an Adam-family optimizer's state.",
+        "load it into the optimizer Python saved it from");
+    const auto betas = group.at("betas").toTupleRef().elements();
+    adamw->lr(number(group, "lr")).eps(number(group, "eps")).weight_decay(number(group, "weight_decay"));
+    adamw->betas({betas.at(0).toDouble(), betas.at(1).toDouble()}).amsgrad(number(group, "amsgrad") != 0);
+  } else {
+    sgd->lr(number(group, "lr")).momentum(number(group, "momentum")).dampening(number(group, "dampening"));
+    sgd->weight_decay(number(group, "weight_decay")).nesterov(number(group, "nesterov") != 0);
+  }
+}
+
 at::Tensor state_tensor(const Dict& s, const char* key, const at::Tensor& param, std::int64_t index) {
   DTRAIN_CHECK(s.contains(key) && s.at(key).isTensor(), DataError,
                "the state of parameter " << index << " has no tensor '" << key << "'.", "");
@@ -118,18 +134,7 @@ void load_state(torch::optim::Optimizer& optimizer, const c10::IValue& state_dic
     auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&ours[g].options());
     auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&ours[g].options());
     DTRAIN_CHECK(adamw || sgd, ConfigError, "load_python_optimizer_state_dict knows AdamW and SGD only.", "");
-    if (adamw) {
-      DTRAIN_CHECK(group.contains("betas") && group.at("betas").isTuple() &&
-                       group.at("betas").toTupleRef().elements().size() == 2,
-                   DataError, "param group " << g << " has no betas pair: not an Adam-family optimizer's state.",
-                   "load it into the optimizer Python saved it from");
-      const auto betas = group.at("betas").toTupleRef().elements();
-      adamw->lr(number(group, "lr")).eps(number(group, "eps")).weight_decay(number(group, "weight_decay"));
-      adamw->betas({betas.at(0).toDouble(), betas.at(1).toDouble()}).amsgrad(number(group, "amsgrad") != 0);
-    } else {
-      sgd->lr(number(group, "lr")).momentum(number(group, "momentum")).dampening(number(group, "dampening"));
-      sgd->weight_decay(number(group, "weight_decay")).nesterov(number(group, "nesterov") != 0);
-    }
+    apply_group(group, g, adamw, sgd);
     for (std::size_t i = 0; i < params.size(); ++i, ++index) {
       const at::Tensor& p = ours[g].params()[i];
       const std::int64_t key = params.get(i).toInt();
@@ -156,6 +161,24 @@ void load_state(torch::optim::Optimizer& optimizer, const c10::IValue& state_dic
 }
 
 }  // namespace
+
+c10::impl::GenericDict python_param_group(const torch::optim::OptimizerOptions& options) {
+  return group_options(options);
+}
+
+std::shared_ptr<torch::optim::OptimizerOptions> options_from_python_param_group(const c10::impl::GenericDict& group) {
+  check_python_only_flags(group);
+  if (group.contains("betas")) {
+    auto options = std::make_shared<torch::optim::AdamWOptions>();
+    apply_group(group, 0, options.get(), nullptr);
+    return options;
+  }
+  DTRAIN_CHECK(group.contains("momentum"), DataError,
+               "the param group is neither AdamW's (betas) nor SGD's (momentum).", "convert AdamW or SGD state");
+  auto options = std::make_shared<torch::optim::SGDOptions>(0.0);
+  apply_group(group, 0, nullptr, options.get());
+  return options;
+}
 
 void load_python_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state_dict) {
   // Values of the wrong kind where the checks above do not look (a list that

@@ -85,6 +85,12 @@ int run_ckpt_command(const std::vector<std::string>& args, std::ostream& out) {
   return command(&args, &out);
 }
 
+int run_ckpt_folder_command(const std::vector<std::string>& args, std::ostream& out) {
+  using CkptFn = int (*)(const std::vector<std::string>*, std::ostream*);
+  static const auto command = libdtrain_function<CkptFn>("dtrain_ckpt_folder_command");
+  return command(&args, &out);
+}
+
 BackgroundWorkerStore::~BackgroundWorkerStore() {
   stop();
 }

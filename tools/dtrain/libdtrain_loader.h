@@ -26,6 +26,8 @@ std::shared_ptr<elastic::RendezvousStore> load_tcp_rendezvous_store(
 // `dtrain ckpt`'s work, done in libdtrain (src/checkpoint/ckpt_command.cpp):
 // `args` as that file describes; prints to `out`, throws dtrain::Error.
 int run_ckpt_command(const std::vector<std::string>& args, std::ostream& out);
+// The same for dtrain's own checkpoint folders (src/trainer/ckpt_folder_command.cpp).
+int run_ckpt_folder_command(const std::vector<std::string>& args, std::ostream& out);
 
 // Hosts the workers' store through libdtrain. serve() finds libdtrain at once
 // (ConfigError when there is none, before any worker starts) and then loads

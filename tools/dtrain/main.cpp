@@ -12,6 +12,7 @@
 #include <sstream>
 #include <thread>
 
+#include "ckpt_dispatch.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/flight_analysis.h"
 #include "dtrain/elastic/agent.h"
@@ -130,23 +131,38 @@ int main(int argc, char** argv) {
   CLI::App* plan = app.add_subcommand(
       "plan", "Predict memory and step time of parallelism plans, search them, refuse what does not fit");
   dtrain::tools::add_plan_options(*plan, plan_opt);
-  // dtrain ckpt: checkpoint files of the ecosystem (docs/checkpoints.md), done
-  // in libdtrain (loaded only for this command).
-  CLI::App* ckpt = app.add_subcommand("ckpt", "Inspect and convert checkpoint files (safetensors, torch.save)");
+  // dtrain ckpt: dtrain's checkpoints and the ecosystem's formats
+  // (docs/checkpoints.md), done in libdtrain (loaded only for this command).
+  CLI::App* ckpt = app.add_subcommand(
+      "ckpt", "Inspect, convert and consolidate checkpoints (dtrain's, safetensors, torch.save, DCP)");
   ckpt->require_subcommand(1);
-  std::string ckpt_path, ckpt_out, ckpt_key, ckpt_to;
-  std::int64_t max_shard_bytes = 5'000'000'000;
-  CLI::App* inspect = ckpt->add_subcommand("inspect", "List a checkpoint's tensors: dtype, shape, bytes, metadata");
-  inspect->add_option("path", ckpt_path, "a .safetensors file, a folder with model.safetensors[.index.json], or a .pt")
+  dtrain::tools::CkptRequest ckpt_req;
+  const std::string inputs =
+      "a dtrain checkpoint folder (or one step_<N>), a DCP folder (.metadata), a .safetensors file, a folder with "
+      "model.safetensors[.index.json], or a .pt";
+  CLI::App* inspect = ckpt->add_subcommand(
+      "inspect", "List a checkpoint: step, plan, tensors (dtype, shape, bytes, layout), CRC check, metadata");
+  inspect->add_option("path", ckpt_req.input, inputs)->required();
+  inspect->add_option("--key", ckpt_req.key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
+  CLI::App* convert = ckpt->add_subcommand("convert", "Convert between dtrain, safetensors, torch.save and DCP");
+  convert->add_option("--to", ckpt_req.to, "output format")
+      ->required()
+      ->check(CLI::IsMember({"safetensors", "torch", "dcp"}));
+  convert->add_option("input", ckpt_req.input, inputs)->required();
+  convert
+      ->add_option("output", ckpt_req.output,
+                   "a file (.safetensors or .pt), a folder for sharded safetensors, or a DCP folder")
       ->required();
-  inspect->add_option("--key", ckpt_key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
-  CLI::App* convert = ckpt->add_subcommand("convert", "Convert between safetensors and torch.save state dicts");
-  convert->add_option("--to", ckpt_to, "output format")->required()->check(CLI::IsMember({"safetensors", "torch"}));
-  convert->add_option("input", ckpt_path, "as for inspect")->required();
-  convert->add_option("output", ckpt_out, "a file (.safetensors or .pt), or a folder for sharded safetensors")
+  convert->add_option("--key", ckpt_req.key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
+  convert->add_option("--max-shard-bytes", ckpt_req.max_shard_bytes, "shard size of a safetensors folder")
+      ->capture_default_str();
+  CLI::App* consolidate =
+      ckpt->add_subcommand("consolidate", "One full model (every parameter unsharded) from a sharded checkpoint");
+  consolidate->add_option("input", ckpt_req.input, "a dtrain checkpoint folder (or one step_<N>), or a DCP folder")
       ->required();
-  convert->add_option("--key", ckpt_key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
-  convert->add_option("--max-shard-bytes", max_shard_bytes, "shard size of a safetensors folder")
+  consolidate->add_option("output", ckpt_req.output, "a .safetensors or .pt file, or a sharded safetensors folder")
+      ->required();
+  consolidate->add_option("--max-shard-bytes", ckpt_req.max_shard_bytes, "shard size of a safetensors folder")
       ->capture_default_str();
   // dtrain trace analyze: the flight recorder's dumps (docs/flight_recorder.md),
   // the same analysis `dtrain run` reports when a round fails.
@@ -190,11 +206,8 @@ int main(int argc, char** argv) {
   }
   if (ckpt->parsed()) {
     try {
-      const std::vector<std::string> words =
-          inspect->parsed() ? std::vector<std::string>{"inspect", ckpt_path, ckpt_key}
-                            : std::vector<std::string>{"convert", ckpt_to,  ckpt_path,
-                                                       ckpt_out,  ckpt_key, std::to_string(max_shard_bytes)};
-      return dtrain::tools::run_ckpt_command(words, std::cout);
+      ckpt_req.command = inspect->parsed() ? "inspect" : convert->parsed() ? "convert" : "consolidate";
+      return dtrain::tools::ckpt_command(ckpt_req, std::cout);
     } catch (const dtrain::Error& e) {
       std::cerr << "dtrain ckpt: error: " << e.what() << std::endl;
       return 2;

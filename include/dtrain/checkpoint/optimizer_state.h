@@ -10,10 +10,14 @@
 // optimizer is a ConfigError.
 #pragma once
 
+#include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
+
+#include <memory>
 
 namespace torch::optim {
 class Optimizer;
+class OptimizerOptions;
 }  // namespace torch::optim
 
 namespace dtrain::checkpoint {
@@ -29,5 +33,13 @@ c10::IValue python_optimizer_state_dict(const torch::optim::Optimizer& optimizer
 // flags LibTorch lacks (maximize, foreach, fused, ...) must be at their
 // defaults or it is a ConfigError.
 void load_python_optimizer_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state_dict);
+
+// One param group's options in Python's structure (without "params"), as
+// python_optimizer_state_dict writes them; AdamW and SGD options.
+c10::impl::GenericDict python_param_group(const torch::optim::OptimizerOptions& options);
+// The reverse: LibTorch AdamWOptions (a group with betas) or SGDOptions (with
+// momentum) from a Python param group; other groups are a DataError, Python
+// flags LibTorch lacks a ConfigError (as load_python_optimizer_state_dict).
+std::shared_ptr<torch::optim::OptimizerOptions> options_from_python_param_group(const c10::impl::GenericDict& group);
 
 }  // namespace dtrain::checkpoint

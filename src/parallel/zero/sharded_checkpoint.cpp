@@ -18,19 +18,13 @@
 #include "dtrain/log.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "zero_engine.h"
+#include "zero_part_format.h"
 
 namespace dtrain {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-void fsync_path(const fs::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
-}
+namespace detail {
 
 // The per-element optimizer state keys of an optimizer kind.
 std::vector<std::string> state_keys(const std::string& kind) {
@@ -39,25 +33,11 @@ std::vector<std::string> state_keys(const std::string& kind) {
   return {};
 }
 
-std::string kind_of(torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) return "adamw";
-  if (dynamic_cast<torch::optim::Adam*>(&optimizer)) return "adam";
-  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) return "sgd";
+std::string kind_of(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return "adamw";
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return "adam";
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return "sgd";
   return "other";
-}
-
-// One piece's state tensor for `key` (undefined when absent), and its step.
-at::Tensor state_tensor(torch::optim::OptimizerParamState* state, const std::string& key, std::int64_t* step) {
-  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(state)) {
-    *step = std::max(*step, s->step());
-    return key == "exp_avg" ? s->exp_avg() : key == "exp_avg_sq" ? s->exp_avg_sq() : s->max_exp_avg_sq();
-  }
-  if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(state)) {
-    *step = std::max(*step, s->step());
-    return key == "exp_avg" ? s->exp_avg() : key == "exp_avg_sq" ? s->exp_avg_sq() : s->max_exp_avg_sq();
-  }
-  if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(state)) return s->momentum_buffer();
-  return {};
 }
 
 std::unique_ptr<torch::optim::OptimizerParamState> make_state(const std::string& kind,
@@ -88,14 +68,91 @@ std::string unit_key(std::size_t u, const std::string& what) {
   return "u" + std::to_string(u) + "." + what;
 }
 
-// How the units were cut when a part was saved: enough to reshard.
-struct SavedLayout {
-  std::string kind;  // optimizer kind
-  std::vector<std::string> names;
-  std::vector<std::int64_t> numel;
-  std::vector<std::int64_t> shard;
-  int shard_rank = -1, shard_world = -1, replica = 0;  // -1: not recorded
-};
+SavedLayout read_layout(torch::serialize::InputArchive& archive) {
+  SavedLayout layout;
+  c10::IValue kind, names;
+  at::Tensor numel, shard;
+  archive.read("layout.kind", kind);
+  archive.read("layout.names", names);
+  archive.read("layout.numel", numel);
+  archive.read("layout.shard", shard);
+  layout.kind = kind.toStringRef();
+  std::stringstream in(names.toStringRef());
+  for (std::string name; std::getline(in, name);) layout.names.push_back(name);
+  for (std::int64_t i = 0; i < numel.numel(); ++i) {
+    layout.numel.push_back(numel[i].item<std::int64_t>());
+    layout.shard.push_back(shard[i].item<std::int64_t>());
+  }
+  at::Tensor t;
+  if (archive.try_read("layout.shard_rank", t)) layout.shard_rank = static_cast<int>(t.item<std::int64_t>());
+  if (archive.try_read("layout.shard_world", t)) layout.shard_world = static_cast<int>(t.item<std::int64_t>());
+  if (archive.try_read("layout.replica", t)) layout.replica = static_cast<int>(t.item<std::int64_t>());
+  c10::IValue params;
+  if (archive.try_read("layout.params", params)) {
+    std::stringstream lines(params.toStringRef());
+    for (std::string line; std::getline(lines, line);) {
+      std::stringstream fields(line);
+      std::string unit, offset, trainable, dims;
+      SavedParam p;
+      std::getline(fields, unit, '\t');
+      std::getline(fields, p.name, '\t');
+      std::getline(fields, offset, '\t');
+      std::getline(fields, trainable, '\t');
+      std::getline(fields, dims);
+      p.unit = std::stoul(unit);
+      p.offset = std::stoll(offset);
+      p.trainable = trainable == "1";
+      std::stringstream sizes(dims);
+      for (std::string d; std::getline(sizes, d, ',');) p.shape.push_back(std::stoll(d));
+      layout.params.push_back(std::move(p));
+    }
+  }
+  return layout;
+}
+
+std::shared_ptr<torch::optim::OptimizerOptions> read_options(torch::serialize::InputArchive& archive,
+                                                             const std::string& kind) {
+  torch::serialize::InputArchive options;
+  if (!archive.try_read("optimizer.options", options)) return nullptr;
+  std::shared_ptr<torch::optim::OptimizerOptions> out;
+  if (kind == "adamw") out = std::make_shared<torch::optim::AdamWOptions>();
+  if (kind == "adam") out = std::make_shared<torch::optim::AdamOptions>();
+  if (kind == "sgd") out = std::make_shared<torch::optim::SGDOptions>(0.0);
+  if (out) out->serialize(options);
+  return out;
+}
+
+}  // namespace detail
+
+using detail::kind_of;
+using detail::make_state;
+using detail::read_layout;
+using detail::SavedLayout;
+using detail::state_keys;
+using detail::unit_key;
+
+namespace {
+
+void fsync_path(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// One piece's state tensor for `key` (undefined when absent), and its step.
+at::Tensor state_tensor(torch::optim::OptimizerParamState* state, const std::string& key, std::int64_t* step) {
+  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(state)) {
+    *step = std::max(*step, s->step());
+    return key == "exp_avg" ? s->exp_avg() : key == "exp_avg_sq" ? s->exp_avg_sq() : s->max_exp_avg_sq();
+  }
+  if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(state)) {
+    *step = std::max(*step, s->step());
+    return key == "exp_avg" ? s->exp_avg() : key == "exp_avg_sq" ? s->exp_avg_sq() : s->max_exp_avg_sq();
+  }
+  if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(state)) return s->momentum_buffer();
+  return {};
+}
 
 // This rank's part: every unit's chunk (fp32 masters), its optimizer state
 // laid out like the chunk, the unit's optimizer step, and the layout
@@ -149,6 +206,20 @@ void write_part(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
     }
     archive.write(unit_key(u, "step"), at::full({1}, unit_step, at::kLong));
   }
+  std::ostringstream params;  // see zero_part_format.h
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    for (const detail::FlatParam& fp : units[u].params) {
+      params << u << '\t' << fp.name << '\t' << fp.offset << '\t' << (fp.trainable ? 1 : 0) << '\t';
+      for (std::size_t d = 0; d < fp.shape.size(); ++d) params << (d ? "," : "") << fp.shape[d];
+      params << '\n';
+    }
+  }
+  archive.write("layout.params", c10::IValue(params.str()));
+  if (optimizer.param_groups().size() == 1 && kind != "other") {
+    torch::serialize::OutputArchive options;
+    optimizer.param_groups()[0].options().serialize(options);
+    archive.write("optimizer.options", options);
+  }
   archive.write("layout.kind", c10::IValue(kind));
   archive.write("layout.names", c10::IValue(names));
   archive.write("layout.numel", at::tensor(numel, at::kLong));
@@ -156,28 +227,6 @@ void write_part(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
   archive.write("layout.shard_rank", at::full({1}, engine.rank(), at::kLong));
   archive.write("layout.shard_world", at::full({1}, engine.world(), at::kLong));
   archive.write("layout.replica", at::full({1}, replica_of(engine), at::kLong));
-}
-
-SavedLayout read_layout(torch::serialize::InputArchive& archive) {
-  SavedLayout layout;
-  c10::IValue kind, names;
-  at::Tensor numel, shard;
-  archive.read("layout.kind", kind);
-  archive.read("layout.names", names);
-  archive.read("layout.numel", numel);
-  archive.read("layout.shard", shard);
-  layout.kind = kind.toStringRef();
-  std::stringstream in(names.toStringRef());
-  for (std::string name; std::getline(in, name);) layout.names.push_back(name);
-  for (std::int64_t i = 0; i < numel.numel(); ++i) {
-    layout.numel.push_back(numel[i].item<std::int64_t>());
-    layout.shard.push_back(shard[i].item<std::int64_t>());
-  }
-  at::Tensor t;
-  if (archive.try_read("layout.shard_rank", t)) layout.shard_rank = static_cast<int>(t.item<std::int64_t>());
-  if (archive.try_read("layout.shard_world", t)) layout.shard_world = static_cast<int>(t.item<std::int64_t>());
-  if (archive.try_read("layout.replica", t)) layout.replica = static_cast<int>(t.item<std::int64_t>());
-  return layout;
 }
 
 // Fills this rank's chunks and optimizer state from the parts of the

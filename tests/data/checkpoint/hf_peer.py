@@ -8,6 +8,9 @@
   hf_peer.py make DIR    a random GPT2LMHeadModel (gelu_new, perturbed
       biases and norms, no download) saved with save_pretrained, with its
       logits on a batch in DIR/reference.safetensors
+  hf_peer.py train DIR   the same model saved to DIR, then 5 AdamW steps on
+      the batches in DIR/batches.safetensors (written here), the trained model
+      saved to DIR/trained
 """
 import logging
 import sys
@@ -54,7 +57,7 @@ def check(d):
     print(f"transformers: logits max |diff| {diff:.3g}, greedy tokens equal")
 
 
-def make(d):
+def random_gpt2():
     torch.manual_seed(5)
     config = GPT2Config(vocab_size=65, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -63,6 +66,37 @@ def make(d):
     with torch.no_grad():
         for p in model.parameters():  # biases and norms away from 0 and 1, so a misplaced one shows
             p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+TRAIN_STEPS, TRAIN_BATCH = 5, 4
+
+
+def train(d):
+    """5 steps of AdamW (lr 1e-3, betas (0.9, 0.95), weight decay 0.1 on every
+    parameter) on cross-entropy over all positions: gpt_hf_test.cpp runs the
+    same steps in dtrain under ZeRO-3."""
+    model = random_gpt2()
+    model.save_pretrained(d)
+    gen = torch.Generator().manual_seed(9)
+    batches = {}
+    for s in range(TRAIN_STEPS):
+        batches[f"x{s}"] = torch.randint(0, 65, (TRAIN_BATCH, 16), generator=gen)
+        batches[f"y{s}"] = torch.randint(0, 65, (TRAIN_BATCH, 16), generator=gen)
+    save_file(batches, f"{d}/batches.safetensors")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    for s in range(TRAIN_STEPS):
+        opt.zero_grad()
+        logits = model(batches[f"x{s}"]).logits
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 65), batches[f"y{s}"].reshape(-1)).backward()
+        opt.step()
+    model.save_pretrained(f"{d}/trained")
+    print(f"transformers: trained {TRAIN_STEPS} steps")
+
+
+def make(d):
+    model = random_gpt2()
     model.eval()
     model.save_pretrained(d)
     idx = torch.randint(0, 65, (3, 16))
@@ -72,4 +106,4 @@ def make(d):
 
 if __name__ == "__main__":
     hf_logging.disable_progress_bar()
-    {"check": check, "make": make}[sys.argv[1]](sys.argv[2])
+    {"check": check, "make": make, "train": train}[sys.argv[1]](sys.argv[2])
