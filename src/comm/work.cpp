@@ -142,8 +142,19 @@ bool wait_until(const Future& future, std::chrono::steady_clock::time_point dead
     flag->done = true;
     flag->cv.notify_all();
   });
+  // Also polled: a future completes (completed() is true) before it runs its
+  // callbacks, in the order they were added, on the completing thread. One
+  // added earlier (Work::future()'s, which locks the Outcome this thread holds
+  // in Work::wait) would keep ours from running until it returned: a deadlock
+  // until the deadline. So the flag is only the fast path.
   std::unique_lock<std::mutex> lock(flag->mutex);
-  return flag->cv.wait_until(lock, deadline, [&] { return flag->done; });
+  constexpr auto kPoll = std::chrono::milliseconds(5);
+  while (!flag->done && !future->completed()) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return false;
+    flag->cv.wait_until(lock, std::min(deadline, now + kPoll));
+  }
+  return true;
 }
 }  // namespace
 

@@ -52,6 +52,16 @@ ZeroFullState consolidate_zero_parts(const std::function<torch::serialize::Input
                "dtrain recorded it).",
                "resume it in dtrain and save it again, then convert the new checkpoint");
   const int shards = layout.shard_world > 0 ? layout.shard_world : saved_world;
+  // Parts 0 .. shards-1 must be shards 0 .. shards-1 of replica 0, as the
+  // resharding load requires (sharded_checkpoint.cpp).
+  for (int r = 1; r < shards && layout.shard_world > 0; ++r) {
+    const detail::SavedLayout other = detail::read_layout(part(r));
+    DTRAIN_CHECK(other.shard_rank == r && other.replica == 0, DataError,
+                 "part " << r << " of this ZeRO checkpoint holds shard " << other.shard_rank << " of replica "
+                         << other.replica << ", not shard " << r << " of replica 0.",
+                 "save HSDP with the checkpoint group's ranks ordered replica-major (a DeviceMesh with dp_replicate "
+                 "outside dp_shard)");
+  }
   ZeroFullState full;
   full.optimizer_kind = layout.kind;
   full.options = detail::read_options(part(0), layout.kind);
@@ -152,7 +162,9 @@ void load_zero_full_state(ShardedDataParallel& sdp, torch::optim::Optimizer& opt
     }
     optimizer.state()[impl] = detail::make_state(kind, mine, it->second.step);
   }
-  if (full.options) {
+  // Options of another optimizer's type would be static_cast to this one's at
+  // its next step: set them only when the kinds agree.
+  if (full.options && full.optimizer_kind == kind) {
     DTRAIN_CHECK(optimizer.param_groups().size() == 1, ConfigError,
                  "the state holds one param group's options, the optimizer has " << optimizer.param_groups().size()
                                                                                  << " groups.",
