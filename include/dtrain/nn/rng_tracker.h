@@ -17,8 +17,9 @@
 //
 // Contracts: every tp rank draws from kReplicated in the same order with the
 // same shapes (true of a model whose ranks run the same layers); a tracker is
-// used by one thread at a time; its states are saved and restored with
-// state()/set_state() (checkpoints).
+// used by one thread at a time; state()/set_state() save and restore its
+// streams, but nothing puts them into checkpoints yet: a resumed tp run with
+// dropout restarts its streams from their seeds (issue 25, left).
 #pragma once
 
 #include <ATen/core/Generator.h>
