@@ -21,8 +21,11 @@
 #include "dtrain/error.h"
 #include "dtrain/nn/context_parallel.h"
 #include "ranks.h"
+#include "tensor_checks.h"
 
 namespace cp = dtrain::nn::cp;
+
+using dtrain::testing::expect_all_close;
 
 namespace {
 
@@ -31,16 +34,6 @@ constexpr auto kCpTimeout = std::chrono::seconds(60);
 at::Tensor cp_draw(std::vector<std::int64_t> sizes, std::uint64_t seed) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return at::randn(sizes, gen, at::TensorOptions().dtype(at::kFloat));
-}
-
-void cp_expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
-  ASSERT_TRUE(actual.defined()) << what << ": undefined";
-  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
-  const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
-  const double scale = std::max(1.0, e.abs().max().item<double>());
-  EXPECT_TRUE(at::allclose(a, e, 1e-5, 1e-6 * scale))
-      << what << ": max |difference| " << (a - e).abs().max().item<double>() << " (max |expected| "
-      << e.abs().max().item<double>() << ")";
 }
 
 // The unsplit reference: output and gradients of q, k, v for `grad_out`.
@@ -69,10 +62,10 @@ void expect_matches_unsplit(int rank, dtrain::dist::ProcessGroup& group, const c
   const at::Tensor y = cp::causal_attention(lq, lk, lv, group, options);
   y.backward(part(grad_out));
   const std::string who = "rank " + std::to_string(rank) + " of " + std::to_string(c);
-  cp_expect_close(y, part(ref.y), who + " output");
-  cp_expect_close(lq.grad(), part(ref.dq), who + " dq");
-  cp_expect_close(lk.grad(), part(ref.dk), who + " dk");
-  cp_expect_close(lv.grad(), part(ref.dv), who + " dv");
+  expect_all_close(y, part(ref.y), who + " output");
+  expect_all_close(lq.grad(), part(ref.dq), who + " dq");
+  expect_all_close(lk.grad(), part(ref.dk), who + " dk");
+  expect_all_close(lv.grad(), part(ref.dv), who + " dv");
 }
 
 void on_cp_ranks(int world, bool shared_memory, const std::function<void(int, dtrain::dist::ProcessGroup&)>& body) {

@@ -31,7 +31,10 @@
 #include "dtrain/nn/rng_tracker.h"
 #include "model.h"
 #include "ranks.h"
+#include "tensor_checks.h"
 #include "tensor_parallel.h"
+
+using dtrain::testing::expect_all_close;
 
 namespace {
 
@@ -118,15 +121,6 @@ at::Tensor unsplit_logits_with_masks(gpt::GptImpl& model, const at::Tensor& idx,
   return at::linear(head.ln_f(x), embed.wte->weight);
 }
 
-void expect_close_dropout(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
-  ASSERT_TRUE(actual.defined()) << what << ": undefined";
-  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
-  const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
-  const double scale = std::max(1.0, e.abs().max().item<double>());
-  EXPECT_TRUE(at::allclose(a, e, 1e-5, 1e-6 * scale))
-      << what << ": max |difference| " << (a - e).abs().max().item<double>() << " (max |expected| " << scale << ")";
-}
-
 class GptTpDropout : public ::testing::TestWithParam<std::tuple<int, bool>> {};
 
 }  // namespace
@@ -176,8 +170,8 @@ TEST_P(GptTpDropout, EqualsTheUnsplitGptWithTheRanksMasks) {
     // The op-by-op reference without masks is the GPT's forward.
     torch::NoGradGuard no_grad;
     reference->eval();
-    expect_close_dropout(unsplit_logits_with_masks(*reference, idx, {}), reference->forward(idx),
-                         "reference without dropout");
+    expect_all_close(unsplit_logits_with_masks(*reference, idx, {}), reference->forward(idx),
+                     "reference without dropout");
     reference->train();
   }
   const at::Tensor logits = unsplit_logits_with_masks(*reference, idx, masks);
@@ -187,15 +181,15 @@ TEST_P(GptTpDropout, EqualsTheUnsplitGptWithTheRanksMasks) {
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const TpDropoutRank& rank = ranks[r];
     const std::string who = what + " rank " + std::to_string(r);
-    expect_close_dropout(rank.loss.detach(), loss.detach(), who + " loss");
-    expect_close_dropout(rank.logits.detach(), logits.detach().chunk(world, -1)[r], who + " logits");
+    expect_all_close(rank.loss.detach(), loss.detach(), who + " loss");
+    expect_all_close(rank.logits.detach(), logits.detach().chunk(world, -1)[r], who + " logits");
     ASSERT_EQ(rank.grads.size(), reference_params.size()) << who;
     for (const auto& [name, grad] : rank.grads) {
       const dtrain::dist::Layout& layout = rank.layouts.at(name);
       const at::Tensor expected =
           dtrain::dist::local_part(reference_params[name].grad().reshape(layout.global_shape), layout, rank.coordinates)
               .reshape(grad.sizes());
-      expect_close_dropout(grad, expected, who + " grad of " + name);
+      expect_all_close(grad, expected, who + " grad of " + name);
     }
   }
 

@@ -22,20 +22,14 @@
 #include "dtrain/error.h"
 #include "model.h"
 #include "ranks.h"
+#include "tensor_checks.h"
 #include "tensor_parallel.h"
+
+using dtrain::testing::expect_all_close;
 
 namespace {
 
 constexpr auto kTimeout = std::chrono::seconds(120);
-
-void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
-  ASSERT_TRUE(actual.defined()) << what << ": undefined";
-  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
-  const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
-  const double scale = std::max(1.0, e.abs().max().item<double>());
-  EXPECT_TRUE(at::allclose(a, e, 1e-5, 1e-6 * scale))
-      << what << ": max |difference| " << (a - e).abs().max().item<double>() << " (max |expected| " << scale << ")";
-}
 
 gpt::GptConfig small_config() {
   return {.vocab_size = 65, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32, .dropout = 0.0, .bias = true};
@@ -72,10 +66,10 @@ TEST_P(GptTensorParallel, ForwardAndBackwardEqualTheUnsplitGpt) {
         const std::string what = std::string(sp ? "tp+sp" : "tp") + " rank " + std::to_string(rank);
 
         const at::Tensor local_logits = layers->forward(idx);
-        expect_close(local_logits, logits.detach().chunk(world, -1)[static_cast<std::size_t>(rank)],
-                     what + " logits (this rank's vocabulary)");
+        expect_all_close(local_logits, logits.detach().chunk(world, -1)[static_cast<std::size_t>(rank)],
+                         what + " logits (this rank's vocabulary)");
         const at::Tensor tp_loss = gpt::tp_lm_loss(local_logits, targets, mesh["tp"], config.vocab_size);
-        expect_close(tp_loss, loss.detach(), what + " loss");
+        expect_all_close(tp_loss, loss.detach(), what + " loss");
         tp_loss.backward();
 
         const auto layouts = dtrain::dist::named_layouts(*layers, mesh);
@@ -87,7 +81,7 @@ TEST_P(GptTensorParallel, ForwardAndBackwardEqualTheUnsplitGpt) {
           const at::Tensor expected =
               dtrain::dist::local_part(grads[name].reshape(layout.global_shape), layout, mesh.coordinates())
                   .reshape(p.sizes());
-          expect_close(p.grad(), expected, what + " grad of " + name + " (" + layout.to_string() + ")");
+          expect_all_close(p.grad(), expected, what + " grad of " + name + " (" + layout.to_string() + ")");
         }
       },
       {.timeout = kTimeout});
@@ -145,8 +139,8 @@ TEST_P(GptTensorParallel, TrainingStepsEqualTheUnsplitGpt) {
               gpt::tp_lm_loss(layers->forward(batches[s].first), batches[s].second, mesh["tp"], config.vocab_size);
           loss.backward();
           opt.step();
-          expect_close(loss.detach(), at::scalar_tensor(losses[s], at::kDouble),
-                       what + " loss at step " + std::to_string(s));
+          expect_all_close(loss.detach(), at::scalar_tensor(losses[s], at::kDouble),
+                           what + " loss at step " + std::to_string(s));
         }
         auto params = layers->named_parameters();
         for (const auto& [name, layout] : dtrain::dist::named_layouts(*layers, mesh)) {
@@ -154,7 +148,7 @@ TEST_P(GptTensorParallel, TrainingStepsEqualTheUnsplitGpt) {
           const at::Tensor expected =
               dtrain::dist::local_part(finals.at(name).reshape(layout.global_shape), layout, mesh.coordinates())
                   .reshape(p.sizes());
-          expect_close(p.detach(), expected, what + " final " + name);
+          expect_all_close(p.detach(), expected, what + " final " + name);
         }
       },
       {.timeout = kTimeout});

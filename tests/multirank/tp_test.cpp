@@ -26,9 +26,12 @@
 #include "dtrain/nn/tp_comm.h"
 #include "dtrain/nn/vocab_parallel.h"
 #include "ranks.h"
+#include "tensor_checks.h"
 
 using dtrain::dist::DeviceMesh;
 using namespace dtrain::nn;
+
+using dtrain::testing::expect_all_close;
 
 namespace {
 
@@ -46,19 +49,6 @@ at::Tensor leaf(const at::Tensor& t) {
 // Rank r's piece of `t` along `dim` (t split into `parts` equal pieces).
 at::Tensor piece(const at::Tensor& t, int parts, int rank, std::int64_t dim) {
   return t.chunk(parts, dim)[static_cast<std::size_t>(rank)];
-}
-
-void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what, double rtol = 1e-5,
-                  double atol = 1e-6) {
-  ASSERT_TRUE(actual.defined()) << what << ": undefined";
-  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
-  const at::Tensor a = actual.to(at::kDouble), e = expected.to(at::kDouble);
-  // atol scales with the tensor: a split sums in another order, and an
-  // element near zero of a gradient whose others are ~70 differs by ~1e-6.
-  const double scale = std::max(1.0, e.abs().max().item<double>());
-  EXPECT_TRUE(at::allclose(a, e, rtol, atol * scale))
-      << what << ": max |difference| " << (a - e).abs().max().item<double>() << " (max |expected| "
-      << e.abs().max().item<double>() << ")";
 }
 
 // body(rank, mesh) on `world` threads with a mesh of one dimension, tp;
@@ -103,11 +93,11 @@ TEST_P(TensorParallel, ColumnParallelLinearEqualsTheUnsplitLayer) {
       at::Tensor xi = leaf(x);
       const at::Tensor y = layer(xi);
       const std::string what = std::string(gather ? "gathered" : "split") + " rank " + std::to_string(rank);
-      expect_close(y, gather ? yr : piece(yr, world, rank, -1), what + " output");
+      expect_all_close(y, gather ? yr : piece(yr, world, rank, -1), what + " output");
       (y * (gather ? g : piece(g, world, rank, -1))).sum().backward();
-      expect_close(xi.grad(), xr.grad(), what + " input grad");
-      expect_close(layer->weight.grad(), piece(wr.grad(), world, rank, 0), what + " weight grad");
-      expect_close(layer->bias.grad(), piece(br.grad(), world, rank, 0), what + " bias grad");
+      expect_all_close(xi.grad(), xr.grad(), what + " input grad");
+      expect_all_close(layer->weight.grad(), piece(wr.grad(), world, rank, 0), what + " weight grad");
+      expect_all_close(layer->bias.grad(), piece(br.grad(), world, rank, 0), what + " bias grad");
     });
   }
 }
@@ -126,11 +116,11 @@ TEST_P(TensorParallel, RowParallelLinearEqualsTheUnsplitLayer) {
       const at::Tensor y = layer(xi);
       const std::string what =
           std::string(parallel_input ? "split" : "replicated") + " input, rank " + std::to_string(rank);
-      expect_close(y, yr, what + " output");
+      expect_all_close(y, yr, what + " output");
       (y * g).sum().backward();
-      expect_close(xi.grad(), parallel_input ? piece(xr.grad(), world, rank, -1) : xr.grad(), what + " input grad");
-      expect_close(layer->weight.grad(), piece(wr.grad(), world, rank, 1), what + " weight grad");
-      expect_close(layer->bias.grad(), br.grad(), what + " bias grad");
+      expect_all_close(xi.grad(), parallel_input ? piece(xr.grad(), world, rank, -1) : xr.grad(), what + " input grad");
+      expect_all_close(layer->weight.grad(), piece(wr.grad(), world, rank, 1), what + " weight grad");
+      expect_all_close(layer->bias.grad(), br.grad(), what + " bias grad");
     });
   }
 }
@@ -156,15 +146,15 @@ TEST_P(TensorParallel, SequenceParallelLinearsEqualTheUnsplitLayers) {
     h.retain_grad();
     const at::Tensor y = row(h);
     const std::string what = "rank " + std::to_string(rank);
-    expect_close(h, piece(hr.detach(), world, rank, -1), what + " column output (all of the sequence)");
-    expect_close(y, piece(yr.detach(), world, rank, 1), what + " row output (1/t of the sequence)");
+    expect_all_close(h, piece(hr.detach(), world, rank, -1), what + " column output (all of the sequence)");
+    expect_all_close(y, piece(yr.detach(), world, rank, 1), what + " row output (1/t of the sequence)");
     (y * piece(g, world, rank, 1)).sum().backward();
-    expect_close(h.grad(), piece(hr.grad(), world, rank, -1), what + " grad between the layers");
-    expect_close(xi.grad(), piece(xr.grad(), world, rank, 1), what + " input grad");
-    expect_close(col->weight.grad(), piece(w1r.grad(), world, rank, 0), what + " column weight grad");
-    expect_close(col->bias.grad(), piece(b1r.grad(), world, rank, 0), what + " column bias grad");
-    expect_close(row->weight.grad(), piece(w2r.grad(), world, rank, 1), what + " row weight grad");
-    expect_close(row->bias.grad(), b2r.grad(), what + " row bias grad (summed over the sequence pieces)");
+    expect_all_close(h.grad(), piece(hr.grad(), world, rank, -1), what + " grad between the layers");
+    expect_all_close(xi.grad(), piece(xr.grad(), world, rank, 1), what + " input grad");
+    expect_all_close(col->weight.grad(), piece(w1r.grad(), world, rank, 0), what + " column weight grad");
+    expect_all_close(col->bias.grad(), piece(b1r.grad(), world, rank, 0), what + " column bias grad");
+    expect_all_close(row->weight.grad(), piece(w2r.grad(), world, rank, 1), what + " row weight grad");
+    expect_all_close(row->bias.grad(), b2r.grad(), what + " row bias grad (summed over the sequence pieces)");
   });
 }
 
@@ -195,14 +185,14 @@ TEST_P(TensorParallel, LayerNormMlpBlockEqualsTheUnsplitBlock) {
              : at::layer_norm(xi, {h}, lnwi, lnbi);
       const at::Tensor y = row(at::gelu(col(normed)));
       const std::string what = std::string(sp ? "SP" : "TP") + " rank " + std::to_string(rank);
-      expect_close(y, sp ? piece(yr.detach(), world, rank, 1) : yr.detach(), what + " output");
+      expect_all_close(y, sp ? piece(yr.detach(), world, rank, 1) : yr.detach(), what + " output");
       (y * (sp ? piece(g, world, rank, 1) : g)).sum().backward();
-      expect_close(xi.grad(), sp ? piece(xr.grad(), world, rank, 1) : xr.grad(), what + " input grad");
-      expect_close(lnwi.grad(), lnwr.grad(), what + " LayerNorm weight grad");
-      expect_close(lnbi.grad(), lnbr.grad(), what + " LayerNorm bias grad");
-      expect_close(col->weight.grad(), piece(w1r.grad(), world, rank, 0), what + " fc weight grad");
-      expect_close(row->weight.grad(), piece(w2r.grad(), world, rank, 1), what + " proj weight grad");
-      expect_close(row->bias.grad(), b2r.grad(), what + " proj bias grad");
+      expect_all_close(xi.grad(), sp ? piece(xr.grad(), world, rank, 1) : xr.grad(), what + " input grad");
+      expect_all_close(lnwi.grad(), lnwr.grad(), what + " LayerNorm weight grad");
+      expect_all_close(lnbi.grad(), lnbr.grad(), what + " LayerNorm bias grad");
+      expect_all_close(col->weight.grad(), piece(w1r.grad(), world, rank, 0), what + " fc weight grad");
+      expect_all_close(row->weight.grad(), piece(w2r.grad(), world, rank, 1), what + " proj weight grad");
+      expect_all_close(row->bias.grad(), b2r.grad(), what + " proj bias grad");
     });
   }
 }
@@ -224,9 +214,9 @@ TEST_P(TensorParallel, VocabParallelEmbeddingEqualsTheUnsplitEmbedding) {
       emb->copy_from_full(w);
       const at::Tensor y = emb(ids);
       const std::string what = std::string(sp ? "SP" : "TP") + " rank " + std::to_string(rank);
-      expect_close(y, sp ? piece(yr.detach(), world, rank, 1) : yr.detach(), what + " output");
+      expect_all_close(y, sp ? piece(yr.detach(), world, rank, 1) : yr.detach(), what + " output");
       (y * (sp ? piece(g, world, rank, 1) : g)).sum().backward();
-      expect_close(emb->weight.grad(), piece(wr.grad(), world, rank, 0), what + " weight grad");
+      expect_all_close(emb->weight.grad(), piece(wr.grad(), world, rank, 0), what + " weight grad");
       EXPECT_THROW(emb(at::full({3, 2}, vocab, at::kLong)), dtrain::DataError) << what;
     });
   }
@@ -261,9 +251,9 @@ void TensorParallel::check_cross_entropy(int world, std::int64_t vocab) const {
           li, targets, mesh["tp"], {.reduction = reduction, .vocab_size = vocab == 16 ? 0 : vocab});
       const std::string what = "vocabulary " + std::to_string(vocab) + " reduction " +
                                std::to_string(static_cast<int>(reduction)) + " rank " + std::to_string(rank);
-      expect_close(loss, ref.view(gout.sizes()).detach(), what + " loss");
+      expect_all_close(loss, ref.view(gout.sizes()).detach(), what + " loss");
       (loss * gout).sum().backward();
-      expect_close(li.grad(), piece(lr.grad(), world, rank, -1), what + " logits grad");
+      expect_all_close(li.grad(), piece(lr.grad(), world, rank, -1), what + " logits grad");
     });
   }
 }
@@ -300,12 +290,12 @@ TEST_P(TensorParallel, BFloat16Autocast) {
       }
       const std::string what = std::string(sp ? "SP" : "TP") + " bf16 rank " + std::to_string(rank);
       EXPECT_EQ(y.scalar_type(), at::kBFloat16) << what;
-      expect_close(y, sp ? piece(yr.detach(), world, rank, 1) : yr.detach(), what + " output", 2e-2, 2e-2);
+      expect_all_close(y, sp ? piece(yr.detach(), world, rank, 1) : yr.detach(), what + " output", 2e-2, 2e-2);
       (y.to(at::kFloat) * (sp ? piece(g, world, rank, 1) : g)).sum().backward();
-      expect_close(xi.grad(), sp ? piece(xr.grad(), world, rank, 1) : xr.grad(), what + " input grad", 2e-2, 2e-2);
-      expect_close(col->weight.grad(), piece(w1r.grad(), world, rank, 0), what + " fc weight grad", 2e-2, 2e-2);
-      expect_close(row->weight.grad(), piece(w2r.grad(), world, rank, 1), what + " proj weight grad", 2e-2, 2e-2);
-      expect_close(row->bias.grad(), b2r.grad(), what + " proj bias grad", 2e-2, 2e-2);
+      expect_all_close(xi.grad(), sp ? piece(xr.grad(), world, rank, 1) : xr.grad(), what + " input grad", 2e-2, 2e-2);
+      expect_all_close(col->weight.grad(), piece(w1r.grad(), world, rank, 0), what + " fc weight grad", 2e-2, 2e-2);
+      expect_all_close(row->weight.grad(), piece(w2r.grad(), world, rank, 1), what + " proj weight grad", 2e-2, 2e-2);
+      expect_all_close(row->bias.grad(), b2r.grad(), what + " proj bias grad", 2e-2, 2e-2);
     });
   }
 }
@@ -335,8 +325,8 @@ TEST_P(TensorParallel, ParametersCarryTheirLayouts) {
     qkv->copy_from_full(full, draw({24}, 61));
     const auto q = piece(full.narrow(0, 0, 8), world, rank, 0), v = piece(full.narrow(0, 16, 8), world, rank, 0);
     const std::int64_t rows = 8 / world;
-    expect_close(qkv->weight.narrow(0, 0, rows), q, "q rows");
-    expect_close(qkv->weight.narrow(0, 2 * rows, rows), v, "v rows");
+    expect_all_close(qkv->weight.narrow(0, 0, rows), q, "q rows");
+    expect_all_close(qkv->weight.narrow(0, 2 * rows, rows), v, "v rows");
   });
 }
 

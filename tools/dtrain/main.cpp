@@ -9,8 +9,10 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "ckpt_dispatch.h"
 #include "dtrain/comm/device.h"
@@ -40,6 +42,23 @@ void install_signal_handlers() {
   sigaction(SIGTERM, &sa, nullptr);
 }
 
+// Runs `agent` (an Agent or a ReplicaAgent) until it ends, with SIGINT/SIGTERM
+// stopping the workers, and removes the workers' error files. Success and an
+// interrupt end here (their exit code); a failure is for the caller to report.
+template <typename AgentT>
+std::pair<dtrain::elastic::AgentResult, std::optional<int>> run_agent(AgentT& agent,
+                                                                      const dtrain::tools::LaunchPlan& plan) {
+  install_signal_handlers();
+  auto result = agent.run(g_interrupt);
+  std::filesystem::remove_all(plan.error_file_dir);
+  if (result.state == dtrain::elastic::AgentState::kSucceeded) return {result, 0};
+  if (result.state == dtrain::elastic::AgentState::kInterrupted) {
+    std::cerr << "dtrain run: interrupted; workers stopped" << std::endl;
+    return {result, result.exit_code};
+  }
+  return {result, std::nullopt};
+}
+
 // --ft-replicas: replica groups under a lighthouse (replica_agent.h).
 int run_replica_groups(const dtrain::tools::LaunchOptions& opt, const dtrain::tools::LaunchPlan& plan) {
   namespace el = dtrain::elastic;
@@ -59,14 +78,8 @@ int run_replica_groups(const dtrain::tools::LaunchOptions& opt, const dtrain::to
                                           .error_file_dir = plan.error_file_dir + sub});
       },
       [] { return std::make_unique<dtrain::tools::BackgroundWorkerStore>(); }, lighthouse);
-  install_signal_handlers();
-  const auto result = agent.run(g_interrupt);
-  std::filesystem::remove_all(plan.error_file_dir);
-  if (result.state == el::AgentState::kSucceeded) return 0;
-  if (result.state == el::AgentState::kInterrupted) {
-    std::cerr << "dtrain run: interrupted; workers stopped" << std::endl;
-    return result.exit_code;
-  }
+  const auto [result, ended] = run_agent(agent, plan);
+  if (ended) return *ended;
   std::cerr << "dtrain run: failed after " << result.restarts << " replica-group restart"
             << (result.restarts == 1 ? "" : "s") << " (--max-restarts " << opt.max_restarts << " per group)\n"
             << "  root cause: " << result.root_cause_text << std::endl;
@@ -76,12 +89,12 @@ int run_replica_groups(const dtrain::tools::LaunchOptions& opt, const dtrain::to
 int run_command(const dtrain::tools::LaunchOptions& opt) {
   namespace el = dtrain::elastic;
   const auto plan = dtrain::tools::plan_launch(opt);
+  if (plan.fault_tolerance.replicas > 0) return run_replica_groups(opt, plan);
   el::ProcessWorkerGroup workers({.argv = plan.argv,
                                   .log_dir = plan.log_dir,
                                   .tee = plan.tee,
                                   .hang_timeout = plan.hang_timeout,
                                   .error_file_dir = plan.error_file_dir});
-  if (plan.fault_tolerance.replicas > 0) return run_replica_groups(opt, plan);
   dtrain::tools::BackgroundWorkerStore worker_store;  // node rank 0 hosts it: see agent.h
   std::unique_ptr<el::StoreRendezvous> rendezvous;
   if (plan.rendezvous.multi_node) {
@@ -101,14 +114,8 @@ int run_command(const dtrain::tools::LaunchOptions& opt) {
   }
   el::Agent agent = rendezvous ? el::Agent(plan.agent, workers, worker_store, *rendezvous)
                                : el::Agent(plan.agent, workers, worker_store);
-  install_signal_handlers();
-  const auto result = agent.run(g_interrupt);
-  std::filesystem::remove_all(plan.error_file_dir);
-  if (result.state == el::AgentState::kSucceeded) return 0;
-  if (result.state == el::AgentState::kInterrupted) {
-    std::cerr << "dtrain run: interrupted; workers stopped" << std::endl;
-    return result.exit_code;
-  }
+  const auto [result, ended] = run_agent(agent, plan);
+  if (ended) return *ended;
   std::cerr << "dtrain run: failed after " << result.restarts << " restart" << (result.restarts == 1 ? "" : "s")
             << " (--max-restarts " << opt.max_restarts << ")\n"
             << "  root cause: " << (result.root_cause_text.empty() ? "unknown" : result.root_cause_text) << std::endl;
