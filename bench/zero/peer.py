@@ -33,6 +33,7 @@ class Args:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", required=True, choices=["ddp", "fsdp2", "zero_redundancy"])
+    ap.add_argument("--replicas", type=int, default=1, help="fsdp2 only: HSDP over a 2-D mesh")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=12)
@@ -58,10 +59,16 @@ def main():
                                       weight_decay=0.1, foreach=False)
     else:
         from torch.distributed.fsdp import fully_shard
+        mesh = None
+        if args.replicas > 1:  # HSDP: shard within dp_shard, all-reduce across dp_replicate
+            from torch.distributed.device_mesh import init_device_mesh
+            world = dist.get_world_size()
+            mesh = init_device_mesh("cpu", (args.replicas, world // args.replicas),
+                                    mesh_dim_names=("dp_replicate", "dp_shard"))
         for name, layer in model.layers.named_children():
             if name.startswith("block"):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         net = model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -80,7 +87,10 @@ def main():
     dist.barrier()
     if rank == 0:
         times.sort()
-        print(json.dumps({"impl": "torch_" + args.strategy, "case": args.case or args.strategy,
+        impl = "torch_" + args.strategy
+        if args.replicas > 1:
+            impl = f"torch_hsdp{args.replicas}x{dist.get_world_size() // args.replicas}"
+        print(json.dumps({"impl": impl, "case": args.case or args.strategy,
                           "p50_ms": round(times[int(0.5 * (len(times) - 1))], 3),
                           "p95_ms": round(times[int(0.95 * (len(times) - 1))], 3)}))
     dist.destroy_process_group()

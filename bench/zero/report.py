@@ -22,7 +22,7 @@ ours, peers = load(sys.argv[1]), load(sys.argv[2])
 print("# memory per rank: parameters (peak during forward/backward) + gradients + optimizer state (MB, measured);")
 print("# resident: with the parameters held between steps (stage 3: shards only); formula: fp32 AdamW's,")
 print("# for _bf16 mixed-precision Adam's (ZeRO paper: 4P + 12P/N, 2P + 14P/N, 16P/N)")
-CASES = ("ddp", "zero1", "zero2", "zero3", "zero1_bf16", "zero2_bf16", "zero3_bf16")
+CASES = ("ddp", "zero1", "zero2", "zero3", "zero1_bf16", "zero2_bf16", "zero3_bf16", "hsdp2x2")
 for case in CASES:
     r = ours.get(case)
     if r:
@@ -40,11 +40,11 @@ def line(case, metric, d, p, peer_name):
                       "peer_name": peer_name, "ratio": round(p / d, 3) if d and p else None}))
 
 
-pairs = [("ddp", "ddp"), ("zero3", "fsdp2"), ("zero2", "fsdp2"), ("zero1", "zero_redundancy")]
+pairs = [("ddp", "ddp"), ("zero3", "fsdp2"), ("zero2", "fsdp2"), ("zero1", "zero_redundancy"), ("hsdp2x2", "hsdp2x2")]
 for mine, theirs in pairs:
     if mine in ours and theirs in peers:
         line(mine, "p50_ms", ours[mine]["p50_ms"], peers[theirs]["p50_ms"], peers[theirs]["impl"])
-for case in CASES[1:]:  # against dtrain's own DDP: ratio = ddp / zero
+for case in CASES[1:-1]:  # against dtrain's own DDP on 2 ranks: ratio = ddp / zero
     if case in ours and "ddp" in ours:
         line(case, "p50_ms_vs_dtrain_ddp", ours[case]["p50_ms"], ours["ddp"]["p50_ms"], "dtrain_ddp")
 for case in CASES:  # memory: ratio = formula / measured

@@ -4,7 +4,9 @@
 # each, all measured back to back in this run: dtrain DDP and ZeRO-1/2/3
 # (peak memory of parameters + gradients + optimizer state per rank, measured,
 # beside the fp32 AdamW formula; step time), and Python's torch DDP, FSDP2
-# (fully_shard, CPU + gloo) and ZeroRedundancyOptimizer (same torch).
+# (fully_shard, CPU + gloo) and ZeroRedundancyOptimizer (same torch); then
+# HSDP on 4 ranks (2 replicas x ZeRO-3 over 2, all-reduce across replicas)
+# against FSDP2 over a 2-D mesh (dp_replicate, dp_shard).
 # Set DTRAIN_BENCH_QUICK=1 for fewer steps.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,6 +30,11 @@ for round in 1 2 3; do  # three rounds, interleaved, so load drifts hit every ca
     launch_ranks "$ranks" "$tmp/one.jsonl" "$DTRAIN_PYTHON" "$here/peer.py" --strategy "$s" --steps "$steps" "$@"
     sed "s/\"impl\"/\"round\":$round,\"impl\"/" "$tmp/one.jsonl" >>"$tmp/peer.jsonl"
   done
+  launch_ranks 4 "$tmp/one.jsonl" "$DTRAIN_BUILD/bench/bench_zero" --strategy zero3 --replicas 2 --steps "$steps" "$@"
+  sed "s/\"impl\":\"dtrain\"/\"impl\":\"dtrain\",\"round\":$round/" "$tmp/one.jsonl" >>"$tmp/dtrain.jsonl"
+  launch_ranks 4 "$tmp/one.jsonl" "$DTRAIN_PYTHON" "$here/peer.py" --strategy fsdp2 --replicas 2 --case hsdp2x2 \
+    --steps "$steps" "$@"
+  sed "s/\"impl\"/\"round\":$round,\"impl\"/" "$tmp/one.jsonl" >>"$tmp/peer.jsonl"
 done
 echo "# raw results (rank 0 of $ranks)"
 cat "$tmp/dtrain.jsonl" "$tmp/peer.jsonl"

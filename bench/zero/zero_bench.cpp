@@ -13,9 +13,11 @@
 // 4P + 12P/N, stage 3 16P/N. With --bf16 (ZeRO only: MixedPrecisionPolicy
 // bf16 parameters and reductions, fp32 master shards) it is the paper's
 // mixed-precision Adam: stage 1 4P + 12P/N, stage 2 2P + 14P/N, stage 3 16P/N
-// (case "zeroK_bf16").
+// (case "zeroK_bf16"). With --replicas R (HSDP, stage 3 only) the world is
+// R replicas of world/R sharding ranks (dp_replicate x dp_shard, as FSDP2
+// with a 2-D mesh): case "hsdp<R>x<world/R>", formula 16P/(world/R).
 //
-//   zero_bench --strategy ddp|zero1|zero2|zero3 [--bf16] --steps 30 --batch 12 --block 64
+//   zero_bench --strategy ddp|zero1|zero2|zero3 [--bf16] [--replicas R] --steps 30 --batch 12 --block 64
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/optim/adamw.h>
@@ -82,11 +84,24 @@ int main(int argc, char** argv) {
   app.add_option("--n-embd", config.n_embd);
   bool bf16 = false;
   app.add_flag("--bf16", bf16, "ZeRO with bf16 parameters and reductions, fp32 master shards");
+  int replicas = 1;
+  app.add_option("--replicas", replicas, "HSDP: replicas (dp_replicate) of ZeRO-3 over the rest")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
     at::set_num_threads(1);
     auto group = dtrain::dist::init_process_group();
     const int world = group.size();
+    std::optional<dtrain::dist::DeviceMesh> mesh;
+    dtrain::dist::ProcessGroup shard_group = group;
+    if (replicas > 1) {
+      DTRAIN_CHECK(strategy == "zero3" && world % replicas == 0, ConfigError,
+                   "--replicas " << replicas << " needs --strategy zero3 and a world it divides (" << world << ").",
+                   "pass --strategy zero3 and a divisor of the world");
+      mesh.emplace(group,
+                   std::vector<dtrain::dist::MeshDim>{{"dp_replicate", replicas}, {"dp_shard", world / replicas}});
+      shard_group = (*mesh)["dp_shard"];
+    }
     gpt::Gpt net(config);
     gpt::init_weights(*net, config.n_layer, 1337);
     std::int64_t numel = 0;
@@ -101,7 +116,8 @@ int main(int argc, char** argv) {
     } else {
       auto options = gpt::zero_options(strategy);
       if (bf16) options.mixed_precision = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kBFloat16};
-      sdp.emplace(net, group, options);
+      if (mesh) options.replicate_group = (*mesh)["dp_replicate"];
+      sdp.emplace(net, shard_group, options);
       opt_params = sdp->parameters();
     }
     torch::optim::AdamW opt(opt_params, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
@@ -141,7 +157,7 @@ int main(int argc, char** argv) {
     }
     group.barrier();
     if (group.rank() == 0) {
-      const double p = static_cast<double>(numel) * 4.0, n = world;  // p: bytes of one fp32 copy (4 psi)
+      const double p = static_cast<double>(numel) * 4.0, n = shard_group.size();  // p: one fp32 copy (4 psi)
       double formula = strategy == "ddp"     ? 4 * p
                        : strategy == "zero1" ? 2 * p + 2 * p / n
                        : strategy == "zero2" ? p + 3 * p / n
@@ -150,6 +166,7 @@ int main(int argc, char** argv) {
         formula = strategy == "zero1" ? p + 3 * p / n : strategy == "zero2" ? p / 2 + 3.5 * p / n : 4 * p / n;
       }
       if (bf16 && strategy != "ddp") strategy += "_bf16";
+      if (replicas > 1) strategy = "hsdp" + std::to_string(replicas) + "x" + std::to_string(world / replicas);
       std::printf(
           "{\"impl\":\"dtrain\",\"case\":\"%s\",\"world\":%d,\"params\":%lld,\"p50_ms\":%.3f,\"p95_ms\":%.3f,"
           "\"param_bytes\":%lld,\"grad_bytes\":%lld,\"optimizer_bytes\":%lld,\"peak_bytes\":%lld,"

@@ -16,8 +16,10 @@ void ZeroEngine::begin_backward_if_needed() {
   for (Unit& unit : units_) {
     unit.ready = 0;
     unit.launched = false;
+    unit.replica_issued = false;
   }
   next_reduction_ = 0;
+  next_replica_ = 0;
   if (options_.stage == 1) prepare_gradient_buffers();
   torch::autograd::Engine::get_default_engine().queue_callback([token = self_] {
     if (*token != nullptr) (*token)->finish_backward();
@@ -81,6 +83,7 @@ void ZeroEngine::on_grad_ready(std::size_t u) {
 
 void ZeroEngine::launch_ready_reductions() {
   if (!sync) return;
+  issue_finished_replica_reductions();
   while (next_reduction_ < order_.size()) {
     Unit& unit = units_[order_[next_reduction_]];
     if (unit.trainable > 0 && unit.ready < unit.trainable) return;
@@ -111,7 +114,33 @@ void ZeroEngine::launch_reduction(std::size_t u) {
   }
   unit.reduce_output = at::empty({unit.shard}, unit.reduce_input.options());
   unit.reduce_work = group_.reduce_scatter(unit.reduce_output, unit.reduce_input, dist::ReduceOp::kAvg);
+  if (replicated()) unit.reduce_done = unit.reduce_work.future();
   unit.launched = true;
+}
+
+// Note [HSDP replica all-reduce]
+// Under HSDP a unit's reduce-scatter output (the sharding group's average) is
+// then averaged over the replicas by an all-reduce on the replicate group.
+// That all-reduce can only start once the reduce-scatter is done, and every
+// rank of a replicate group must issue them in the same order (the groups'
+// reduce-scatters finish in different orders on different ranks, and Gloo
+// pairs operations by order). So they are issued in reduction order only:
+// while backward runs, each time a unit's gradients complete, the finished
+// reduce-scatters at the head of that order get their all-reduce (polled,
+// never waited on), which then runs beside the remaining backward; the end
+// of backward issues the rest, in the same order, and waits for all.
+void ZeroEngine::issue_finished_replica_reductions() {
+  if (!replicated()) return;
+  while (next_replica_ < next_reduction_) {
+    Unit& unit = units_[order_[next_replica_]];
+    if (unit.launched && !unit.replica_issued) {
+      if (!unit.reduce_done->completed() || unit.reduce_done->hasError())
+        return;  // errors surface in complete_reduction's wait
+      unit.replica_work = options_.replicate_group->all_reduce(unit.reduce_output, dist::ReduceOp::kAvg);
+      unit.replica_issued = true;
+    }
+    ++next_replica_;
+  }
 }
 
 void ZeroEngine::complete_reduction(std::size_t u) {
@@ -119,10 +148,17 @@ void ZeroEngine::complete_reduction(std::size_t u) {
   Unit& unit = units_[u];
   unit.reduce_work.wait();
   unit.reduce_input = at::Tensor();
-  // HSDP: the sharding group's average, averaged over the replicas. Issued
-  // once the reduce-scatter is done (here, at the end of backward), so it is
-  // not overlapped with compute yet.
-  if (replicated()) options_.replicate_group->all_reduce(unit.reduce_output, dist::ReduceOp::kAvg).wait();
+  // HSDP: the sharding group's average, averaged over the replicas (Note
+  // [HSDP replica all-reduce]); completions run in reduction order, so every
+  // unit before this one has issued its all-reduce.
+  if (replicated()) {
+    if (!unit.replica_issued) {
+      unit.replica_work = options_.replicate_group->all_reduce(unit.reduce_output, dist::ReduceOp::kAvg);
+      unit.replica_issued = true;
+    }
+    unit.replica_work.wait();
+    unit.reduce_done.reset();
+  }
   // Shard gradients stay in a 16-bit reduce dtype (the ZeRO paper's mixed-
   // precision Adam counts 2 bytes for them; the reduced values are those
   // anyway, and optimizers upcast per operation against the fp32 masters);

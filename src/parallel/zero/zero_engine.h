@@ -64,6 +64,9 @@ struct Unit {
   std::int64_t ready = 0;  // trainable parameters whose gradient has been accumulated
   bool launched = false;
   dist::Work reduce_work;
+  dist::Future reduce_done;     // HSDP: completes with reduce_work (polled, Note [HSDP replica all-reduce])
+  bool replica_issued = false;  // HSDP: the all-reduce over the replicas is issued (replica_work)
+  dist::Work replica_work;
   at::Tensor reduce_input, reduce_output;
   at::Tensor grad_flat;     // stage 1: the full gradient, [world * shard] (module gradients alias it)
   bool input_done = false;  // stage 3: the gradient of the unit's input has been computed
@@ -120,6 +123,7 @@ class ZeroEngine {
   void launch_ready_reductions();
   void launch_reduction(std::size_t unit);
   void complete_reduction(std::size_t unit);
+  void issue_finished_replica_reductions();
   std::int64_t current_parameter_bytes() const;
   void note_memory();
 
@@ -137,6 +141,7 @@ class ZeroEngine {
   GradientSet gradient_set_;
   std::vector<std::size_t> order_;                // reduction order: sequential units last to first, then the root
   std::size_t next_reduction_ = 0;                // index into order_
+  std::size_t next_replica_ = 0;                  // HSDP: index into order_ of the next replica all-reduce
   std::vector<std::int64_t> piece_chunk_offset_;  // per shard: its first element in the unit's chunk
   bool in_backward_ = false;
   bool dirty_ = false;
