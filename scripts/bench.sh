@@ -15,4 +15,12 @@ shift
 "$DTRAIN_ROOT/scripts/setup.sh"
 cmake --build "$DTRAIN_BUILD" --target "bench_$name"
 export DTRAIN_BUILD DTRAIN_PYTHON
+# Every figure depends on the CPU (oneDNN vs MKL differ by family): say which,
+# and how busy the machine was, before the bench's own lines.
+cpu="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"
+family="$(sed -n 's/^cpu family[[:space:]]*: //p' /proc/cpuinfo | head -1)"
+model="$(sed -n 's/^model[[:space:]]*: //p' /proc/cpuinfo | head -1)"
+echo "# machine: ${cpu:-unknown CPU} (family ${family:-?} model ${model:-?}), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+printf '{"bench":"%s","machine":{"cpu":"%s","family":"%s","model":"%s","cores":%d,"load":"%s"}}\n' \
+  "$name" "${cpu:-unknown}" "${family:-?}" "${model:-?}" "$(nproc)" "$(cut -d' ' -f1-3 /proc/loadavg)"
 exec "$DTRAIN_ROOT/bench/$name/run.sh" "$@"
