@@ -1,5 +1,6 @@
 // Block attention with log-sum-exp (see block_attention.h): the CPU's flash
-// attention kernel where it applies, else math attention from ATen ops.
+// attention kernel on CPU tensors, the memory-efficient kernel on CUDA
+// tensors where it applies, else math attention from ATen ops.
 #include "block_attention.h"
 
 #include <ATen/ATen.h>
@@ -12,6 +13,30 @@ namespace {
 
 bool use_flash(const at::Tensor& q, BlockKernel kernel) {
   return kernel == BlockKernel::kAuto && q.device().is_cpu();
+}
+
+// Note [CUDA block kernel]
+// On CUDA the blocks run on ATen's memory-efficient attention
+// (_scaled_dot_product_efficient_attention with compute_log_sumexp, and its
+// backward), the one fused CUDA kernel that returns the log-sum-exp for
+// fp32 as well as fp16/bf16. Its conditions, checked here so that anything
+// else takes the math path instead of failing inside the kernel: floating
+// q, k, v of one dtype (fp32, fp16, bf16), a head dimension that is a
+// multiple of 8 (its alignment for every dtype). Its causal mask is
+// top-left aligned, as block_attention.h asks. Its log-sum-exp comes padded
+// along the queries to a multiple of 32; the merge wants [B, H, Lq], and its
+// backward reads the padded layout, so the merged rows go back into a
+// +inf-padded buffer of that length (padding rows are never read as
+// queries). Dropout is 0, so the philox seed and offset it takes are unused.
+bool use_efficient_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, BlockKernel kernel) {
+  if (kernel != BlockKernel::kAuto || !q.is_cuda()) return false;
+  const auto type = q.scalar_type();
+  const bool floating = type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
+  return floating && k.scalar_type() == type && v.scalar_type() == type && q.size(-1) % 8 == 0 && v.size(-1) % 8 == 0;
+}
+
+std::int64_t padded_queries(std::int64_t lq) {
+  return (lq + 31) / 32 * 32;
 }
 
 // Scores in fp32 with the causal mask applied: [B, H, Lq, Lk].
@@ -32,6 +57,11 @@ BlockResult block_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
     auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
     return {out, lse.to(at::kFloat)};
   }
+  if (use_efficient_cuda(q, k, v, kernel)) {  // Note [CUDA block kernel]
+    auto [out, lse, seed, offset] = at::_scaled_dot_product_efficient_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), std::nullopt, /*compute_log_sumexp=*/true, 0.0, causal, scale);
+    return {out, lse.narrow(-1, 0, q.size(-2)).to(at::kFloat)};
+  }
   const at::Tensor s = masked_scores(q, k, causal, scale);
   at::Tensor lse = at::logsumexp(s, -1);
   const at::Tensor p = (s - lse.unsqueeze(-1)).exp_();
@@ -45,6 +75,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
   if (use_flash(q, kernel)) {
     return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout.contiguous(), q, k, v, out.contiguous(),
                                                                     lse.contiguous(), 0.0, causal, std::nullopt, scale);
+  }
+  if (use_efficient_cuda(q, k, v, kernel)) {  // Note [CUDA block kernel]
+    const std::int64_t lq = q.size(-2);
+    at::Tensor padded = at::full({lse.size(0), lse.size(1), padded_queries(lq)}, std::numeric_limits<float>::infinity(),
+                                 lse.options().dtype(at::kFloat));
+    padded.narrow(-1, 0, lq).copy_(lse);
+    const at::Tensor unused = at::empty({0}, at::TensorOptions().dtype(at::kLong));
+    auto [dq, dk, dv, dbias] = at::_scaled_dot_product_efficient_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), at::Tensor(), out.contiguous(), padded,
+        unused, unused, 0.0, {true, true, true, false}, causal, scale);
+    return {dq, dk, dv};
   }
   const at::Tensor p = (masked_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp_();  // this block's probabilities
   const at::Tensor dout32 = dout.to(at::kFloat);

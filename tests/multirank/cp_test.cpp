@@ -148,6 +148,10 @@ TEST(ContextParallelSplit, MeanLossValueIsTheGroupsMeanGradientIsLocal) {
 // A part that is not two equal chunks is refused before anything is sent.
 TEST(ContextParallelSplit, OddLocalSequenceIsConfigError) {
   on_cp_ranks(2, false, [&](int /*rank*/, dtrain::dist::ProcessGroup& group) {
+    // Both ranks connected before either throws: a rank whose group is made
+    // may otherwise close it while its peer is still connecting (1 run in
+    // ~10 failed with "connection closed by peer" at load 12).
+    group.barrier();
     const at::Tensor x = at::zeros({1, 1, 3, 4});
     try {
       cp::causal_attention(x, x, x, group);

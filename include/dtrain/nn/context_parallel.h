@@ -51,7 +51,10 @@ enum class KvExchange {
 // The per-block attention kernel (an ATen kernel that returns the log-sum-exp).
 enum class BlockKernel {
   // The CPU's flash attention (at::_scaled_dot_product_flash_attention_for_cpu
-  // and its backward) on CPU tensors, math attention elsewhere.
+  // and its backward) on CPU tensors; on CUDA tensors the memory-efficient
+  // kernel (at::_scaled_dot_product_efficient_attention with its log-sum-exp)
+  // where it applies (fp32/fp16/bf16, head dimension a multiple of 8); math
+  // attention elsewhere.
   kAuto,
   // Math attention from ATen ops (matmul, logsumexp, softmax), any device.
   kMath,
