@@ -35,8 +35,15 @@ at::Tensor total_norm(const GradientSet& gradients, const std::vector<at::Tensor
   DTRAIN_CHECK(is_inf_norm(p) || (std::isfinite(p) && p > 0), ConfigError,
                "gradient norm of order " << p << " is not supported",
                "use norm_type 2 (the usual), any p > 0, or std::numeric_limits<double>::infinity() (max norm)");
-  // Norms in fp32 at least (bf16/fp16 gradients would lose the sum), fp64 when any gradient is fp64.
+  // Norms in fp32 at least (bf16/fp16 gradients would lose the sum), fp64
+  // when any parameter is fp64. Read from the parameters, not the gradients:
+  // every rank combining partials must pick the same dtype, and a rank whose
+  // parameters got no gradient this step still has the parameters (a rank
+  // with no parameters at all counts in fp32).
   c10::ScalarType acc = at::kFloat;
+  for (const auto& param : gradients.parameters) {
+    if (param.scalar_type() == at::kDouble) acc = at::kDouble;
+  }
   for (const auto& g : grads) {
     if (g.scalar_type() == at::kDouble) acc = at::kDouble;
   }

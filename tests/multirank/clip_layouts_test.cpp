@@ -137,3 +137,18 @@ TEST(GradientSetFromLayouts, PartialGradientsAndForeignMeshesAreRefused) {
     EXPECT_THROW(dtrain::GradientSet::from_layouts({}, mesh, {"pp"}), dtrain::ConfigError);
   });
 }
+
+// fp64 parameters sharded over 2 ranks, one of which got no gradient this
+// step: both ranks must combine their partial norms in the same dtype (the
+// parameters', not the gradients' they happen to hold), and the norm is the
+// other rank's gradient's.
+TEST(GradientSetSharded, RankWithoutGradientsCombinesInTheParametersDtype) {
+  dtrain::testing::run_rank_threads(2, [](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = kClipLayoutsTimeout});
+    at::Tensor param = at::zeros({4}, at::kDouble).requires_grad_(true);
+    if (rank == 0) param.mutable_grad() = at::tensor({3.0, 0.0, 4.0, 0.0}, at::kDouble);
+    const at::Tensor norm = dtrain::grad_norm(dtrain::GradientSet::sharded({param}, group));
+    EXPECT_EQ(norm.scalar_type(), at::kDouble) << "rank " << rank;
+    EXPECT_DOUBLE_EQ(norm.item<double>(), 5.0) << "rank " << rank;
+  });
+}
