@@ -3,7 +3,8 @@
 // every schedule (gpipe, 1f1b, interleaved with 2 stages per rank, zb):
 // three AdamW steps with global-norm clipping, then an evaluation, equal one
 // process training the same model on the union batch (rtol 1e-5). The model
-// has odd sizes, so ZeRO's units are padded and its shards uneven.
+// has odd sizes, so ZeRO's units are padded and its shards uneven. ZeRO-3
+// holds a stage's full parameters once during a step and frees them after.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
@@ -118,7 +119,19 @@ TEST(PipelineAppliers, DataTimesPipelineWithEachApplierAndScheduleEqualsOneProce
               const AppliersBatch b = appliers_batch(kBatch, step);
               const auto half = [&](const at::Tensor& t) { return t.chunk(2, 0)[dp]; };
               pipe->zero_grad();
+              for (auto* sdp : pipe->sharded_stages()) sdp->reset_peak();
               const at::Tensor loss = pipe->step(half(b.x), half(b.y));
+              // ZeRO-3: during the step the stage held its full parameters (units
+              // padded to 2 equal slices: 2 chunks' bytes) beside its chunks,
+              // after it only the chunks.
+              for (auto* sdp : pipe->sharded_stages()) {
+                if (sdp->options().stage != 3) continue;
+                const dtrain::ZeroMemoryStats m = sdp->memory_stats();
+                if (m.peak_parameter_bytes != 3 * m.parameter_bytes)
+                  failures << where << ": parameter bytes " << m.parameter_bytes << " after the step, peak "
+                           << m.peak_parameter_bytes
+                           << " (expected 3x: the chunks, and the full parameters during the step)\n";
+              }
               const at::Tensor norm = pipe->clip_grad_norm_(kMaxNorm);
               opt.step();
               ref_opt.zero_grad();
