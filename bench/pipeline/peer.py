@@ -5,6 +5,10 @@ schedule of the same name and micro-batches, SGD, one intra-op thread.
 
     torchrun --nproc-per-node 2 peer.py --schedule 1f1b --micro-batches 4 --split 0,0,0,1,1,1
     peer.py --schedule none     (one process, the unpipelined model)
+    torchrun --nproc-per-node 4 peer.py --schedule 1f1b --dp-shard 2 ...
+        (2 pipeline replicas, each stage under FSDP2 fully_shard over its
+        dp_shard group with reshard_after_forward=False, as torchtitan does
+        under pipelining; each replica trains on its half of the batch)
 
 Prints {"impl":"torch.distributed.pipelining","step_ms":...} from the last stage's rank.
 Differences: the head's output projection is not synchronised with the first
@@ -35,6 +39,7 @@ def main():
     ap.add_argument("--split", default="")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--dp-shard", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(1)
     cfg = argparse.Namespace(block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)
@@ -58,7 +63,16 @@ def main():
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
         dist.init_process_group("gloo")
-        rank, p = dist.get_rank(), dist.get_world_size()
+        pp_group, dp_mesh = None, None
+        if a.dp_shard > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (dist.get_world_size() // a.dp_shard, a.dp_shard),
+                                    mesh_dim_names=("pp", "dp_shard"))
+            pp_group, dp_mesh = mesh["pp"].get_group(), mesh["dp_shard"]
+            dp = mesh["dp_shard"].get_local_rank()
+            x, y = x.chunk(a.dp_shard)[dp], y.chunk(a.dp_shard)[dp]
+        rank, p = dist.get_rank(pp_group), dist.get_world_size(pp_group)
         v = 2 if a.schedule == "interleaved" else 1
         n = p * v
         split = [int(s) for s in a.split.split(",")]
@@ -66,7 +80,12 @@ def main():
         stages = []
         for s in range(rank, n, p):
             sub = nn.Sequential(collections.OrderedDict([(name, m) for (name, m), k in zip(layers, split) if k == s]))
-            stages.append(PipelineStage(sub, s, n, torch.device("cpu")))
+            if dp_mesh is not None:
+                for layer in sub.children():
+                    if any(True for _ in layer.parameters()):
+                        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+                fully_shard(sub, mesh=dp_mesh, reshard_after_forward=False)
+            stages.append(PipelineStage(sub, s, n, torch.device("cpu"), group=pp_group))
         params = [q for st in stages for q in st.submod.parameters()]
         opt = torch.optim.SGD(params, lr=1e-3)
         m = a.micro_batches
@@ -78,13 +97,13 @@ def main():
             sched = ScheduleInterleaved1F1B(stages, m, loss_fn=gpt.lm_loss)
         else:
             sched = ScheduleInterleavedZeroBubble(stages, m, loss_fn=gpt.lm_loss)
-        last = rank == (n - 1) % p
+        last = rank == (n - 1) % p and (dp_mesh is None or dp_mesh.get_local_rank() == 0)
         for step in range(a.warmup + a.steps):
             dist.barrier()
             start = time.perf_counter()
             opt.zero_grad()
             kwargs = {}
-            if last:
+            if rank == (n - 1) % p:
                 kwargs["target"] = y
                 kwargs["losses"] = []
             if rank == 0:
@@ -98,7 +117,8 @@ def main():
     if last:
         mean = sum(times) / len(times) * 1000
         print(json.dumps({"impl": "torch.distributed.pipelining", "schedule": a.schedule,
-                          "micro_batches": a.micro_batches, "batch": a.batch, "step_ms": round(mean, 2),
+                          "micro_batches": a.micro_batches, "batch": a.batch, "dp_shard": a.dp_shard,
+                          "step_ms": round(mean, 2),
                           "tokens_per_second": round(a.batch * 64 * 1000 / mean)}), flush=True)
 
 

@@ -24,6 +24,7 @@
 #include "../../examples/gpt/model.h"
 #include "../../examples/gpt/pipeline_stages.h"
 #include "../common/timing.h"
+#include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
@@ -163,7 +164,7 @@ std::vector<std::size_t> parse_split(const std::string& text) {
 }
 
 int gpt_mode(const std::string& schedule, int m, int batch, const std::string& split, int steps, int warmup,
-             const std::string& transport) {
+             const std::string& transport, int dp_shard) {
   at::set_num_threads(1);
   dtrain::retain_freed_host_memory();  // as examples/gpt does (host_memory.h)
   const gpt::GptConfig config{.vocab_size = 65, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128};
@@ -185,21 +186,33 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
   } else {
     // "gloo": activations and gradients through Gloo's loopback TCP instead
     // of the shared-memory rings (shm_p2p.cpp), to show what they change.
-    auto group = dtrain::dist::init_process_group({.intra_host_shared_memory = transport != "gloo"});
+    auto world = dtrain::dist::init_process_group({.intra_host_shared_memory = transport != "gloo"});
+    // --dp-shard N: N pipeline replicas, each stage ZeRO-3 over its replicas
+    // (dp_shard), each replica training on its 1/N of the batch.
+    dtrain::dist::DeviceMesh mesh(world, {{"pp", world.size() / dp_shard}, {"dp_shard", dp_shard}});
+    dtrain::dist::ProcessGroup group = mesh["pp"];
     const ScheduleKind kind = parse_schedule_kind(schedule);
     const int v = kind == ScheduleKind::kInterleaved1F1B ? 2 : 1;
     const int p = group.size();
+    PipelineOptions options{.schedule = kind, .micro_batches = m, .record_trace = true};
+    at::Tensor xs = x, ys = y;
+    if (dp_shard > 1) {
+      options.data_parallel_group = mesh["dp_shard"];
+      options.stage_sync = zero_stage_sync({.stage = 3});
+      xs = x.chunk(dp_shard, 0)[mesh.coordinate("dp_shard")];
+      ys = y.chunk(dp_shard, 0)[mesh.coordinate("dp_shard")];
+    }
     Pipeline pipe(gpt::pipeline_stages(layers, p, v, group.rank(),
                                        split.empty() ? std::vector<std::size_t>{} : parse_split(split)),
-                  group, {.schedule = kind, .micro_batches = m, .record_trace = true}, gpt::lm_loss);
+                  group, options, gpt::lm_loss);
     torch::optim::SGD opt(pipe.parameters(), 1e-3);
     double busy = 0;
     Clock::time_point last_start, last_end;
     for (int step = 0; step < warmup + steps; ++step) {
-      group.barrier();
+      world.barrier();
       const auto start = Clock::now();
       opt.zero_grad();
-      pipe.step(x, y);
+      pipe.step(xs, ys);
       opt.step();
       if (step < warmup) continue;
       times.push_back(ms_since(start));
@@ -220,14 +233,14 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
                      std::chrono::duration<double, std::milli>(t.start - origin).count(),
                      std::chrono::duration<double, std::milli>(t.end - t.start).count());
     }
-    if (group.rank() != p - 1) return 0;
+    if (group.rank() != p - 1 || mesh.coordinate("dp_shard") != 0) return 0;
   }
   double mean = 0;
   for (double t : times) mean += t / double(times.size());
   std::printf(
       "{\"impl\":\"dtrain\",\"schedule\":\"%s\",\"transport\":\"%s\",\"micro_batches\":%d,\"batch\":%d,"
-      "\"step_ms\":%.2f,\"tokens_per_second\":%.0f}\n",
-      schedule.c_str(), transport.c_str(), m, batch, mean, batch * 64 * 1000.0 / mean);
+      "\"dp_shard\":%d,\"step_ms\":%.2f,\"tokens_per_second\":%.0f}\n",
+      schedule.c_str(), transport.c_str(), m, batch, dp_shard, mean, batch * 64 * 1000.0 / mean);
   return 0;
 }
 
@@ -236,7 +249,7 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
 int main(int argc, char** argv) {
   CLI::App app{"pipeline schedules benchmark"};
   std::string mode = "sleep", schedule = "1f1b", split, transport = "shm";
-  int p = 4, steps = 2, m = 4, batch = 16, warmup = 3;
+  int p = 4, steps = 2, m = 4, batch = 16, warmup = 3, dp_shard = 1;
   double unit = 10;
   app.add_option("--mode", mode, "sleep | gpt");
   app.add_option("--ranks", p, "sleep: pipeline ranks");
@@ -247,8 +260,9 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batches", m, "gpt: micro-batches");
   app.add_option("--batch", batch, "gpt: sequences per step");
   app.add_option("--split", split, "gpt: stage of each layer, comma-separated (default: planned)");
+  app.add_option("--dp-shard", dp_shard, "gpt: pipeline replicas, each stage ZeRO-3 over them (world = pp x this)");
   app.add_option("--transport", transport, "gpt: shm (default: shared-memory send/recv on one host) | gloo");
   CLI11_PARSE(app, argc, argv);
   if (mode == "sleep") return sleep_mode(p, unit, steps);
-  return gpt_mode(schedule, m, batch, split, steps, warmup, transport);
+  return gpt_mode(schedule, m, batch, split, steps, warmup, transport, dp_shard);
 }

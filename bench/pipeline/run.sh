@@ -20,6 +20,12 @@
 #     8 sequences per replica): tokens/s for each --dp-reduce (ddp, zero1,
 #     zero2, allreduce), and the val loss each ends at (equal: the reductions
 #     compute the same step). dtrain only: no Python peer runs this mesh.
+# (d) ZeRO-3 x PP 2 x 2 on 4 processes: the bench GPT of (b) (1F1B, 4
+#     micro-batches, 16 sequences per step, 8 per replica, SGD), each stage
+#     ZeRO-3 over its 2 replicas (dp_shard): dtrain (bench_pipeline --dp-shard 2,
+#     the stage gathered once per step) against FSDP2 fully_shard per layer
+#     with reshard_after_forward=False inside torch.distributed.pipelining
+#     (torchrun, gloo), alternating, median of `reps` runs each.
 # DTRAIN_BENCH_QUICK=1: fewer steps.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -102,3 +108,22 @@ for r in ddp zero1 zero2 allreduce; do
 d = json.loads(sys.stdin.read())
 print(json.dumps({"bench": "pipeline", "case": "mesh2x2_" + d["dp_reduce"], "tokens_per_second": round(d["tokens_per_second"]), "val_loss": round(d["val_loss"], 5)}))'
 done
+
+echo "# (d) ZeRO-3 x PP 2 x 2 (GPT of (b), 1F1B, m = 4): dtrain vs FSDP2 inside torch.distributed.pipelining"
+: >"$tmp/z3_dtrain.jsonl"
+: >"$tmp/z3_peer.jsonl"
+for rep in $(seq "$reps"); do
+  "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 4 "$bin" --mode gpt --schedule 1f1b --micro-batches 4 \
+    --split "$(split_for 1f1b)" --steps "$steps" --dp-shard 2 2>/dev/null | grep '^{' >>"$tmp/z3_dtrain.jsonl"
+  "$DTRAIN_PYTHON" -m torch.distributed.run --nproc-per-node 4 --standalone "$here/peer.py" --schedule 1f1b \
+    --micro-batches 4 --split "$(split_for 1f1b)" --steps "$steps" --dp-shard 2 2>/dev/null | grep '^{' \
+    >>"$tmp/z3_peer.jsonl"
+done
+"$DTRAIN_PYTHON" - "$tmp" <<'PY'
+import json, os, statistics, sys
+tmp = sys.argv[1]
+med = lambda name: statistics.median(json.loads(l)["step_ms"] for l in open(os.path.join(tmp, name)))
+d, t = med("z3_dtrain.jsonl"), med("z3_peer.jsonl")
+print(json.dumps({"bench": "pipeline", "case": "zero3_pp2x2_1f1b", "dtrain_step_ms": round(d, 1),
+                  "torch_fsdp2_pipelining_step_ms": round(t, 1), "ratio": round(t / d, 2)}))
+PY

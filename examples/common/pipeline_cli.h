@@ -32,10 +32,12 @@ struct PipelineCli {
     app.add_option("--pp-size", pp_size, "Ranks per pipeline (0: all; the rest replicate it, DP x PP)")
         ->check(CLI::NonNegativeNumber)
         ->capture_default_str();
-    app.add_option("--dp-reduce", dp_reduce,
-                   "DP x PP: how each stage's gradients are averaged over its replicas (ddp: bucketed, overlapped; "
-                   "zero1/zero2: sharded optimizer state / and gradients; allreduce: once after the schedule)")
-        ->check(CLI::IsMember({"ddp", "zero1", "zero2", "allreduce"}))
+    app.add_option(
+           "--dp-reduce", dp_reduce,
+           "DP x PP: how each stage's gradients are averaged over its replicas (ddp: bucketed, overlapped; "
+           "zero1/zero2/zero3: sharded optimizer state / and gradients / and parameters; allreduce: once after the "
+           "schedule)")
+        ->check(CLI::IsMember({"ddp", "zero1", "zero2", "zero3", "allreduce"}))
         ->capture_default_str();
   }
 
@@ -58,7 +60,7 @@ struct PipelineCli {
     dtrain::pipeline::PipelineOptions result{.schedule = kind(), .micro_batches = micro_batches};
     if (auto& data = mesh.join({"dp_replicate", "dp_shard"}); data.size() > 1) {
       result.data_parallel_group = data;
-      dtrain::pipeline::set_stage_reduction(result, dp_reduce);
+      result.stage_sync = dtrain::pipeline::stage_sync_named(dp_reduce);
     }
     return result;
   }

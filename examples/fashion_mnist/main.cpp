@@ -2,7 +2,7 @@
 //
 //   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline]
 //                 [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
-//                 [--dp-reduce ddp|zero1|zero2|allreduce] [--devices all] [--epochs 2]
+//                 [--dp-reduce ddp|zero1|zero2|zero3|allreduce] [--devices all] [--epochs 2]
 //                 [--plan FILE | --dp-replicate N --dp-shard N --pp N --zero-stage K] [--global-batch-size G]
 //                 [--batch-size 64] [--lr 1e-3] [--seed 0]
 //                 [--amp off|bf16|fp16] [--accumulate 1] [--clip-norm 0]

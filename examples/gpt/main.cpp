@@ -3,7 +3,7 @@
 //
 //   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
 //       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
-//       [--dp-reduce ddp|zero1|zero2|allreduce] (pipeline_strategy.h)
+//       [--dp-reduce ddp|zero1|zero2|zero3|allreduce] (pipeline_strategy.h)
 //       [--plan FILE | --dp-replicate N --dp-shard N --pp N --tp N [--sequence-parallel] --cp N --zero-stage K]
 //       [--cp-exchange ring|allgather]
 //       [--global-batch-size G]

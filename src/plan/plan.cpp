@@ -141,9 +141,6 @@ void validate_applied(const ParallelPlan& p) {
                "dp_replicate " << p.dp_replicate << " x dp_shard " << p.dp_shard << " (HSDP) inside a pipeline (pp "
                                << p.pp << "): no applier in this build composes them yet.",
                "put each stage's data-parallel ranks on one of dp_replicate or dp_shard");
-  DTRAIN_CHECK(!(p.pp > 1 && p.zero_stage == 3), ConfigError,
-               "ZeRO stage 3 inside a pipeline (pp " << p.pp << "): not in this build yet.",
-               "use zero_stage 1 or 2 for pipeline stages");
 }
 
 }  // namespace

@@ -49,13 +49,17 @@ std::vector<at::Tensor> PipelineStrategy::parameters() {
   return pipe_->parameters();
 }
 
-void PipelineStrategy::gather_full() {
-  for (ShardedDataParallel* sdp : pipe_->sharded_stages()) sdp->pre_forward();
-}
-
+// ZeRO stages: every local stage's full parameters, gathered while the scope
+// lives (stages 1-2 keep them afterwards until the next optimizer step;
+// stage 3 frees them when it ends).
 std::unique_ptr<Strategy::Scope> PipelineStrategy::full_parameters() {
-  gather_full();  // stages 1-2 keep them afterwards until the next optimizer step
-  return nullptr;
+  struct Guard : Scope {
+    std::vector<std::unique_ptr<ShardedDataParallel::FullParameters>> guards;
+  };
+  auto guard = std::make_unique<Guard>();
+  for (ShardedDataParallel* sdp : pipe_->sharded_stages())
+    guard->guards.push_back(std::make_unique<ShardedDataParallel::FullParameters>(*sdp));
+  return guard;
 }
 
 c10::Device PipelineStrategy::input_device() const {
@@ -113,6 +117,13 @@ void PipelineStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimize
   if (added_to_ == &checkpointer) return;
   DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "PipelineStrategy is used with a second Checkpointer.",
                "use one Trainer (one checkpoint directory) per strategy");
+  // The per-rank part is the stages' module parameters, which ZeRO-3 frees
+  // between steps (its values live in the shards): not written that way yet.
+  for (ShardedDataParallel* sdp : pipe_->sharded_stages()) {
+    DTRAIN_CHECK(sdp->options().stage < 3, ConfigError,
+                 "checkpoints of a pipeline with ZeRO stage 3 stages are not supported yet",
+                 "train without --checkpoint-dir, or use ZeRO stage 1 or 2 for the stages");
+  }
   checkpointer.add_state("pipeline_stages", module_state(*holder_), StateScope::kPerRank);
   checkpointer.add_state("pipeline_optimizer", optimizer_state(optimizer), StateScope::kPerRank);
   added_to_ = &checkpointer;
@@ -121,7 +132,7 @@ void PipelineStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimize
 void PipelineStrategy::save(Checkpointer& checkpointer, const TrainingState& state,
                             torch::optim::Optimizer& optimizer) {
   add_to(checkpointer, optimizer);
-  gather_full();  // the stages' module parameters are what is written
+  auto full = full_parameters();  // the stages' module parameters are what is written
   checkpointer.save(state);
 }
 

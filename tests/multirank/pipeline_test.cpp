@@ -10,8 +10,8 @@
 //     step everywhere) and global-norm clipping across stages equal the
 //     single-process scaler and clipping;
 //   - DP x PP on a 2 x 2 mesh equals one process on the whole batch, for
-//     every schedule and every data-parallel reduction (DDP, ZeRO 1-2, one
-//     all-reduce), clipping included;
+//     every schedule and every data-parallel applier (DDP, ZeRO 1-3, one
+//     all-reduce), clipping included (the GPT, with its tied weight);
 //   - a stage process killed mid-step: the others get a CommunicationError
 //     naming their peer and stop, within the timeout (processes).
 #include <gtest/gtest.h>
@@ -290,22 +290,22 @@ TEST(PipelineTraining, GradScalerAndClippingAcrossStagesEqualSingleProcess) {
 
 // 4 ranks as 2 replicas x 2 ranks of stages: replica d trains on half d of
 // each batch; stage gradients are averaged over the data groups by each
-// reduction (DDP, ZeRO 1 and 2 per stage, one all-reduce), for every
+// applier (DDP, ZeRO 1, 2 and 3 per stage, one all-reduce), for every
 // schedule, with global-norm clipping across the mesh. Two steps, then
 // evaluation, equal one process on the whole batch.
 TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
   constexpr int kWorld = 4, kSteps = 2, kBatch = 8;
   constexpr double kMaxNorm = 0.05;  // below the gradients' norm: clipping acts
-  using dtrain::pipeline::StageReduction;
   struct Reduction {
-    StageReduction kind;
+    dtrain::pipeline::StageSyncFactory sync;
     int zero_stage;
     const char* name;
   };
-  const Reduction reductions[] = {{StageReduction::kDDP, 0, "ddp"},
-                                  {StageReduction::kSharded, 1, "zero1"},
-                                  {StageReduction::kSharded, 2, "zero2"},
-                                  {StageReduction::kAllReduce, 0, "all-reduce"}};
+  const Reduction reductions[] = {{dtrain::pipeline::ddp_stage_sync(), 0, "ddp"},
+                                  {dtrain::pipeline::zero_stage_sync({.stage = 1}), 1, "zero1"},
+                                  {dtrain::pipeline::zero_stage_sync({.stage = 2}), 2, "zero2"},
+                                  {dtrain::pipeline::zero_stage_sync({.stage = 3}), 3, "zero3"},
+                                  {dtrain::pipeline::allreduce_stage_sync(), 0, "all-reduce"}};
   run_rank_threads(kWorld, [&](int rank, dtrain::dist::Store store) {
     auto world = dtrain::dist::init_process_group(store, rank, kWorld, {.timeout = std::chrono::seconds(30)});
     dtrain::dist::DeviceMesh mesh(world, {{"pp", 2}, {"dp_replicate", 2}});
@@ -321,8 +321,7 @@ TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
         dtrain::pipeline::PipelineOptions options{.schedule = kind,
                                                   .micro_batches = 2,
                                                   .data_parallel_group = mesh["dp_replicate"],
-                                                  .data_parallel_reduction = reduction.kind};
-        if (reduction.zero_stage) options.zero.stage = reduction.zero_stage;
+                                                  .stage_sync = reduction.sync};
         Pipeline pipe(gpt::pipeline_stages(layers, 2, v, mesh.coordinate("pp")), mesh["pp"], options, gpt::lm_loss);
         EXPECT_EQ(pipe.sharded_stages().size(), reduction.zero_stage ? std::size_t(v) : 0) << where;
         torch::optim::SGD opt(pipe.parameters(), 0.1);
@@ -350,6 +349,10 @@ TEST(PipelineMesh, DataTimesPipelineOnFourRanksEqualsSingleProcess) {
           at::NoGradGuard no_grad;
           expect_close(out, reference->forward(eval.x), where + " eval output");
         }
+        // ZeRO-3 frees the stages' full parameters between steps: gather them.
+        std::vector<std::unique_ptr<dtrain::ShardedDataParallel::FullParameters>> full;
+        for (auto* sdp : pipe.sharded_stages())
+          full.push_back(std::make_unique<dtrain::ShardedDataParallel::FullParameters>(*sdp));
         auto ref_params = reference->layers->named_parameters();
         for (const auto& stage : pipe.stages()) {
           for (const auto& item : stage.module->named_parameters())

@@ -1,5 +1,6 @@
 // examples/gpt --strategy pipeline end to end: every schedule on 2 stage
-// processes, and a 2 x 2 data x pipeline mesh on 4, end where `single` does on
+// processes, and a 2 x 2 data x pipeline mesh on 4 (DDP, ZeRO 1, 2 and 3 per
+// stage; ZeRO-3 also as the plan --pp 2 --dp-shard 2 --zero-stage 3), end where `single` does on
 // the same global batches (the stages' saved parameters, concatenated in stage
 // order, against single's), with the tolerances of gpt_example_test.cpp.
 #include <gtest/gtest.h>
@@ -53,6 +54,11 @@ TEST(GptPipelineExample, EveryScheduleAndTheMeshMatchSingle) {
       {"mesh2x2", "--pp-schedule 1f1b --micro-batches 2 --batch-size 2 --pp-size 2", 4, 2},
       {"mesh2x2-zero2", "--pp-schedule 1f1b --micro-batches 2 --batch-size 2 --pp-size 2 --dp-reduce zero2", 4, 2},
       {"mesh2x2-zb-zero1", "--pp-schedule zb --micro-batches 2 --batch-size 2 --pp-size 2 --dp-reduce zero1", 4, 2},
+      // ZeRO-3 inside the pipeline, as a plan (the stages' parameters gathered
+      // once per step, kept across the micro-batches).
+      {"plan-pp2-zero3", "--pp 2 --dp-shard 2 --zero-stage 3 --pp-schedule 1f1b --micro-batches 2 --batch-size 2", 4,
+       2},
+      {"mesh2x2-zb-zero3", "--pp-schedule zb --micro-batches 2 --batch-size 2 --pp-size 2 --dp-reduce zero3", 4, 2},
   };
   for (const auto& c : cases) {
     const auto file = dir / (c.name + ".f32");

@@ -527,7 +527,7 @@ PipelineRunResult pipeline_reference(torch::nn::Sequential& init,
 
 // 4 rank threads as 2 replicas x 2 stages (Linear+ReLU | Linear), batches of
 // 6 per replica in 2 micro-batches, the replicas reduced by `reduction`.
-PipelineRunResult pipeline_run(torch::nn::Sequential& init, dtrain::pipeline::StageReduction reduction,
+PipelineRunResult pipeline_run(torch::nn::Sequential& init, const dtrain::pipeline::StageSyncFactory& reduction,
                                dtrain::TrainerOptions options) {
   constexpr int kWorld = 4;
   options.batch_size = kPipelineOptions.batch_size / 2;
@@ -544,7 +544,7 @@ PipelineRunResult pipeline_run(torch::nn::Sequential& init, dtrain::pipeline::St
         std::vector<dtrain::pipeline::PipelineStage>{{.module = stages[mesh.coordinate("pp")]}}, mesh["pp"],
         dtrain::pipeline::PipelineOptions{.micro_batches = 2,
                                           .data_parallel_group = mesh.join({"dp_replicate", "dp_shard"}),
-                                          .data_parallel_reduction = reduction},
+                                          .stage_sync = reduction},
         loss);
     auto strategy = std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
     EXPECT_EQ(strategy->data_world(), 2);
@@ -552,7 +552,7 @@ PipelineRunResult pipeline_run(torch::nn::Sequential& init, dtrain::pipeline::St
     dtrain::Trainer trainer(strategy, opt, std::make_shared<Blobs>(96), options);
     trainer.set_eval_dataset(std::make_shared<Blobs>(30));
     const auto summary = trainer.fit();
-    strategy->full_parameters();
+    const auto full = strategy->full_parameters();  // ZeRO-3: gathered while it lives
     std::lock_guard<std::mutex> lock(mutex);
     if (rank == 0) {
       result.eval_loss = summary.last_eval->loss;
@@ -577,18 +577,21 @@ void expect_same_training(const PipelineRunResult& got, const PipelineRunResult&
 
 }  // namespace
 
-// The Trainer over a 2 x 2 data x pipeline mesh, stages reduced by DDP, ZeRO-2
-// or one all-reduce, equals the single-process Trainer on the global batches
+// The Trainer over a 2 x 2 data x pipeline mesh, stages reduced by DDP, ZeRO-2,
+// ZeRO-3 or one all-reduce, equals the single-process Trainer on the global batches
 // (parameters after 6 steps with clipping, and the evaluation, whose 30
 // examples do not split into whole micro-batches on every replica).
 TEST(PipelineTrainer, DataTimesPipelineEqualsOneProcess) {
   torch::manual_seed(13);
   auto init = zero_net();
   const PipelineRunResult expected = pipeline_reference(init);
-  using dtrain::pipeline::StageReduction;
-  expect_same_training(pipeline_run(init, StageReduction::kDDP, kPipelineOptions), expected, "ddp");
-  expect_same_training(pipeline_run(init, StageReduction::kSharded, kPipelineOptions), expected, "zero2");
-  expect_same_training(pipeline_run(init, StageReduction::kAllReduce, kPipelineOptions), expected, "all-reduce");
+  expect_same_training(pipeline_run(init, dtrain::pipeline::ddp_stage_sync(), kPipelineOptions), expected, "ddp");
+  expect_same_training(pipeline_run(init, dtrain::pipeline::zero_stage_sync({.stage = 2}), kPipelineOptions), expected,
+                       "zero2");
+  expect_same_training(pipeline_run(init, dtrain::pipeline::allreduce_stage_sync(), kPipelineOptions), expected,
+                       "all-reduce");
+  expect_same_training(pipeline_run(init, dtrain::pipeline::zero_stage_sync({.stage = 3}), kPipelineOptions), expected,
+                       "zero3");
 }
 
 // With a GradScaler (fp32, so scaling by powers of two is exact): each stage
@@ -601,9 +604,9 @@ TEST(PipelineTrainer, WithAGradScalerEqualsOneProcess) {
   auto options = kPipelineOptions;
   options.grad_scaler = true;
   const PipelineRunResult expected = pipeline_reference(init, options);
-  using dtrain::pipeline::StageReduction;
-  expect_same_training(pipeline_run(init, StageReduction::kDDP, options), expected, "ddp + scaler");
-  expect_same_training(pipeline_run(init, StageReduction::kSharded, options), expected, "zero2 + scaler");
+  expect_same_training(pipeline_run(init, dtrain::pipeline::ddp_stage_sync(), options), expected, "ddp + scaler");
+  expect_same_training(pipeline_run(init, dtrain::pipeline::zero_stage_sync({.stage = 2}), options), expected,
+                       "zero2 + scaler");
 }
 
 // Saved at step 3 (per-rank parts) and resumed from other initial weights:
@@ -613,18 +616,18 @@ TEST(PipelineTrainer, ResumedEqualsUninterrupted) {
   torch::manual_seed(14);
   auto init = zero_net();
   const PipelineRunResult expected = pipeline_reference(init);
-  using dtrain::pipeline::StageReduction;
   auto first = kPipelineOptions;
   first.max_steps = 3;
   first.checkpoint_dir = dir;
   first.checkpoint_every = 3;
-  pipeline_run(init, StageReduction::kSharded, first);
+  pipeline_run(init, dtrain::pipeline::zero_stage_sync({.stage = 2}), first);
   torch::manual_seed(98);
   auto other = zero_net();
   auto second = kPipelineOptions;
   second.checkpoint_dir = dir;
   second.checkpoint_every = 3;
-  expect_same_training(pipeline_run(other, StageReduction::kSharded, second), expected, "resumed");
+  expect_same_training(pipeline_run(other, dtrain::pipeline::zero_stage_sync({.stage = 2}), second), expected,
+                       "resumed");
   fs::remove_all(dir);
 }
 

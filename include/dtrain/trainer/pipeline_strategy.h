@@ -68,7 +68,6 @@ class PipelineStrategy : public Strategy {
 
  private:
   void add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer);
-  void gather_full();
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;
   int data_rank_ = 0, data_world_ = 1;

@@ -22,7 +22,6 @@
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "split_backward.h"
-#include "stage_replica.h"
 
 namespace dtrain::pipeline {
 
@@ -85,15 +84,19 @@ struct Pipeline::Impl {
   int p = 1, n = 1, m = 1, rank = 0;
   std::map<int, std::size_t> local;  // stage -> index in stages
   std::vector<std::vector<at::Tensor>> stage_params;
-  // Data-parallel replication of each local stage (empty without a data
-  // group of 2+ ranks): see stage_replica.h.
-  std::vector<std::unique_ptr<detail::StageReplica>> replicas;
-  // Per local stage: the indices in this rank's action list of its first
-  // forward and of its last B or W (the backward that completes its gradients).
-  std::vector<std::size_t> first_forward, last_param_backward;
+  // Per local stage, its data-parallel applier (stage_sync.h), called at the
+  // Note's fixed points; `begun`: begin_step called and end_step not yet.
+  std::vector<std::unique_ptr<StageGradientSync>> syncs;
+  std::vector<bool> begun;
+  // Whether the appliers shard the stages' parameters over the data group
+  // (every stage has the same applier): the optimizer then steps on shards.
+  bool sharded = false;
+  // Per local stage: the index in this rank's action list of its last B or W
+  // (the backward that completes its gradients).
+  std::vector<std::size_t> last_param_backward;
   std::size_t action_index = 0;  // of the action running (training)
   // Tied copies that are not among any local stage's module parameters
-  // (the borrowers' copies): DDP and sharding do not see them.
+  // (the borrowers' copies): the appliers do not see them.
   std::vector<std::pair<std::size_t, std::size_t>> borrowed;  // (local stage, tie index)
   // The gradients counted on this rank; partials combine over the data group
   // (sharded stages), then the pipeline.
@@ -118,9 +121,7 @@ struct Pipeline::Impl {
   int tie_tag(Tag kind, int owner_stage, std::size_t index) const {
     return 1 + 3 * n * m + ((int(kind) - int(kTieGradient)) * n + owner_stage) * 64 + int(index);
   }
-  bool replicated() const { return !replicas.empty(); }
-  StageReduction reduction() const { return options.data_parallel_reduction; }
-  bool sharded() const { return replicated() && reduction() == StageReduction::kSharded; }
+  bool data_parallel() const { return options.data_parallel_group && options.data_parallel_group->size() > 1; }
   bool remote(int stage) const { return schedule.rank_of_stage(stage) != rank; }
   Micro& at(int stage, int micro) { return state[local.at(stage)][micro]; }
 
@@ -136,6 +137,8 @@ struct Pipeline::Impl {
   void exchange_ties();
   void refresh_borrowed_weights();
   void split_batch(const at::Tensor& input, const at::Tensor& target);
+  void begin(std::size_t k);
+  void end_all();
   std::vector<at::Tensor> parameters() const;
 };
 
@@ -188,11 +191,9 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
   s.options = std::move(options);
   s.loss_fn = std::move(loss_fn);
   const std::vector<Action>& actions = s.schedule.actions[s.rank];
-  s.first_forward.assign(s.stages.size(), actions.size());
   s.last_param_backward.assign(s.stages.size(), actions.size());
   for (std::size_t k = 0; k < actions.size(); ++k) {
     const std::size_t stage = s.local.at(actions[k].stage);
-    if (actions[k].kind == ActionKind::kForward) s.first_forward[stage] = std::min(s.first_forward[stage], k);
     if (actions[k].kind == ActionKind::kBackward || actions[k].kind == ActionKind::kBackwardWeight)
       s.last_param_backward[stage] = k;
   }
@@ -207,9 +208,12 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
     }
   }
   auto& dp = s.options.data_parallel_group;
-  if (dp && dp->size() > 1 && s.options.data_parallel_reduction != StageReduction::kAllReduce) {
-    for (const PipelineStage& stage : s.stages)
-      s.replicas.push_back(std::make_unique<detail::StageReplica>(stage.module, *dp, s.options));
+  DTRAIN_CHECK(s.options.stage_sync, ConfigError, "PipelineOptions::stage_sync is empty",
+               "leave the default (ddp_stage_sync()) or set an applier from stage_sync.h");
+  for (const PipelineStage& stage : s.stages) s.syncs.push_back(s.options.stage_sync(stage.module, dp));
+  s.begun.assign(s.stages.size(), false);
+  s.sharded = s.syncs.front()->sharded();
+  if (s.data_parallel()) {
     // The borrowers' copies start alike on every replica, like the modules.
     at::NoGradGuard no_grad;
     for (const auto& [k, j] : s.borrowed) dp->broadcast(s.stages[k].tied[j].parameter, 0).wait();
@@ -217,19 +221,28 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
   // Global norms: each parameter once over the pipeline (tied copies on their
   // owner); sharded, each shard once over the data group too.
   std::vector<at::Tensor> counted;
-  for (std::size_t k = 0; k < s.stages.size(); ++k) {
-    if (s.sharded()) {
-      for (const at::Tensor& shard : s.replicas[k]->sharded()->parameters()) counted.push_back(shard);
-      continue;
-    }
-    for (const at::Tensor& param : s.stages[k].module->parameters()) {
-      if (param.requires_grad()) counted.push_back(param);
-    }
+  for (const auto& sync : s.syncs) {
+    for (const at::Tensor& param : sync->parameters()) counted.push_back(param);
   }
-  if (s.sharded()) {
+  if (s.sharded) {
     s.counted_gradients = GradientSet{std::move(counted), {*dp, s.group}};
   } else {
     s.counted_gradients = GradientSet::sharded(std::move(counted), s.group);
+  }
+}
+
+// begin_step once per step (or evaluation) per local stage, at its first use.
+void Pipeline::Impl::begin(std::size_t k) {
+  if (begun[k]) return;
+  begun[k] = true;
+  syncs[k]->begin_step(training);
+}
+
+void Pipeline::Impl::end_all() {
+  for (std::size_t k = 0; k < syncs.size(); ++k) {
+    if (!begun[k]) continue;
+    begun[k] = false;
+    syncs[k]->end_step();
   }
 }
 
@@ -280,11 +293,12 @@ at::Tensor Pipeline::step(const at::Tensor& input, const at::Tensor& target, amp
   // found-inf is reduced over found_inf_group.
   if (scaler && s.remote(s.n - 1)) scaler->scale(at::zeros({}, at::TensorOptions().device(s.group.device())));
   s.split_batch(input, target);
-  if (s.sharded()) s.refresh_borrowed_weights();
+  if (s.sharded) s.refresh_borrowed_weights();
   s.exchange_meta = s.output_meta.empty() && s.input_meta.empty();
   s.loss_sum = at::Tensor();
   s.run(s.schedule.actions[s.rank]);
   s.exchange_meta = false;
+  s.end_all();
   s.finish_gradients();
   s.scaler = nullptr;
   return s.remote(s.n - 1) ? at::Tensor() : s.loss_sum;
@@ -295,12 +309,13 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
   at::NoGradGuard no_grad;
   s.training = false;
   s.split_batch(input, at::Tensor());
-  if (s.sharded()) s.refresh_borrowed_weights();
+  if (s.sharded) s.refresh_borrowed_weights();
   s.exchange_meta = true;
   s.eval_outputs.clear();
   // Evaluation agrees on its own shapes; training's stay as they were.
   auto saved_input_meta = s.input_meta, saved_output_meta = s.output_meta;
   s.run(s.eval_schedule.actions[s.rank]);
+  s.end_all();
   s.input_meta = std::move(saved_input_meta);
   s.output_meta = std::move(saved_output_meta);
   s.training = true;
@@ -351,12 +366,8 @@ void Pipeline::Impl::forward(const Action& a) {
     x = mb.input;
   }
   const std::size_t k = local.at(a.stage);
-  at::Tensor out;
-  if (replicated()) {
-    out = replicas[k]->forward(x, training && action_index == first_forward[k]);
-  } else {
-    out = stages[k].module->forward(x);
-  }
+  begin(k);
+  at::Tensor out = syncs[k]->forward(x);
   if (a.stage == n - 1) {
     if (!training) {
       eval_outputs.push_back(out);
@@ -388,11 +399,9 @@ void Pipeline::Impl::backward(const Action& a) {
   const std::vector<at::Tensor>& params = stage_params[k];
   const bool has_input = a.stage > 0 && mb.input.defined() && mb.input.requires_grad();
   const bool last = action_index == last_param_backward[k];
-  if (last && replicated()) {
-    replicas[k]->last_backward();
-    // One autograd run (see Note [Stage gradients over the data-parallel group]).
-    if (replicas[k]->needs_single_run()) mb.split.reset();
-  }
+  // One autograd run where the applier needs it (see Note [Stage gradients
+  // over the data-parallel group] in stage_sync.h).
+  if (last && syncs[k]->before_last_backward()) mb.split.reset();
   if (a.kind == ActionKind::kBackwardInput) {
     if (has_input) {
       mb.split = detail::SplitBackward::prepare(mb.output, mb.input, params);
@@ -504,35 +513,32 @@ void Pipeline::Impl::recv(const Action& a) {
   }
 }
 
-// Data-parallel averaging, then tied copies. kAllReduce: every gradient in
-// one coalesced all-reduce; kDDP: the stage replicas have averaged the
-// modules' gradients, the borrowers' copies are averaged here; then the two
-// ranks of each tie swap their (averaged) gradients and both add (averaging
-// is linear, so the order does not matter). Sharded: see exchange_ties().
+// After the appliers' end_step (the modules' gradients averaged over the
+// data group, or reduce-scattered into shards): the borrowers' tied copies,
+// which no applier sees, are averaged here where parameters are replicated
+// (one coalesced all-reduce; sharded, see exchange_ties()), then the two
+// ranks of each tie combine their (averaged) gradients (averaging is linear,
+// so the order does not matter).
 void Pipeline::Impl::finish_gradients() {
-  auto& dp = options.data_parallel_group;
-  if (dp && dp->size() > 1 && !sharded()) {
+  if (data_parallel() && !sharded) {
     std::vector<at::Tensor> grads;
-    auto add = [&](const at::Tensor& param) {
+    for (const auto& [k, j] : borrowed) {
+      const at::Tensor& param = stages[k].tied[j].parameter;
       if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
       grads.push_back(param.grad());
-    };
-    if (replicated()) {
-      for (const auto& [k, j] : borrowed) add(stages[k].tied[j].parameter);
-    } else {
-      for (const at::Tensor& param : parameters()) add(param);
     }
-    if (!grads.empty()) dp->all_reduce_coalesced(grads, dist::ReduceOp::kAvg).wait();
+    if (!grads.empty()) options.data_parallel_group->all_reduce_coalesced(grads, dist::ReduceOp::kAvg).wait();
   }
   exchange_ties();
 }
 
-// Not sharded: each tie's two ranks swap their gradients and both add.
-// Sharded, the owner's copy is a module parameter the owner's strategy has
+// Replicated: each tie's two ranks swap their gradients and both add.
+// Sharded, the owner's copy is a module parameter its applier has
 // reduce-scattered into shards, so the borrower (whose copy is not stepped:
 // parameters() leaves it out) sends its data-averaged gradient to the owner,
-// which adds it to its shards' pieces; the borrower's copy then gets the
-// owner's weight at the start of each step (refresh_borrowed_weights).
+// whose applier adds it to its shards' pieces (add_gradient); the borrower's
+// copy then gets the owner's weight at the start of each step
+// (refresh_borrowed_weights).
 void Pipeline::Impl::exchange_ties() {
   for (std::size_t k = 0; k < stages.size(); ++k) {
     const int stage = schedule.stages_of_rank(rank)[k];
@@ -542,7 +548,7 @@ void Pipeline::Impl::exchange_ties() {
       const int peer = schedule.rank_of_stage(tied.other_stage);
       if (peer == rank) continue;  // both stages here: one tensor, autograd summed it
       const int t = tie_tag(kTieGradient, tied.owner ? stage : tied.other_stage, j);
-      if (sharded()) {
+      if (sharded) {
         if (!tied.owner) {
           if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
           options.data_parallel_group->all_reduce(param.mutable_grad(), dist::ReduceOp::kAvg).wait();
@@ -550,18 +556,9 @@ void Pipeline::Impl::exchange_ties() {
           param.mutable_grad() = at::Tensor();  // not stepped, so nobody else clears it
           continue;
         }
-        at::Tensor other = at::empty_like(param);
+        at::Tensor other = at::empty(param.sizes(), param.options());
         group.recv(other, peer, t);
-        const at::Tensor flat = other.flatten();
-        for (const ParameterShard& piece : replicas[k]->sharded()->parameter_shards()) {
-          if (!piece.parameter.is_same(param)) continue;
-          at::Tensor part = flat.narrow(0, piece.offset, piece.shard.numel()).to(piece.shard.scalar_type());
-          if (piece.shard.grad().defined()) {
-            piece.shard.mutable_grad().add_(part);
-          } else {
-            piece.shard.mutable_grad() = part.clone();
-          }
-        }
+        syncs[k]->add_gradient(param, other);
         continue;
       }
       if (!param.grad().defined()) param.mutable_grad() = at::zeros_like(param);
@@ -577,9 +574,9 @@ void Pipeline::Impl::exchange_ties() {
   }
 }
 
-// Sharded: the owner brings its full parameters up to date (the strategy
-// all-gathers them after an optimizer step) and sends each tied weight to its
-// borrower, which copies it into its copy before anything runs.
+// Sharded: the owner's applier brings its full parameters up to date (after
+// an optimizer step changed the shards) and the owner sends each tied weight
+// to its borrower, which copies it into its copy before anything runs.
 void Pipeline::Impl::refresh_borrowed_weights() {
   for (std::size_t k = 0; k < stages.size(); ++k) {
     const int stage = schedule.stages_of_rank(rank)[k];
@@ -590,7 +587,8 @@ void Pipeline::Impl::refresh_borrowed_weights() {
       const int t = tie_tag(kTieWeight, tied.owner ? stage : tied.other_stage, j);
       at::NoGradGuard no_grad;
       if (tied.owner) {
-        replicas[k]->sharded()->pre_forward();
+        begin(k);
+        syncs[k]->gather_parameters();
         group.send(tied.parameter.detach().contiguous(), peer, t);
       } else {
         at::Tensor weight = at::empty_like(tied.parameter);
@@ -607,9 +605,9 @@ std::vector<at::Tensor> Pipeline::parameters() const {
 
 std::vector<at::Tensor> Pipeline::Impl::parameters() const {
   std::vector<at::Tensor> all;
-  if (sharded()) {
-    for (const auto& replica : replicas) {
-      for (const at::Tensor& shard : replica->sharded()->parameters()) all.push_back(shard);
+  if (sharded) {
+    for (const auto& sync : syncs) {
+      for (const at::Tensor& shard : sync->parameters()) all.push_back(shard);
     }
     return all;
   }
@@ -628,37 +626,18 @@ const GradientSet& Pipeline::gradient_set() const {
 
 void Pipeline::zero_grad() {
   Impl& s = *impl_;
-  for (std::size_t k = 0; k < s.stages.size(); ++k) {
-    if (s.replicated()) {
-      s.replicas[k]->zero_grad();
-    } else {
-      for (at::Tensor& param : s.stages[k].module->parameters()) param.mutable_grad() = at::Tensor();
-    }
-  }
+  for (const auto& sync : s.syncs) sync->zero_grad();
   // The borrowers' copies; the owners' are module parameters, cleared above
-  // by their strategy (which may keep them as views of its buffers).
+  // by their applier (which may keep them as views of its buffers).
   for (const auto& [k, j] : s.borrowed) s.stages[k].tied[j].parameter.mutable_grad() = at::Tensor();
 }
 
 std::vector<ShardedDataParallel*> Pipeline::sharded_stages() {
   std::vector<ShardedDataParallel*> all;
-  if (!impl_->sharded()) return all;
-  for (auto& replica : impl_->replicas) all.push_back(replica->sharded());
-  return all;
-}
-
-void set_stage_reduction(PipelineOptions& options, const std::string& name) {
-  if (name == "ddp") {
-    options.data_parallel_reduction = StageReduction::kDDP;
-  } else if (name == "zero1" || name == "zero2") {
-    options.data_parallel_reduction = StageReduction::kSharded;
-    options.zero.stage = name.back() - '0';
-  } else {
-    DTRAIN_CHECK(name == "allreduce", ConfigError,
-                 "unknown data-parallel reduction '" << name << "' for pipeline stages",
-                 "use ddp, zero1, zero2 or allreduce");
-    options.data_parallel_reduction = StageReduction::kAllReduce;
+  for (auto& sync : impl_->syncs) {
+    if (ShardedDataParallel* engine = sync->zero_engine()) all.push_back(engine);
   }
+  return all;
 }
 
 std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int stage_count, std::vector<LayerCost> costs,
@@ -718,7 +697,7 @@ at::Tensor Pipeline::clip_grad_norm_(double max_norm, const ClipGradNormOptions&
   at::Tensor norm = dtrain::clip_grad_norm_(counted, max_norm, options);
   // Sharded: the borrowers' copies are not stepped, and the owners' module
   // gradients may alias the shards' (stage 1): nothing more to scale.
-  if (impl_->sharded()) return norm;
+  if (impl_->sharded) return norm;
   // clip.cpp's factor, spelled the same way, for the copies it did not see.
   const at::Tensor factor = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
   const std::vector<at::Tensor>& seen = counted.parameters;

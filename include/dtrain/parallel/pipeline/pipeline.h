@@ -44,6 +44,7 @@
 #include "dtrain/parallel/ddp/ddp.h"
 #include "dtrain/parallel/model_parallel/placement.h"
 #include "dtrain/parallel/pipeline/schedule.h"
+#include "dtrain/parallel/pipeline/stage_sync.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 
 namespace dtrain::amp {
@@ -84,48 +85,21 @@ std::vector<std::size_t> plan_stages(const torch::nn::Sequential& layers, int st
 std::vector<torch::nn::Sequential> split_stages(const torch::nn::Sequential& layers,
                                                 const std::vector<std::size_t>& stage_of_layer);
 
-// How each stage's gradients are averaged over the data-parallel group (DP x PP).
-enum class StageReduction {
-  // DistributedDataParallel per stage (PipelineOptions::ddp): the stage's
-  // backwards of a step accumulate locally (as under no_sync) except its last,
-  // during which DDP's buckets are all-reduced as they fill, overlapping the
-  // rest of that backward and the other stages' work on this rank.
-  kDDP,
-  // ShardedDataParallel per stage (PipelineOptions::zero, ZeRO stage 1 or 2):
-  // the last backward reduce-scatters each unit's gradients into this rank's
-  // shard; parameters() are then this rank's shards (the optimizer steps on
-  // them) and the full parameters are all-gathered at the next step's first
-  // forward.
-  kSharded,
-  // One coalesced all-reduce of every gradient after the schedule: no
-  // overlap; the baseline the others are measured against.
-  kAllReduce,
-};
-
 struct PipelineOptions {
   ScheduleKind schedule = ScheduleKind::k1F1B;
   int micro_batches = 1;
   // When set, the ranks holding the same stage in other pipeline replicas (a
   // mesh's data-parallel group): every stage's gradients are averaged over it
-  // (by `data_parallel_reduction`), so every replica steps alike (DP x PP).
-  // Each replica must hold the same stages, initialised alike (DDP and
-  // sharding broadcast the data group's first rank's parameters at construction).
+  // by `stage_sync`, so every replica steps alike (DP x PP). Each replica must
+  // hold the same stages, initialised alike (DDP and ZeRO broadcast the data
+  // group's first rank's parameters at construction).
   std::optional<dist::ProcessGroup> data_parallel_group;
-  StageReduction data_parallel_reduction = StageReduction::kDDP;
-  // kDDP's options; find_unused_parameters and static_graph are not supported
-  // (every stage uses all its parameters in every micro-batch).
-  DDPOptions ddp;
-  // kSharded's options; `stage` 1 or 2 (the stage's module is the Sequential
-  // run unit by unit, so `sequential` stays empty).
-  ZeroOptions zero{.stage = 2};
+  // The data-parallel applier each stage gets (stage_sync.h): DDP (default),
+  // ZeRO 1-3 or one all-reduce; without a data group of 2+ ranks, none.
+  StageSyncFactory stage_sync = ddp_stage_sync();
   // Record each compute action's start and end in step() (see trace()).
   bool record_trace = false;
 };
-
-// Sets `options`' data-parallel reduction by name, as the examples' --dp-reduce
-// spells it: "ddp", "zero1", "zero2" (kSharded at that ZeRO stage) or
-// "allreduce"; ConfigError for anything else.
-void set_stage_reduction(PipelineOptions& options, const std::string& name);
 
 // One compute action of the last step, in the order run (record_trace).
 struct TracedAction {
@@ -155,8 +129,9 @@ class Pipeline {
   at::Tensor forward(const at::Tensor& input);
 
   // Every parameter this rank updates (own and tied copies): for the
-  // optimizer. Under StageReduction::kSharded: this rank's shards of its
-  // stages' parameters, then the tied copies that are not module parameters.
+  // optimizer. Under a sharding applier (ZeRO): this rank's shards of its
+  // stages' parameters (the borrowers' tied copies are then not stepped: they
+  // receive the owner's weight at each step's start).
   std::vector<at::Tensor> parameters() const;
   // The gradients for global norms across stages: each parameter counted
   // once over the pipeline group (tied copies on their owner only), and, when
@@ -165,8 +140,9 @@ class Pipeline {
   // Clears every gradient parameters() steps on (and, sharded, the full
   // gradients the strategy keeps).
   void zero_grad();
-  // kSharded: the per-stage strategies (e.g. for sharded checkpoints), in
-  // stage order; empty otherwise.
+  // Under ZeRO: each local stage's engine (its shards, optimizer-state
+  // layout, full_parameters(); e.g. for checkpoints), in stage order; empty
+  // otherwise.
   std::vector<ShardedDataParallel*> sharded_stages();
   // dtrain::clip_grad_norm_ over gradient_set(), and the same factor applied
   // to tied copies (which gradient_set() leaves out), so they stay equal.
