@@ -44,6 +44,9 @@ struct Dump {
   std::vector<Entry> entries;
 };
 
+constexpr const char* kDumpHint =
+    "pass the folder the ranks dumped to (DTRAIN_FLIGHT_RECORDER_DIR), with its rank_<R>.json files";
+
 Dump read_dump(const std::filesystem::path& path) {
   std::ifstream in(path);
   try {
@@ -51,7 +54,16 @@ Dump read_dump(const std::filesystem::path& path) {
     Dump d;
     d.rank = j.at("rank").get<int>();
     d.world_size = j.value("world_size", 0);
+    // Bounds before use: the analysis makes a slot per rank of the world.
+    constexpr int kMaxRanks = 1 << 24;
+    const auto in_range = [](int r) { return r >= 0 && r < kMaxRanks; };
+    if (!in_range(d.rank) || d.world_size < 0 || d.world_size > kMaxRanks) {
+      throw DataError(path.string() + " names rank " + std::to_string(d.rank) + " of world size " +
+                          std::to_string(d.world_size) + ": not a dump a rank wrote.",
+                      "remove the file from the folder, or pass the folder the ranks dumped to");
+    }
     d.dumped_at_us = j.at("dumped_at_us").get<std::int64_t>();
+    if (!j.at("entries").is_array()) throw DataError(path.string() + ": 'entries' is not a list.", kDumpHint);
     for (const auto& e : j.at("entries")) {
       d.entries.push_back({.group = e.at("group").get<std::string>(),
                            .group_ranks = e.at("group_ranks").get<std::vector<int>>(),
@@ -67,8 +79,7 @@ Dump read_dump(const std::filesystem::path& path) {
     }
     return d;
   } catch (const nlohmann::json::exception& e) {
-    throw DataError(path.string() + " is not a flight-recorder dump: " + e.what(),
-                    "pass the folder the ranks dumped to (DTRAIN_FLIGHT_RECORDER_DIR), with its rank_<R>.json files");
+    throw DataError(path.string() + " is not a flight-recorder dump: " + e.what(), kDumpHint);
   }
 }
 
@@ -306,7 +317,13 @@ FlightReport analyze_flight_dumps(const std::string& dir) {
   for (int r : expected) {
     if (dumps.count(r) == 0) report.ranks_missing.push_back(r);
   }
-  Analysis(std::move(dumps)).run(report);
+  try {
+    Analysis(std::move(dumps)).run(report);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DataError("the dumps in " + dir + " do not fit together: " + e.what(), kDumpHint);
+  }
   return report;
 }
 

@@ -30,6 +30,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -107,15 +108,53 @@ FlightRecorder::FlightRecorder(int entries, std::string dir) : ring_(std::make_u
   ring_->identity = log::identity();
 }
 
+namespace {
+
+// Note [SIGUSR1 at load]
+// The launcher asks every live worker to dump with SIGUSR1, whose default
+// action ends a process. A worker that has not made its first group yet (the
+// ring is made then) must survive it, so the handler is installed when
+// libdtrain is loaded, if DTRAIN_FLIGHT_RECORDER is on and the program has
+// no SIGUSR1 handler of its own: only the pipe and sigaction there
+// (no threads, no logging while static objects are still being made). The
+// thread that turns a byte on the pipe into a dump starts with the ring
+// (FlightRecorder::get); a signal before then waits in the pipe and is
+// answered as soon as the ring exists.
+bool recorder_requested_by_env() {
+  const char* entries = std::getenv("DTRAIN_FLIGHT_RECORDER");
+  if (entries == nullptr) return false;
+  char* end = nullptr;
+  const long n = std::strtol(entries, &end, 10);
+  return end != entries && n > 0;
+}
+
+bool install_sigusr1_handler() {
+  if (g_wake_pipe[0] >= 0) return true;
+  struct sigaction old {};
+  if (::sigaction(SIGUSR1, nullptr, &old) != 0 || old.sa_handler != SIG_DFL || (old.sa_flags & SA_SIGINFO) != 0) {
+    return false;  // the program handles SIGUSR1 itself
+  }
+  if (::pipe2(g_wake_pipe, O_CLOEXEC) != 0) return false;
+  ::fcntl(g_wake_pipe[1], F_SETFL, O_NONBLOCK);  // a burst of signals never blocks the handler
+  struct sigaction sa {};
+  sa.sa_handler = on_sigusr1;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  ::sigaction(SIGUSR1, &sa, nullptr);
+  return true;
+}
+
+[[maybe_unused]] const bool g_sigusr1_at_load = recorder_requested_by_env() && install_sigusr1_handler();
+
+}  // namespace
+
 FlightRecorder* FlightRecorder::get() {
   static FlightRecorder* const recorder = []() -> FlightRecorder* {
     const FlightRecorderOptions options = flight_recorder_options();
     if (options.entries <= 0) return nullptr;
     auto* made = new FlightRecorder(options.entries, options.dump_dir);  // never freed: see get()'s contract
-    // SIGUSR1, unless the program handles it itself.
-    struct sigaction old {};
-    if (::sigaction(SIGUSR1, nullptr, &old) == 0 && old.sa_handler == SIG_DFL && ::pipe2(g_wake_pipe, O_CLOEXEC) == 0) {
-      ::fcntl(g_wake_pipe[1], F_SETFL, O_NONBLOCK);  // a burst of signals never blocks the handler
+    // SIGUSR1, unless the program handles it itself (Note [SIGUSR1 at load]).
+    if (install_sigusr1_handler()) {
       std::thread([made] {
         for (;;) {
           char byte = 0;
@@ -125,11 +164,6 @@ FlightRecorder* FlightRecorder::get() {
           made->dump("SIGUSR1");
         }
       }).detach();
-      struct sigaction sa {};
-      sa.sa_handler = on_sigusr1;
-      sigemptyset(&sa.sa_mask);
-      sa.sa_flags = SA_RESTART;
-      ::sigaction(SIGUSR1, &sa, nullptr);
     }
     DTRAIN_LOG(kInfo) << "flight recorder on: last " << options.entries << " operations, dumps to " << options.dump_dir
                       << " (on failure or SIGUSR1)";

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "dtrain/comm/store_keys.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "group_state.h"
@@ -86,6 +87,14 @@ std::string Store::compare_set(const std::string& key, const std::string& expect
 
 bool Store::check(const std::vector<std::string>& keys) {
   return impl_->store->check(keys);
+}
+
+bool delete_key(Store& store, const std::string& key) {
+  return store.impl()->store->deleteKey(key);
+}
+
+std::int64_t num_keys(Store& store) {
+  return store.impl()->store->getNumKeys();
 }
 
 void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {

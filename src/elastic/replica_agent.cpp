@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <vector>
 
 #include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/net.h"
+#include "flight_dumps.h"
 
 namespace dtrain::elastic {
 
@@ -62,15 +64,27 @@ std::map<std::string, std::string> ReplicaAgent::worker_env(int replica, int loc
   env["DTRAIN_FT_LIGHTHOUSE"] = options_.agent.master_addr + ":" + std::to_string(lighthouse_port_);
   env["DTRAIN_FT_REPLICA_ID"] = std::to_string(replica);
   env["DTRAIN_FT_REPLICAS"] = std::to_string(options_.replicas);
+  // Each group's ranks are numbered from 0 and restart on their own: one
+  // folder per group and start, so no dump overwrites another's.
+  if (!options_.agent.flight_dump_dir.empty()) env["DTRAIN_FLIGHT_RECORDER_DIR"] = flight_dump_dir(replica, restarts);
   if (std::getenv("OMP_NUM_THREADS") == nullptr) env["OMP_NUM_THREADS"] = "1";
   return env;
 }
 
+std::string ReplicaAgent::flight_dump_dir(int replica, int restarts) const {
+  return (std::filesystem::path(options_.agent.flight_dump_dir) / ("replica_" + std::to_string(replica)) /
+          ("attempt_" + std::to_string(restarts)))
+      .string();
+}
+
 void ReplicaAgent::start(Replica& replica) {
-  // A fresh store on a fresh port for every start: Note [Worker store].
+  // A fresh store on a fresh port for every start: Note [Worker store]. The
+  // host is made before the socket, so nothing can throw while the socket is
+  // ours; serve() owns it from then on.
+  replica.store.reset();
+  replica.store = make_store_();
   int port = 0;
   const int fd = net::listen_tcp(port);
-  replica.store = make_store_();
   replica.store->serve(fd, port);
   std::vector<WorkerLaunch> launches;
   const int k = ranks_per_replica();
@@ -139,6 +153,10 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
       if (status != GroupStatus::kFailed) continue;
       result.root_cause = failure;
       const std::string what = "replica group " + std::to_string(r.id) + ": " + failure->describe();
+      if (!options_.agent.flight_dump_dir.empty()) {
+        result.flight_report =
+            collect_flight_report(*r.workers, flight_dump_dir(r.id, r.restarts), options_.agent.flight_dump_wait);
+      }
       r.workers->stop(SIGTERM, options_.agent.stop_grace);
       r.store->stop();
       if (std::any_of(replicas.begin(), replicas.end(), [](const Replica& o) { return o.succeeded; })) {

@@ -16,8 +16,29 @@
 //                        next ev/<m>, on which the lighthouse blocks (it scans
 //                        every scan_interval regardless, so a wake-up lost to a
 //                        client that died half-way costs latency, not progress).
-//   answer/<k>/<seq>     the quorum given to that request; quorum/<round> the
-//                        same, for the record.
+//                        The lighthouse deletes each ev/<m> once read (waiting
+//                        up to heartbeat_timeout for one counted, not yet set).
+//                        reg/, hb/ and join/ of an incarnation go when a
+//                        newer one of its replica id registers.
+//   claim/<k>/<seq>      who owns that request: the lighthouse claims it
+//                        ("lighthouse", compare_set) before answering; a
+//                        client that gives up withdraws it ("withdrawn") the
+//                        same way. Exactly one wins, so a withdrawn request
+//                        is never answered with the replica as a member
+//                        (the others would wait for it in their step), and a
+//                        claimed one is always answered.
+//   answer/<k>/<seq>     the quorum given to that request; the client
+//                        deletes it and its claim once read.
+//   commit/<round>/...   the commit vote (Note [Commit vote]); deleted once
+//                        every member of the round asked for a later quorum
+//                        (so it finished voting). Rounds of a member that
+//                        died keep theirs: the store grows by a few keys per
+//                        failure, not per step.
+//   alive                the lighthouse's liveness counter (every
+//                        scan_interval); failed: the error that stopped it.
+//                        Clients waiting for a quorum watch both.
+// A registration counted in nreg whose reg/<k> never comes (the replica died
+// in between) is skipped after heartbeat_timeout, so later ones are seen.
 // A quorum is formed when at least min_replicas live replicas have asked and
 // either every live replica has asked or join_timeout has passed since the
 // first of them did. Live: its heartbeat moved within heartbeat_timeout, so a
@@ -37,7 +58,9 @@
 // from whom each member computes alike from the quorum (quorum.h).
 #include <algorithm>
 #include <sstream>
+#include <string>
 
+#include "dtrain/comm/store_keys.h"
 #include "dtrain/error.h"
 #include "dtrain/ft/lighthouse.h"
 #include "dtrain/log.h"
@@ -67,9 +90,17 @@ Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
   thread_ = std::thread([this] {
     try {
       serve();
-    } catch (...) {
-      std::lock_guard lock(mutex_);
-      error_ = std::current_exception();
+    } catch (const std::exception& e) {
+      DTRAIN_LOG(kError) << "lighthouse: stopped serving: " << e.what();
+      {
+        std::lock_guard lock(mutex_);
+        error_ = std::current_exception();
+      }
+      try {
+        store_.set("failed", e.what());  // replicas waiting for a quorum read it
+      } catch (const std::exception&) {
+        // the store itself is gone: the replicas' calls fail on their own
+      }
     }
   });
 }
@@ -98,26 +129,99 @@ void Lighthouse::serve() {
       // a scan on the clock: heartbeats age, join timeouts pass
     }
     const auto now = Clock::now();
+    delete_read_events(now);
+    if (now - last_alive_ >= options_.scan_interval) {
+      store_.add("alive", 1);
+      last_alive_ = now;
+    }
     scan(now);
     form_quorum_if_ready(now);
   }
 }
 
-void Lighthouse::scan(Clock::time_point now) {
+void Lighthouse::delete_read_events(Clock::time_point now) {
+  // Wake-ups counted are done with, in order; one counted but not yet set
+  // (its client is between add(nev) and set) is waited for, up to the
+  // heartbeat timeout (its client died in between), so none is left behind.
+  while (events_deleted_ < events_seen_) {
+    if (!dist::delete_key(store_, "ev/" + std::to_string(events_deleted_ + 1))) {
+      if (!event_gap_since_) event_gap_since_ = now;
+      if (now - *event_gap_since_ < options_.heartbeat_timeout) return;
+    }
+    event_gap_since_.reset();
+    ++events_deleted_;
+  }
+}
+
+void Lighthouse::read_registrations(Clock::time_point now) {
+  // Registrations skipped as half-written that were completed after all (a
+  // replica slower than the heartbeat timeout between its two writes).
+  std::erase_if(skipped_registrations_, [&](std::int64_t k) {
+    if (!store_.check({"reg/" + std::to_string(k)})) return false;
+    add_registration(k, now);
+    return true;
+  });
   const std::int64_t registered = store_.add("nreg", 0);
   while (registrations_seen_ < registered) {
-    const std::string key = "reg/" + std::to_string(registrations_seen_ + 1);
-    if (!store_.check({key})) break;  // added, not yet written: next scan
-    const int id = std::stoi(store_.get(key));
+    const std::int64_t k = registrations_seen_ + 1;
+    if (!store_.check({"reg/" + std::to_string(k)})) {
+      // Counted, not yet written: its replica is writing it, or died in between.
+      if (!registration_gap_since_) registration_gap_since_ = now;
+      if (now - *registration_gap_since_ < options_.heartbeat_timeout) break;
+      DTRAIN_LOG(kWarning) << "lighthouse: registration " << k << " was not completed within the heartbeat timeout "
+                           << "(its replica died while registering?); going on without it";
+      skipped_registrations_.push_back(k);
+      registration_gap_since_.reset();
+      ++registrations_seen_;
+      continue;
+    }
+    registration_gap_since_.reset();
     ++registrations_seen_;
-    std::erase_if(replicas_, [id](const auto& r) { return r->id == id; });
-    auto r = std::make_unique<Replica>();
-    r->id = id;
-    r->incarnation = registrations_seen_;
-    r->last_beat = now;
-    DTRAIN_LOG(kInfo) << "lighthouse: replica " << id << " registered (incarnation " << r->incarnation << ")";
-    replicas_.push_back(std::move(r));
+    add_registration(k, now);
   }
+}
+
+void Lighthouse::add_registration(std::int64_t k, Clock::time_point now) {
+  const std::string key = "reg/" + std::to_string(k);
+  const std::string text = store_.get(key);
+  int id = -1;
+  try {
+    id = std::stoi(text);
+  } catch (const std::exception&) {
+  }
+  if (id < 0) throw InternalError("lighthouse: registration " + key + " holds '" + text + "', not a replica id");
+  for (const auto& r : replicas_) {
+    if (r->id != id) continue;
+    if (r->incarnation > k) return;  // a late, half-written one: a newer process already registered
+    // Superseded: its keys go (a process still running under it is gone for the quorum).
+    const std::string old = std::to_string(r->incarnation);
+    for (const char* prefix : {"reg/", "hb/", "join/"}) dist::delete_key(store_, prefix + old);
+  }
+  std::erase_if(replicas_, [id](const auto& r) { return r->id == id; });
+  auto r = std::make_unique<Replica>();
+  r->id = id;
+  r->incarnation = k;
+  r->last_beat = now;
+  DTRAIN_LOG(kInfo) << "lighthouse: replica " << id << " registered (incarnation " << r->incarnation << ")";
+  replicas_.push_back(std::move(r));
+}
+
+void Lighthouse::member_asked_again(std::int64_t incarnation) {
+  for (auto it = open_rounds_.begin(); it != open_rounds_.end();) {
+    std::erase(it->second.not_back_yet, incarnation);
+    if (!it->second.not_back_yet.empty()) {
+      ++it;
+      continue;
+    }
+    const std::string prefix = "commit/" + std::to_string(it->first) + "/";
+    dist::delete_key(store_, prefix + "decision");
+    for (const int id : it->second.ids) dist::delete_key(store_, prefix + "vote/" + std::to_string(id));
+    it = open_rounds_.erase(it);
+  }
+}
+
+void Lighthouse::scan(Clock::time_point now) {
+  read_registrations(now);
   for (auto& r : replicas_) {
     const std::string k = std::to_string(r->incarnation);
     const std::int64_t beats = store_.add("hb/" + k, 0);
@@ -125,18 +229,38 @@ void Lighthouse::scan(Clock::time_point now) {
       r->beats = beats;
       r->last_beat = now;
     }
-    if (r->pending || !store_.check({"join/" + k})) continue;
+    if (!store_.check({"join/" + k})) continue;
     std::istringstream join(store_.get("join/" + k));
     std::int64_t seq = 0, step = 0;
     int fresh = 0;
     join >> seq >> step >> fresh;
-    if (seq <= r->answered_seq) continue;
+    // A newer request replaces a pending one (its client withdrew the old).
+    if (seq <= r->answered_seq || (r->pending && seq <= r->seq)) continue;
+    if (r->pending) {
+      dist::delete_key(store_, "claim/" + k + "/" + std::to_string(r->seq));  // withdrawn, never to be claimed now
+    } else {
+      member_asked_again(r->incarnation);
+    }
     r->pending = true;
     r->seq = seq;
     r->step = step;
     r->fresh = fresh != 0;
     r->asked_at = now;
   }
+}
+
+bool Lighthouse::claim_answers(const std::vector<Replica*>& asking) {
+  bool all = true;
+  for (Replica* r : asking) {
+    const std::string key = "claim/" + std::to_string(r->incarnation) + "/" + std::to_string(r->seq);
+    if (store_.compare_set(key, "", "lighthouse") == "lighthouse") continue;
+    // Withdrawn: the client gave up on this request.
+    dist::delete_key(store_, key);
+    r->answered_seq = r->seq;
+    r->pending = false;
+    all = false;
+  }
+  return all;
 }
 
 void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
@@ -179,6 +303,9 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
       })) {
     return;
   }
+  // Every member must still be waiting (a request withdrawn after a timeout
+  // is not answered); otherwise look again at the next scan.
+  if (!claim_answers(asking)) return;
   highest_step_ = newest;
   warned_stale_ = false;
   last_quorum_.clear();
@@ -206,7 +333,11 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
     std::lock_guard lock(mutex_);
     history_.push_back(q);
   }
-  store_.set("quorum/" + std::to_string(q.round), text);
+  OpenRound& open = open_rounds_[q.round];
+  for (Replica* r : asking) {
+    open.ids.push_back(r->id);
+    open.not_back_yet.push_back(r->incarnation);
+  }
   for (Replica* r : asking) {
     store_.set("answer/" + std::to_string(r->incarnation) + "/" + std::to_string(r->seq), text);
     r->answered_seq = r->seq;

@@ -13,8 +13,10 @@
 // stored decision, so all commit or none do, even when one member timed out
 // on a vote that another saw arrive. A member that dies after voting is
 // simply behind at the next quorum and recovers from a peer.
+#include <algorithm>
 #include <sstream>
 
+#include "dtrain/comm/store_keys.h"
 #include "dtrain/error.h"
 #include "dtrain/ft/lighthouse.h"
 #include "dtrain/log.h"
@@ -84,22 +86,69 @@ void LighthouseClient::beat() {
   }
 }
 
+void LighthouseClient::check_lighthouse_alive(std::int64_t& alive, std::chrono::steady_clock::time_point& moved_at) {
+  const auto now = std::chrono::steady_clock::now();
+  const std::string who = "replica " + std::to_string(options_.replica_id);
+  if (store_.check({"failed"})) {
+    throw CommunicationError(who + ": the lighthouse stopped serving: " + store_.get("failed"),
+                             "a bug in the lighthouse: report it with the launcher's log; restart the job (from a "
+                             "checkpoint)");
+  }
+  const std::int64_t now_alive = store_.add("alive", 0);
+  if (now_alive != alive) {
+    alive = now_alive;
+    moved_at = now;
+  } else if (now - moved_at >= options_.lighthouse_timeout) {
+    throw CommunicationError(
+        who + ": the lighthouse has not moved for " +
+            log::format_seconds(std::chrono::duration_cast<std::chrono::milliseconds>(now - moved_at)) +
+            " (its store answers, its service does not).",
+        "the launcher's lighthouse thread is stuck or gone: check the launcher's log; "
+        "restart the job (from a checkpoint)");
+  }
+}
+
 Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
   register_once();
   const std::string k = std::to_string(incarnation_);
   const std::int64_t seq = ++seq_;
+  const std::string id = k + "/" + std::to_string(seq);
   store_.set("join/" + k, std::to_string(seq) + " " + std::to_string(step) + " " + (fresh_group ? "1" : "0"));
   store_.set("ev/" + std::to_string(store_.add("nev", 1)), "");
-  const std::string answer = "answer/" + k + "/" + std::to_string(seq);
-  try {
-    store_.wait({answer}, options_.quorum_timeout);
-  } catch (const TimeoutError&) {
-    throw TimeoutError("replica " + std::to_string(options_.replica_id) + " got no quorum from the lighthouse within " +
-                           log::format_seconds(options_.quorum_timeout) + ".",
-                       "check that the lighthouse is running (dtrain run --ft-replicas hosts it) and that at least "
-                       "its min_replicas replica groups are up");
+  const std::string answer = "answer/" + id;
+  const auto start = std::chrono::steady_clock::now();
+  std::int64_t alive = -1;
+  auto alive_moved_at = start;
+  // Waits in slices, watching the lighthouse between them.
+  const auto slice =
+      std::clamp(options_.lighthouse_timeout / 4, std::chrono::milliseconds(10), std::chrono::milliseconds(500));
+  for (;;) {
+    const auto left = options_.quorum_timeout -
+                      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    try {
+      store_.wait({answer}, std::clamp(left, std::chrono::milliseconds(1), slice));
+      break;
+    } catch (const TimeoutError&) {
+    }
+    if (left <= slice) {
+      // Withdraw the request unless the lighthouse has just claimed it (then
+      // its answer is on the way: Note [Quorum protocol]).
+      if (store_.compare_set("claim/" + id, "", "withdrawn") == "withdrawn") {
+        throw TimeoutError("replica " + std::to_string(options_.replica_id) +
+                               " got no quorum from the lighthouse within " +
+                               log::format_seconds(options_.quorum_timeout) + ".",
+                           "check that at least the lighthouse's min_replicas replica groups are up (dtrain run "
+                           "--ft-min-replicas), and that one of them holds the newest step");
+      }
+      store_.wait({answer}, options_.lighthouse_timeout);
+      break;
+    }
+    check_lighthouse_alive(alive, alive_moved_at);
   }
-  return Quorum::from_text(store_.get(answer));
+  const std::string text = store_.get(answer);
+  dist::delete_key(store_, answer);
+  dist::delete_key(store_, "claim/" + id);
+  return Quorum::from_text(text);
 }
 
 bool LighthouseClient::agree_commit(const Quorum& q, bool ok) {

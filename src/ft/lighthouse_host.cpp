@@ -3,6 +3,7 @@
 // only; the launcher loads it on demand (tools/dtrain/libdtrain_loader.cpp).
 #include <c10/util/Logging.h>
 
+#include <functional>
 #include <memory>
 #include <sstream>
 
@@ -40,12 +41,15 @@ dtrain::ft::LighthouseOptions parse_config(const std::string& config) {
 }  // namespace
 
 // The entry point `dtrain run` looks up with dlsym (C linkage). Takes over
-// `listen_fd`; the service runs until *out is released.
+// `listen_fd`; the service runs until *out is released. *check throws the
+// error that stopped the service, if one did (valid while *out lives).
 extern "C" __attribute__((visibility("default"))) void dtrain_host_lighthouse(int listen_fd, int port,
                                                                               const std::string* config,
-                                                                              std::shared_ptr<void>* out) {
+                                                                              std::shared_ptr<void>* out,
+                                                                              std::function<void()>* check) {
   FLAGS_caffe2_log_level = 3;  // replicas come and go: c10d's dropped-connection warnings are noise
-  auto hosted = dtrain::ft::host_lighthouse(
-      {.port = port, .listen_fd = listen_fd, .lighthouse = parse_config(config != nullptr ? *config : "")});
-  *out = std::shared_ptr<dtrain::ft::HostedLighthouse>(std::move(hosted));
+  auto hosted = std::shared_ptr<dtrain::ft::HostedLighthouse>(dtrain::ft::host_lighthouse(
+      {.port = port, .listen_fd = listen_fd, .lighthouse = parse_config(config != nullptr ? *config : "")}));
+  *check = [service = hosted->lighthouse.get()] { service->check(); };
+  *out = std::move(hosted);
 }

@@ -59,7 +59,20 @@ std::string broadcast_text(dist::ProcessGroup& group, const std::string& text) {
 
 void FaultTolerantReplicas::start_step() {
   if (shared_by_ranks()) {
-    // Rank 0 of the replica group asks; the others take its answer.
+    // The group asks with the step every one of its ranks has: after a
+    // recovery that one rank completed and another did not (the step
+    // aborted), the group is behind, and all of its ranks recover again from
+    // the same source step. Rank 0 asks; the others take its answer.
+    at::Tensor group_step = at::empty({1}, at::kLong);
+    group_step.fill_(step_);
+    options_.replica_group->all_reduce(group_step, dist::ReduceOp::kMin).wait();
+    const std::int64_t agreed = group_step.item<std::int64_t>();
+    if (agreed != step_) {
+      DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": this rank is at step " << step_
+                           << ", another rank of its group at step " << agreed
+                           << " (a recovery that did not complete everywhere); the group recovers again";
+      step_ = agreed;
+    }
     std::string text;
     if (local_rank() == 0) text = client_.quorum(step_, want_fresh_).to_text();
     quorum_ = Quorum::from_text(broadcast_text(*options_.replica_group, text));

@@ -6,10 +6,15 @@
 #include <ATen/Functions.h>
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "dtrain/comm/flight_analysis.h"
 #include "dtrain/comm/flight_recorder.h"
@@ -167,6 +172,31 @@ TEST(FlightRecorder, RingKeepsTheLastOperationsWithSequenceNumbersAndStates) {
   fs::remove_all(dir);
 }
 
+// The launcher's SIGUSR1 reaches every live worker; one that has not made
+// its first group yet must survive it (the handler is installed when
+// libdtrain loads) and dump once its ring exists.
+TEST(FlightRecorder, SigusrOneBeforeTheFirstGroupDoesNotKillTheWorker) {
+  const fs::path dir = fresh_dir("early-signal");
+  const auto outcomes =
+      run_rank_processes(1,
+                         [](int) {
+                           ASSERT_EQ(::raise(SIGUSR1), 0);  // no group yet: the default action would end the process
+                           auto world = dtrain::dist::init_process_group(dtrain::dist::Store::in_memory(), 0, 1);
+                           // (the child's own fresh_dir differs: the folder comes from the environment)
+                           const fs::path dump = fs::path(std::getenv("DTRAIN_FLIGHT_RECORDER_DIR")) / "rank_0.json";
+                           for (int i = 0; i < 200 && !fs::exists(dump); ++i)
+                             std::this_thread::sleep_for(std::chrono::milliseconds(10));
+                         },
+                         {.env_for_rank = [dir](int) {
+                           return std::map<std::string, std::optional<std::string>>{
+                               {"DTRAIN_FLIGHT_RECORDER", "16"}, {"DTRAIN_FLIGHT_RECORDER_DIR", dir.string()}};
+                         }});
+  ASSERT_EQ(outcomes.size(), 1u);
+  EXPECT_EQ(outcomes[0].signal, 0) << outcomes[0].output;
+  EXPECT_TRUE(fs::exists(dir / "rank_0.json")) << "the signal that came before the ring was not answered";
+  fs::remove_all(dir);
+}
+
 TEST(FlightAnalysis, NamesTheRankThatNeverEnteredAndItsLastOp) {
   // The issue's example: ranks 0-2 wait in all_reduce #418 of dp_replicate;
   // rank 3 is stuck in (or after) a receive from rank 2 on the pipeline group.
@@ -251,4 +281,33 @@ TEST(FlightAnalysis, TraceAnalyzeCommandPrintsTheSameReport) {
   EXPECT_EQ(out, report.text());
   EXPECT_THROW(dtrain::dist::analyze_flight_dumps((dir / "none").string()), dtrain::ConfigError);
   fs::remove_all(dir);
+}
+
+// Malformed dumps: a clear error naming the file and exit code 2, never an
+// uncaught exception (or an allocation the size of a forged world).
+TEST(FlightAnalysis, TraceAnalyzeRejectsMalformedDumpsClearly) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"truncated", R"({"version": 1, "rank": 0, "entr)"},
+      {"wrong-types", R"({"version": 1, "rank": "zero", "dumped_at_us": 1, "entries": []})"},
+      {"entries-not-a-list", R"({"version": 1, "rank": 0, "dumped_at_us": 1, "entries": {"a": 1}})"},
+      {"forged-world", R"({"version": 1, "rank": 0, "world_size": 2147483647, "dumped_at_us": 1, "entries": []})"},
+      {"negative-rank", R"({"version": 1, "rank": -3, "dumped_at_us": 1, "entries": []})"},
+  };
+  for (const auto& [name, text] : cases) {
+    const fs::path dir = fresh_dir("malformed-" + name);
+    std::ofstream(dir / "rank_0.json") << text;
+    EXPECT_THROW(dtrain::dist::analyze_flight_dumps(dir.string()), dtrain::DataError) << name;
+    const std::string command =
+        std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain trace analyze " + dir.string() + " 2>&1";
+    FILE* pipe = ::popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string out;
+    char buffer[4096];
+    while (const std::size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
+    const int status = ::pclose(pipe);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << name << ": " << out;
+    EXPECT_NE(out.find("dtrain trace: error: "), std::string::npos) << name << ": " << out;
+    EXPECT_NE(out.find("rank_0.json"), std::string::npos) << name << ": " << out;
+    fs::remove_all(dir);
+  }
 }

@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <deque>
+#include <filesystem>
 #include <set>
 
 #include "dtrain/elastic/agent.h"
+#include "dtrain/elastic/replica_agent.h"
 #include "dtrain/error.h"
 
 using namespace dtrain::elastic;
@@ -172,4 +174,60 @@ TEST(Agent, HungWorkerExitCodeAndDescription) {
   EXPECT_EQ(hung.describe(), "rank 5 (local rank 2) stopped responding and was killed");
   WorkerExit with_error{.global_rank = 1, .exit_code = 7, .error = "boom"};
   EXPECT_EQ(with_error.describe(), "rank 1 (local rank 0) exited with code 7: boom");
+}
+
+namespace {
+int open_fds() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+}  // namespace
+
+// --ft-replicas (issue 27): each replica group, and each of its starts, dumps
+// its flight recorder to a folder of its own (ranks of every group are
+// numbered from 0: one folder would let them overwrite each other).
+TEST(ReplicaAgent, FlightDumpsGetAFolderPerGroupAndStart) {
+  FakeStoreHost lighthouse;
+  ReplicaAgent agent(
+      {.agent = {.nproc_per_node = 4, .max_restarts = 2, .flight_dump_dir = "/tmp/fr"}, .replicas = 2},
+      [](int) { return std::make_unique<FakeWorkers>(); }, [] { return std::make_unique<FakeStoreHost>(); },
+      lighthouse);
+  EXPECT_EQ(agent.worker_env(0, 1, 1234, 0).at("DTRAIN_FLIGHT_RECORDER_DIR"), "/tmp/fr/replica_0/attempt_0");
+  EXPECT_EQ(agent.worker_env(1, 0, 1234, 2).at("DTRAIN_FLIGHT_RECORDER_DIR"), "/tmp/fr/replica_1/attempt_2");
+  ReplicaAgent off(
+      {.agent = {.nproc_per_node = 2}, .replicas = 2}, [](int) { return std::make_unique<FakeWorkers>(); },
+      [] { return std::make_unique<FakeStoreHost>(); }, lighthouse);
+  EXPECT_EQ(off.worker_env(0, 0, 1234, 0).count("DTRAIN_FLIGHT_RECORDER_DIR"), 0u);
+}
+
+// A replica group's restart that fails before its store serves leaves no
+// socket open behind it.
+TEST(ReplicaAgent, FailedRestartLeaksNoSocket) {
+  const int before = open_fds();
+  {
+    FakeStoreHost lighthouse;
+    int stores_made = 0;
+    ReplicaAgent agent(
+        {.agent = {.nproc_per_node = 2, .max_restarts = 2, .monitor_interval = std::chrono::milliseconds(1)},
+         .replicas = 2},
+        [](int replica) {
+          auto workers = std::make_unique<FakeWorkers>();
+          if (replica == 0) {
+            workers->rounds = {{GroupStatus::kFailed, failed_rank(0, 1), 1}, {}};
+          } else {
+            workers->rounds = {{GroupStatus::kRunning, {}, 1000000}};
+          }
+          return workers;
+        },
+        [&stores_made]() -> std::unique_ptr<WorkerStoreHost> {
+          if (++stores_made == 3) throw dtrain::ConfigError("no store for the restart", "test");
+          return std::make_unique<FakeStoreHost>();
+        },
+        lighthouse);
+    std::atomic<int> interrupt{0};
+    EXPECT_THROW(agent.run(interrupt), dtrain::ConfigError);
+    EXPECT_EQ(stores_made, 3);
+  }
+  EXPECT_EQ(open_fds(), before);
 }

@@ -2,12 +2,15 @@
 // groups as threads over an in-memory store: membership, quorum ids, a dead
 // replica dropped after its heartbeat timeout, a restarted one seen as a new
 // incarnation that is behind, the vote's all-or-none answer, no quorum
-// without a member holding the newest step, none disjoint from the last.
+// without a member holding the newest step, none disjoint from the last;
+// the review's defects: a half-written registration, a withdrawn request,
+// keys that grew per step, a lighthouse that failed or stopped.
 #include <gtest/gtest.h>
 
 #include <future>
 #include <thread>
 
+#include "dtrain/comm/store_keys.h"
 #include "dtrain/error.h"
 #include "dtrain/ft/lighthouse.h"
 #include "dtrain/ft/quorum.h"
@@ -147,6 +150,103 @@ TEST(FtLighthouse, NoQuorumDisjointFromTheLastOne) {
   auto b = std::make_unique<LighthouseClient>(
       store, store, LighthouseClientOptions{.replica_id = 1, .quorum_timeout = milliseconds(800)});
   EXPECT_THROW(b->quorum(3), TimeoutError);
+}
+
+TEST(FtLighthouse, HalfWrittenRegistrationIsSkipped) {
+  auto store = dist::Store::in_memory();
+  // A replica killed between counting its registration and writing reg/<k>.
+  store.with_prefix("ft").add("nreg", 1);
+  Lighthouse lighthouse(store, fast_lighthouse(1));
+  auto a = std::make_unique<LighthouseClient>(
+      store, store, LighthouseClientOptions{.replica_id = 0, .quorum_timeout = milliseconds(4000)});
+  const Quorum q = a->quorum(0);
+  ASSERT_EQ(q.members.size(), 1u);
+  EXPECT_EQ(q.members[0].incarnation, 2);
+  lighthouse.check();
+}
+
+TEST(FtLighthouse, WithdrawnRequestIsNotAnswered) {
+  auto store = dist::Store::in_memory();
+  LighthouseOptions options = fast_lighthouse(2);
+  options.join_timeout = milliseconds(1500);
+  Lighthouse lighthouse(store, options);
+  auto a = std::make_unique<LighthouseClient>(
+      store, store,
+      LighthouseClientOptions{
+          .replica_id = 0, .heartbeat_interval = milliseconds(50), .quorum_timeout = milliseconds(300)});
+  auto b = ft_client(store, 1);
+  // a gives up (the first quorum waits for two replicas); its heartbeat goes on.
+  EXPECT_THROW(a->quorum(0), TimeoutError);
+  // b's quorum must not name a, which no longer waits for it.
+  const Quorum alone = b->quorum(0);
+  ASSERT_EQ(alone.members.size(), 1u) << alone.describe();
+  EXPECT_EQ(alone.members[0].replica_id, 1);
+  // a's next request is answered as usual.
+  const auto both = ask_all({a.get(), b.get()}, {0, 0});
+  EXPECT_EQ(both[0].members.size(), 2u);
+  EXPECT_EQ(both[0].to_text(), both[1].to_text());
+  lighthouse.check();
+}
+
+TEST(FtLighthouse, StoreKeysDoNotGrowWithSteps) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(2));
+  auto a = ft_client(store, 0), b = ft_client(store, 1);
+  std::int64_t step = 0;
+  auto run_steps = [&](int n) {
+    for (int i = 0; i < n; ++i, ++step) {
+      const auto q = ask_all({a.get(), b.get()}, {step, step});
+      auto va = std::async(std::launch::async, [&] { return a->agree_commit(q[0], true); });
+      EXPECT_TRUE(b->agree_commit(q[1], true));
+      EXPECT_TRUE(va.get());
+    }
+  };
+  run_steps(5);
+  const std::int64_t before = dist::num_keys(store);
+  run_steps(25);
+  // The last round's vote keys stay until the next quorum; a wake-up key or
+  // two may not be deleted yet. Before: ~8 keys more per step.
+  EXPECT_LE(dist::num_keys(store), before + 2) << "keys grow with steps";
+  lighthouse.check();
+}
+
+TEST(FtLighthouse, FailedLighthouseIsAnErrorOnTheReplicas) {
+  auto store = dist::Store::in_memory();
+  // A registration the service cannot read stops it (a stand-in for any bug).
+  auto ft = store.with_prefix("ft");
+  ft.set("reg/1", "not an id");
+  ft.add("nreg", 1);
+  Lighthouse lighthouse(store, fast_lighthouse(1));
+  auto a = std::make_unique<LighthouseClient>(
+      store, store,
+      LighthouseClientOptions{
+          .replica_id = 0, .quorum_timeout = milliseconds(20000), .lighthouse_timeout = milliseconds(2000)});
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    a->quorum(0);
+    ADD_FAILURE() << "a quorum from a failed lighthouse";
+  } catch (const CommunicationError& e) {
+    EXPECT_NE(std::string(e.what()).find("the lighthouse stopped serving"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not an id"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(5000));
+  EXPECT_THROW(lighthouse.check(), InternalError);
+}
+
+TEST(FtLighthouse, StoppedLighthouseIsAnErrorWithinItsTimeout) {
+  auto store = dist::Store::in_memory();
+  auto lighthouse = std::make_unique<Lighthouse>(store, fast_lighthouse(1));
+  auto a = std::make_unique<LighthouseClient>(
+      store, store,
+      LighthouseClientOptions{
+          .replica_id = 0, .quorum_timeout = milliseconds(20000), .lighthouse_timeout = milliseconds(800)});
+  EXPECT_EQ(a->quorum(0).members.size(), 1u);
+  lighthouse.reset();  // its service thread is gone; the store still answers
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(a->quorum(1), CommunicationError);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(waited, milliseconds(700));
+  EXPECT_LT(waited, milliseconds(5000)) << "waited for the quorum timeout instead";
 }
 
 }  // namespace

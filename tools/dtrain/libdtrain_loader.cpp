@@ -65,7 +65,7 @@ Fn libdtrain_function(const char* name) {
 using ConnectFn = void (*)(const std::string*, int, long long, const std::string*, int,
                            std::shared_ptr<elastic::RendezvousStore>*);
 using HostFn = void (*)(int, int, std::shared_ptr<void>*);
-using LighthouseFn = void (*)(int, int, const std::string*, std::shared_ptr<void>*);
+using LighthouseFn = void (*)(int, int, const std::string*, std::shared_ptr<void>*, std::function<void()>*);
 
 }  // namespace
 
@@ -106,11 +106,12 @@ void BackgroundWorkerStore::serve(int listen_fd, int port) {
   starter_ = std::thread([this, listen_fd, port] {
     std::shared_ptr<void> store;
     std::exception_ptr error;
+    std::function<void()> check_service;
     std::function<void(int, int, std::shared_ptr<void>*)> host;
     try {
       if (lighthouse_) {
-        host = [fn = libdtrain_function<LighthouseFn>("dtrain_host_lighthouse"), config = lighthouse_config_](
-                   int fd, int p, std::shared_ptr<void>* out) { fn(fd, p, &config, out); };
+        host = [fn = libdtrain_function<LighthouseFn>("dtrain_host_lighthouse"), config = lighthouse_config_,
+                &check_service](int fd, int p, std::shared_ptr<void>* out) { fn(fd, p, &config, out, &check_service); };
       } else {
         host = libdtrain_function<HostFn>("dtrain_host_worker_store");
       }
@@ -128,12 +129,14 @@ void BackgroundWorkerStore::serve(int listen_fd, int port) {
     const std::lock_guard lock(mutex_);
     store_ = std::move(store);
     error_ = error;
+    check_service_ = std::move(check_service);
   });
 }
 
 void BackgroundWorkerStore::stop() {
   if (starter_.joinable()) starter_.join();
   const std::lock_guard lock(mutex_);
+  check_service_ = nullptr;  // before the service it points into
   store_.reset();
   error_ = nullptr;
 }
@@ -141,6 +144,7 @@ void BackgroundWorkerStore::stop() {
 void BackgroundWorkerStore::check() {
   const std::lock_guard lock(mutex_);
   if (error_) std::rethrow_exception(error_);
+  if (check_service_) check_service_();
 }
 
 }  // namespace dtrain::tools

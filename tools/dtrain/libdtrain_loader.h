@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <ostream>
@@ -55,6 +56,8 @@ class BackgroundWorkerStore : public elastic::WorkerStoreHost {
   std::mutex mutex_;
   std::shared_ptr<void> store_;  // the running server; guarded by mutex_
   std::exception_ptr error_;     // why it is not running; guarded by mutex_
+  // The lighthouse's own health (its service thread): throws what stopped it.
+  std::function<void()> check_service_;  // guarded by mutex_
   std::string lighthouse_config_;
   bool lighthouse_ = false;
 };

@@ -206,7 +206,7 @@ int main(int argc, char** argv) {
     try {
       std::cout << dtrain::dist::analyze_flight_dumps(trace_dir).text() << std::flush;
       return 0;
-    } catch (const dtrain::Error& e) {
+    } catch (const std::exception& e) {  // dtrain's errors, and anything a malformed dump still causes
       std::cerr << "dtrain trace: error: " << e.what() << std::endl;
       return 2;
     }

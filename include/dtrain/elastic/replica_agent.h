@@ -42,6 +42,9 @@ class ReplicaAgent {
   AgentResult run(const std::atomic<int>& interrupt);
   // The environment of worker `local_rank` of replica group `replica`.
   std::map<std::string, std::string> worker_env(int replica, int local_rank, int port, int restarts) const;
+  // Where a group's ranks dump their flight recorders (with the recorder on):
+  // AgentOptions::flight_dump_dir/replica_<r>/attempt_<restarts>.
+  std::string flight_dump_dir(int replica, int restarts) const;
 
  private:
   struct Replica;

@@ -14,8 +14,10 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -38,7 +40,9 @@ struct LighthouseOptions {
   // Once a replica asks for a quorum, how long to wait for live replicas that
   // have not asked yet before forming it without them.
   std::chrono::milliseconds join_timeout{10000};
-  // How often the service looks at heartbeats when no request arrives.
+  // How often the service looks at heartbeats when no request arrives; it
+  // also advances its own liveness counter (ft/alive) at this pace, which
+  // clients watch (LighthouseClientOptions::lighthouse_timeout).
   std::chrono::milliseconds scan_interval{50};
 };
 
@@ -52,20 +56,39 @@ class Lighthouse {
   Lighthouse& operator=(const Lighthouse&) = delete;
   // The quorums formed so far, in round order (the per-step membership).
   std::vector<Quorum> history() const;
-  // Throws the error that stopped the service, if one did.
+  // Throws the error that stopped the service, if one did (the service also
+  // writes it to ft/failed, where clients read it).
   void check() const;
 
  private:
   struct Replica;
+  // A round whose commit keys stay until every member asked again.
+  struct OpenRound {
+    std::vector<int> ids;                    // whose commit/<round>/vote/<id> to delete
+    std::vector<std::int64_t> not_back_yet;  // incarnations
+  };
   void serve();
   void scan(std::chrono::steady_clock::time_point now);
+  void read_registrations(std::chrono::steady_clock::time_point now);
+  void add_registration(std::int64_t k, std::chrono::steady_clock::time_point now);
+  void delete_read_events(std::chrono::steady_clock::time_point now);
+  void member_asked_again(std::int64_t incarnation);
   void form_quorum_if_ready(std::chrono::steady_clock::time_point now);
+  bool claim_answers(const std::vector<Replica*>& asking);
 
   dist::Store store_;
   LighthouseOptions options_;
   std::vector<std::unique_ptr<Replica>> replicas_;  // by registration; the serving thread's
   std::int64_t registrations_seen_ = 0;
+  // Since when reg/<registrations_seen_ + 1> is missing though counted (its
+  // replica died between the two): skipped after heartbeat_timeout.
+  std::optional<std::chrono::steady_clock::time_point> registration_gap_since_;
+  std::vector<std::int64_t> skipped_registrations_;  // re-read each scan
   std::int64_t events_seen_ = 0;
+  std::int64_t events_deleted_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> event_gap_since_;
+  std::chrono::steady_clock::time_point last_alive_{};
+  std::map<std::int64_t, OpenRound> open_rounds_;
   std::int64_t round_ = 0;
   std::int64_t quorum_id_ = 0;
   std::string last_members_;               // "id:incarnation ..." of the last quorum
@@ -118,6 +141,10 @@ struct LighthouseClientOptions {
   // How long agree_commit() waits for the other members' votes; a member
   // that has not voted by then counts as failed.
   std::chrono::milliseconds commit_timeout{std::chrono::seconds(10)};
+  // While waiting for a quorum: a lighthouse whose liveness counter has not
+  // moved for this long is taken as dead (CommunicationError), as is one
+  // that reports a failure (at once).
+  std::chrono::milliseconds lighthouse_timeout{std::chrono::seconds(10)};
 };
 
 // One replica group's side. Registers (a new incarnation) and starts
@@ -133,7 +160,9 @@ class LighthouseClient {
 
   // Asks for the next quorum, having committed `step` steps; `fresh_group`
   // asks that the quorum id change (this replica's group failed). Blocks
-  // until the lighthouse answers; TimeoutError after quorum_timeout.
+  // until the lighthouse answers; TimeoutError after quorum_timeout (the
+  // request is then withdrawn: no later quorum counts this replica in for
+  // it); CommunicationError when the lighthouse failed or stopped.
   Quorum quorum(std::int64_t step, bool fresh_group = false);
   // The commit vote of a step run in quorum `q`: true when every member
   // voted ok; every member gets the same answer (Note [Commit vote]).
@@ -146,6 +175,9 @@ class LighthouseClient {
  private:
   void register_once();
   void beat();
+  // Throws CommunicationError when the lighthouse failed or its liveness
+  // counter has not moved for lighthouse_timeout.
+  void check_lighthouse_alive(std::int64_t& alive, std::chrono::steady_clock::time_point& moved_at);
 
   dist::Store store_;
   dist::Store heartbeat_store_;
