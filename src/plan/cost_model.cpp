@@ -42,7 +42,9 @@ double layer_activation_bytes(const ModelSpec& m, const ActivationShape& a) {
   const double r_div = a.sequence_parallel ? t : 1;
   const bool eager = m.kernels == Kernels::kEager, flash = m.attention == Attention::kFlash;
   const double mlp = m.gated_mlp ? (eager ? 8 : 6) * f : 4 * f;
-  const double r_none = 8 * h * e / 2 + (m.dropout ? 2 * h : 0) + (eager ? 8 * h : 0);
+  // Eager kernels keep each norm's fp32 input only where activations are
+  // 16-bit (autocast's cast); in fp32 that input is the one counted above.
+  const double r_none = 8 * h * e / 2 + (m.dropout ? 2 * h : 0) + (eager && e == 2 ? 8 * h : 0);
   const double s_none = (2 * (h + 2 * kv) + 2 * h + mlp) * e / 2;
   const double scores = flash ? 4.0 * m.heads : static_cast<double>(m.heads) * m.seq * (m.dropout ? 2 * e + 1 : e);
   switch (a.recompute) {
@@ -280,7 +282,11 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     if (plan.zero_stage == 3 && shard > 1) {
       mem.buffers += (1 + options.zero3_prefetch_units) * layer_params * e + layer_params * bpp.grads;
     } else if (plan.data_parallel() * cp > 1) {
-      mem.buffers += 2.0 * static_cast<double>(options.ddp_bucket_bytes);
+      // PyTorch's and dtrain's DDP buckets hold a copy of every gradient;
+      // Megatron's gradients are views of its buffer, two buckets in flight.
+      const double all_grads = params * bpp.grads;
+      const double in_flight = 2.0 * std::min(static_cast<double>(options.ddp_bucket_bytes), all_grads);
+      mem.buffers += options.ddp_buckets_copy_gradients && plan.zero_stage == 0 ? all_grads : in_flight;
     }
     if (pipelined) mem.buffers += 4 * tokens * model.hidden * e / (plan.sequence_parallel ? tp : 1);
     if (tp > 1 && plan.sequence_parallel) mem.buffers += tokens * model.hidden * e;

@@ -3,16 +3,19 @@
 // (exactly, and within 5 % under +-10 % noise), refuses samples of one size;
 // a device entry survives its file; the cost model divides a host's cores
 // and memory among the ranks it holds; fp8 plans run their GEMMs at the fp8
-// rate.
+// rate. The memory pre-flight refuses a plan over its limit with the bytes
+// it needs, the excess and the nearest plan that fits.
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 
 #include "dtrain/error.h"
 #include "dtrain/plan/calibration.h"
 #include "dtrain/plan/cost_model.h"
+#include "dtrain/plan/preflight.h"
 
 namespace dtrain::plan {
 namespace {
@@ -103,6 +106,47 @@ TEST(PlanCalibration, Fp8PlansRunTheirGemmsAtTheFp8Rate) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("fp8"), std::string::npos) << e.what();
   }
+}
+
+}  // namespace
+}  // namespace dtrain::plan
+
+namespace dtrain::plan {
+namespace {
+
+const char* kPreflightModel =
+    "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=65,attention=flash,kernels=eager,dropout=0,bias=0";
+
+TEST(PlanPreflight, RefusesWhatExceedsTheLimitWithTheFigureAndTheNearestFit) {
+  const auto model = ModelSpec::parse(kPreflightModel);
+  const Cluster cluster{.device = find_device("cpu-here"), .gpus = 2, .gpus_per_node = 2};
+  const ParallelPlan p{.dp_replicate = 2, .precision = "fp32", .global_batch = 48};
+  const CostOptions o{.weights = WeightLayout::kFp32Master, .ddp_buckets_copy_gradients = true};
+  const auto fits = check_plan_memory(p, model, cluster, o, {.bytes = 4LL << 30, .source = "test"});
+  const auto needed = static_cast<std::int64_t>(fits.peak());
+  // Between what ZeRO-3 with full recompute needs and what this plan needs.
+  const std::int64_t limit = needed - needed / 4;
+  try {
+    check_plan_memory(p, model, cluster, o, {.bytes = limit, .source = "test limit"});
+    ADD_FAILURE() << "a plan needing " << needed << " bytes passed a limit of " << limit;
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(std::to_string(needed) + " bytes"), std::string::npos) << what;
+    EXPECT_NE(what.find(std::to_string(needed - limit) + " bytes) more"), std::string::npos) << what;
+    EXPECT_NE(what.find("test limit"), std::string::npos) << what;
+    EXPECT_NE(what.find("nearest plan that fits"), std::string::npos) << what;
+  }
+  EXPECT_EQ(parse_bytes("300M"), 300LL << 20);
+  EXPECT_EQ(parse_bytes("2G"), 2LL << 30);
+  EXPECT_EQ(parse_bytes("4096"), 4096);
+  EXPECT_THROW(parse_bytes("lots"), ConfigError);
+  EXPECT_EQ(rank_memory_limit(4, "1G").bytes, 1LL << 30);
+  ::setenv("DTRAIN_MEMORY_LIMIT", "300M", 1);
+  EXPECT_EQ(rank_memory_limit(4).bytes, 300LL << 20);
+  ::unsetenv("DTRAIN_MEMORY_LIMIT");
+  const auto one = rank_memory_limit(1), four = rank_memory_limit(4);
+  EXPECT_NEAR(4.0 * static_cast<double>(four.bytes) / static_cast<double>(one.bytes), 1.0, 0.05);
+  EXPECT_NE(four.source.find("/ 4 local ranks"), std::string::npos) << four.source;
 }
 
 }  // namespace

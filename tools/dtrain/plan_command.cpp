@@ -43,6 +43,8 @@ void add_plan_options(CLI::App& c, PlanCommandOptions& o) {
   c.add_flag("--no-grad-overlap", o.no_grad_overlap,
              "Gradient reduction after backward instead of during it (Megatron-LM 2021's DDP)");
   c.add_flag("--blocking-p2p", o.blocking_p2p, "Pipeline senders wait for their transfers (Megatron-LM 2021)");
+  c.add_flag("--ddp-bucket-copy", o.ddp_bucket_copy,
+             "DDP buckets hold a copy of the gradients (dtrain's and PyTorch's DDP; default: Megatron's views)");
   c.add_flag("--list-devices", o.list_devices, "Print the device table and exit");
   c.add_option("--device-file", o.device_file,
                "A device entry (JSON, as --calibrate writes) instead of --device; with --calibrate, where to write it");
@@ -209,6 +211,7 @@ int plan_command(const PlanCommandOptions& o, std::ostream& out, std::ostream& e
   if (cluster.gpus_per_node == 0) cluster.gpus_per_node = std::min(o.gpus, cluster.device.gpus_per_node);
   const plan::CostOptions cost{
       .weights = o.weights == "megatron" ? plan::WeightLayout::kMegatron : plan::WeightLayout::kFp32Master,
+      .ddp_buckets_copy_gradients = o.ddp_bucket_copy,
       .overlap_grad_reduce = !o.no_grad_overlap,
       .blocking_p2p = o.blocking_p2p,
       .allocator_factor = o.allocator_factor};

@@ -27,6 +27,7 @@ struct PlanCommandOptions {
   double allocator_factor = 1.0;
   bool no_grad_overlap = false;
   bool blocking_p2p = false;
+  bool ddp_bucket_copy = false;
   bool list_devices = false;
   // --device-file: a device entry (calibration.h) instead of --device; with
   // --calibrate, where the measured entry is written.
