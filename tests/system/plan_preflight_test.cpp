@@ -5,6 +5,9 @@
 // and the nearest plan that fits; --no-memory-check trains anyway.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "dtrain/plan/preflight.h"
@@ -20,9 +23,14 @@ const std::string kPreflightArgs =
 TEST(PlanPreflight, GptRefusesAPlanOverTheLimitAndRunsWithNoMemoryCheck) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   namespace plan = dtrain::plan;
-  // The example's model (the corpus has 65 characters) as the planner sees it.
-  const auto model = plan::ModelSpec::parse(
-      "gpt:layers=2,hidden=32,heads=2,seq=16,vocab=65,attention=flash,kernels=eager,dropout=0,bias=0");
+  // The example's model as the planner sees it; the vocabulary is the corpus's.
+  const char* cache = std::getenv("DTRAIN_CACHE");
+  const char* home = std::getenv("HOME");
+  const std::string dir = cache != nullptr ? cache : std::string(home != nullptr ? home : ".") + "/.cache/dtrain";
+  std::ifstream meta_file(dir + "/shakespeare_char/meta.json");
+  const auto vocab = nlohmann::json::parse(meta_file).at("vocab_size").get<std::int64_t>();
+  const auto model = plan::ModelSpec::parse("gpt:layers=2,hidden=32,heads=2,seq=16,vocab=" + std::to_string(vocab) +
+                                            ",attention=flash,kernels=eager,dropout=0,bias=0");
   const dtrain::ParallelPlan p{.precision = "fp32", .global_batch = 4};
   const auto e =
       plan::check_plan_memory(p, model, {.device = plan::find_device("cpu-here"), .gpus = 1, .gpus_per_node = 1},

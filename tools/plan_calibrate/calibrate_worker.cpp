@@ -11,6 +11,7 @@
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,13 +29,23 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// Compute is timed in this thread's CPU time: on a host shared with other
+// work (a loaded machine) that is still one core's rate, which wall time is
+// not; on a quiet host the two agree. The cost model shares the cores among
+// a plan's ranks itself (DeviceSpec::compute_units).
 double median_seconds(int repeats, const std::function<void()>& once) {
   once();  // warm-up: first-touch pages, oneDNN's primitive cache
   std::vector<double> s;
   for (int i = 0; i < repeats; ++i) {
-    const auto start = Clock::now();
+    const double start = thread_cpu_seconds();
     once();
-    s.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    s.push_back(thread_cpu_seconds() - start);
   }
   std::sort(s.begin(), s.end());
   return s[s.size() / 2];
