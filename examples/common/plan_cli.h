@@ -227,10 +227,20 @@ inline void preflight_memory(const PlanCli& cli, dtrain::ParallelPlan plan, cons
   plan.precision = bf16 ? "bf16" : "fp32";
   dtrain::plan::Cluster cluster{.device = dtrain::plan::find_device("cpu-here"), .gpus = world};
   cluster.gpus_per_node = std::min(world, cluster.device.gpus_per_node);
+  const dtrain::plan::CostOptions cost{.weights = dtrain::plan::WeightLayout::kFp32Master,
+                                       .ddp_buckets_copy_gradients = true};
+  // The planner costs fewer shapes than the examples run (e.g. stages of
+  // the embedding and head alone, explicit stage maps): those run unchecked.
+  try {
+    auto memory_only = cost;
+    memory_only.memory_only = true;
+    dtrain::plan::estimate(plan, model, cluster, memory_only);
+  } catch (const dtrain::ConfigError& e) {
+    DTRAIN_LOG(kWarning) << "memory pre-flight skipped: the planner cannot cost this plan (" << e.what() << ")";
+    return;
+  }
   const auto limit = dtrain::plan::rank_memory_limit(local_world, cli.memory_limit);
-  const auto e = dtrain::plan::check_plan_memory(
-      plan, model, cluster, {.weights = dtrain::plan::WeightLayout::kFp32Master, .ddp_buckets_copy_gradients = true},
-      limit);
+  const auto e = dtrain::plan::check_plan_memory(plan, model, cluster, cost, limit);
   DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << dtrain::plan::format_gib(e.peak()) << " per rank of "
                     << dtrain::plan::format_gib(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";
 }
