@@ -16,7 +16,9 @@
 #include <string>
 
 #include "dtrain/error.h"
+#include "dtrain/log.h"
 #include "dtrain/plan/plan.h"
+#include "dtrain/plan/preflight.h"
 #include "pipeline_cli.h"
 
 namespace examples {
@@ -33,6 +35,8 @@ struct PlanCli {
   std::string recompute = "none";
   int recompute_every = 1;
   std::int64_t global_batch = 0;  // --global-batch-size; 0: from --batch-size
+  bool no_memory_check = false;   // --no-memory-check: skip the pre-flight (preflight_memory)
+  std::string memory_limit;       // --memory-limit: bytes per rank for the pre-flight
 
   void add_to(CLI::App& app) {
     app.add_option("--plan", file, "Parallelism plan file (JSON, as dtrain::ParallelPlan::to_json writes)");
@@ -60,6 +64,11 @@ struct PlanCli {
     app.add_option("--global-batch-size", global_batch,
                    "Sequences per optimizer step over all ranks (the per-rank batch follows from the plan)")
         ->check(CLI::PositiveNumber);
+    app.add_flag("--no-memory-check", no_memory_check,
+                 "Train even when the planner predicts the plan's peak memory per rank exceeds the limit");
+    app.add_option("--memory-limit", memory_limit,
+                   "Memory per rank for the pre-flight check (e.g. 300M, 2G; default $DTRAIN_MEMORY_LIMIT, else the "
+                   "host's available memory / local ranks)");
   }
 
   // Whether the plan comes from these options rather than --strategy.
@@ -178,6 +187,62 @@ inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, con
     r.batch_size = cli.global_batch / per;
   }
   return r;
+}
+
+// The plan a run executes, for the memory pre-flight: the resolved plan,
+// or for the --strategy shorthands single, ddp and zero1-3 the plan they
+// stand for; nullopt for the others (their plans are built by the program).
+inline std::optional<dtrain::ParallelPlan> plan_of_run(const Resolved& r, int world, int accumulate) {
+  if (r.plan) return r.plan;
+  dtrain::ParallelPlan p;
+  if (r.strategy == "ddp") {
+    p.dp_replicate = world;
+  } else if (r.strategy.rfind("zero", 0) == 0 && r.strategy.size() == 5) {
+    p.zero_stage = r.strategy[4] - '0';
+    p.dp_replicate = r.hsdp_replicas;
+    p.dp_shard = world / r.hsdp_replicas;
+  } else if (r.strategy != "single") {
+    return std::nullopt;
+  }
+  p.recompute = r.recompute;
+  p.recompute_every = r.recompute_every;
+  p.accumulate = accumulate;
+  return p;
+}
+
+// Note [Memory pre-flight]
+// Before the first step, the planner's peak memory per rank for `plan` on
+// `model` (dtrain::plan::check_plan_memory) against what a rank may use:
+// --memory-limit, else $DTRAIN_MEMORY_LIMIT, else this host's available
+// memory divided by its ranks. A plan that does not fit stops here with a
+// ConfigError (the peak and its parts, the excess, the nearest plan that
+// fits); --no-memory-check lets it run. CPU ranks only: on accelerators the
+// device's memory is the device table's, which this program does not know.
+// `batch_size` is per data-parallel rank and micro-step.
+inline void preflight_memory(const PlanCli& cli, dtrain::ParallelPlan plan, const dtrain::plan::ModelSpec& model,
+                             std::int64_t batch_size, int world, int local_world, bool bf16) {
+  if (cli.no_memory_check) return;
+  const int micro = plan.pp > 1 ? plan.pipeline.micro_batches : 1;
+  plan.global_batch = batch_size * micro * plan.data_parallel() * plan.accumulate;
+  plan.precision = bf16 ? "bf16" : "fp32";
+  dtrain::plan::Cluster cluster{.device = dtrain::plan::find_device("cpu-here"), .gpus = world};
+  cluster.gpus_per_node = std::min(world, cluster.device.gpus_per_node);
+  const dtrain::plan::CostOptions cost{.weights = dtrain::plan::WeightLayout::kFp32Master,
+                                       .ddp_buckets_copy_gradients = true};
+  // The planner costs fewer shapes than the examples run (e.g. stages of
+  // the embedding and head alone, explicit stage maps): those run unchecked.
+  try {
+    auto memory_only = cost;
+    memory_only.memory_only = true;
+    dtrain::plan::estimate(plan, model, cluster, memory_only);
+  } catch (const dtrain::ConfigError& e) {
+    DTRAIN_LOG(kWarning) << "memory pre-flight skipped: the planner cannot cost this plan (" << e.what() << ")";
+    return;
+  }
+  const auto limit = dtrain::plan::rank_memory_limit(local_world, cli.memory_limit);
+  const auto e = dtrain::plan::check_plan_memory(plan, model, cluster, cost, limit);
+  DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << dtrain::plan::format_gib(e.peak()) << " per rank of "
+                    << dtrain::plan::format_gib(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";
 }
 
 }  // namespace examples

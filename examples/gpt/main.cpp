@@ -66,6 +66,7 @@
 #include "model.h"
 #include "pipeline_strategy.h"
 #include "plan_cli.h"
+#include "run_stats.h"
 #include "sample.h"
 #include "tensor_parallel.h"
 #include "zero_strategy.h"
@@ -105,8 +106,9 @@ struct Options {
   int hsdp_replicas = 1;           // zero1-3 on a dp_replicate x dp_shard mesh (from a plan)
   int tp = 1;                      // strategy "tp" (from a plan): the degree
   bool sequence_parallel = false;
-  int cp = 1;                        // strategy "cp" (from a plan): the degree
-  std::string cp_exchange = "ring";  // ring | allgather (context_parallel.h)
+  int cp = 1;                                    // strategy "cp" (from a plan): the degree
+  std::string cp_exchange = "ring";              // ring | allgather (context_parallel.h)
+  std::optional<dtrain::ParallelPlan> run_plan;  // what runs, for the memory pre-flight (plan_cli.h)
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -449,7 +451,14 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
                      .dump()
               << std::endl;
   });
-  if (auto kill = kill_switch(t)) trainer.on_step([kill](const dtrain::StepReport& r) { kill(r.step); });
+  auto kill = kill_switch(t);
+  gpt::RunStats stats;
+  const bool measure = gpt::RunStats::requested();
+  if (kill || measure)
+    trainer.on_step([kill, measure, &stats](const dtrain::StepReport& r) {
+      if (measure) stats.step();
+      if (kill) kill(r.step);
+    });
   const dtrain::TrainSummary summary = trainer.fit();
 
   // Collective where the weights are sharded or pipelined: every rank takes
@@ -474,6 +483,7 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
       s.module().train();
     }
   }
+  if (measure) stats.print(where.rank);
   if (where.group) where.group->barrier();
   if (!lead) return 0;
   if (!sample.empty()) gpt::print_sample(std::cout, sample_options(opt), sample);
@@ -527,6 +537,7 @@ void apply_plan(Options& opt) {
   opt.batch_size = r.batch_size;
   opt.model.recompute = r.recompute;
   opt.model.recompute_every = r.recompute_every;
+  opt.run_plan = examples::plan_of_run(r, launched_world(), opt.accumulate);
   if (r.plan && dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
     DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << r.plan->table();
   }
@@ -555,6 +566,17 @@ int run(Options opt) {
                opt.init_from_hf << " has a vocabulary of " << hf_vocab << ", the corpus " << opt.model.vocab_size
                                 << " characters.",
                "give a GPT-2 folder made for this corpus (vocab_size " << opt.model.vocab_size << ")");
+  if (opt.run_plan && where.devices.front().is_cpu()) {
+    const auto& m = opt.model;
+    const auto spec = dtrain::plan::ModelSpec::parse(
+        "gpt:layers=" + std::to_string(m.n_layer) + ",hidden=" + std::to_string(m.n_embd) + ",heads=" +
+        std::to_string(m.n_head) + ",seq=" + std::to_string(m.block_size) + ",vocab=" + std::to_string(m.vocab_size) +
+        ",attention=flash,kernels=eager,dropout=" + (m.dropout > 0 ? "1" : "0") + ",bias=" + (m.bias ? "1" : "0"));
+    const int local = dtrain::dist::launched_by_launcher() ? dtrain::dist::read_env_contract().local_world_size : 1;
+    examples::preflight_memory(opt.plan, *opt.run_plan, spec, opt.batch_size, launched_world(), local,
+                               opt.amp == "bf16");
+  }
+  if (gpt::RunStats::requested()) gpt::RunStats{}.start();  // counts from the model's construction on
   return train(opt, where, corpus);
 }
 

@@ -42,7 +42,9 @@ double layer_activation_bytes(const ModelSpec& m, const ActivationShape& a) {
   const double r_div = a.sequence_parallel ? t : 1;
   const bool eager = m.kernels == Kernels::kEager, flash = m.attention == Attention::kFlash;
   const double mlp = m.gated_mlp ? (eager ? 8 : 6) * f : 4 * f;
-  const double r_none = 8 * h * e / 2 + (m.dropout ? 2 * h : 0) + (eager ? 8 * h : 0);
+  // Eager kernels keep each norm's fp32 input only where activations are
+  // 16-bit (autocast's cast); in fp32 that input is the one counted above.
+  const double r_none = 8 * h * e / 2 + (m.dropout ? 2 * h : 0) + (eager && e == 2 ? 8 * h : 0);
   const double s_none = (2 * (h + 2 * kv) + 2 * h + mlp) * e / 2;
   const double scores = flash ? 4.0 * m.heads : static_cast<double>(m.heads) * m.seq * (m.dropout ? 2 * e + 1 : e);
   switch (a.recompute) {
@@ -118,7 +120,18 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
                "tp " << plan.tp << " does not divide the heads, KV heads and FFN width (" << model.heads << ", "
                      << model.kv_heads << ", " << model.ffn << ").",
                "choose a tp dividing all three");
-  const DeviceSpec& dev = cluster.device;
+  // A CPU host's ranks share its cores: more ranks than cores divide them.
+  DeviceSpec dev = cluster.device;
+  if (dev.compute_units > 0 && cluster.gpus_per_node > dev.compute_units) {
+    const double share = static_cast<double>(dev.compute_units) / std::min(cluster.gpus_per_node, cluster.gpus);
+    if (share < 1) {
+      dev.bf16_flops *= share;
+      dev.fp32_flops *= share;
+      dev.fp8_flops *= share;
+      dev.memory_bandwidth *= share;
+      dev.kernel_overhead /= share;  // a CPU's launches are its cores' work too
+    }
+  }
   const bool pipelined = plan.pp > 1;
   const int m = pipelined ? plan.pipeline.micro_batches : 1;
   const int v = pipelined ? plan.pipeline.stages_per_rank : 1;
@@ -129,8 +142,14 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   DTRAIN_CHECK(est.micro_batch >= 1, ConfigError,
                "the plan's micro-batches hold " << plan.local_batch() << " / " << m << " sequences.",
                "choose fewer micro-batches or a larger global batch");
+  // fp8: the GEMMs run at the device's fp8 rate, attention, element-wise
+  // kernels and activations stay bf16 (Transformer Engine's recipe).
+  DTRAIN_CHECK(plan.precision != "fp8" || dev.fp8_flops > 0, ConfigError,
+               dev.name << " has no fp8 rate in the device table.", "plan it in bf16, or choose h100, h200 or b200");
   const int e = plan.precision == "fp32" ? 4 : 2;
-  const double peak_flops = plan.precision == "fp32" ? dev.fp32_flops : dev.bf16_flops;
+  const double peak_flops = plan.precision == "fp32"  ? dev.fp32_flops
+                            : plan.precision == "fp8" ? dev.fp8_flops
+                                                      : dev.bf16_flops;
   const int tp = plan.tp, cp = plan.cp;
   const int shard = plan.zero_stage > 0 ? plan.dp_shard * cp : 1;
   const int replicate = plan.zero_stage > 0 ? plan.dp_replicate : plan.dp_replicate * cp;
@@ -146,6 +165,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
                                  .recompute = plan.recompute,
                                  .bytes_per_element = e,
                                  .peak_flops = peak_flops,
+                                 .attention_flops = plan.precision == "fp8" ? dev.bf16_flops : peak_flops,
                                  .tp_link = tp_link,
                                  .cp_link = cp_link};
   const auto layer = detail::layer_times(model, shape, dev);
@@ -262,7 +282,11 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     if (plan.zero_stage == 3 && shard > 1) {
       mem.buffers += (1 + options.zero3_prefetch_units) * layer_params * e + layer_params * bpp.grads;
     } else if (plan.data_parallel() * cp > 1) {
-      mem.buffers += 2.0 * static_cast<double>(options.ddp_bucket_bytes);
+      // PyTorch's and dtrain's DDP buckets hold a copy of every gradient;
+      // Megatron's gradients are views of its buffer, two buckets in flight.
+      const double all_grads = params * bpp.grads;
+      const double in_flight = 2.0 * std::min(static_cast<double>(options.ddp_bucket_bytes), all_grads);
+      mem.buffers += options.ddp_buckets_copy_gradients && plan.zero_stage == 0 ? all_grads : in_flight;
     }
     if (pipelined) mem.buffers += 4 * tokens * model.hidden * e / (plan.sequence_parallel ? tp : 1);
     if (tp > 1 && plan.sequence_parallel) mem.buffers += tokens * model.hidden * e;
@@ -271,8 +295,10 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   const int worst = static_cast<int>(std::max_element(est.peak_memory_bytes.begin(), est.peak_memory_bytes.end()) -
                                      est.peak_memory_bytes.begin());
   est.memory = memory[worst];
-  est.device_memory_bytes = dev.memory_bytes;
-  est.fits = est.peak() <= static_cast<double>(dev.memory_bytes);
+  // A host's ranks share its memory (compute_units > 0: a CPU host).
+  est.device_memory_bytes =
+      dev.compute_units > 0 ? dev.memory_bytes / std::min(cluster.gpus_per_node, cluster.gpus) : dev.memory_bytes;
+  est.fits = est.peak() <= static_cast<double>(est.device_memory_bytes);
   if (options.memory_only) return est;
 
   // Gradient synchronisation and the optimizer step, on the critical rank.

@@ -21,15 +21,17 @@ std::int64_t gib(double g) {
   return static_cast<std::int64_t>(g * kGiB);
 }
 
-// This host: memory per process when `gpus_per_node` processes share it; an
-// assumed 20 GFLOP/s per core of fp32 GEMM and shared-memory links.
+// This host: its memory and cores, shared by all the ranks on it (any
+// number of processes make one "node"); an assumed 20 GFLOP/s per core of
+// fp32 GEMM and shared-memory links. `dtrain plan --calibrate` measures them.
 DeviceSpec cpu_here() {
   std::int64_t mem = gib(8);
   std::ifstream meminfo("/proc/meminfo");
-  for (std::string key; meminfo >> key;) {
+  for (std::string line; std::getline(meminfo, line);) {
+    std::istringstream fields(line);
+    std::string key;
     std::int64_t kib = 0;
-    meminfo >> kib;
-    if (key == "MemTotal:") {
+    if (fields >> key >> kib && key == "MemAvailable:") {
       mem = kib * 1024;
       break;
     }
@@ -48,8 +50,9 @@ DeviceSpec cpu_here() {
           .memory_efficiency = 1.0,
           .intra_node = {.bandwidth = 2e9, .latency = 20e-6},
           .inter_node = {.bandwidth = 1e9, .latency = 50e-6},
-          .gpus_per_node = static_cast<int>(cores),
-          .kernel_overhead = 2e-5};
+          .gpus_per_node = 64,
+          .kernel_overhead = 2e-5,
+          .compute_units = static_cast<int>(cores)};
 }
 
 std::vector<DeviceSpec> make_table() {

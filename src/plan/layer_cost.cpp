@@ -62,6 +62,8 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
   const double h = m.hidden, kv = m.kv_width(), f = m.ffn, s = m.seq, a = m.heads, d = m.head_dim();
   const double tokens = static_cast<double>(sh.micro_batch) * s / cp;  // on this rank
   const Roofline roof{dev, sh.peak_flops, e};
+  const double attention_peak = sh.attention_flops > 0 ? sh.attention_flops : sh.peak_flops;
+  const Roofline attention_roof{dev, attention_peak, e};
   const bool eager = m.kernels == Kernels::kEager;
 
   // GEMMs of the layer.
@@ -73,11 +75,11 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
   const double score_elements = static_cast<double>(sh.micro_batch) * (a / t) * (s / cp) * s;
   if (m.attention == Attention::kFlash) {
     const double flops = 0.5 * 4 * tokens * s * h / t;
-    attn_fwd = flops / (sh.peak_flops * dev.attention_efficiency) + dev.kernel_overhead;
+    attn_fwd = flops / (attention_peak * dev.attention_efficiency) + dev.kernel_overhead;
     attn_bwd = 2.5 * attn_fwd;
   } else {
     const double batch = static_cast<double>(sh.micro_batch) * a / t;
-    const double core = roof.gemm(s / cp, d, s, batch) + roof.gemm(s / cp, s, d, batch);
+    const double core = attention_roof.gemm(s / cp, d, s, batch) + attention_roof.gemm(s / cp, s, d, batch);
     const double per_score = (4 + (m.dropout ? 5 : 0)) * e / 2;
     attn_fwd = core + roof.traffic(score_elements * per_score);
     attn_bwd = 2 * core + roof.traffic(score_elements * per_score * 1.5);

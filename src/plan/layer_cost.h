@@ -22,8 +22,9 @@ struct LayerShape {
   int tp = 1, cp = 1;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
-  int bytes_per_element = 2;  // activations: 2 (bf16, fp16) or 4 (fp32)
-  double peak_flops = 0;      // of the device at this precision
+  int bytes_per_element = 2;   // activations: 2 (bf16, fp16) or 4 (fp32)
+  double peak_flops = 0;       // of the device at this precision (GEMMs)
+  double attention_flops = 0;  // attention's (fp8 plans: the bf16 rate); 0: peak_flops
   Link tp_link, cp_link;
 };
 

@@ -93,9 +93,15 @@ ModelSpec ModelSpec::parse(const std::string& text) {
       m.kernels = value == "fused" ? Kernels::kFused : Kernels::kEager;
       continue;
     }
+    if (key == "dropout" || key == "bias") {
+      DTRAIN_CHECK(value == "0" || value == "1", ConfigError, key << "=" << value << "?",
+                   "use " << key << "=1 (on) or " << key << "=0 (off)");
+      (key == "dropout" ? m.dropout : m.biases) = value == "1";
+      continue;
+    }
     const auto it = ints.find(key);
     DTRAIN_CHECK(it != ints.end(), ConfigError, "unknown model field '" << key << "'.",
-                 "use layers, hidden, heads, kv_heads, ffn, vocab, seq, attention, kernels");
+                 "use layers, hidden, heads, kv_heads, ffn, vocab, seq, attention, kernels, dropout, bias");
     try {
       *it->second = std::stoll(value);
     } catch (const std::exception&) {
@@ -113,7 +119,8 @@ std::string ModelSpec::to_string() const {
   s << family << ":layers=" << layers << ",hidden=" << hidden << ",heads=" << heads << ",kv_heads=" << kv_heads
     << ",ffn=" << ffn << ",seq=" << seq << ",vocab=" << vocab
     << ",attention=" << (attention == Attention::kFlash ? "flash" : "materialized")
-    << ",kernels=" << (kernels == Kernels::kFused ? "fused" : "eager");
+    << ",kernels=" << (kernels == Kernels::kFused ? "fused" : "eager") << ",dropout=" << (dropout ? 1 : 0)
+    << ",bias=" << (biases ? 1 : 0);
   return s.str();
 }
 

@@ -59,8 +59,8 @@ void validate_values(const ParallelPlan& p) {
   DTRAIN_CHECK(p.accumulate >= 1, ConfigError, "accumulate is " << p.accumulate << ".", "use 1 or more micro-steps");
   DTRAIN_CHECK(p.recompute_every >= 1, ConfigError, "recompute_every is " << p.recompute_every << ".",
                "recompute every k-th layer with k >= 1");
-  DTRAIN_CHECK(p.precision == "fp32" || p.precision == "bf16" || p.precision == "fp16", ConfigError,
-               "unknown precision '" << p.precision << "'.", "use fp32, bf16 or fp16");
+  DTRAIN_CHECK(p.precision == "fp32" || p.precision == "bf16" || p.precision == "fp16" || p.precision == "fp8",
+               ConfigError, "unknown precision '" << p.precision << "'.", "use fp32, bf16, fp16 or fp8");
   DTRAIN_CHECK(p.global_batch >= 0, ConfigError, "global_batch is " << p.global_batch << ".",
                "give the sequences per step (0: the program decides)");
 }
@@ -109,6 +109,10 @@ void validate_pipeline(const ParallelPlan& p, const PlanContext& c) {
 // What the appliers of this build implement; a plan past them is refused by
 // name rather than failing mid-run.
 void validate_applied(const ParallelPlan& p) {
+  // fp8 GEMMs are a planner precision (the device table's fp8 rates); no
+  // applier in this build casts to fp8.
+  DTRAIN_CHECK(p.precision != "fp8", ConfigError, "precision fp8: this build plans fp8 but does not train in it.",
+               "use bf16 (or fp16, fp32) to run the plan");
   // Tensor parallelism runs alone or under DDP (dp_replicate); its
   // compositions with ZeRO, pipelines and cp are not built yet.
   if (p.tp > 1) {

@@ -1,14 +1,21 @@
 // `dtrain plan` (plan_command.h).
 #include "plan_command.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
 
 #include "dtrain/error.h"
+#include "dtrain/plan/calibration.h"
 #include "dtrain/plan/search.h"
 
 namespace dtrain::tools {
@@ -21,7 +28,8 @@ void add_plan_options(CLI::App& c, PlanCommandOptions& o) {
   c.add_option("--gpus", o.gpus, "Ranks (GPUs) in all")->check(CLI::PositiveNumber);
   c.add_option("--gpus-per-node", o.gpus_per_node, "GPUs per node (default: the device's)");
   c.add_option("--global-batch", o.global_batch, "Sequences per optimizer step")->check(CLI::PositiveNumber);
-  c.add_option("--precision", o.precision, "bf16, fp16 or fp32")->capture_default_str();
+  c.add_option("--precision", o.precision, "bf16, fp16, fp32 or fp8 (planned only: the GEMMs at the device's fp8 rate)")
+      ->capture_default_str();
   c.add_option("--fixed", o.fixed,
                "Pin fields: tp, pp, cp, dp, dp_replicate, dp_shard, zero, micro_batch, schedule, stages_per_rank, "
                "recompute, sequence_parallel (e.g. tp=8,pp=8,dp=24)");
@@ -35,7 +43,24 @@ void add_plan_options(CLI::App& c, PlanCommandOptions& o) {
   c.add_flag("--no-grad-overlap", o.no_grad_overlap,
              "Gradient reduction after backward instead of during it (Megatron-LM 2021's DDP)");
   c.add_flag("--blocking-p2p", o.blocking_p2p, "Pipeline senders wait for their transfers (Megatron-LM 2021)");
+  c.add_flag("--ddp-bucket-copy", o.ddp_bucket_copy,
+             "DDP buckets hold a copy of the gradients (dtrain's and PyTorch's DDP; default: Megatron's views)");
   c.add_flag("--list-devices", o.list_devices, "Print the device table and exit");
+  c.add_option("--device-file", o.device_file,
+               "A device entry (JSON, as --calibrate writes) instead of --device; with --calibrate, where to write it");
+  c.add_flag("--calibrate", o.calibrate,
+             "Measure this host (matrix products, memory bandwidth, shared-memory and Gloo collectives) and write "
+             "its device entry (default: " +
+                 default_calibration_file() + ", which --device cpu-here then reads)");
+  c.add_option("--calibrate-ranks", o.calibrate_ranks, "Process counts to time the collectives on")
+      ->capture_default_str();
+}
+
+std::string default_calibration_file() {
+  const char* cache = std::getenv("DTRAIN_CACHE");
+  const char* home = std::getenv("HOME");
+  const std::string dir = cache != nullptr ? cache : std::string(home != nullptr ? home : "/tmp") + "/.cache/dtrain";
+  return dir + "/cpu-here.json";
 }
 
 namespace {
@@ -72,9 +97,103 @@ void breakdown(const plan::PlanEstimate& e, std::ostream& out) {
       << t.pipeline_idle << ", grad sync " << t.grad_sync << ", optimizer " << t.optimizer << "\n";
 }
 
+// Runs the calibration worker under `dtrain run` (this binary) on `ranks`
+// processes; its JSON result.
+nlohmann::json run_calibration(int ranks, const std::string& scratch) {
+  const auto here = std::filesystem::read_symlink("/proc/self/exe").parent_path();
+  const auto worker = here / "dtrain_plan_calibrate";
+  DTRAIN_CHECK(std::filesystem::exists(worker), ConfigError,
+               "the calibration worker " << worker.string() << " is missing.",
+               "build the dtrain_plan_calibrate target (it is installed beside dtrain)");
+  const std::string out = scratch + "/calibration-" + std::to_string(ranks) + ".json";
+  const std::string cmd = "'" + (here / "dtrain").string() + "' run --standalone --nproc-per-node " +
+                          std::to_string(ranks) + " '" + worker.string() + "' --out '" + out + "' > '" + out +
+                          ".log' 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream in(out);
+  DTRAIN_CHECK(rc == 0 && in.good(), ConfigError,
+               "the calibration run on " << ranks << " processes failed; its log: " << out << ".log.",
+               "read the log; run `dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F` by hand to see it");
+  return nlohmann::json::parse(in);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Note [Calibration]
+// The compute rates are per rank while every rank of the run computes at
+// once (as in training): from the runs with no more ranks than cores, so
+// that the entry is one rank's own core; the cost model divides the cores
+// when a plan puts more ranks on the host (DeviceSpec::compute_units). The
+// measured rates are achieved rates, so the efficiencies are 1. The
+// collectives' alpha and beta are one fit per transport over all process
+// counts and sizes: shared memory is the node's link (dtrain's CPU
+// collectives and pipeline sends between ranks of one host), Gloo over
+// loopback TCP stands for the link between hosts (what dtrain uses there).
+int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
+  const std::string path = o.device_file.empty() ? default_calibration_file() : o.device_file;
+  std::vector<int> counts;
+  std::stringstream list(o.calibrate_ranks);
+  for (std::string item; std::getline(list, item, ',');) counts.push_back(std::stoi(item));
+  DTRAIN_CHECK(!counts.empty() && *std::min_element(counts.begin(), counts.end()) >= 2, ConfigError,
+               "--calibrate-ranks '" << o.calibrate_ranks << "' needs process counts of 2 or more.", "e.g. 2,4");
+  plan::DeviceSpec d = plan::find_device("cpu-here");
+  const auto scratch = std::filesystem::temp_directory_path() / ("dtrain-calibrate-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(scratch);
+  std::vector<plan::CollectiveSample> shm, gloo;
+  std::vector<double> fp32, bf16, bandwidth, overhead;
+  const auto start = std::chrono::steady_clock::now();
+  for (const int n : counts) {
+    const auto r = run_calibration(n, scratch.string());
+    for (const auto& s : r.at("samples"))
+      (s.at("transport") == "gloo" ? gloo : shm)
+          .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
+    if (n <= d.compute_units || counts.size() == 1) {
+      fp32.push_back(r.at("fp32_flops"));
+      bf16.push_back(r.at("bf16_flops"));
+      bandwidth.push_back(r.at("memory_bandwidth"));
+      overhead.push_back(r.at("kernel_overhead"));
+    }
+    err << "dtrain plan --calibrate: " << n << " processes done\n";
+  }
+  DTRAIN_CHECK(!fp32.empty(), ConfigError,
+               "no calibration run had at most " << d.compute_units << " processes (this host's cores).",
+               "include a count up to the cores in --calibrate-ranks");
+  std::filesystem::remove_all(scratch);
+  d.fp32_flops = median(fp32);
+  d.bf16_flops = median(bf16);
+  d.memory_bandwidth = median(bandwidth);
+  d.kernel_overhead = median(overhead);
+  d.gemm_efficiency = d.attention_efficiency = d.memory_efficiency = 1.0;
+  d.intra_node = plan::fit_ring_link(shm);
+  d.inter_node = plan::fit_ring_link(gloo);
+  std::ostringstream what;
+  what << "this host, calibrated: " << d.compute_units << " cores, " << std::setprecision(3) << d.fp32_flops / 1e9
+       << " GFLOP/s fp32 per core";
+  d.description = what.str();
+  plan::write_device_file(path, d);
+  out << plan::device_to_json(d) << "\n";
+  err << "dtrain plan --calibrate: wrote " << path << " in " << std::fixed << std::setprecision(1)
+      << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s\n";
+  return 0;
+}
+
+// --device-file, else --device (cpu-here: the calibrated entry when there is one).
+plan::DeviceSpec chosen_device(const PlanCommandOptions& o, std::ostream& err) {
+  if (!o.device_file.empty()) return plan::read_device_file(o.device_file);
+  if (o.device == "cpu-here" && std::filesystem::exists(default_calibration_file())) {
+    err << "dtrain plan: cpu-here from " << default_calibration_file() << " (dtrain plan --calibrate)\n";
+    return plan::read_device_file(default_calibration_file());
+  }
+  return plan::find_device(o.device);
+}
+
 }  // namespace
 
 int plan_command(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
+  if (o.calibrate) return calibrate(o, out, err);
   if (o.list_devices) {
     for (const auto& d : plan::device_table())
       out << std::left << std::setw(11) << d.name << " " << plan::format_gib(static_cast<double>(d.memory_bytes))
@@ -88,10 +207,11 @@ int plan_command(const PlanCommandOptions& o, std::ostream& out, std::ostream& e
   DTRAIN_CHECK(o.weights == "megatron" || o.weights == "fp32-master", ConfigError, "--weights " << o.weights << "?",
                "use megatron or fp32-master");
   const auto model = plan::ModelSpec::parse(o.model);
-  plan::Cluster cluster{.device = plan::find_device(o.device), .gpus = o.gpus, .gpus_per_node = o.gpus_per_node};
+  plan::Cluster cluster{.device = chosen_device(o, err), .gpus = o.gpus, .gpus_per_node = o.gpus_per_node};
   if (cluster.gpus_per_node == 0) cluster.gpus_per_node = std::min(o.gpus, cluster.device.gpus_per_node);
   const plan::CostOptions cost{
       .weights = o.weights == "megatron" ? plan::WeightLayout::kMegatron : plan::WeightLayout::kFp32Master,
+      .ddp_buckets_copy_gradients = o.ddp_bucket_copy,
       .overlap_grad_reduce = !o.no_grad_overlap,
       .blocking_p2p = o.blocking_p2p,
       .allocator_factor = o.allocator_factor};

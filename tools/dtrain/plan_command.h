@@ -27,8 +27,18 @@ struct PlanCommandOptions {
   double allocator_factor = 1.0;
   bool no_grad_overlap = false;
   bool blocking_p2p = false;
+  bool ddp_bucket_copy = false;
   bool list_devices = false;
+  // --device-file: a device entry (calibration.h) instead of --device; with
+  // --calibrate, where the measured entry is written.
+  std::string device_file;
+  bool calibrate = false;
+  std::string calibrate_ranks = "2,4";  // process counts the collectives are timed on
 };
+
+// Where `dtrain plan --calibrate` writes by default and `--device cpu-here`
+// reads from when it exists: $DTRAIN_CACHE or ~/.cache/dtrain, cpu-here.json.
+std::string default_calibration_file();
 
 void add_plan_options(CLI::App& command, PlanCommandOptions& options);
 // 0: plans printed; 1: nothing fits (the message says by how much and what

@@ -38,7 +38,11 @@ enum class WeightLayout { kMegatron, kFp32Master };
 struct CostOptions {
   WeightLayout weights = WeightLayout::kMegatron;
   std::int64_t ddp_bucket_bytes = 25LL << 20;  // DDP and ZeRO-1/2 gradient buckets
-  int zero3_prefetch_units = 1;                // layers gathered ahead of the one running
+  // DDP's buckets copy the gradients (dtrain, PyTorch DDP without
+  // gradient_as_bucket_view: one more gradient's bytes); false: gradients are
+  // views of a contiguous buffer and two buckets are in flight (Megatron).
+  bool ddp_buckets_copy_gradients = false;
+  int zero3_prefetch_units = 1;  // layers gathered ahead of the one running
   // DDP / ZeRO-1/2 buckets reduce while backward runs (dtrain, PyTorch DDP);
   // false: after backward (Megatron-LM 2021's local DDP).
   bool overlap_grad_reduce = true;

@@ -38,11 +38,15 @@ struct DeviceSpec {
   Link inter_node;  // InfiniBand / RoCE / TCP, per GPU
   int gpus_per_node = 8;
   double kernel_overhead = 5e-6;  // seconds per kernel launch a layer pays
+  // Cores a node's ranks share (CPU hosts); 0: each rank has its own device.
+  // When a node holds more ranks than this, each rank's FLOP/s and memory
+  // bandwidth are the device's x compute_units / ranks on the node.
+  int compute_units = 0;
 };
 
 // The built-in table: a100-40gb, a100-80gb, h100-80gb, h100-96gb, h200,
-// b200, cpu-here (this host's cores, from /proc and an assumed rate; see
-// `dtrain plan --calibrate`).
+// b200, cpu-here (this host's cores and memory, from /proc, and assumed
+// rates; `dtrain plan --calibrate` measures them, calibration.h).
 const std::vector<DeviceSpec>& device_table();
 // ConfigError naming the known devices when `name` is not one.
 DeviceSpec find_device(const std::string& name);

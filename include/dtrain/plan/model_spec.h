@@ -14,7 +14,9 @@
 //    KV heads, no dropout, untied output, flash attention (causal) and eager
 //    element-wise kernels.
 // Either default can be overridden in the string: attention=flash|materialized,
-// kernels=fused|eager.
+// kernels=fused|eager, dropout=0|1, bias=0|1 (e.g. examples/gpt: nanoGPT's
+// GPT without biases or dropout, LibTorch's eager kernels and its CPU flash
+// attention: gpt:...,attention=flash,kernels=eager,dropout=0,bias=0).
 #pragma once
 
 #include <cstdint>

@@ -60,7 +60,7 @@ struct ParallelPlan {
   PipelinePlan pipeline;
   Recompute recompute = Recompute::kNone;
   int recompute_every = 1;         // every k-th layer
-  std::string precision = "fp32";  // fp32 | bf16 | fp16 (autocast)
+  std::string precision = "fp32";  // fp32 | bf16 | fp16 (autocast) | fp8 (planner only)
   std::int64_t global_batch = 0;   // sequences per optimizer step; 0: set by the program
   int accumulate = 1;              // micro-steps per optimizer step (outside the pipeline)
 

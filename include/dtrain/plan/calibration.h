@@ -1,0 +1,41 @@
+// This host measured for the planner (`dtrain plan --calibrate`): the
+// samples a calibration run takes, the alpha-beta fit of its collectives,
+// and the device entry they make, stored as a JSON file that
+// `dtrain plan --device-file F` reads instead of a row of the built-in table.
+//
+//   auto link = plan::fit_ring_link(samples);           // alpha, beta of one transport
+//   plan::write_device_file("here.json", device);      // after a calibration
+//   plan::DeviceSpec d = plan::read_device_file("here.json");
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dtrain/plan/device_table.h"
+
+namespace dtrain::plan {
+
+// One timed collective: `op` all_reduce | all_gather | reduce_scatter over
+// `ranks` ranks of `bytes` (the whole buffer, as layer_cost.h counts it).
+struct CollectiveSample {
+  std::string op;
+  int ranks = 2;
+  double bytes = 0;
+  double seconds = 0;
+};
+
+// The Link whose ring formulas (all-reduce 2(k-1) alpha + 2(k-1)/k n/beta;
+// gather and reduce-scatter half that) fit the samples best in the least
+// squares of relative error (so small and large messages weigh alike).
+// ConfigError with fewer than two distinct message sizes, or a fit without a
+// positive latency and bandwidth (then the samples are noise).
+Link fit_ring_link(const std::vector<CollectiveSample>& samples);
+
+// One device entry as JSON (every DeviceSpec field) and back; read_device_file
+// names the file and the field on a bad or missing one (ConfigError).
+std::string device_to_json(const DeviceSpec& device);
+DeviceSpec device_from_json(const std::string& text);
+void write_device_file(const std::string& path, const DeviceSpec& device);
+DeviceSpec read_device_file(const std::string& path);
+
+}  // namespace dtrain::plan

@@ -1,0 +1,123 @@
+// Calibration fits and device files (calibration.h).
+#include "dtrain/plan/calibration.h"
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "dtrain/error.h"
+
+namespace dtrain::plan {
+
+Link fit_ring_link(const std::vector<CollectiveSample>& samples) {
+  // t = alpha x L + (1 / beta) x B, with L and B the ring's latency and byte
+  // coefficients; weighted by 1 / t, the normal equations of a 2 x 2 system.
+  double ll = 0, lb = 0, bb = 0, lt = 0, bt = 0;
+  std::set<double> sizes;
+  for (const auto& s : samples) {
+    DTRAIN_CHECK(s.ranks >= 2 && s.seconds > 0 && s.bytes > 0, ConfigError,
+                 "a calibration sample of " << s.op << " has " << s.ranks << " ranks, " << s.bytes << " bytes, "
+                                            << s.seconds << " s.",
+                 "time collectives of two or more ranks");
+    const double k = s.ranks;
+    const double factor = s.op == "all_reduce" ? 2 : 1;
+    DTRAIN_CHECK(s.op == "all_reduce" || s.op == "all_gather" || s.op == "reduce_scatter", ConfigError,
+                 "unknown collective '" << s.op << "' in a calibration sample.",
+                 "use all_reduce, all_gather or reduce_scatter");
+    const double w = 1 / s.seconds;
+    const double l = factor * (k - 1) * w, b = factor * (k - 1) / k * s.bytes * w, t = s.seconds * w;
+    ll += l * l;
+    lb += l * b;
+    bb += b * b;
+    lt += l * t;
+    bt += b * t;
+    sizes.insert(s.bytes);
+  }
+  DTRAIN_CHECK(sizes.size() >= 2, ConfigError,
+               "an alpha-beta fit needs two message sizes or more, not " << sizes.size() << ".",
+               "time each collective at a small and a large size");
+  const double det = ll * bb - lb * lb;
+  const double alpha = (lt * bb - bt * lb) / det, inv_beta = (ll * bt - lb * lt) / det;
+  DTRAIN_CHECK(std::isfinite(alpha) && std::isfinite(inv_beta) && alpha > 0 && inv_beta > 0, ConfigError,
+               "the collectives' times do not fit latency + bytes / bandwidth (alpha " << alpha << " s, 1/beta "
+                                                                                       << inv_beta << " s/B).",
+               "calibrate again on a quieter machine, or with larger messages");
+  return {.bandwidth = 1 / inv_beta, .latency = alpha};
+}
+
+namespace {
+
+nlohmann::json link_json(const Link& l) {
+  return {{"bandwidth", l.bandwidth}, {"latency", l.latency}};
+}
+
+Link link_from(const nlohmann::json& j) {
+  return {.bandwidth = j.at("bandwidth").get<double>(), .latency = j.at("latency").get<double>()};
+}
+
+}  // namespace
+
+std::string device_to_json(const DeviceSpec& d) {
+  nlohmann::json j{{"name", d.name},
+                   {"description", d.description},
+                   {"memory_bytes", d.memory_bytes},
+                   {"bf16_flops", d.bf16_flops},
+                   {"fp8_flops", d.fp8_flops},
+                   {"fp32_flops", d.fp32_flops},
+                   {"memory_bandwidth", d.memory_bandwidth},
+                   {"gemm_efficiency", d.gemm_efficiency},
+                   {"attention_efficiency", d.attention_efficiency},
+                   {"memory_efficiency", d.memory_efficiency},
+                   {"intra_node", link_json(d.intra_node)},
+                   {"inter_node", link_json(d.inter_node)},
+                   {"gpus_per_node", d.gpus_per_node},
+                   {"kernel_overhead", d.kernel_overhead},
+                   {"compute_units", d.compute_units}};
+  return j.dump(2);
+}
+
+DeviceSpec device_from_json(const std::string& text) {
+  DeviceSpec d;
+  const auto j = nlohmann::json::parse(text);  // nlohmann's parse_error names the offset
+  d.name = j.at("name").get<std::string>();
+  d.description = j.value("description", "");
+  d.memory_bytes = j.at("memory_bytes").get<std::int64_t>();
+  d.bf16_flops = j.at("bf16_flops").get<double>();
+  d.fp8_flops = j.value("fp8_flops", 0.0);
+  d.fp32_flops = j.at("fp32_flops").get<double>();
+  d.memory_bandwidth = j.at("memory_bandwidth").get<double>();
+  d.gemm_efficiency = j.value("gemm_efficiency", d.gemm_efficiency);
+  d.attention_efficiency = j.value("attention_efficiency", d.attention_efficiency);
+  d.memory_efficiency = j.value("memory_efficiency", d.memory_efficiency);
+  d.intra_node = link_from(j.at("intra_node"));
+  d.inter_node = link_from(j.at("inter_node"));
+  d.gpus_per_node = j.at("gpus_per_node").get<int>();
+  d.kernel_overhead = j.value("kernel_overhead", d.kernel_overhead);
+  d.compute_units = j.value("compute_units", 0);
+  return d;
+}
+
+void write_device_file(const std::string& path, const DeviceSpec& device) {
+  std::ofstream out(path);
+  out << device_to_json(device) << "\n";
+  DTRAIN_CHECK(out.good(), ConfigError, "cannot write the device file " << path << ".",
+               "check the folder exists and is writable");
+}
+
+DeviceSpec read_device_file(const std::string& path) {
+  std::ifstream in(path);
+  DTRAIN_CHECK(in.good(), ConfigError, "cannot read the device file " << path << ".",
+               "run `dtrain plan --calibrate --device-file " << path << "` first, or check the path");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return device_from_json(text.str());
+  } catch (const nlohmann::json::exception& e) {
+    DTRAIN_CHECK(false, ConfigError, "the device file " << path << " is not a device entry: " << e.what() << ".",
+                 "write it with `dtrain plan --calibrate`, or give every field device_table.h lists");
+  }
+}
+
+}  // namespace dtrain::plan

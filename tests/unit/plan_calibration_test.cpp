@@ -1,0 +1,153 @@
+// The calibration's pieces without running a calibration: the alpha-beta fit
+// recovers the latency and bandwidth that generated ring-collective times
+// (exactly, and within 5 % under +-10 % noise), refuses samples of one size;
+// a device entry survives its file; the cost model divides a host's cores
+// and memory among the ranks it holds; fp8 plans run their GEMMs at the fp8
+// rate. The memory pre-flight refuses a plan over its limit with the bytes
+// it needs, the excess and the nearest plan that fits.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+
+#include "dtrain/error.h"
+#include "dtrain/plan/calibration.h"
+#include "dtrain/plan/cost_model.h"
+#include "dtrain/plan/preflight.h"
+
+namespace dtrain::plan {
+namespace {
+
+double calibration_ring_time(const std::string& op, int k, double bytes, const Link& l) {
+  const double f = op == "all_reduce" ? 2 : 1;
+  return f * (k - 1) * l.latency + f * (k - 1) / k * bytes / l.bandwidth;
+}
+
+std::vector<CollectiveSample> calibration_samples(const Link& link, double noise, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> jitter(1 - noise, 1 + noise);
+  std::vector<CollectiveSample> out;
+  for (const char* op : {"all_reduce", "all_gather"})
+    for (int k : {2, 4})
+      for (double bytes : {16e3, 256e3, 4e6})
+        out.push_back({.op = op,
+                       .ranks = k,
+                       .bytes = bytes,
+                       .seconds = calibration_ring_time(op, k, bytes, link) * (noise > 0 ? jitter(gen) : 1.0)});
+  return out;
+}
+
+TEST(PlanCalibration, FitRecoversTheLinkThatMadeTheTimes) {
+  const Link truth{.bandwidth = 1.5e9, .latency = 120e-6};
+  const Link exact = fit_ring_link(calibration_samples(truth, 0, 0));
+  EXPECT_NEAR(exact.bandwidth / truth.bandwidth, 1, 1e-9);
+  EXPECT_NEAR(exact.latency / truth.latency, 1, 1e-9);
+  const Link noisy = fit_ring_link(calibration_samples(truth, 0.1, 7));
+  EXPECT_NEAR(noisy.bandwidth / truth.bandwidth, 1, 0.05);
+  EXPECT_NEAR(noisy.latency / truth.latency, 1, 0.05);
+}
+
+TEST(PlanCalibration, FitRefusesOneMessageSize) {
+  std::vector<CollectiveSample> one{{.op = "all_reduce", .ranks = 2, .bytes = 1e6, .seconds = 1e-3},
+                                    {.op = "all_reduce", .ranks = 4, .bytes = 1e6, .seconds = 2e-3}};
+  EXPECT_THROW(fit_ring_link(one), ConfigError);
+}
+
+TEST(PlanCalibration, DeviceFileRoundTrips) {
+  DeviceSpec d = find_device("cpu-here");
+  d.fp32_flops = 31.5e9;
+  d.intra_node = {.bandwidth = 2.5e9, .latency = 33e-6};
+  const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
+  write_device_file(path, d);
+  const DeviceSpec back = read_device_file(path);
+  EXPECT_EQ(back.name, d.name);
+  EXPECT_EQ(back.memory_bytes, d.memory_bytes);
+  EXPECT_EQ(back.fp32_flops, d.fp32_flops);
+  EXPECT_EQ(back.intra_node.latency, d.intra_node.latency);
+  EXPECT_EQ(back.compute_units, d.compute_units);
+  std::remove(path.c_str());
+  EXPECT_THROW(read_device_file(path), ConfigError);
+}
+
+TEST(PlanCalibration, HostRanksShareItsCoresAndMemory) {
+  DeviceSpec d = find_device("cpu-here");
+  d.compute_units = 2;
+  d.memory_bytes = 8LL << 30;
+  const auto model = ModelSpec::parse("gpt:layers=4,hidden=128,heads=4,seq=64,vocab=65");
+  auto run = [&](int ranks) {
+    ParallelPlan p{.dp_replicate = ranks, .precision = "fp32", .global_batch = 12 * ranks};
+    return estimate(p, model, {.device = d, .gpus = ranks, .gpus_per_node = d.gpus_per_node});
+  };
+  const auto two = run(2), four = run(4);
+  // Same work per rank; four ranks on two cores take twice the compute time.
+  EXPECT_NEAR(four.time.compute / two.time.compute, 2.0, 1e-9);
+  EXPECT_EQ(two.device_memory_bytes, 4LL << 30);
+  EXPECT_EQ(four.device_memory_bytes, 2LL << 30);
+}
+
+TEST(PlanCalibration, Fp8PlansRunTheirGemmsAtTheFp8Rate) {
+  const auto model =
+      ModelSpec::parse("llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=8192,vocab=128256");
+  const Cluster cluster{.device = find_device("h100-80gb"), .gpus = 8, .gpus_per_node = 8};
+  ParallelPlan p{.dp_shard = 8, .zero_stage = 3, .recompute = Recompute::kFull, .precision = "bf16", .global_batch = 8};
+  const auto bf16 = estimate(p, model, cluster);
+  p.precision = "fp8";
+  const auto fp8 = estimate(p, model, cluster);
+  EXPECT_LT(fp8.time.compute, bf16.time.compute);
+  EXPECT_GT(fp8.time.compute, bf16.time.compute / 2);  // attention and element-wise stay bf16
+  EXPECT_EQ(fp8.peak(), bf16.peak());
+  p.precision = "fp8";
+  EXPECT_THROW(estimate(p, model, {.device = find_device("a100-80gb"), .gpus = 8, .gpus_per_node = 8}), ConfigError);
+  try {  // planned, not trained
+    p.validate({.world = 8, .model = {.layers = 32, .heads = 32, .width = 4096, .seq = 8192}});
+    ADD_FAILURE() << "an fp8 plan validated for running";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace dtrain::plan
+
+namespace dtrain::plan {
+namespace {
+
+const char* kPreflightModel =
+    "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=65,attention=flash,kernels=eager,dropout=0,bias=0";
+
+TEST(PlanPreflight, RefusesWhatExceedsTheLimitWithTheFigureAndTheNearestFit) {
+  const auto model = ModelSpec::parse(kPreflightModel);
+  const Cluster cluster{.device = find_device("cpu-here"), .gpus = 2, .gpus_per_node = 2};
+  const ParallelPlan p{.dp_replicate = 2, .precision = "fp32", .global_batch = 48};
+  const CostOptions o{.weights = WeightLayout::kFp32Master, .ddp_buckets_copy_gradients = true};
+  const auto fits = check_plan_memory(p, model, cluster, o, {.bytes = 4LL << 30, .source = "test"});
+  const auto needed = static_cast<std::int64_t>(fits.peak());
+  // Between what ZeRO-3 with full recompute needs and what this plan needs.
+  const std::int64_t limit = needed - needed / 4;
+  try {
+    check_plan_memory(p, model, cluster, o, {.bytes = limit, .source = "test limit"});
+    ADD_FAILURE() << "a plan needing " << needed << " bytes passed a limit of " << limit;
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(std::to_string(needed) + " bytes"), std::string::npos) << what;
+    EXPECT_NE(what.find(std::to_string(needed - limit) + " bytes) more"), std::string::npos) << what;
+    EXPECT_NE(what.find("test limit"), std::string::npos) << what;
+    EXPECT_NE(what.find("nearest plan that fits"), std::string::npos) << what;
+  }
+  EXPECT_EQ(parse_bytes("300M"), 300LL << 20);
+  EXPECT_EQ(parse_bytes("2G"), 2LL << 30);
+  EXPECT_EQ(parse_bytes("4096"), 4096);
+  EXPECT_THROW(parse_bytes("lots"), ConfigError);
+  EXPECT_EQ(rank_memory_limit(4, "1G").bytes, 1LL << 30);
+  ::setenv("DTRAIN_MEMORY_LIMIT", "300M", 1);
+  EXPECT_EQ(rank_memory_limit(4).bytes, 300LL << 20);
+  ::unsetenv("DTRAIN_MEMORY_LIMIT");
+  const auto one = rank_memory_limit(1), four = rank_memory_limit(4);
+  EXPECT_NEAR(4.0 * static_cast<double>(four.bytes) / static_cast<double>(one.bytes), 1.0, 0.05);
+  EXPECT_NE(four.source.find("/ 4 local ranks"), std::string::npos) << four.source;
+}
+
+}  // namespace
+}  // namespace dtrain::plan

@@ -1,0 +1,153 @@
+// The worker `dtrain plan --calibrate` launches (plan_command.cpp), one
+// process per rank under `dtrain run`: every rank times, at once as in
+// training, one thread's fp32 and bf16 matrix products at the GPT example's
+// shapes, a streaming add (memory bandwidth) and a tiny op (per-kernel
+// overhead); then all_reduce and all_gather of 16 KiB .. 4 MiB over the
+// world, by shared memory and by Gloo over loopback. Rank 0 writes one JSON
+// object to --out: {"world", "fp32_flops", "bf16_flops", "memory_bandwidth",
+// "kernel_overhead", "samples": [{transport, op, ranks, bytes, seconds}]},
+// each figure the median of its repeats.
+//
+//   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "dtrain/dtrain.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// Compute is timed in this thread's CPU time: on a host shared with other
+// work (a loaded machine) that is still one core's rate, which wall time is
+// not; on a quiet host the two agree. The cost model shares the cores among
+// a plan's ranks itself (DeviceSpec::compute_units).
+double median_seconds(int repeats, const std::function<void()>& once) {
+  once();  // warm-up: first-touch pages, oneDNN's primitive cache
+  std::vector<double> s;
+  for (int i = 0; i < repeats; ++i) {
+    const double start = thread_cpu_seconds();
+    once();
+    s.push_back(thread_cpu_seconds() - start);
+  }
+  std::sort(s.begin(), s.end());
+  return s[s.size() / 2];
+}
+
+// FLOP/s of (m x k) . (k x n) products in `dtype`: the GPT example's
+// attention and MLP shapes (batch 12 x 64 tokens, width 128).
+double matmul_rate(at::ScalarType dtype) {
+  const std::int64_t shapes[][3] = {{768, 128, 384}, {768, 128, 512}, {768, 512, 128}};
+  double flops = 0, seconds = 0;
+  for (const auto& s : shapes) {
+    at::Tensor a = at::randn({s[0], s[1]}).to(dtype), b = at::randn({s[1], s[2]}).to(dtype);
+    seconds += median_seconds(9, [&] { at::mm(a, b); });
+    flops += 2.0 * static_cast<double>(s[0] * s[1] * s[2]);
+  }
+  return flops / seconds;
+}
+
+// all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
+// median of its repeats, every rank entering each timed call together.
+nlohmann::json time_collectives(dtrain::dist::ProcessGroup& group, const char* transport) {
+  nlohmann::json samples = nlohmann::json::array();
+  const std::int64_t world = group.size();
+  for (const char* op : {"all_reduce", "all_gather"}) {
+    for (const std::int64_t bytes : {16LL << 10, 256LL << 10, 4LL << 20}) {
+      at::Tensor full = at::ones({bytes / 4}), slice = at::ones({bytes / 4 / world});
+      const bool reduce = std::strcmp(op, "all_reduce") == 0;
+      const int repeats = bytes <= (256 << 10) ? 30 : 10;
+      std::vector<double> s;
+      for (int i = 0; i < repeats + 2; ++i) {
+        group.barrier();
+        const auto start = Clock::now();
+        if (reduce) {
+          group.all_reduce(full).wait();
+        } else {
+          group.all_gather_into(full, slice).wait();
+        }
+        if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      }
+      std::sort(s.begin(), s.end());
+      samples.push_back(
+          {{"transport", transport}, {"op", op}, {"ranks", world}, {"bytes", bytes}, {"seconds", s[s.size() / 2]}});
+    }
+  }
+  return samples;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) {
+      out = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s --out FILE\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    at::set_num_threads(1);  // as the examples run one rank per process
+    // Two groups over one store: dtrain's default (shared memory on one
+    // host) and Gloo over loopback TCP.
+    const auto contract = dtrain::dist::read_env_contract();
+    const auto timeout = std::chrono::seconds(120);
+    auto store = dtrain::dist::Store::tcp({.host = contract.master_addr,
+                                           .port = contract.master_port,
+                                           .is_server = contract.rank == 0 && !contract.agent_store,
+                                           .timeout = timeout})
+                     .with_prefix("/calibrate_" + std::to_string(contract.restart_count));
+    auto shm = dtrain::dist::init_process_group(store, contract.rank, contract.world_size,
+                                                {.timeout = timeout, .gloo_host = "127.0.0.1"});
+    auto gloo = dtrain::dist::init_process_group(
+        store, contract.rank, contract.world_size,
+        {.timeout = timeout, .gloo_host = "127.0.0.1", .name = "gloo", .intra_host_shared_memory = false});
+    nlohmann::json result{{"world", shm.size()}};
+    shm.barrier();
+    result["fp32_flops"] = matmul_rate(at::kFloat);
+    result["bf16_flops"] = matmul_rate(at::kBFloat16);
+    {
+      at::Tensor a = at::ones({1 << 22}), b = at::ones({1 << 22}), c = at::empty({1 << 22});
+      const double s = median_seconds(9, [&] { at::add_out(c, a, b); });
+      result["memory_bandwidth"] = 3.0 * static_cast<double>(a.nbytes()) / s;
+      at::Tensor x = at::ones({4}), y = at::ones({4});
+      result["kernel_overhead"] = median_seconds(201, [&] { at::add(x, y); });
+    }
+    nlohmann::json samples = time_collectives(shm, "shared_memory");
+    for (auto& s : time_collectives(gloo, "gloo")) samples.push_back(s);
+    result["samples"] = samples;
+    result["shared_memory"] = shm.uses_shared_memory();
+    shm.barrier();
+    if (contract.rank == 0) {
+      std::ofstream file(out);
+      file << result.dump() << "\n";
+      if (!file.good()) {
+        std::fprintf(stderr, "dtrain_plan_calibrate: cannot write %s\n", out.c_str());
+        return 1;
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain_plan_calibrate: error: %s\n", e.what());
+    return 1;
+  }
+}
