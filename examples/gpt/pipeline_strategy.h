@@ -13,8 +13,9 @@
 // world), so `--strategy pipeline` on any mesh ends where `single` does with
 // the same global batch. --save-params writes each stage's parameters of
 // replica 0 to FILE.stage<s> (their concatenation in stage order is single's
-// file). Checkpoints: the Trainer's, each rank's stages and optimizer its own
-// part, committed atomically once every rank has written.
+// file). Checkpoints: the Trainer's, laid out under Gpt's parameter names
+// (resume under any plan; docs/checkpoints.md), committed atomically once
+// every rank has written.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -62,6 +63,9 @@ inline GptPipeline build_pipeline(const GptConfig& model, std::uint64_t seed, co
       pipeline_stages(p.layers, p.mesh->size("pp"), cli.stages_per_rank(), p.mesh->coordinate("pp")), (*p.mesh)["pp"],
       cli.options(*p.mesh), lm_loss);
   p.strategy = std::make_shared<dtrain::PipelineStrategy>(p.pipe, *p.mesh);
+  // Checkpoints name the stages' parameters as Gpt does ("layers.<i>. ..."),
+  // so they resume under every other plan and load every other plan's.
+  p.strategy->name_parameters(*p.layers, "layers.");
   const std::vector<dtrain::ShardedDataParallel*> sharded = p.pipe->sharded_stages();
   if (!sharded.empty()) {
     std::vector<std::function<bool(const at::Tensor&)>> each;

@@ -271,6 +271,10 @@ void Checkpointer::add_state(const std::string& name, std::shared_ptr<Stateful> 
   added_.push_back({name, std::move(object), scope});
 }
 
+void Checkpointer::remove_state(const std::string& name) {
+  std::erase_if(added_, [&](const Entry& entry) { return entry.name == name; });
+}
+
 std::vector<std::int64_t> Checkpointer::complete_steps() const {
   std::vector<std::int64_t> steps;
   std::error_code ec;

@@ -15,6 +15,7 @@
 
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
+#include "dtrain/log.h"
 
 namespace dtrain {
 
@@ -68,10 +69,10 @@ void LayoutState::save_state(torch::serialize::OutputArchive& archive) const {
   std::string names;
   std::size_t i = 0;
   for (const auto& [name, t] : collect_()) {
-    if (!writes(name, t)) continue;
+    if (!t.saved || !writes(name, t)) continue;
     DTRAIN_CHECK(name.find('\n') == std::string::npos, ConfigError, "checkpoint: tensor name with a line break",
                  "name tensors without line breaks");
-    const dist::Box box = t.layout.local_box(t.coordinates);
+    const dist::Box box = t.box ? *t.box : t.layout.local_box(t.coordinates);
     DTRAIN_CHECK(t.local.numel() == box.numel(), ConfigError,
                  "checkpoint: " << name << " holds " << t.local.numel() << " elements, its layout "
                                 << t.layout.to_string() << " gives this rank " << box.numel(),
@@ -86,52 +87,117 @@ void LayoutState::save_state(torch::serialize::OutputArchive& archive) const {
 }
 
 void LayoutState::load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) {
-  std::vector<std::map<std::string, std::size_t>> index;
-  for (int r = 0; r < saved_world; ++r) index.push_back(names_in(part(r)));
-  loaded_.clear();
-  std::set<std::string> present;
-  for (const auto& names : index)
-    for (const auto& [name, i] : names) present.insert(name);
-  loaded_.assign(present.begin(), present.end());
+  Pieces pieces;
+  for (int r = 0; r < saved_world; ++r) {
+    for (const auto& [name, i] : names_in(part(r))) {
+      at::Tensor box_t, shape_t;
+      part(r).read(key(i, "box"), box_t);
+      part(r).read(key(i, "global_shape"), shape_t);
+      const std::vector<std::int64_t> b = to_vector(box_t);
+      const auto dims = static_cast<std::ptrdiff_t>(b.size() / 2);
+      pieces[name].push_back({.box = {.offsets = {b.begin(), b.begin() + dims}, .sizes = {b.begin() + dims, b.end()}},
+                              .global_shape = to_vector(shape_t),
+                              .values = [&part, r, i = i] {
+                                at::Tensor values;
+                                part(r).read(key(i, "values"), values);
+                                return values;
+                              }});
+    }
+  }
+  std::vector<std::string> saved;
+  for (const auto& [name, p] : pieces) saved.push_back(name);
+  load_pieces(
+      [&pieces](const std::string& name) -> const std::vector<Piece>* {
+        const auto it = pieces.find(name);
+        return it == pieces.end() ? nullptr : &it->second;
+      },
+      saved, "saved by " + std::to_string(saved_world) + " ranks");
+}
 
-  c10::NoGradGuard no_grad;
-  for (auto& [name, t] : collect_()) {
-    if (!present.count(name)) {
-      DTRAIN_CHECK(t.optional, DataError,
-                   "the checkpoint has no " << name << " (saved by " << saved_world << " ranks).",
+void LayoutState::load_whole(const std::function<at::Tensor(const std::string&)>& whole) {
+  // Looked up by the targets' names as the load collects them (a fresh
+  // optimizer's state exists only then).
+  Pieces pieces;
+  load_pieces(
+      [&](const std::string& name) -> const std::vector<Piece>* {
+        if (auto it = pieces.find(name); it != pieces.end()) return &it->second;
+        const at::Tensor w = whole(name);
+        if (!w.defined()) return nullptr;
+        const std::vector<std::int64_t> shape(w.sizes().begin(), w.sizes().end());
+        auto& p = pieces[name];
+        p.push_back({.box = {.offsets = std::vector<std::int64_t>(shape.size(), 0), .sizes = shape},
+                     .global_shape = shape,
+                     .values = [w] { return w; }});
+        return &p;
+      },
+      {}, "consolidated");
+}
+
+// Note [Checking before filling]: the first pass reads only each piece's box
+// and global shape and checks every target; only when all fit does the second
+// pass read values and copy them in, so a checkpoint of another model leaves
+// the model, the optimizer state and the run's position as they were.
+void LayoutState::load_pieces(const std::function<const std::vector<Piece>*(const std::string&)>& find,
+                              const std::vector<std::string>& saved, const std::string& source) {
+  if (known_) {
+    for (const std::string& name : saved) {
+      DTRAIN_CHECK(known_(name), DataError,
+                   "checkpoint (" << source << ") holds " << name << ", which this model does not have.",
+                   "resume with the model configuration that saved it");
+    }
+  }
+  bool ok = false;
+  begin_load();
+  struct End {
+    LayoutState* self;
+    const bool* ok;
+    ~End() { self->end_load(*ok); }
+  } end{this, &ok};
+  LaidOutTensors targets = collect_();
+  std::vector<std::string> found;
+  for (const auto& [name, t] : targets) {
+    const std::vector<Piece>* saved_pieces = find(name);
+    if (saved_pieces == nullptr) {
+      DTRAIN_CHECK(t.optional, DataError, "the checkpoint has no " << name << " (" << source << ").",
                    "resume with the model and optimizer that saved it");
       continue;
     }
-    const dist::Box mine = t.layout.local_box(t.coordinates);
-    at::Tensor target = t.local.view(mine.sizes);  // local's own storage
-    at::Tensor staging = target.device().is_cpu() ? target : at::empty(mine.sizes, target.options().device(at::kCPU));
+    const dist::Box mine = t.box ? *t.box : t.layout.local_box(t.coordinates);
+    DTRAIN_CHECK(t.local.numel() == mine.numel(), ConfigError,
+                 "checkpoint: " << name << " holds " << t.local.numel() << " elements, its layout "
+                                << t.layout.to_string() << " gives this rank " << mine.numel(),
+                 "declare the layout the tensor has");
     std::int64_t covered = 0;
-    for (int r = 0; r < saved_world; ++r) {
-      const auto it = index[static_cast<std::size_t>(r)].find(name);
-      if (it == index[static_cast<std::size_t>(r)].end()) continue;
-      at::Tensor box_t, shape_t, values;
-      part(r).read(key(it->second, "box"), box_t);
-      part(r).read(key(it->second, "global_shape"), shape_t);
-      const std::vector<std::int64_t> global = to_vector(shape_t);
-      DTRAIN_CHECK(global == t.layout.global_shape, DataError,
-                   "checkpoint: " << name << " was saved with the global shape " << at::IntArrayRef(global)
+    found.push_back(name);
+    for (const Piece& piece : *saved_pieces) {
+      DTRAIN_CHECK(piece.global_shape == t.layout.global_shape, DataError,
+                   "checkpoint: " << name << " was saved with the global shape " << at::IntArrayRef(piece.global_shape)
                                   << ", the model's is " << at::IntArrayRef(t.layout.global_shape) << ".",
                    "resume with the model configuration that saved it");
-      const std::vector<std::int64_t> b = to_vector(box_t);
-      const std::size_t dims = b.size() / 2;
-      const dist::Box saved{.offsets = {b.begin(), b.begin() + static_cast<std::ptrdiff_t>(dims)},
-                            .sizes = {b.begin() + static_cast<std::ptrdiff_t>(dims), b.end()}};
-      if (!dist::intersect(saved, mine)) continue;
-      part(r).read(key(it->second, "values"), values);
-      covered += dist::copy_intersection(values.to(staging.scalar_type()), saved, staging, mine);
+      if (const auto overlap = dist::intersect(piece.box, mine)) covered += overlap->numel();
     }
     DTRAIN_CHECK(covered == mine.numel(), DataError,
                  "checkpoint: the saved parts of " << name << " cover " << covered << " of the " << mine.numel()
                                                    << " elements this rank needs.",
                  "the checkpoint is incomplete; resume from another one");
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& [name, t] : targets) {
+    const std::vector<Piece>* saved_pieces = find(name);
+    if (saved_pieces == nullptr) continue;
+    const dist::Box mine = t.box ? *t.box : t.layout.local_box(t.coordinates);
+    at::Tensor target = t.local.view(mine.sizes);  // local's own storage
+    at::Tensor staging = target.device().is_cpu() ? target : at::empty(mine.sizes, target.options().device(at::kCPU));
+    for (const Piece& piece : *saved_pieces) {
+      if (!dist::intersect(piece.box, mine)) continue;
+      dist::copy_intersection(piece.values().to(staging.scalar_type()), piece.box, staging, mine);
+    }
     if (!staging.is_same(target)) target.copy_(staging);
   }
+  loaded_ = saved.empty() ? found : saved;
   if (after_load_) after_load_();
+  ok = true;
+  DTRAIN_LOG(kInfo) << "loaded " << targets.size() << " laid-out tensors (" << source << ")";
 }
 
 bool LayoutState::loaded(const std::string& name) const {
@@ -141,14 +207,16 @@ bool LayoutState::loaded(const std::string& name) const {
 namespace {
 
 // One parameter's optimizer state as laid-out tensors; the Adam step as an
-// int64 [1] replicated tensor, moved into the state after load.
+// int64 [1] replicated tensor, moved into the state after load. States a load
+// creates are recorded, and removed again if that load fails.
 struct OptimizerFields {
   torch::optim::Optimizer* optimizer = nullptr;
   std::vector<std::pair<torch::optim::OptimizerParamState*, at::Tensor>> steps;  // of the last collect
+  std::vector<void*> created;                                                    // by the load under way
 
   template <typename State>
-  void add_adam(const std::string& name, const at::Tensor& p, const LaidOutTensor& like, const dist::DeviceMesh& mesh,
-                bool amsgrad, bool create, LaidOutTensors& out) {
+  void add_adam(const std::string& name, const at::Tensor& p, const LaidOutTensor& like, bool amsgrad, bool create,
+                LaidOutTensors& out) {
     auto& states = optimizer->state();
     auto it = states.find(p.unsafeGetTensorImpl());
     if (it == states.end()) {
@@ -158,6 +226,7 @@ struct OptimizerFields {
       s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
       if (amsgrad) s->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
       it = states.emplace(p.unsafeGetTensorImpl(), std::move(s)).first;
+      created.push_back(p.unsafeGetTensorImpl());
     }
     auto& s = static_cast<State&>(*it->second);
     auto field = [&](const char* what, const at::Tensor& t) {
@@ -172,20 +241,26 @@ struct OptimizerFields {
     field("max_exp_avg_sq", s.max_exp_avg_sq());
     const at::Tensor step = at::full({1}, s.step(), at::kLong);
     steps.emplace_back(&s, step);
-    out.emplace_back("optimizer." + name + ".step", LaidOutTensor{.local = step,
-                                                                  .layout = dist::Layout::replicated(mesh, {1}),
-                                                                  .coordinates = like.coordinates,
-                                                                  .optional = true});
+    // The step is the same on every rank holding a piece: replicated over
+    // the parameter's mesh, written once (by the rank at its origin).
+    std::vector<dist::Placement> replicate(like.layout.mesh.size(), dist::Placement::replicate());
+    out.emplace_back(
+        "optimizer." + name + ".step",
+        LaidOutTensor{.local = step,
+                      .layout = {.mesh = like.layout.mesh, .placements = replicate, .global_shape = {1}},
+                      .coordinates = like.coordinates,
+                      .optional = true,
+                      .saved = like.saved && (!like.box || like.box->offsets == std::vector<std::int64_t>(
+                                                                                    like.box->offsets.size(), 0))});
   }
 
-  void add(const std::string& name, const at::Tensor& p, const LaidOutTensor& like, const dist::DeviceMesh& mesh,
-           bool create, LaidOutTensors& out) {
+  void add(const std::string& name, const at::Tensor& p, const LaidOutTensor& like, bool create, LaidOutTensors& out) {
     if (auto* adamw = dynamic_cast<torch::optim::AdamW*>(optimizer)) {
       const bool amsgrad = static_cast<const torch::optim::AdamWOptions&>(adamw->defaults()).amsgrad();
-      add_adam<torch::optim::AdamWParamState>(name, p, like, mesh, amsgrad, create, out);
+      add_adam<torch::optim::AdamWParamState>(name, p, like, amsgrad, create, out);
     } else if (auto* adam = dynamic_cast<torch::optim::Adam*>(optimizer)) {
       const bool amsgrad = static_cast<const torch::optim::AdamOptions&>(adam->defaults()).amsgrad();
-      add_adam<torch::optim::AdamParamState>(name, p, like, mesh, amsgrad, create, out);
+      add_adam<torch::optim::AdamParamState>(name, p, like, amsgrad, create, out);
     } else if (dynamic_cast<torch::optim::SGD*>(optimizer) != nullptr) {
       auto& states = optimizer->state();
       auto it = states.find(p.unsafeGetTensorImpl());
@@ -194,6 +269,7 @@ struct OptimizerFields {
         auto s = std::make_unique<torch::optim::SGDParamState>();
         s->momentum_buffer(at::zeros_like(p, at::MemoryFormat::Preserve));
         it = states.emplace(p.unsafeGetTensorImpl(), std::move(s)).first;
+        created.push_back(p.unsafeGetTensorImpl());
       }
       const at::Tensor& buffer = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
       if (!buffer.defined()) return;
@@ -209,47 +285,88 @@ struct OptimizerFields {
   }
 };
 
+// Loading creates the optimizer state a fresh optimizer lacks (and removes
+// it again when the load fails); saving writes only what exists.
+class ParameterLayoutState : public LayoutState {
+ public:
+  ParameterLayoutState(std::function<LaidOutTensors()> collect, std::function<void()> after_load,
+                       std::shared_ptr<bool> loading, std::shared_ptr<OptimizerFields> fields)
+      : LayoutState(std::move(collect), std::move(after_load)),
+        loading_(std::move(loading)),
+        fields_(std::move(fields)) {}
+
+ protected:
+  void begin_load() override {
+    *loading_ = true;
+    fields_->created.clear();
+  }
+  void end_load(bool loaded) override {
+    *loading_ = false;
+    if (!loaded && fields_->optimizer)
+      for (void* impl : fields_->created) fields_->optimizer->state().erase(impl);
+    fields_->created.clear();
+  }
+
+ private:
+  std::shared_ptr<bool> loading_;
+  std::shared_ptr<OptimizerFields> fields_;
+};
+
 }  // namespace
 
-std::shared_ptr<LayoutState> layout_state(torch::nn::Module& module, const dist::DeviceMesh& mesh,
-                                          torch::optim::Optimizer* optimizer) {
+std::shared_ptr<LayoutState> parameter_state(std::function<std::vector<LaidOutParameter>()> parameters,
+                                             torch::optim::Optimizer* optimizer, std::vector<std::string> model_names) {
   auto fields = std::make_shared<OptimizerFields>();
   fields->optimizer = optimizer;
   auto loading = std::make_shared<bool>(false);
-  auto collect = [&module, &mesh, fields, loading] {
+  auto collect = [parameters = std::move(parameters), fields, loading] {
     LaidOutTensors out;
-    const auto params = module.named_parameters();
     fields->steps.clear();
-    for (const auto& [name, layout] : dist::named_layouts(module, mesh)) {
-      const at::Tensor& p = params[name];
-      LaidOutTensor t{.local = p, .layout = layout, .coordinates = mesh.coordinates()};
-      out.emplace_back("model." + name, t);
-      if (fields->optimizer) fields->add(name, p, t, mesh, *loading, out);
+    for (LaidOutParameter& p : parameters()) {
+      if (p.buffer) p.tensor.optional = true;
+      out.emplace_back("model." + p.name, p.tensor);
+      if (fields->optimizer && !p.buffer) fields->add(p.name, p.tensor.local, p.tensor, *loading, out);
     }
     return out;
   };
-  auto after_load = [fields, loading] {
+  auto after_load = [fields] {
     for (auto& [state, step] : fields->steps) {
       if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(state)) adamw->step(step.item<std::int64_t>());
       if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(state)) adam->step(step.item<std::int64_t>());
     }
-    *loading = false;
   };
-  // Loading creates the optimizer state a fresh optimizer lacks; saving
-  // writes only what exists.
-  class ModuleLayoutState : public LayoutState {
-   public:
-    ModuleLayoutState(std::function<LaidOutTensors()> c, std::function<void()> a, std::shared_ptr<bool> loading)
-        : LayoutState(std::move(c), std::move(a)), loading_(std::move(loading)) {}
-    void load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) override {
-      *loading_ = true;
-      LayoutState::load_parts(part, saved_world);
-    }
+  auto state = std::make_shared<ParameterLayoutState>(collect, after_load, loading, fields);
+  if (!model_names.empty()) {
+    std::set<std::string> known(model_names.begin(), model_names.end());
+    state->set_known([known = std::move(known)](const std::string& name) {
+      const bool model = name.rfind("model.", 0) == 0, opt = name.rfind("optimizer.", 0) == 0;
+      if (model) return known.count(name.substr(6)) > 0;
+      if (!opt) return false;
+      const std::string rest = name.substr(10);
+      const auto dot = rest.rfind('.');
+      return dot != std::string::npos && known.count(rest.substr(0, dot)) > 0;
+    });
+  }
+  return state;
+}
 
-   private:
-    std::shared_ptr<bool> loading_;
-  };
-  return std::make_shared<ModuleLayoutState>(collect, after_load, loading);
+std::shared_ptr<LayoutState> layout_state(torch::nn::Module& module, const dist::DeviceMesh& mesh,
+                                          torch::optim::Optimizer* optimizer) {
+  return parameter_state(
+      [&module, &mesh] {
+        std::vector<LaidOutParameter> out;
+        const auto params = module.named_parameters();
+        for (const auto& [name, layout] : dist::named_layouts(module, mesh))
+          out.push_back(
+              {.name = name, .tensor = {.local = params[name], .layout = layout, .coordinates = mesh.coordinates()}});
+        return out;
+      },
+      optimizer,
+      [&module] {
+        std::vector<std::string> names;
+        for (const auto& item : module.named_parameters()) names.push_back(item.key());
+        return names;
+      }());
 }
 
 }  // namespace dtrain

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <map>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <sstream>
@@ -30,6 +31,7 @@
 #include "dtrain/checkpoint/torch_file.h"
 #include "dtrain/error.h"
 #include "dtrain/parallel/zero/full_state.h"
+#include "dtrain/trainer/resharding.h"
 
 namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;
@@ -40,6 +42,7 @@ struct FolderContents {
   dtrain::CheckpointFolder folder;
   std::optional<dtrain::ZeroFullState> zero;  // a ZeRO run's shards, whole
   ck::NamedTensors model;                     // the parameters (and buffers of a replicated model.pt)
+  bool laid_out = false;                      // a laid-out model state (trainer/resharding.h)
 };
 
 // Parameters and buffers of a replicated model (DIR/step_N/model.pt,
@@ -65,13 +68,28 @@ FolderContents read_folder(const fs::path& path) {
   if (std::find(states.begin(), states.end(), "zero") != states.end()) {
     c.zero = dtrain::read_zero_checkpoint(c.folder, "zero");
     c.model = c.zero->parameters;
+  } else if (std::find(states.begin(), states.end(), dtrain::kLaidOutState) != states.end()) {
+    // Any laid-out plan's (single, DDP, pipelines): the parameters, whole.
+    std::vector<std::unique_ptr<torch::serialize::InputArchive>> parts(static_cast<std::size_t>(c.folder.world_size));
+    auto part = [&](int r) -> torch::serialize::InputArchive& {
+      auto& slot = parts[static_cast<std::size_t>(r)];
+      if (!slot) {
+        slot = std::make_unique<torch::serialize::InputArchive>();
+        slot->load_from(dtrain::sharded_part(c.folder, dtrain::kLaidOutState, r).string());
+      }
+      return *slot;
+    };
+    c.laid_out = true;
+    for (auto& [name, t] : dtrain::consolidate_laid_out(part, c.folder.world_size))
+      if (name.rfind("model.", 0) == 0) c.model.emplace_back(name.substr(6), t);
   } else if (fs::exists(c.folder.dir / "model.pt")) {
     c.model = read_replicated_model(c.folder.dir / "model.pt");
   } else {
     DTRAIN_CHECK(false, DataError,
-                 "checkpoint " << c.folder.dir.string() << " holds neither ZeRO shards (rank_<R>/zero.pt) nor a model "
-                               << "(model.pt); its states are per-rank (e.g. pipeline stages).",
-                 "convert checkpoints of ZeRO runs or of replicated models (DDP, single process)");
+                 "checkpoint " << c.folder.dir.string() << " holds neither ZeRO shards (rank_<R>/zero.pt), a laid-out "
+                               << "model (rank_<R>/laid_out.pt) nor a model.pt; its states are per-rank (e.g. "
+                               << "sharded pipeline stages).",
+                 "convert checkpoints of ZeRO runs and of laid-out plans (single process, DDP, pipelines)");
   }
   return c;
 }
@@ -98,6 +116,9 @@ void inspect(const fs::path& path, std::ostream& out) {
     const int shards = z.placements.empty() ? 0 : z.placements.front().shards;
     out << "  plan: ZeRO (sharded data parallel), " << shards << " shards; every unit flattened and cut in " << shards
         << " equal chunks (Shard(0) of the flat unit), optimizer " << z.optimizer_kind << "\n";
+  } else if (c.laid_out) {
+    out << "  plan: laid out (rank_<R>/laid_out.pt: each tensor's boxes under its global name, optimizer state "
+           "alongside), whole below\n";
   } else {
     out << "  plan: replicated model (model.pt, rank 0's), optimizer in optimizer.pt (LibTorch's format)\n";
   }

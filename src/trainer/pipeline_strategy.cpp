@@ -5,6 +5,7 @@
 
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
+#include "dtrain/trainer/resharding.h"
 
 namespace dtrain {
 
@@ -124,21 +125,88 @@ void PipelineStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimize
                  "checkpoints of a pipeline with ZeRO stage 3 stages are not supported yet",
                  "train without --checkpoint-dir, or use ZeRO stage 1 or 2 for the stages");
   }
-  checkpointer.add_state("pipeline_stages", module_state(*holder_), StateScope::kPerRank);
-  checkpointer.add_state("pipeline_optimizer", optimizer_state(optimizer), StateScope::kPerRank);
+  if (!pipe_->sharded_stages().empty()) {
+    checkpointer.add_state("pipeline_stages", module_state(*holder_), StateScope::kPerRank);
+    checkpointer.add_state("pipeline_optimizer", optimizer_state(optimizer), StateScope::kPerRank);
+  }
   added_to_ = &checkpointer;
+}
+
+void PipelineStrategy::name_parameters(const torch::nn::Module& whole, const std::string& prefix) {
+  global_names_.clear();
+  whole_names_.clear();
+  for (const auto& item : whole.named_parameters()) {
+    const std::string& name = item.key();
+    const at::Tensor& p = item.value();
+    global_names_.emplace(p.unsafeGetTensorImpl(), prefix + name);
+    whole_names_.push_back(prefix + name);
+  }
+  for (const auto& item : whole.named_buffers()) {
+    const std::string& name = item.key();
+    const at::Tensor& b = item.value();
+    global_names_.emplace(b.unsafeGetTensorImpl(), prefix + name);
+    whole_names_.push_back(prefix + name);
+  }
+  laid_out_.reset();
+}
+
+// The one place that reads the stages for checkpoints: each stage's own
+// parameters and buffers, written by the first replica of the stage (data
+// rank 0), and the borrowed tied copies, loaded (from their owner's name)
+// but not written.
+std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
+  std::vector<LaidOutParameter> out;
+  const auto stages = pipe_->schedule().stages_of_rank(pipe_->group().rank());
+  auto add = [&](const std::string& local, const at::Tensor& t, bool buffer, bool saved) {
+    const auto it = global_names_.find(t.unsafeGetTensorImpl());
+    const std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
+    out.push_back({.name = it != global_names_.end() ? it->second : local,
+                   .tensor = {.local = t,
+                              .layout = {.mesh = {{"replicas", data_world_}},
+                                         .placements = {dist::Placement::replicate()},
+                                         .global_shape = shape},
+                              .coordinates = {data_rank_},
+                              .saved = saved || it == global_names_.end()},
+                   .buffer = buffer});
+  };
+  for (std::size_t k = 0; k < stages.size(); ++k) {
+    const std::string stage = "stage" + std::to_string(stages[k]) + ".";
+    const auto& module = *pipe_->stages()[k].module;
+    for (const auto& item : module.named_parameters()) {
+      const std::string& name = item.key();
+      const at::Tensor& p = item.value();
+      add(stage + name, p, false, true);
+    }
+    for (const auto& item : module.named_buffers()) {
+      const std::string& name = item.key();
+      const at::Tensor& b = item.value();
+      add(stage + name, b, true, true);
+    }
+    const auto& ties = pipe_->stages()[k].tied;
+    for (std::size_t j = 0; j < ties.size(); ++j)
+      if (!ties[j].owner) add(stage + "tied" + std::to_string(j), ties[j].parameter, false, false);
+  }
+  return out;
+}
+
+std::shared_ptr<LayoutState> PipelineStrategy::laid_out_state(torch::optim::Optimizer& optimizer) {
+  if (!laid_out_) laid_out_ = parameter_state([this] { return laid_out_parameters(); }, &optimizer, whole_names_);
+  return laid_out_;
 }
 
 void PipelineStrategy::save(Checkpointer& checkpointer, const TrainingState& state,
                             torch::optim::Optimizer& optimizer) {
   add_to(checkpointer, optimizer);
   auto full = full_parameters();  // the stages' module parameters are what is written
+  if (pipe_->sharded_stages().empty()) register_saved_state(checkpointer, kLaidOutState, laid_out_state(optimizer));
   checkpointer.save(state);
 }
 
 std::optional<TrainingState> PipelineStrategy::load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
   add_to(checkpointer, optimizer);
-  return checkpointer.load_latest();
+  if (!pipe_->sharded_stages().empty()) return checkpointer.load_latest();
+  const std::shared_ptr<LayoutState> mine = laid_out_state(optimizer);
+  return load_any_plan(checkpointer, {.laid_out = mine, .zero = zero_reader(mine)}, name());
 }
 
 }  // namespace dtrain

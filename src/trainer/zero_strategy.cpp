@@ -4,6 +4,7 @@
 #include "dtrain/error.h"
 #include "dtrain/parallel/zero/sharded_checkpoint.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
+#include "dtrain/trainer/resharding.h"
 
 namespace dtrain {
 
@@ -90,18 +91,21 @@ void ZeroStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimizer& o
   if (added_to_ == &checkpointer) return;
   DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "ZeroStrategy is used with a second Checkpointer.",
                "use one Trainer (one checkpoint directory) per strategy");
-  checkpointer.add_state("zero", zero_state(*sdp_, optimizer), StateScope::kSharded);
+  state_ = zero_state(*sdp_, optimizer);
   added_to_ = &checkpointer;
 }
 
 void ZeroStrategy::save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) {
   add_to(checkpointer, optimizer);
+  register_saved_state(checkpointer, kZeroState, state_);
   checkpointer.save(state);
 }
 
+// ZeRO chunks of any world (and HSDP), or any laid-out plan (single, DDP,
+// pipelines) through the whole state.
 std::optional<TrainingState> ZeroStrategy::load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
   add_to(checkpointer, optimizer);
-  return checkpointer.load_latest();
+  return load_any_plan(checkpointer, {.laid_out = laid_out_reader(*sdp_, optimizer), .zero = state_}, name());
 }
 
 }  // namespace dtrain

@@ -6,6 +6,7 @@
 // sum are errors naming the tensor.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
 #include <torch/serialize/archive.h>
 #include <unistd.h>
 
@@ -156,5 +157,113 @@ TEST(LayoutState, ShapeMismatchMissingTensorsAndPartialSumsAreErrors) {
       EXPECT_NE(std::string(e.what()).find("g is a partial sum"), std::string::npos) << e.what();
     }
   });
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+
+// A model of named parameters for parameter_state, replicated on one rank.
+struct ParameterModel {
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  std::vector<at::Tensor> tensors() const {
+    std::vector<at::Tensor> out;
+    for (const auto& [name, p] : params) out.push_back(p);
+    return out;
+  }
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& [name, p] : params) out.push_back(name);
+    return out;
+  }
+  std::vector<dtrain::LaidOutParameter> laid_out() const {
+    std::vector<dtrain::LaidOutParameter> out;
+    for (const auto& [name, p] : params) {
+      const std::vector<std::int64_t> shape(p.sizes().begin(), p.sizes().end());
+      out.push_back(
+          {.name = name,
+           .tensor = {
+               .local = p,
+               .layout = {.mesh = {{"replicas", 1}}, .placements = {Placement::replicate()}, .global_shape = shape},
+               .coordinates = {0}}});
+    }
+    return out;
+  }
+};
+
+ParameterModel parameter_model(std::vector<std::pair<std::string, std::vector<std::int64_t>>> shapes, float value) {
+  ParameterModel m;
+  for (const auto& [name, shape] : shapes) m.params.emplace_back(name, at::full(shape, value).requires_grad_());
+  return m;
+}
+
+// One AdamW step on `m` (gradients all ones), so it has optimizer state.
+void step_once(ParameterModel& m, torch::optim::AdamW& opt) {
+  for (auto& [name, p] : m.params) p.mutable_grad() = at::ones_like(p);
+  opt.step();
+}
+
+// The model and optimizer of `m` saved at step 1 into `dir`.
+void save_parameter_model(const std::filesystem::path& dir, ParameterModel& m) {
+  torch::optim::AdamW opt(m.tensors(), torch::optim::AdamWOptions(0.1));
+  step_once(m, opt);
+  dtrain::Checkpointer checkpointer({.dir = dir});
+  checkpointer.add_state("laid_out", dtrain::parameter_state([&m] { return m.laid_out(); }, &opt, m.names()),
+                         dtrain::StateScope::kSharded);
+  checkpointer.save({.step = 1});
+}
+
+}  // namespace
+
+// A checkpoint of another model (a parameter missing, extra or mis-shaped) is
+// a DataError naming the parameter, and changes nothing: the parameters keep
+// their values and a fresh optimizer gets no state (Note [Checking before
+// filling]); a failed load leaves the state saving what exists, as before it.
+TEST(LayoutState, CheckpointOfAnotherModelNamesTheParameterAndChangesNothing) {
+  const auto dir = layout_state_dir("other-model");
+  ParameterModel saved = parameter_model({{"a", {2, 3}}, {"b", {3}}}, 1.0F);
+  save_parameter_model(dir, saved);
+  int calls = 0;
+  auto load_error = [&](ParameterModel m) {
+    torch::optim::AdamW opt(m.tensors(), torch::optim::AdamWOptions(0.1));
+    dtrain::Checkpointer checkpointer({.dir = dir});
+    auto state = dtrain::parameter_state([&m] { return m.laid_out(); }, &opt, m.names());
+    checkpointer.add_state("laid_out", state, dtrain::StateScope::kSharded);
+    std::string message = "(no error)";
+    try {
+      checkpointer.load_latest();
+    } catch (const dtrain::DataError& e) {
+      message = e.what();
+    }
+    for (const auto& [name, p] : m.params) EXPECT_TRUE(p.eq(7.0F).all().item<bool>()) << name << " changed";
+    EXPECT_TRUE(opt.state().empty()) << "a failed load left optimizer state behind";
+    // The state is not stuck loading: a save writes only what exists (no
+    // optimizer state for a fresh optimizer).
+    dtrain::Checkpointer again({.dir = dir / ("again" + std::to_string(calls++))});
+    again.add_state("laid_out", state, dtrain::StateScope::kSharded);
+    again.save({.step = 1});
+    EXPECT_TRUE(opt.state().empty()) << "a save after a failed load created optimizer state";
+    return message;
+  };
+  const std::string missing = load_error(parameter_model({{"a", {2, 3}}, {"b", {3}}, {"c", {4}}}, 7.0F));
+  EXPECT_NE(missing.find("the checkpoint has no model.c"), std::string::npos) << missing;
+  const std::string extra = load_error(parameter_model({{"a", {2, 3}}}, 7.0F));
+  EXPECT_NE(extra.find("holds model.b, which this model does not have"), std::string::npos) << extra;
+  const std::string shape = load_error(parameter_model({{"a", {2, 3}}, {"b", {4}}}, 7.0F));
+  EXPECT_NE(shape.find("model.b was saved with the global shape [3], the model's is [4]"), std::string::npos) << shape;
+
+  // The same model loads: parameters and AdamW state (moments and step) as saved.
+  ParameterModel m = parameter_model({{"a", {2, 3}}, {"b", {3}}}, 7.0F);
+  torch::optim::AdamW opt(m.tensors(), torch::optim::AdamWOptions(0.1));
+  dtrain::Checkpointer checkpointer({.dir = dir});
+  checkpointer.add_state("laid_out", dtrain::parameter_state([&m] { return m.laid_out(); }, &opt, m.names()),
+                         dtrain::StateScope::kSharded);
+  ASSERT_TRUE(checkpointer.load_latest());
+  for (std::size_t i = 0; i < m.params.size(); ++i) {
+    const at::Tensor& p = m.params[i].second;
+    EXPECT_TRUE(p.equal(saved.params[i].second)) << m.params[i].first;
+    const auto& s = static_cast<torch::optim::AdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+    EXPECT_EQ(s.step(), 1);
+    EXPECT_TRUE(s.exp_avg().allclose(at::full(p.sizes(), 0.1F))) << s.exp_avg();  // (1 - beta1) * grad
+  }
   std::filesystem::remove_all(dir);
 }

@@ -100,6 +100,10 @@ class Checkpointer {
   // are [A-Za-z0-9_.-]+, unique, and not model, optimizer, state or rng.
   // The object must outlive its use by this Checkpointer.
   void add_state(const std::string& name, std::shared_ptr<Stateful> object, StateScope scope = StateScope::kReplicated);
+  // Removes an added state (a no-op for a name not added): how a loader
+  // that reads another format's state under its name hands back the name.
+  void remove_state(const std::string& name);
+  const CheckpointOptions& options() const { return options_; }
 
   // Collective when a group is given: every rank writes its part, and all
   // return once the checkpoint is committed. An error on any rank (a full

@@ -1,7 +1,8 @@
 // Checkpoint state keyed by layouts: each rank saves the tensors it holds
 // together with where they sit in the global tensor (dist::Layout: global
 // shape and this rank's box), and a rank loading under another plan (another
-// tp degree, later other pipeline cuts or ZeRO shardings) fills each of its
+// tp degree, pipeline cut, data-parallel width; ZeRO through
+// trainer/resharding.h) fills each of its
 // tensors from every saved box that meets its own (dist::intersect,
 // dist::copy_intersection). Nothing here knows a strategy: it serves any
 // state that can say, per tensor, its layout.
@@ -19,7 +20,10 @@
 //    is marked optional (optimizer state a fresh optimizer does not have);
 //  - shapes: the global shapes must agree; `local` may have any shape with
 //    its box's number of elements (a fused QKV weight [3C/t, C] under the
-//    layout [3, C, C]), and is read and written through a view of the box.
+//    layout [3, C, C]), and is read and written through a view of the box;
+//  - a load checks everything (every name present, every global shape, every
+//    element covered, no saved name the model does not know) before it
+//    writes into any tensor: a checkpoint that does not fit changes nothing.
 // Format of a part (one rank's file): "laid_out.names" (the names, one per
 // line), and per name i "laid_out.<i>.values" (the box's shape),
 // "laid_out.<i>.box" (int64 [2, dims]: offsets, sizes) and
@@ -31,7 +35,9 @@
 #include <torch/optim/optimizer.h>
 
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -47,6 +53,13 @@ struct LaidOutTensor {
   dist::Layout layout;
   std::vector<int> coordinates;
   bool optional = false;  // may be absent from a checkpoint (left untouched then)
+  // The piece this rank holds when it is not the layout's box at
+  // `coordinates` (e.g. pieces cut by another rule); the layout's global
+  // shape still applies.
+  std::optional<dist::Box> box;
+  // Whether this rank writes the tensor (false: a copy that another rank
+  // writes, such as a pipeline's borrowed tied weight); it is still loaded.
+  bool saved = true;
 };
 using LaidOutTensors = std::vector<std::pair<std::string, LaidOutTensor>>;
 
@@ -58,25 +71,67 @@ class LayoutState : public ShardedStateful {
   explicit LayoutState(std::function<LaidOutTensors()> collect, std::function<void()> after_load = {});
   void save_state(torch::serialize::OutputArchive& archive) const override;
   void load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) override;
+  // Fills every tensor from whole global tensors by name (`whole(name)`
+  // undefined: absent), with load_parts's checks: how state saved in another
+  // format (ZeRO's flat shards, consolidated) is loaded.
+  void load_whole(const std::function<at::Tensor(const std::string&)>& whole);
   // Whether the last checkpoint loaded had `name` (for optional tensors).
   bool loaded(const std::string& name) const;
+  // The names a checkpoint may hold (null: any). A saved name it rejects is
+  // a DataError naming it (a checkpoint of another model). A rank may load
+  // only some of the names (a pipeline stage), so this is the whole model's.
+  void set_known(std::function<bool(const std::string&)> known) { known_ = std::move(known); }
+
+ protected:
+  // Called before a load collects its targets, and after it ends (`loaded`:
+  // whether it succeeded; also when it threw).
+  virtual void begin_load() {}
+  virtual void end_load(bool /*loaded*/) {}
 
  private:
+  struct Piece {
+    dist::Box box;
+    std::vector<std::int64_t> global_shape;
+    std::function<at::Tensor()> values;
+  };
+  using Pieces = std::map<std::string, std::vector<Piece>>;
+  // `find(name)`: the saved pieces of a target (null: none); `saved`: every
+  // saved name, for set_known's check (empty: not enumerable).
+  void load_pieces(const std::function<const std::vector<Piece>*(const std::string&)>& find,
+                   const std::vector<std::string>& saved, const std::string& source);
+
   std::function<LaidOutTensors()> collect_;
   std::function<void()> after_load_;
+  std::function<bool(const std::string&)> known_;
   std::vector<std::string> loaded_;
 };
 
-// The parameters of `module` ("model.<name>", layouts from
-// dist::named_layouts(module, mesh)) and, if given, the per-parameter state
-// of `optimizer` ("optimizer.<name>.<field>", with its parameter's layout):
-// Adam and AdamW (exp_avg, exp_avg_sq, max_exp_avg_sq, step) and SGD
-// (momentum_buffer); other optimizers are a ConfigError. At load, a
-// parameter without optimizer state gets a fresh one (zeros, step 0: what
-// these optimizers create at their first step), filled from the checkpoint
-// where it has that state. The optimizer's options (learning rate, ...) are
-// not saved: set them as the run does (ScheduledLR sets the rate of the
-// resumed step). `module`, `mesh` and `optimizer` must outlive the state.
+// One parameter (or buffer) of a model by its global name, with this rank's
+// tensor and layout (LaidOutTensor::local is the parameter).
+struct LaidOutParameter {
+  std::string name;
+  LaidOutTensor tensor;
+  bool buffer = false;  // no optimizer state; optional at load (not every format keeps buffers)
+};
+
+// A model's parameters ("model.<name>") and, if given, the per-parameter
+// state of `optimizer` ("optimizer.<name>.<field>", with its parameter's
+// layout) as one LayoutState: Adam and AdamW (exp_avg, exp_avg_sq,
+// max_exp_avg_sq, step) and SGD (momentum_buffer); other optimizers are a
+// ConfigError. At load, a parameter without optimizer state gets a fresh one
+// (zeros, step 0: what these optimizers create at their first step), filled
+// from the checkpoint where it has that state; a failed load creates none.
+// The optimizer's options (learning rate, ...) are not saved: set them as the
+// run does (ScheduledLR sets the rate of the resumed step). `model_names`,
+// when not empty, are every parameter and buffer name of the whole model: a
+// checkpoint naming another is a DataError. `optimizer` must outlive the state.
+std::shared_ptr<LayoutState> parameter_state(std::function<std::vector<LaidOutParameter>()> parameters,
+                                             torch::optim::Optimizer* optimizer,
+                                             std::vector<std::string> model_names = {});
+
+// parameter_state over the parameters of `module` (layouts from
+// dist::named_layouts(module, mesh)). `module`, `mesh` and `optimizer` must
+// outlive the state.
 std::shared_ptr<LayoutState> layout_state(torch::nn::Module& module, const dist::DeviceMesh& mesh,
                                           torch::optim::Optimizer* optimizer);
 

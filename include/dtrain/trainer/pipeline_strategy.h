@@ -19,13 +19,21 @@
 // Evaluation runs the pipeline forward and counts on the last stage's rank
 // (a batch not divisible into the micro-batches is padded and the padding
 // dropped). Clipping is Pipeline::clip_grad_norm_ (tied copies included);
-// GradScaler's found-inf is combined over the world. Checkpoints: each rank
-// saves its stages and optimizer as its per-rank part (StateScope::kPerRank),
-// sharded stages gathered first; a run resumes on the same mesh.
+// GradScaler's found-inf is combined over the world. Checkpoints: laid out
+// (trainer/resharding.h), each stage's parameters and optimizer state under
+// the whole model's names (name_parameters), written by the first replica of
+// the stage, so a run resumes under any plan (another cut, pp or dp width,
+// one process, ZeRO, HSDP) and any plan's checkpoint resumes here. Sharded
+// (ZeRO) stages still save each rank's stages and optimizer as its per-rank
+// part (StateScope::kPerRank), gathered first, and resume on the same mesh.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "dtrain/checkpoint/layout_state.h"
 #include "dtrain/comm/mesh.h"
 #include "dtrain/trainer/strategy.h"
 
@@ -65,8 +73,17 @@ class PipelineStrategy : public Strategy {
   std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) override;
 
   pipeline::Pipeline& pipe() { return *pipe_; }
+  // Names this rank's stage parameters (and buffers, and borrowed tied
+  // copies) in checkpoints by their names in `whole`, the unsplit model whose
+  // modules the stages share (`prefix` before each: "layers." for a model that
+  // holds them as "layers"). Without it they are "stage<s>.<name in the
+  // stage>", which resume only under the same cut. Call before the first
+  // save or load; `whole` is read here only.
+  void name_parameters(const torch::nn::Module& whole, const std::string& prefix = "");
 
  private:
+  std::vector<LaidOutParameter> laid_out_parameters();
+  std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
   void add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer);
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;
@@ -74,6 +91,9 @@ class PipelineStrategy : public Strategy {
   int loss_rank_ = 0;  // the pipeline group's rank of the last stage
   std::shared_ptr<torch::nn::Module> holder_;
   const Checkpointer* added_to_ = nullptr;
+  std::map<const void*, std::string> global_names_;  // by TensorImpl, from name_parameters
+  std::vector<std::string> whole_names_;
+  std::shared_ptr<LayoutState> laid_out_;
 };
 
 }  // namespace dtrain

@@ -35,6 +35,7 @@
 namespace dtrain {
 
 class Tracer;
+class LayoutState;
 namespace amp {
 class GradScaler;
 }
@@ -111,17 +112,22 @@ class Strategy {
   // All ranks of the run (checkpoints, evaluation and metric reductions); nullopt: one process.
   virtual std::optional<dist::ProcessGroup> group() { return std::nullopt; }
 
-  // Saves and loads the model and optimizer (replicated by default, rank 0 writes).
-  virtual void save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) {
-    checkpointer.save(state, module(), optimizer);
-  }
-  virtual std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
-    return checkpointer.load_latest(module(), optimizer);
-  }
+  // Saves and loads the model and optimizer. By default as a laid-out state
+  // (trainer/resharding.h): module()'s parameters and buffers under their
+  // names, replicated over group() (its rank 0 writes), with the optimizer's
+  // per-parameter state; loads a checkpoint of any plan whose names are
+  // module()'s (laid out or ZeRO chunks), and this strategy's model.pt.
+  virtual void save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer);
+  virtual std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer);
 
   // Observing communication for the trace timeline (called before the first
   // forward); default: nothing to observe.
   virtual void set_tracer(Tracer* /*tracer*/) {}
+
+ private:
+  std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
+  std::shared_ptr<LayoutState> laid_out_;  // the default save's state, for laid_out_optimizer_
+  const torch::optim::Optimizer* laid_out_optimizer_ = nullptr;
 };
 
 // The model on one device (or as it is).

@@ -13,7 +13,8 @@
 // after their all-reduce, so the shard group suffices). Checkpoints hold this rank's shards of the
 // parameters and optimizer state as StateScope::kSharded state of the
 // Trainer's Checkpointer (zero_state), committed with the sampler, schedule,
-// scaler and generators: a run saved on N ranks resumes on any number.
+// scaler and generators: a run saved on N ranks resumes on any number, and
+// loads the laid-out checkpoints of the other plans (trainer/resharding.h).
 #pragma once
 
 #include <memory>
@@ -62,6 +63,7 @@ class ZeroStrategy : public Strategy {
   int world_ = 1;
   std::optional<dist::ProcessGroup> all_;   // HSDP: every rank
   const Checkpointer* added_to_ = nullptr;  // the checkpointer holding our state
+  std::shared_ptr<ShardedStateful> state_;  // zero_state(), saved as "zero"
 };
 
 }  // namespace dtrain

@@ -120,6 +120,18 @@ ZeroFullState read_zero_checkpoint(const CheckpointFolder& folder, const std::st
   return consolidate_zero_parts(part, folder.world_size);
 }
 
+std::vector<ZeroParameterInfo> zero_parameters(ShardedDataParallel& sdp) {
+  std::vector<ZeroParameterInfo> out;
+  for (const detail::Unit& unit : sdp.engine().units())
+    for (const detail::FlatParam& fp : unit.params)
+      out.push_back({.name = fp.name, .shape = fp.shape, .trainable = fp.trainable});
+  return out;
+}
+
+std::string zero_optimizer_kind(const torch::optim::Optimizer& optimizer) {
+  return detail::kind_of(optimizer);
+}
+
 void load_zero_full_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer, const ZeroFullState& full) {
   torch::NoGradGuard no_grad;
   detail::ZeroEngine& engine = sdp.engine();

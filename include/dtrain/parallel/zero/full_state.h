@@ -94,6 +94,18 @@ ZeroFullState consolidate_zero_parts(const std::function<torch::serialize::Input
 // when recorded. The optimizer must be of `full.optimizer_kind`.
 void load_zero_full_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer, const ZeroFullState& full);
 
+// Every parameter `sdp` shards (frozen ones too), in its order: name, shape
+// and whether it trains; and the optimizer's kind as ZeroFullState names it.
+// What a loader needs to build a ZeroFullState from another format
+// (trainer/resharding.h).
+struct ZeroParameterInfo {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  bool trainable = false;
+};
+std::vector<ZeroParameterInfo> zero_parameters(ShardedDataParallel& sdp);
+std::string zero_optimizer_kind(const torch::optim::Optimizer& optimizer);
+
 // The sharded state `name` of a committed checkpoint (ZeroStrategy and
 // ShardedCheckpointer save ZeRO's as "zero"), consolidated from every rank's
 // part; a checkpoint without it is a DataError saying so.

@@ -1,0 +1,75 @@
+// Loading a checkpoint saved under any plan into the plan of this run
+// (docs/checkpoints.md). Two formats hold a model's training state:
+//  - "laid_out" (LayoutState, checkpoint/layout_state.h): every parameter
+//    and its optimizer state under its global name, each rank's piece with
+//    its box in the global tensor: single process, DDP, DataParallel, the
+//    hybrid, pipelines (each stage under the whole model's names);
+//  - "zero" (parallel/zero/sharded_checkpoint.h): each rank's chunk of every
+//    flat ZeRO unit, with where each parameter lies in it (ZeRO 1-3, HSDP).
+// A strategy saves its own format and loads either: the same format directly
+// (the boxes, or the ZeRO chunks, of any world size), the other one through
+// the whole state (consolidate_zero_parts / LayoutState::load_whole, or a
+// ZeroFullState filled from the boxes): a ZeRO plan loading a laid-out
+// checkpoint, or the reverse, holds the whole model's fp32 state on each
+// rank once, during the load.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "dtrain/checkpoint/checkpointer.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtrain {
+
+class LayoutState;
+class ShardedDataParallel;
+
+inline constexpr const char* kLaidOutState = "laid_out";
+inline constexpr const char* kZeroState = "zero";
+
+// The model state of the checkpoint load_latest() would take (the newest
+// complete one): none, laid out, ZeRO chunks, a replicated model.pt (before
+// laid-out checkpoints), or something else (per-rank pipeline parts, a
+// tensor-parallel "tp" state).
+enum class SavedModelState { kNone, kLaidOut, kZero, kReplicated, kOther };
+SavedModelState saved_model_state(const Checkpointer& checkpointer);
+
+// Readers of the other format, for load_any_plan: a laid-out state filled
+// from ZeRO chunks; ZeRO shards filled from laid-out pieces.
+std::shared_ptr<ShardedStateful> zero_reader(std::shared_ptr<LayoutState> laid_out);
+std::shared_ptr<ShardedStateful> laid_out_reader(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer);
+
+// What a strategy reads each format with (null: that format is refused).
+struct StateReaders {
+  std::shared_ptr<ShardedStateful> laid_out;
+  std::shared_ptr<ShardedStateful> zero;
+};
+
+// Loads the newest checkpoint through the reader of its format, registered
+// under the format's name for this load only: the strategy registers its own
+// state (saved_state) when it saves. A format without a reader is a
+// ConfigError naming it; the checkpoint's other states (schedule, scaler,
+// sampler, generators) load as always.
+std::optional<TrainingState> load_any_plan(Checkpointer& checkpointer, const StateReaders& readers,
+                                           const std::string& plan);
+// Every tensor of a laid-out state, whole, by name ("model.<name>",
+// "optimizer.<name>.<field>"), from the parts of the `saved_world` ranks that
+// saved it: what tools (`dtrain ckpt`) read. A tensor the parts do not
+// cover is a DataError naming it.
+std::vector<std::pair<std::string, at::Tensor>> consolidate_laid_out(
+    const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world);
+
+// (Re)registers `state` as `name` (kSharded) for the saves that follow.
+void register_saved_state(Checkpointer& checkpointer, const std::string& name, std::shared_ptr<ShardedStateful> state);
+
+}  // namespace dtrain

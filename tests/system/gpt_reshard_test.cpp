@@ -1,0 +1,145 @@
+// Checkpoints that reshard across plans (issue 23 item 6, trainer/resharding.h):
+// examples/gpt saved under one plan resumes under another and ends where one
+// uninterrupted process does on the same global batches (12 sequences per
+// step under every plan: batch x data-parallel ranks). The plans differ in
+// how they sum gradients (over ranks, micro-batches, shards), so the resumed
+// parameters equal the uninterrupted ones to float rounding (the bound of
+// gpt_zero_test.cpp and pipeline_example_test.cpp), not bit for bit.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "example_run.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using dtrain::testing::read_floats;
+
+const std::string kReshardExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+std::string reshard_launch(int ranks) {
+  return std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
+}
+
+// Three AdamW steps per run of a small GPT with clipping and a cosine
+// schedule, evaluation included.
+const std::string kReshardCommon =
+    "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --eval-interval 3 --eval-iters 1 --sample-tokens 0 "
+    "--warmup-iters 2 --lr-decay-iters 9 --seed 5 --grad-clip 0.5 --devices cpu ";
+
+// A plan: its flags (global batch 12) and its processes.
+struct ReshardPlan {
+  std::string name;
+  std::string flags;
+  int ranks = 1;
+  bool pipeline = false;  // --save-params writes FILE.stage0 and FILE.stage1
+};
+
+const ReshardPlan kSingle{"single", "--strategy single --batch-size 12", 1};
+const ReshardPlan kPipeline2x2{
+    "dp2xpp2", "--strategy pipeline --pp-size 2 --dp-reduce ddp --micro-batches 2 --pp-schedule 1f1b --batch-size 6", 4,
+    true};
+const ReshardPlan kZero3On3{"zero3x3", "--strategy zero3 --batch-size 4", 3};
+const ReshardPlan kZero2On3{"zero2x3", "--strategy zero2 --batch-size 4", 3};
+const ReshardPlan kHsdp2x2{"hsdp2x2", "--strategy zero3 --dp-replicate 2 --dp-shard 2 --batch-size 3", 4};
+const ReshardPlan kDdp4{"ddp4", "--strategy ddp --batch-size 3", 4};
+
+struct ReshardDir {
+  fs::path path;
+  explicit ReshardDir(const std::string& name)
+      : path(fs::temp_directory_path() / ("dtrain-gpt-reshard-" + name + "-" + std::to_string(::getpid()))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~ReshardDir() { fs::remove_all(path); }
+};
+
+// Runs `plan` up to step `until` with checkpoints in `ckpt` (and, when
+// `params` is not empty, its final parameters there); returns stderr.
+std::string run_plan(const ReshardPlan& plan, int until, const fs::path& ckpt, const fs::path& params = {}) {
+  std::string args = kReshardCommon + plan.flags + " --max-iters " + std::to_string(until);
+  if (!ckpt.empty()) args += " --checkpoint-dir " + ckpt.string();
+  if (!params.empty()) args += " --save-params " + params.string();
+  const auto r = dtrain::testing::run_example(kReshardExample, args, reshard_launch(plan.ranks));
+  EXPECT_EQ(r.exit_code, 0) << plan.name << ": " << r.stderr_text;
+  return r.stderr_text;
+}
+
+std::vector<float> read_plan_params(const ReshardPlan& plan, const fs::path& file) {
+  if (!plan.pipeline) return read_floats(file);
+  std::vector<float> all;
+  for (int s = 0; s < 2; ++s) {
+    const auto part = read_floats(file.string() + ".stage" + std::to_string(s));
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  return all;
+}
+
+// The uninterrupted single-process run of `steps` steps.
+std::vector<float> reshard_reference(const fs::path& dir, int steps) {
+  const fs::path file = dir / ("reference" + std::to_string(steps) + ".f32");
+  run_plan(kSingle, steps, {}, file);
+  return read_floats(file);
+}
+
+// Resumes the checkpoint in `saved` (a copy of it: the resumed run saves
+// too) under `plan` up to `until`, and compares with `reference`.
+void expect_resumes_as_reference(const fs::path& saved, int saved_ranks, int from, const ReshardPlan& plan, int until,
+                                 const std::vector<float>& reference, const fs::path& dir, const std::string& what) {
+  const fs::path ckpt = dir / ("ckpt-" + plan.name + "-" + std::to_string(until));
+  fs::copy(saved, ckpt, fs::copy_options::recursive);
+  const fs::path file = dir / (plan.name + "-" + std::to_string(until) + ".f32");
+  const std::string log = run_plan(plan, until, ckpt, file);
+  EXPECT_NE(log.find("resumed at step " + std::to_string(from)), std::string::npos) << what << ": " << log;
+  EXPECT_NE(log.find("saved by " + std::to_string(saved_ranks) + " ranks"), std::string::npos) << what << ": " << log;
+  const auto params = read_plan_params(plan, file);
+  ASSERT_EQ(params.size(), reference.size()) << what;
+  ASSERT_GT(params.size(), 20000u) << what;  // 27936
+  const auto diff = dtrain::testing::compare_params(params, reference);
+  EXPECT_EQ(diff.outside, 0u) << what;
+  EXPECT_LT(diff.relative_l2, 1e-5) << what;
+}
+
+// DP x PP 2 x 2 (DDP per stage) saved at step 3, resumed under ZeRO-3 on 3
+// ranks, under HSDP 2 x 2, and in one process.
+TEST(GptReshard, PipelineCheckpointResumesUnderZeroHsdpAndOneProcess) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  ReshardDir dir("from-pipeline");
+  const auto reference = reshard_reference(dir.path, 6);
+  ASSERT_FALSE(reference.empty());
+  const fs::path saved = dir.path / "pipeline";
+  run_plan(kPipeline2x2, 3, saved);
+  ASSERT_TRUE(fs::exists(saved / "step_3" / "rank_3" / "laid_out.pt"));
+  for (const ReshardPlan* plan : {&kZero3On3, &kHsdp2x2, &kSingle})
+    expect_resumes_as_reference(saved, 4, 3, *plan, 6, reference, dir.path, "dp2xpp2 -> " + plan->name);
+}
+
+// One process saved at step 3, resumed as DP x PP 2 x 2.
+TEST(GptReshard, OneProcessCheckpointResumesPipelined) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  ReshardDir dir("to-pipeline");
+  const auto reference = reshard_reference(dir.path, 6);
+  ASSERT_FALSE(reference.empty());
+  const fs::path saved = dir.path / "single";
+  run_plan(kSingle, 3, saved);
+  expect_resumes_as_reference(saved, 1, 3, kPipeline2x2, 6, reference, dir.path, "single -> dp2xpp2");
+}
+
+// World 4 -> 3 -> 1: DDP on 4 ranks (laid out) to step 3, ZeRO-2 on 3 ranks
+// (ZeRO chunks) to step 6, one process to step 9.
+TEST(GptReshard, WorldFourThenThreeThenOne) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  ReshardDir dir("4-3-1");
+  const auto reference6 = reshard_reference(dir.path, 6);
+  const auto reference9 = reshard_reference(dir.path, 9);
+  ASSERT_FALSE(reference9.empty());
+  const fs::path saved = dir.path / "ddp4";
+  run_plan(kDdp4, 3, saved);
+  expect_resumes_as_reference(saved, 4, 3, kZero2On3, 6, reference6, dir.path, "ddp4 -> zero2x3");
+  expect_resumes_as_reference(dir.path / "ckpt-zero2x3-6", 3, 6, kSingle, 9, reference9, dir.path, "zero2x3 -> single");
+}
+
+}  // namespace
