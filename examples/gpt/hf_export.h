@@ -29,6 +29,7 @@
 #include <regex>
 #include <string>
 
+#include "dtrain/checkpoint/hf_mapping.h"
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/error.h"
 #include "model.h"
@@ -86,63 +87,47 @@ inline GptConfig config_from_hf(const std::filesystem::path& dir) {
           .gelu_tanh = act != "gelu"};
 }
 
-namespace detail {
-
-// dtrain's name (without any prefix) -> HF's, and whether the weight is a
-// Conv1D one (stored transposed); empty when the name is not the GPT's.
-inline std::pair<std::string, bool> hf_name(const std::string& name) {
-  static const std::regex block(
-      R"((?:.*\.)?block(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias))");
-  static const std::regex embed(R"((?:.*\.)?embed\.(wte|wpe)\.weight)");
-  static const std::regex head(R"((?:.*\.)?head\.ln_f\.(weight|bias))");
-  std::smatch m;
-  if (std::regex_match(name, m, block)) {
-    const bool conv = m[2].str().find("ln_") == std::string::npos && m[3] == "weight";
-    return {"transformer.h." + m[1].str() + "." + m[2].str() + "." + m[3].str(), conv};
+// The GPT's Hugging Face mapping (checkpoint/hf_mapping.h): the names (under
+// any prefix), the Conv1D weights stored transposed, zero biases for a model
+// without, and config.json. The export below uses it, and a run records it in
+// its checkpoints so that `dtrain ckpt convert --to hf` needs no GPT code.
+inline dtrain::checkpoint::HfMapping hf_mapping(const GptConfig& c) {
+  dtrain::checkpoint::HfMapping m{
+      .config_json = hf_config(c).dump(2),
+      .rules = {{R"((?:.*\.)?block(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight)",
+                 "transformer.h.$1.$2.weight", true},
+                {R"((?:.*\.)?block(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias))",
+                 "transformer.h.$1.$2.$3", false},
+                {R"((?:.*\.)?embed\.(wte|wpe)\.weight)", "transformer.$1.weight", false},
+                {R"((?:.*\.)?head\.ln_f\.(weight|bias))", "transformer.ln_f.$1", false}}};
+  if (!c.bias) {  // every bias GPT-2 has
+    for (std::int64_t i = 0; i < c.n_layer; ++i) {
+      const std::string p = "transformer.h." + std::to_string(i) + ".";
+      m.zeros.push_back({p + "ln_1.bias", {c.n_embd}});
+      m.zeros.push_back({p + "attn.c_attn.bias", {3 * c.n_embd}});
+      m.zeros.push_back({p + "attn.c_proj.bias", {c.n_embd}});
+      m.zeros.push_back({p + "ln_2.bias", {c.n_embd}});
+      m.zeros.push_back({p + "mlp.c_fc.bias", {4 * c.n_embd}});
+      m.zeros.push_back({p + "mlp.c_proj.bias", {c.n_embd}});
+    }
+    m.zeros.push_back({"transformer.ln_f.bias", {c.n_embd}});
   }
-  if (std::regex_match(name, m, embed)) return {"transformer." + m[1].str() + ".weight", false};
-  if (std::regex_match(name, m, head)) return {"transformer.ln_f." + m[1].str(), false};
-  return {"", false};
+  return m;
 }
-
-// Every bias GPT-2 has, for a model built without biases: the weight it goes with.
-inline std::vector<std::pair<std::string, std::int64_t>> missing_biases(const GptConfig& c) {
-  std::vector<std::pair<std::string, std::int64_t>> out;
-  for (std::int64_t i = 0; i < c.n_layer; ++i) {
-    const std::string p = "transformer.h." + std::to_string(i) + ".";
-    out.push_back({p + "ln_1.bias", c.n_embd});
-    out.push_back({p + "attn.c_attn.bias", 3 * c.n_embd});
-    out.push_back({p + "attn.c_proj.bias", c.n_embd});
-    out.push_back({p + "ln_2.bias", c.n_embd});
-    out.push_back({p + "mlp.c_fc.bias", 4 * c.n_embd});
-    out.push_back({p + "mlp.c_proj.bias", c.n_embd});
-  }
-  out.push_back({"transformer.ln_f.bias", c.n_embd});
-  return out;
-}
-
-}  // namespace detail
 
 // The model's parameters under GPT-2's names and layouts, on the CPU.
 inline dtrain::checkpoint::NamedTensors to_hf(torch::nn::Module& model, const GptConfig& c) {
-  dtrain::checkpoint::NamedTensors out;
-  for (const auto& item : model.named_parameters()) {
-    const auto [name, conv] = detail::hf_name(item.key());
-    DTRAIN_CHECK(!name.empty(), InternalError, "parameter " << item.key() << " has no GPT-2 name.", "");
-    const at::Tensor t = item.value().detach().to(at::kCPU);
-    out.emplace_back(name, conv ? t.t().contiguous() : t.contiguous());
-  }
-  if (!c.bias)
-    for (const auto& [name, size] : detail::missing_biases(c)) out.emplace_back(name, at::zeros({size}));
-  return out;
+  dtrain::checkpoint::NamedTensors params;
+  for (const auto& item : model.named_parameters()) params.emplace_back(item.key(), item.value());
+  return hf_mapping(c).apply(params);
 }
 
 // Writes DIR/config.json and DIR/model.safetensors (or shards and an index).
 // Call it where the full weights are readable (rank 0, within gather_full).
 inline void export_hf(torch::nn::Module& model, const GptConfig& c, const std::filesystem::path& dir) {
-  std::filesystem::create_directories(dir);
-  dtrain::checkpoint::save_safetensors_sharded(dir, to_hf(model, c), {.metadata = {{"format", "pt"}}});
-  std::ofstream(dir / "config.json") << hf_config(c).dump(2) << "\n";
+  dtrain::checkpoint::NamedTensors params;
+  for (const auto& item : model.named_parameters()) params.emplace_back(item.key(), item.value());
+  dtrain::checkpoint::save_hf_folder(dir, hf_mapping(c), params);
 }
 
 // Copies a GPT-2 folder's weights into `model` (built from config_from_hf's
@@ -150,12 +135,15 @@ inline void export_hf(torch::nn::Module& model, const GptConfig& c, const std::f
 // its shape; lm_head.weight, if present, must equal the embedding (tied);
 // biases the model lacks must be zero.
 inline void load_hf(torch::nn::Module& model, const GptConfig& c, const std::filesystem::path& dir) {
+  const auto mapping = hf_mapping(c);
   std::map<std::string, at::Tensor> hf;
   for (auto& [name, t] : dtrain::checkpoint::load_safetensors_dir(dir).tensors) hf[name] = t;
   torch::NoGradGuard no_grad;
   at::Tensor wte;
   for (auto& item : model.named_parameters()) {
-    const auto [name, conv] = detail::hf_name(item.key());
+    const auto mapped = mapping.hf_name(item.key());
+    DTRAIN_CHECK(mapped, InternalError, "parameter " << item.key() << " has no GPT-2 name.", "");
+    const auto& [name, conv] = *mapped;
     if (name == "transformer.wte.weight") wte = item.value();
     const auto it = hf.find(name);
     DTRAIN_CHECK(it != hf.end(), DataError, dir.string() << " has no " << name << " (for " << item.key() << ").",
@@ -174,14 +162,13 @@ inline void load_hf(torch::nn::Module& model, const GptConfig& c, const std::fil
                  "the GPT example ties its head to the embedding");
     hf.erase(head);
   }
-  if (!c.bias)
-    for (const auto& [name, size] : detail::missing_biases(c)) {
-      const auto it = hf.find(name);
-      DTRAIN_CHECK(it == hf.end() || !it->second.any().item<bool>(), DataError,
-                   dir.string() << ": " << name << " is not zero, and the model has no biases.",
-                   "build the model with bias on (config_from_hf does)");
-      if (it != hf.end()) hf.erase(it);
-    }
+  for (const auto& z : mapping.zeros) {  // biases the model lacks
+    const auto it = hf.find(z.name);
+    DTRAIN_CHECK(it == hf.end() || !it->second.any().item<bool>(), DataError,
+                 dir.string() << ": " << z.name << " is not zero, and the model has no biases.",
+                 "build the model with bias on (config_from_hf does)");
+    if (it != hf.end()) hf.erase(it);
+  }
   for (auto it = hf.begin(); it != hf.end();)  // non-persistent attention masks older versions saved
     it = it->first.ends_with(".attn.bias") || it->first.ends_with(".attn.masked_bias") ? hf.erase(it) : std::next(it);
   DTRAIN_CHECK(

@@ -182,6 +182,9 @@ struct Trainee {
   // returned scope lives, and gives rank 0's local forward of the whole network.
   std::function<std::shared_ptr<void>()> gather_full;
   std::function<at::Tensor(const at::Tensor&)> local;
+  // The whole network's module on rank 0 while gather_full's scope lives (the
+  // HF export reads it); null: the strategy's module.
+  std::function<torch::nn::Module&()> full_module;
   std::function<void(const std::string&)> save_params;  // collective where gather_full is
   std::shared_ptr<gpt::GptPipeline> pipeline;
   // The loss of the strategy's outputs; null: gpt::lm_loss.
@@ -214,9 +217,8 @@ Trainee build(const Options& opt, Placement& where) {
   const c10::Device first = where.devices.front();
   const bool lead = where.rank == 0;
   if (opt.strategy == "pipeline") {
-    DTRAIN_CHECK(opt.init_from_hf.empty(), ConfigError, "--init-from-hf does not work with --strategy pipeline yet.",
-                 "start from the folder under another strategy, save a checkpoint, and resume it pipelined");
-    auto p = std::make_shared<gpt::GptPipeline>(gpt::build_pipeline(opt.model, opt.seed, opt.pipeline, *where.group));
+    auto p = std::make_shared<gpt::GptPipeline>(
+        gpt::build_pipeline(opt.model, opt.seed, opt.pipeline, *where.group, opt.init_from_hf));
     t.pipeline = p;
     t.strategy = p->strategy;
     t.decays = p->decays;
@@ -226,6 +228,7 @@ Trainee build(const Options& opt, Placement& where) {
       return full;
     };
     t.local = [layers = p->layers](const at::Tensor& x) mutable { return layers->forward(x); };
+    t.full_module = [p]() -> torch::nn::Module& { return *p->layers; };
     t.save_params = [p](const std::string& path) {
       auto full = p->strategy->full_parameters();
       gpt::write_stage_params(*p, path);
@@ -241,6 +244,7 @@ Trainee build(const Options& opt, Placement& where) {
                           : std::vector<dtrain::dist::MeshDim>{{"tp", opt.tp}});
     torch::nn::Sequential full = gpt::gpt_layers(opt.model);
     gpt::init_weights(*full, opt.model.n_layer, opt.seed);
+    if (!opt.init_from_hf.empty()) gpt::load_hf(*full, opt.model, opt.init_from_hf);
     // Dropout streams (Note [TP dropout]): the replicated one shared by the
     // tp group, seeded per data-parallel replica like the other strategies'
     // per-rank seeds; the tensor-parallel one per tp rank on top of it.
@@ -262,6 +266,7 @@ Trainee build(const Options& opt, Placement& where) {
       return std::shared_ptr<void>();
     };
     t.local = [full](const at::Tensor& x) mutable { return full->forward(x.to(at::kCPU)); };
+    t.full_module = [full]() mutable -> torch::nn::Module& { return *full; };
     t.save_params = [gather, full, lead](const std::string& path) mutable {
       gather();
       if (lead) write_params(path, *full);
@@ -289,6 +294,7 @@ Trainee build(const Options& opt, Placement& where) {
     t.loss = [cp](const at::Tensor& logits, const at::Tensor& target) { return gpt::cp_lm_loss(logits, target, cp); };
     t.gather_full = [] { return std::shared_ptr<void>(); };
     t.local = [full](const at::Tensor& x) mutable { return full->forward(x); };
+    t.full_module = [full]() mutable -> torch::nn::Module& { return *full; };
     t.save_params = [full, lead](const std::string& path) mutable {
       if (lead) write_params(path, *full);
     };
@@ -435,6 +441,10 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
     trainer.set_loss(gpt::lm_loss);
   }
   trainer.set_schedule(schedule);
+  // Checkpoints record how the GPT maps onto Hugging Face's GPT-2, so that
+  // `dtrain ckpt convert --to hf` turns them into a folder transformers loads.
+  trainer.add_checkpoint_state(dtrain::checkpoint::kHfMappingState,
+                               dtrain::checkpoint::hf_mapping_state(gpt::hf_mapping(opt.model)));
   // Val batch k: batch x data_world windows from val_batch_seed(k), the same
   // under every plan of one global batch.
   trainer.set_eval_batches(opt.eval_iters, [&](std::int64_t k) {
@@ -468,8 +478,7 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
     auto full = t.gather_full();
     if (lead) {
       const auto start = std::chrono::steady_clock::now();
-      gpt::export_hf(t.pipeline ? static_cast<torch::nn::Module&>(*t.pipeline->layers) : s.module(), opt.model,
-                     opt.export_hf);
+      gpt::export_hf(t.full_module ? t.full_module() : s.module(), opt.model, opt.export_hf);
       DTRAIN_LOG(kInfo) << "exported a Hugging Face GPT-2 folder to " << opt.export_hf << " in "
                         << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s";
     }

@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -31,6 +32,7 @@
 #include "dtrain/parallel/pipeline/pipeline.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/trainer/pipeline_strategy.h"
+#include "hf_export.h"
 #include "model.h"
 #include "pipeline_cli.h"
 #include "pipeline_stages.h"
@@ -52,12 +54,16 @@ struct GptPipeline {
   bool replica0 = false;  // this rank's stages are replica 0's
 };
 
+// `init_from_hf`: a Hugging Face GPT-2 folder (hf_export.h) every rank loads
+// into the whole network before it is cut, so each stage starts from its
+// layers' weights, as every other strategy does.
 inline GptPipeline build_pipeline(const GptConfig& model, std::uint64_t seed, const examples::PipelineCli& cli,
-                                  dtrain::dist::ProcessGroup world) {
+                                  dtrain::dist::ProcessGroup world, const std::filesystem::path& init_from_hf = {}) {
   GptPipeline p;
   p.mesh = std::make_unique<dtrain::dist::DeviceMesh>(world, cli.mesh_dims(world.size()));
   p.layers = gpt_layers(model);
   init_weights(*p.layers, model.n_layer, seed);
+  if (!init_from_hf.empty()) load_hf(*p.layers, model, init_from_hf);
   p.replica0 = p.mesh->join({"dp_replicate", "dp_shard"}).rank() == 0;
   p.pipe = std::make_shared<dtrain::pipeline::Pipeline>(
       pipeline_stages(p.layers, p.mesh->size("pp"), cli.stages_per_rank(), p.mesh->coordinate("pp")), (*p.mesh)["pp"],

@@ -10,11 +10,12 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "../core/torch_compat.h"
 #include "dtrain/checkpoint/checkpoint_reader.h"
@@ -35,6 +36,19 @@ namespace fs = std::filesystem;
 // thrown on all of them, and the previous checkpoints stay untouched. A crash
 // leaves at most a temporary folder, which loading ignores. A checkpoint
 // whose MANIFEST lists files of W ranks needs all of them to verify.
+
+// Note [Checkpoint I/O]
+// What a save and a load cost besides the bytes themselves is kept small:
+//  - a save streams each LibTorch archive straight into its file and takes
+//    its CRC32 as it goes (no in-memory copy of the archive, no read-back);
+//  - after a save, pruning counts the steps this Checkpointer committed or
+//    verified without reading them again (their files were checked when
+//    written or loaded); other steps are verified in full;
+//  - a load verifies the newest step first and stops at the first intact one
+//    (older ones are not read); rank 0 verifies all its files, every other
+//    rank the replicated files and its own part;
+//  - verification reads files in 4 MiB blocks.
+// complete_steps() still verifies every step in full.
 
 namespace dtrain {
 namespace {
@@ -82,6 +96,25 @@ const nlohmann::json& manifest_files(const nlohmann::json& manifest) {
   return manifest.contains("files") ? manifest.at("files") : manifest;
 }
 
+// Size and CRC32 of a file, read in 4 MiB blocks (Note [Checkpoint I/O]);
+// nullopt when it cannot be opened.
+std::optional<std::pair<std::uint64_t, std::uint32_t>> file_sum(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return std::nullopt;
+  std::vector<char> buffer(4 << 20);
+  std::uint64_t total = 0;
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer.data(), buffer.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    crc = ::crc32_z(crc, reinterpret_cast<const Bytef*>(buffer.data()), static_cast<z_size_t>(n));
+    total += static_cast<std::uint64_t>(n);
+  }
+  ::close(fd);
+  return std::make_pair(total, static_cast<std::uint32_t>(crc));
+}
+
 // Empty when the checkpoint is complete and intact; else why not. With
 // `only_rank` >= 0, other ranks' rank_<R>/ files are not read.
 std::string verify(const fs::path& dir, int only_rank = -1) {
@@ -92,10 +125,14 @@ std::string verify(const fs::path& dir, int only_rank = -1) {
     const std::string own = only_rank >= 0 ? rank_dir(only_rank) + "/" : "";
     for (const auto& [file, entry] : manifest_files(manifest).items()) {
       if (only_rank >= 0 && file.rfind("rank_", 0) == 0 && file.rfind(own, 0) != 0) continue;
-      if (!fs::exists(dir / file)) return file + " is missing";
-      const std::string bytes = read_all(dir / file);
-      if (bytes.size() != entry.at("bytes").get<std::size_t>()) return file + " has the wrong size";
-      if (crc_of(bytes) != entry.at("crc32").get<std::uint32_t>()) return file + " fails its CRC";
+      std::error_code ec;
+      const auto size = fs::file_size(dir / file, ec);
+      if (ec) return file + " is missing";
+      if (size != entry.at("bytes").get<std::uint64_t>()) return file + " has the wrong size";
+      const auto sum = file_sum(dir / file);
+      if (!sum) return file + " is missing";
+      if (sum->first != size) return file + " has the wrong size";
+      if (sum->second != entry.at("crc32").get<std::uint32_t>()) return file + " fails its CRC";
     }
   } catch (const std::exception& e) {
     return std::string("unreadable MANIFEST: ") + e.what();
@@ -112,12 +149,54 @@ void write_file(const fs::path& path, const std::string& bytes) {
   fsync_path(path, false);
 }
 
-std::string archive_bytes(const Stateful& object) {
+// Writes `object`'s archive straight into `path` (no copy of it in memory),
+// fsyncs it, and returns its size and CRC32, computed as it is written.
+std::pair<std::uint64_t, std::uint32_t> write_archive(const fs::path& path, const Stateful& object) {
   torch::serialize::OutputArchive archive;
   object.save_state(archive);
-  std::ostringstream bytes;
-  archive.save_to(bytes);
-  return bytes.str();
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  DTRAIN_CHECK(fd >= 0, ConfigError, "cannot create " << path.string() << ": " << std::strerror(errno) << ".",
+               "check free space and permissions");
+  std::uint64_t total = 0;
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  int error = 0;
+  try {
+    std::vector<char> zeros;
+    archive.save_to([&](const void* data, std::size_t n) -> std::size_t {
+      if (n == 0) return 0;   // zlib's crc32 of a null buffer is its initial value, not a no-op
+      if (data == nullptr) {  // LibTorch's "skip n bytes" (Note [write_record_metadata]): zeros, as a file's hole reads
+        zeros.assign(n, 0);
+        data = zeros.data();
+      }
+      const char* p = static_cast<const char*>(data);
+      std::size_t left = n;
+      while (left > 0) {
+        const ssize_t w = ::write(fd, p, left);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+          error = w < 0 ? errno : EIO;
+          return n - left;  // short: the writer fails
+        }
+        p += w;
+        left -= static_cast<std::size_t>(w);
+      }
+      crc = ::crc32_z(crc, static_cast<const Bytef*>(data), static_cast<z_size_t>(n));
+      total += n;
+      return n;
+    });
+  } catch (...) {
+    ::close(fd);
+    DTRAIN_CHECK(error == 0, ConfigError, "cannot write " << path.string() << ": " << std::strerror(error) << ".",
+                 "check free space and permissions");
+    throw;
+  }
+  const bool synced = ::fsync(fd) == 0;
+  const int sync_errno = errno;
+  ::close(fd);
+  DTRAIN_CHECK(error == 0 && synced, ConfigError,
+               "cannot write " << path.string() << ": " << std::strerror(error ? error : sync_errno) << ".",
+               "check free space and permissions");
+  return {total, static_cast<std::uint32_t>(crc)};
 }
 
 // This rank's generators: the default CPU one and, where CUDA is available,
@@ -276,12 +355,20 @@ void Checkpointer::remove_state(const std::string& name) {
 }
 
 std::vector<std::int64_t> Checkpointer::complete_steps() const {
+  return complete_steps({});
+}
+
+std::vector<std::int64_t> Checkpointer::complete_steps(const std::set<std::int64_t>& known) const {
   std::vector<std::int64_t> steps;
   std::error_code ec;
   if (!fs::is_directory(options_.dir, ec)) return steps;
   for (const auto& entry : fs::directory_iterator(options_.dir, ec)) {
     const auto step = step_of(entry.path());
     if (!step) continue;
+    if (known.count(*step) != 0 && fs::exists(entry.path() / kManifest)) {
+      steps.push_back(*step);
+      continue;
+    }
     const std::string problem = verify(entry.path());
     if (problem.empty()) {
       steps.push_back(*step);
@@ -291,6 +378,26 @@ std::vector<std::int64_t> Checkpointer::complete_steps() const {
   }
   std::sort(steps.rbegin(), steps.rend());
   return steps;
+}
+
+std::int64_t Checkpointer::newest_complete_step() {
+  std::vector<std::int64_t> steps;
+  std::error_code ec;
+  if (fs::is_directory(options_.dir, ec)) {
+    for (const auto& entry : fs::directory_iterator(options_.dir, ec))
+      if (const auto step = step_of(entry.path())) steps.push_back(*step);
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  for (const std::int64_t step : steps) {  // newest first: older ones are not read
+    const fs::path dir = options_.dir / ("step_" + std::to_string(step));
+    const std::string problem = verify(dir);
+    if (problem.empty()) {
+      committed_.insert(step);
+      return step;
+    }
+    DTRAIN_LOG(kWarning) << "skipping checkpoint " << dir.string() << ": " << problem;
+  }
+  return -1;
 }
 
 void Checkpointer::save(const TrainingState& state, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
@@ -353,13 +460,17 @@ void Checkpointer::save_entries(const TrainingState& state, const std::vector<En
       write_file(tmp / relative, bytes);
       part[relative] = {{"bytes", bytes.size()}, {"crc32", crc_of(bytes)}};
     };
+    auto put_archive = [&](const std::string& relative, const Stateful& object) {
+      const auto [bytes, crc] = write_archive(tmp / relative, object);
+      part[relative] = {{"bytes", bytes}, {"crc32", crc}};
+    };
     fs::create_directories(tmp / rank_dir(rank));
-    put(rank_dir(rank) + "/rng.pt", archive_bytes(RngState()));
+    put_archive(rank_dir(rank) + "/rng.pt", RngState());
     for (const auto& entry : entries) {
       if (entry.scope != StateScope::kReplicated) {
-        put(rank_dir(rank) + "/" + entry.name + ".pt", archive_bytes(*entry.object));
+        put_archive(rank_dir(rank) + "/" + entry.name + ".pt", *entry.object);
       } else if (rank == 0) {
-        put(entry.name + ".pt", archive_bytes(*entry.object));
+        put_archive(entry.name + ".pt", *entry.object);
       }
     }
     if (rank == 0) {
@@ -396,10 +507,13 @@ void Checkpointer::save_entries(const TrainingState& state, const std::vector<En
   if (const int code = failed_rank()) abandon(code);
 
   if (rank == 0) {
-    // Keep the newest `keep`.
-    const auto steps = complete_steps();
+    // Keep the newest `keep` complete ones. Steps this Checkpointer committed
+    // or verified are not read again (Note [Checkpoint I/O]).
+    committed_.insert(state.step);
+    const auto steps = complete_steps(committed_);
     for (size_t i = static_cast<size_t>(options_.keep); i < steps.size(); ++i) {
       compat::remove_all(options_.dir / ("step_" + std::to_string(steps[i])));
+      committed_.erase(steps[i]);
     }
   }
 }
@@ -418,10 +532,7 @@ std::optional<TrainingState> Checkpointer::load_latest() {
 std::optional<TrainingState> Checkpointer::load_entries(const std::vector<Entry>& entries) {
   const int rank = group_ ? group_->rank() : 0;
   std::int64_t chosen = -1;
-  if (rank == 0) {
-    const auto steps = complete_steps();
-    if (!steps.empty()) chosen = steps.front();
-  }
+  if (rank == 0) chosen = newest_complete_step();
   if (group_) {
     at::Tensor t = at::tensor({chosen}, at::TensorOptions().dtype(at::kLong).device(group_->device()));
     group_->broadcast(t, 0).wait();
@@ -429,7 +540,9 @@ std::optional<TrainingState> Checkpointer::load_entries(const std::vector<Entry>
   }
   if (chosen < 0) return std::nullopt;
   const fs::path dir = options_.dir / ("step_" + std::to_string(chosen));
-  const std::string problem = verify(dir, rank);
+  // Rank 0 verified every file just now; the others check what they read
+  // themselves (the replicated files and their own part).
+  const std::string problem = rank == 0 ? std::string() : verify(dir, rank);
   DTRAIN_CHECK(problem.empty(), DataError,
                "checkpoint " << dir.string() << " chosen by rank 0 is not usable here: " << problem << ".",
                "put checkpoints on storage every rank sees the same way");

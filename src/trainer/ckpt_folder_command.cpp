@@ -9,6 +9,9 @@
 //   convert --to torch DIR F.pt   the full training state in Python's structure
 //                                 (get_state_dict's: {"model", "optim"}), for
 //                                 torch.load and python/dtrain_dcp.py to-dcp
+//   convert --to hf DIR OUT       a Hugging Face model folder (config.json and
+//                                 safetensors) by the name mapping the run
+//                                 recorded (checkpoint/hf_mapping.h)
 //   convert --to safetensors DIR OUT, consolidate DIR OUT
 //                                 the full model's parameters (OUT: a .safetensors
 //                                 or .pt file, or a sharded safetensors folder)
@@ -27,6 +30,7 @@
 #include <vector>
 
 #include "dtrain/checkpoint/checkpoint_reader.h"
+#include "dtrain/checkpoint/hf_mapping.h"
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/checkpoint/torch_file.h"
 #include "dtrain/error.h"
@@ -174,6 +178,15 @@ extern "C" __attribute__((visibility("default"))) int dtrain_ckpt_folder_command
                  "replicated model.",
                  "use `dtrain ckpt consolidate DIR model.pt` for its parameters");
     ck::save_torch_file(out_path, dtrain::to_fsdp_state_dict(*c.zero));
+  } else if (to == "hf") {
+    const auto mapping = ck::read_hf_mapping(c.folder);
+    DTRAIN_CHECK(mapping, ConfigError,
+                 "checkpoint " << c.folder.dir.string() << " records no Hugging Face mapping (" << ck::kHfMappingState
+                               << ".pt): only the model knows Hugging Face's names.",
+                 "save it from a run that adds checkpoint::hf_mapping_state (examples/gpt does), or convert "
+                 "--to safetensors for dtrain's names");
+    ck::save_hf_folder(out_path, *mapping, c.model,
+                       {.max_shard_bytes = max_shard_bytes, .metadata = {{"format", "pt"}}});
   } else if (out_path.extension() == ".pt") {
     ck::save_torch_state_dict(out_path, c.model);
   } else if (out_path.extension() == ".safetensors") {
@@ -182,7 +195,10 @@ extern "C" __attribute__((visibility("default"))) int dtrain_ckpt_folder_command
     ck::save_safetensors_sharded(out_path, c.model, {.max_shard_bytes = max_shard_bytes, .metadata = metadata});
   }
   *out << "wrote " << out_path.string() << ": " << c.model.size() << " parameters"
-       << (to == "torch" ? " and the optimizer state" : "") << " of step " << c.folder.step << " from "
-       << c.folder.dir.string() << " (" << c.folder.world_size << " ranks)\n";
+       << (to == "torch" ? " and the optimizer state"
+           : to == "hf"  ? " as a Hugging Face model"
+                         : "")
+       << " of step " << c.folder.step << " from " << c.folder.dir.string() << " (" << c.folder.world_size
+       << " ranks)\n";
   return 0;
 }

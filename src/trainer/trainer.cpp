@@ -46,6 +46,12 @@ struct Trainer::State {
   std::function<void(const EvalReport&)> on_eval;
   std::function<void(const StepReport&)> on_step;
   std::int64_t step = 0;  // for error messages
+  struct ExtraState {
+    std::string name;
+    std::shared_ptr<Stateful> object;
+    StateScope scope;
+  };
+  std::vector<ExtraState> checkpoint_states;  // add_checkpoint_state
 };
 
 Trainer::Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& optimizer,
@@ -89,6 +95,9 @@ void Trainer::set_loss(LossFn loss) {
 }
 void Trainer::set_schedule(std::shared_ptr<ScheduledLR> schedule) {
   state_->schedule = std::move(schedule);
+}
+void Trainer::add_checkpoint_state(const std::string& name, std::shared_ptr<Stateful> object, StateScope scope) {
+  state_->checkpoint_states.push_back({name, std::move(object), scope});
 }
 void Trainer::set_eval_dataset(std::shared_ptr<const Dataset> eval_set) {
   state_->eval_set = std::move(eval_set);
@@ -302,6 +311,7 @@ struct Trainer::Run {
       checkpoints->add_state("lr_schedule", json_state([schedule] { return schedule->to_json(); },
                                                        [schedule](const std::string& j) { schedule->load_json(j); }));
     }
+    for (const auto& extra : st.checkpoint_states) checkpoints->add_state(extra.name, extra.object, extra.scope);
     if (auto resumed = s.load(*checkpoints, st.optimizer)) {
       position = *resumed;
       last_saved_step = position.step;

@@ -15,6 +15,7 @@
 #include "checkpoint_files.h"
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/error.h"
+#include "safetensors_mutations.h"
 
 namespace {
 
@@ -22,15 +23,8 @@ namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;
 using dtrain::testing::ckfiles::temp_dir;
 
-std::string read_bytes(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
-
-void write_bytes(const fs::path& file, const std::string& bytes) {
-  std::ofstream(file, std::ios::binary | std::ios::trunc)
-      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+using dtrain::testing::safetensors_fuzz::read_file_bytes;
+using dtrain::testing::safetensors_fuzz::write_file_bytes;
 
 // A file with this header text and `data_bytes` bytes of data (0x01 each);
 // the length field is the header's unless `length` is given.
@@ -43,7 +37,7 @@ std::string file_with(const std::string& header, std::size_t data_bytes, std::op
 // Expects loading `bytes` to throw a DataError whose message names the file
 // and contains `problem`.
 void expect_refused(const fs::path& file, const std::string& bytes, const std::string& problem) {
-  write_bytes(file, bytes);
+  write_file_bytes(file, bytes);
   try {
     ck::load_safetensors(file);
     ADD_FAILURE() << "loaded a file that should fail with '" << problem << "'";
@@ -92,16 +86,16 @@ TEST(SafetensorsMalformed, EachProblemNamed) {
   const auto sharded = dir / "sharded";
   ck::save_safetensors_sharded(sharded, {{"a", at::ones(4)}, {"b", at::ones(4)}}, {.max_shard_bytes = 16});
   const auto index_file = sharded / "model.safetensors.index.json";
-  const auto index = nlohmann::json::parse(read_bytes(index_file));
+  const auto index = nlohmann::json::parse(read_file_bytes(index_file));
   auto escaped = index;
   escaped["weight_map"]["a"] = "../bad.safetensors";
-  write_bytes(index_file, escaped.dump());
+  write_file_bytes(index_file, escaped.dump());
   EXPECT_THROW(ck::load_safetensors_dir(sharded), dtrain::DataError);
   auto moved = index;
   moved["weight_map"]["a"] = index["weight_map"]["b"];
-  write_bytes(index_file, moved.dump());
+  write_file_bytes(index_file, moved.dump());
   EXPECT_THROW(ck::load_safetensors_dir(sharded), dtrain::DataError);
-  write_bytes(index_file, "{\"weight_map\": 3}");
+  write_file_bytes(index_file, "{\"weight_map\": 3}");
   EXPECT_THROW(ck::load_safetensors_dir(sharded), dtrain::DataError);
 }
 
@@ -109,84 +103,18 @@ TEST(SafetensorsMalformed, EachProblemNamed) {
 // bytes and the header fill the file exactly, and every byte is readable)
 // or throws DataError.
 TEST(SafetensorsMalformed, FuzzedFilesGiveOnlyDataErrors) {
+  namespace fz = dtrain::testing::safetensors_fuzz;
   const auto dir = temp_dir("safetensors-fuzz", "fuzz");
-  std::vector<std::string> seeds;
-  ck::save_safetensors(dir / "s0", {{"w", at::randn({3, 4})}, {"b", at::arange(5, at::kLong)}},
-                       {.metadata = {{"step", "3"}}});
-  ck::save_safetensors(dir / "s1", {{"x", at::ones({2, 2}, at::kBFloat16)},
-                                    {"m", at::ones({3}, at::kBool)},
-                                    {"e", at::empty({0, 3})},
-                                    {"s", at::scalar_tensor(2.5, at::kDouble)},
-                                    {"q", at::ones({4}, at::kFloat8_e4m3fn)}});
-  ck::save_safetensors(dir / "s2", {});
-  for (const char* s : {"s0", "s1", "s2"}) seeds.push_back(read_bytes(dir / s));
-
+  const auto seeds = fz::seed_files(dir);
   std::mt19937_64 rng(26);
-  auto pick = [&](std::uint64_t n) { return n == 0 ? 0 : rng() % n; };
   const auto file = dir / "case.safetensors";
   int loaded = 0, refused = 0;
-  constexpr int kCases = 3000;
+  constexpr int kCases = 3000;  // bench/safetensors_fuzz runs many more
   for (int i = 0; i < kCases; ++i) {
-    std::string bytes = seeds[pick(seeds.size())];
-    std::uint64_t header_bytes = 0;
-    std::memcpy(&header_bytes, bytes.data(), 8);
-    switch (i % 5) {
-      case 0:  // truncated anywhere
-        bytes.resize(pick(bytes.size()));
-        break;
-      case 1:  // a few bytes of the header (length or JSON) replaced
-        for (std::uint64_t k = 0, n = 1 + pick(4); k < n; ++k) bytes[pick(8 + header_bytes)] = static_cast<char>(rng());
-        break;
-      case 2: {  // the length field off by a little, or anything
-        const std::uint64_t n =
-            rng() % 2 ? header_bytes + static_cast<std::uint64_t>(static_cast<std::int64_t>(pick(17)) - 8) : rng();
-        std::memcpy(bytes.data(), &n, 8);
-        break;
-      }
-      case 3: {  // one field of the JSON edited, the length kept right
-        auto json = nlohmann::json::parse(bytes.substr(8, header_bytes));
-        std::vector<std::string> names;
-        for (const auto& item : json.items())
-          if (item.key() != "__metadata__") names.push_back(item.key());
-        if (names.empty()) break;
-        auto& e = json[names[pick(names.size())]];
-        const std::vector<std::string> dtypes = {"F32", "F64", "BF16", "BOOL", "I8", "U64", "F8_E5M2", "X", ""};
-        const std::int64_t deltas[] = {-9, -4, -1, 1, 2, 4, 8, 1LL << 40};
-        switch (pick(6)) {
-          case 0: e["dtype"] = dtypes[pick(dtypes.size())]; break;
-          case 1: e["data_offsets"][pick(2)] = e["data_offsets"][0].get<std::int64_t>() + deltas[pick(8)]; break;
-          case 2: e["shape"].push_back(static_cast<std::int64_t>(pick(4))); break;
-          case 3: e.erase(std::vector<std::string>{"dtype", "shape", "data_offsets"}[pick(3)]); break;
-          case 4: e["data_offsets"] = json[names[pick(names.size())]]["data_offsets"]; break;
-          default: e = "x"; break;
-        }
-        const std::string text = json.dump();
-        const std::uint64_t n = text.size();
-        bytes = std::string(reinterpret_cast<const char*>(&n), 8) + text + bytes.substr(8 + header_bytes);
-        break;
-      }
-      default:  // bytes appended after the data
-        bytes.append(1 + pick(9), static_cast<char>(rng()));
-        break;
-    }
-    write_bytes(file, bytes);
-    try {
-      const auto contents = ck::load_safetensors(file, {.copy = i % 2 == 1});
-      std::uint64_t total = 0;
-      for (const auto& [name, t] : contents.tensors) {
-        total += t.nbytes();
-        volatile std::uint8_t sink = 0;
-        const auto* p = static_cast<const std::uint8_t*>(t.data_ptr());
-        for (std::size_t k = 0; k < t.nbytes(); ++k) sink = sink ^ p[k];  // every byte readable
-      }
-      std::uint64_t length = 0;
-      std::memcpy(&length, bytes.data(), 8);
-      EXPECT_EQ(8 + length + total, bytes.size()) << "case " << i << " loaded with bytes unaccounted for";
-      ++loaded;
-    } catch (const dtrain::DataError& e) {
-      EXPECT_NE(std::string(e.what()).find(file.string()), std::string::npos) << e.what();
-      ++refused;
-    }
+    std::string problem;
+    const auto outcome = fz::check_case(file, fz::mutate(seeds, i, rng), i % 2 == 1, problem);
+    EXPECT_TRUE(problem.empty()) << "case " << i << ": " << problem;
+    (outcome == fz::Outcome::kLoaded ? loaded : refused)++;
   }
   std::printf("%d cases: %d loaded, %d refused with a DataError\n", kCases, loaded, refused);
   EXPECT_EQ(loaded + refused, kCases);

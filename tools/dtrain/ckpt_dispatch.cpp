@@ -110,6 +110,10 @@ int ckpt_command(const CkptRequest& r, std::ostream& out) {
     return 0;
   }
   if (dtrain_folder) return run_ckpt_folder_command({"convert", r.to, input.string(), r.output, max}, out);
+  DTRAIN_CHECK(r.to != "hf", ConfigError,
+               "--to hf converts dtrain checkpoint folders (it maps names by the mapping the run recorded); "
+                   << r.input << " is not one.",
+               "convert a folder of a run that records its Hugging Face mapping (examples/gpt does)");
   if (input == from_dcp.path && r.to == "torch") {  // the whole state, as it came
     std::error_code ec;
     fs::copy_file(input, r.output, fs::copy_options::overwrite_existing, ec);

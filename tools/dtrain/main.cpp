@@ -151,14 +151,16 @@ int main(int argc, char** argv) {
       "inspect", "List a checkpoint: step, plan, tensors (dtype, shape, bytes, layout), CRC check, metadata");
   inspect->add_option("path", ckpt_req.input, inputs)->required();
   inspect->add_option("--key", ckpt_req.key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
-  CLI::App* convert = ckpt->add_subcommand("convert", "Convert between dtrain, safetensors, torch.save and DCP");
+  CLI::App* convert =
+      ckpt->add_subcommand("convert", "Convert between dtrain, safetensors, Hugging Face folders, torch.save and DCP");
   convert->add_option("--to", ckpt_req.to, "output format")
       ->required()
-      ->check(CLI::IsMember({"safetensors", "torch", "dcp"}));
+      ->check(CLI::IsMember({"safetensors", "hf", "torch", "dcp"}));
   convert->add_option("input", ckpt_req.input, inputs)->required();
   convert
       ->add_option("output", ckpt_req.output,
-                   "a file (.safetensors or .pt), a folder for sharded safetensors, or a DCP folder")
+                   "a file (.safetensors or .pt), a folder for sharded safetensors or a Hugging Face model (--to hf), "
+                   "or a DCP folder")
       ->required();
   convert->add_option("--key", ckpt_req.key, "in a .pt holding a dict of state dicts, the entry to read (e.g. model)");
   convert->add_option("--max-shard-bytes", ckpt_req.max_shard_bytes, "shard size of a safetensors folder")

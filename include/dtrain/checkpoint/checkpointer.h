@@ -35,6 +35,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -118,7 +119,8 @@ class Checkpointer {
   std::optional<TrainingState> load_latest(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   std::optional<TrainingState> load_latest();
 
-  // Steps of the complete, verified checkpoints in DIR, newest first.
+  // Steps of the complete, verified checkpoints in DIR, newest first (every
+  // file of every step read and checked against its CRC32).
   std::vector<std::int64_t> complete_steps() const;
 
  private:
@@ -129,10 +131,17 @@ class Checkpointer {
   };
   void save_entries(const TrainingState& state, const std::vector<Entry>& entries);
   std::optional<TrainingState> load_entries(const std::vector<Entry>& entries);
+  // complete_steps, taking the steps in `known` (with a MANIFEST) as verified.
+  std::vector<std::int64_t> complete_steps(const std::set<std::int64_t>& known) const;
+  // The newest step that verifies, checked newest first; -1 when none.
+  std::int64_t newest_complete_step();
 
   CheckpointOptions options_;
   std::optional<dist::ProcessGroup> group_;
   std::vector<Entry> added_;
+  // Steps this Checkpointer committed or verified in full (rank 0): pruning
+  // does not read them again (Note [Checkpoint I/O] in checkpointer.cpp).
+  std::set<std::int64_t> committed_;
 };
 
 }  // namespace dtrain

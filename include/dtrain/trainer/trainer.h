@@ -150,6 +150,12 @@ class Trainer {
   void set_eval_batches(std::int64_t count, EvalBatchFn batch);
   // Called on every rank after each evaluation (e.g. to print it on rank 0).
   void on_eval(std::function<void(const EvalReport&)> callback);
+  // Adds a state to every checkpoint the run saves and loads (as
+  // Checkpointer::add_state, checked there; with TrainerOptions::checkpoint_dir),
+  // e.g. checkpoint::hf_mapping_state, so the checkpoints convert to a
+  // Hugging Face folder. The object must outlive fit().
+  void add_checkpoint_state(const std::string& name, std::shared_ptr<Stateful> object,
+                            StateScope scope = StateScope::kReplicated);
   // Called on every rank after each optimizer step.
   void on_step(std::function<void(const StepReport&)> callback);
 

@@ -282,8 +282,12 @@ void read_parts(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
     };
     bool found = false;
     unit.chunk.copy_(assemble("param", &found));
+    // Every piece of a unit steps together, so the parts this rank reads
+    // anyway (those its chunk overlaps) hold the step; others are not opened.
     std::int64_t unit_step = 0;
     for (int r = 0; r < old_shards; ++r) {
+      const std::int64_t lo = std::max(begin, r * old_shard), hi = std::min(end, (r + 1) * old_shard);
+      if (hi <= lo) continue;
       at::Tensor t;
       if (archive(r).try_read(unit_key(u, "step"), t)) unit_step = std::max(unit_step, t.item<std::int64_t>());
     }
