@@ -583,6 +583,7 @@ std::optional<TrainingState> Checkpointer::load_entries(const std::vector<Entry>
                                  << " (it was written by " << saved_world << " ranks).",
                    "resume per-rank state with the world size that saved it");
     }
+    if (!fs::exists(file) && !entry.object->needed_to_resume()) continue;  // written before the state was added
     DTRAIN_CHECK(fs::exists(file), DataError, "checkpoint " << dir.string() << " has no " << entry.name << " state.",
                  "it was written without it; add the same states when saving and loading");
     load(file, *entry.object);

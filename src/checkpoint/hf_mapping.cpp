@@ -91,6 +91,9 @@ class HfMappingState : public Stateful {
     archive.write("json", c10::IValue(json_));
   }
   void load_state(torch::serialize::InputArchive& /*archive*/) override {}
+  // Read by `dtrain ckpt convert --to hf`, not by a resumed run: checkpoints
+  // saved before runs recorded it still resume.
+  bool needed_to_resume() const override { return false; }
 
  private:
   std::string json_;

@@ -140,3 +140,53 @@ TEST(Checkpoint, ADifferentModelIsRefused) {
   EXPECT_THROW(dtrain::Checkpointer({.dir = ""}), dtrain::ConfigError);
   fs::remove_all(dir);
 }
+
+namespace {
+// A replicated state that records a string; `needed` says whether a resume needs it.
+class NoteState : public dtrain::Stateful {
+ public:
+  explicit NoteState(bool needed) : needed_(needed) {}
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    archive.write("note", c10::IValue(std::string("run description")));
+  }
+  void load_state(torch::serialize::InputArchive& /*archive*/) override { ++loads; }
+  bool needed_to_resume() const override { return needed_; }
+  int loads = 0;
+
+ private:
+  bool needed_;
+};
+}  // namespace
+
+// A state added after a checkpoint was written: one that only describes the
+// run (needed_to_resume() false) is skipped, so the checkpoint still
+// resumes; a needed one is a DataError naming it.
+TEST(Checkpoint, AStateAddedLaterIsSkippedOnlyWhereAResumeDoesNotNeedIt) {
+  const auto dir = temp_dir("added-later");
+  TinyNet net;
+  torch::optim::Adam opt(net->parameters(), 1e-2);
+  dtrain::Checkpointer({.dir = dir}).save({.step = 3}, *net, opt);
+  {
+    dtrain::Checkpointer ckpt({.dir = dir});
+    auto note = std::make_shared<NoteState>(false);
+    ckpt.add_state("run_note", note);
+    const auto resumed = ckpt.load_latest(*net, opt);
+    ASSERT_TRUE(resumed.has_value());
+    EXPECT_EQ(resumed->step, 3);
+    EXPECT_EQ(note->loads, 0);
+    ckpt.save({.step = 4}, *net, opt);  // written from now on, and loaded
+    EXPECT_EQ(ckpt.load_latest(*net, opt)->step, 4);
+    EXPECT_EQ(note->loads, 1);
+  }
+  fs::remove_all(dir);
+  dtrain::Checkpointer({.dir = dir}).save({.step = 3}, *net, opt);
+  dtrain::Checkpointer ckpt({.dir = dir});
+  ckpt.add_state("needed_note", std::make_shared<NoteState>(true));
+  try {
+    ckpt.load_latest(*net, opt);
+    ADD_FAILURE() << "a checkpoint without a needed state loaded";
+  } catch (const dtrain::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no needed_note state"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}

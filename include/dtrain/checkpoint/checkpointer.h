@@ -65,6 +65,11 @@ class Stateful {
   virtual ~Stateful() = default;
   virtual void save_state(torch::serialize::OutputArchive& archive) const = 0;
   virtual void load_state(torch::serialize::InputArchive& archive) = 0;
+  // False for a replicated state that only describes the run and is not
+  // needed to resume it (the model's Hugging Face mapping, read by `dtrain
+  // ckpt`): a checkpoint written before it was added then still loads, the
+  // state skipped. Every other missing state is a DataError.
+  virtual bool needed_to_resume() const { return true; }
 };
 
 // Replicated: identical on every rank; rank 0 writes <name>.pt and every rank
