@@ -4,10 +4,9 @@
 // include/dtrain/parallel/pipeline/stage_sync.h).
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/stage_sync.h"
+#include "stage_sync_detail.h"
 
 namespace dtrain::pipeline {
-
-std::unique_ptr<StageGradientSync> local_stage_sync(torch::nn::Sequential module);  // stage_sync.cpp
 
 namespace {
 
@@ -31,13 +30,7 @@ class DDPStageSync : public StageGradientSync {
     return false;
   }
   void end_step() override {}
-  std::vector<at::Tensor> parameters() const override {
-    std::vector<at::Tensor> params;
-    for (const at::Tensor& param : module_->parameters()) {
-      if (param.requires_grad()) params.push_back(param);
-    }
-    return params;
-  }
+  std::vector<at::Tensor> parameters() const override { return detail::trainable_parameters(module_); }
   bool sharded() const override { return false; }
   void add_gradient(const at::Tensor& param, const at::Tensor& grad) override { param.mutable_grad().add_(grad); }
   void zero_grad() override { ddp_.zero_grad(/*set_to_none=*/true); }
@@ -54,7 +47,7 @@ StageSyncFactory ddp_stage_sync(DDPOptions options) {
                "pipeline stages do not support DDPOptions::find_unused_parameters or static_graph",
                "leave both off: every stage uses all its parameters in every micro-batch");
   return [options](torch::nn::Sequential module, const std::optional<dist::ProcessGroup>& group) {
-    if (!group || group->size() < 2) return local_stage_sync(std::move(module));
+    if (!group || group->size() < 2) return detail::local_stage_sync(std::move(module));
     return std::unique_ptr<StageGradientSync>(std::make_unique<DDPStageSync>(std::move(module), *group, options));
   };
 }

@@ -2,6 +2,7 @@
 // examples' names for all of them; see Note [Stage gradients over the
 // data-parallel group] in include/dtrain/parallel/pipeline/stage_sync.h.
 #include "dtrain/parallel/pipeline/stage_sync.h"
+#include "stage_sync_detail.h"
 
 #include "dtrain/error.h"
 
@@ -28,13 +29,7 @@ class ReplicatedStageSync : public StageGradientSync {
     }
     if (!grads.empty()) group_->all_reduce_coalesced(grads, dist::ReduceOp::kAvg).wait();
   }
-  std::vector<at::Tensor> parameters() const override {
-    std::vector<at::Tensor> params;
-    for (const at::Tensor& param : module_->parameters()) {
-      if (param.requires_grad()) params.push_back(param);
-    }
-    return params;
-  }
+  std::vector<at::Tensor> parameters() const override { return detail::trainable_parameters(module_); }
   bool sharded() const override { return false; }
   void add_gradient(const at::Tensor& param, const at::Tensor& grad) override { param.mutable_grad().add_(grad); }
   void zero_grad() override {
@@ -50,13 +45,25 @@ class ReplicatedStageSync : public StageGradientSync {
 }  // namespace
 
 // Local: also what every factory builds without a data group of 2+ ranks.
+namespace detail {
+
 std::unique_ptr<StageGradientSync> local_stage_sync(torch::nn::Sequential module) {
   return std::make_unique<ReplicatedStageSync>(std::move(module), std::nullopt);
 }
 
+std::vector<at::Tensor> trainable_parameters(const torch::nn::Sequential& module) {
+  std::vector<at::Tensor> params;
+  for (const at::Tensor& param : module->parameters()) {
+    if (param.requires_grad()) params.push_back(param);
+  }
+  return params;
+}
+
+}  // namespace detail
+
 StageSyncFactory allreduce_stage_sync() {
   return [](torch::nn::Sequential module, const std::optional<dist::ProcessGroup>& group) {
-    if (!group || group->size() < 2) return local_stage_sync(std::move(module));
+    if (!group || group->size() < 2) return detail::local_stage_sync(std::move(module));
     return std::unique_ptr<StageGradientSync>(std::make_unique<ReplicatedStageSync>(std::move(module), group));
   };
 }

@@ -5,10 +5,9 @@
 // include/dtrain/parallel/pipeline/stage_sync.h).
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/stage_sync.h"
+#include "stage_sync_detail.h"
 
 namespace dtrain::pipeline {
-
-std::unique_ptr<StageGradientSync> local_stage_sync(torch::nn::Sequential module);  // stage_sync.cpp
 
 namespace {
 
@@ -67,7 +66,7 @@ StageSyncFactory zero_stage_sync(ZeroOptions options) {
                "ZeroOptions::sequential must stay empty for pipeline stages: a stage's module is the Sequential run",
                "leave it unset");
   return [options](torch::nn::Sequential module, const std::optional<dist::ProcessGroup>& group) {
-    if (!group || group->size() < 2) return local_stage_sync(std::move(module));
+    if (!group || group->size() < 2) return detail::local_stage_sync(std::move(module));
     return std::unique_ptr<StageGradientSync>(std::make_unique<ZeroStageSync>(std::move(module), *group, options));
   };
 }
