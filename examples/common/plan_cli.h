@@ -218,12 +218,13 @@ inline std::optional<dtrain::ParallelPlan> plan_of_run(const Resolved& r, int wo
 // ConfigError (the peak and its parts, the excess, the nearest plan that
 // fits); --no-memory-check lets it run. CPU ranks only: on accelerators the
 // device's memory is the device table's, which this program does not know.
-// `batch_size` is per data-parallel rank and micro-step.
+// `batch_size` is per data-parallel rank and micro-step of accumulation; a
+// pipeline splits it into its micro-batches (the planner's micro-batch is
+// batch_size / micro_batches), so they do not multiply it.
 inline void preflight_memory(const PlanCli& cli, dtrain::ParallelPlan plan, const dtrain::plan::ModelSpec& model,
                              std::int64_t batch_size, int world, int local_world, bool bf16) {
   if (cli.no_memory_check) return;
-  const int micro = plan.pp > 1 ? plan.pipeline.micro_batches : 1;
-  plan.global_batch = batch_size * micro * plan.data_parallel() * plan.accumulate;
+  plan.global_batch = batch_size * plan.data_parallel() * plan.accumulate;
   plan.precision = bf16 ? "bf16" : "fp32";
   dtrain::plan::Cluster cluster{.device = dtrain::plan::find_device("cpu-here"), .gpus = world};
   cluster.gpus_per_node = std::min(world, cluster.device.gpus_per_node);
