@@ -37,9 +37,10 @@ at::Tensor total_norm(const GradientSet& gradients, const std::vector<at::Tensor
                "use norm_type 2 (the usual), any p > 0, or std::numeric_limits<double>::infinity() (max norm)");
   // Norms in fp32 at least (bf16/fp16 gradients would lose the sum), fp64
   // when any parameter is fp64. Read from the parameters, not the gradients:
-  // every rank combining partials must pick the same dtype, and a rank whose
-  // parameters got no gradient this step still has the parameters (a rank
-  // with no parameters at all counts in fp32).
+  // a rank whose parameters got no gradient this step still has the
+  // parameters. Partials are combined in fp64 whatever each rank's dtype
+  // (a rank with no parameters at all would otherwise send fp32 to peers'
+  // fp64), and the sum is returned in this rank's dtype.
   c10::ScalarType acc = at::kFloat;
   for (const auto& param : gradients.parameters) {
     if (param.scalar_type() == at::kDouble) acc = at::kDouble;
@@ -62,9 +63,9 @@ at::Tensor total_norm(const GradientSet& gradients, const std::vector<at::Tensor
     partial = is_inf_norm(p) ? stacked.max() : stacked.pow(p).sum();
   }
   for (dist::ProcessGroup group : gradients.combine_over) {  // a handle: the copy is the same group
-    at::Tensor on_group_device = partial.to(group.device());
+    at::Tensor on_group_device = partial.to(group.device(), at::kDouble);
     group.all_reduce(on_group_device, is_inf_norm(p) ? dist::ReduceOp::kMax : dist::ReduceOp::kSum).wait();
-    partial = on_group_device.to(partial.device());
+    partial = on_group_device.to(partial.device(), acc);
   }
   return is_inf_norm(p) ? partial : partial.pow(1.0 / p);
 }

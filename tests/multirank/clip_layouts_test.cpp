@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 #include <utility>
@@ -150,5 +151,27 @@ TEST(GradientSetSharded, RankWithoutGradientsCombinesInTheParametersDtype) {
     const at::Tensor norm = dtrain::grad_norm(dtrain::GradientSet::sharded({param}, group));
     EXPECT_EQ(norm.scalar_type(), at::kDouble) << "rank " << rank;
     EXPECT_DOUBLE_EQ(norm.item<double>(), 5.0) << "rank " << rank;
+  });
+}
+
+// A rank that holds no parameters at all (e.g. a pipeline rank whose stage
+// owns none of a set) beside a peer with fp64 ones: the partials are combined
+// in fp64 on both, so the all-reduce matches and both see the peer's norm.
+TEST(GradientSetSharded, RankWithNoParametersCombinesWithFp64Peers) {
+  dtrain::testing::run_rank_threads(2, [](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = kClipLayoutsTimeout});
+    std::vector<at::Tensor> params;
+    if (rank == 0) {
+      params.push_back(at::zeros({2}, at::kDouble).requires_grad_(true));
+      params.back().mutable_grad() = at::tensor({1.0 / 3.0, 1e-9}, at::kDouble);
+    }
+    const at::Tensor norm = dtrain::grad_norm(dtrain::GradientSet::sharded(params, group));
+    const double expected = std::sqrt(1.0 / 9.0 + 1e-18);
+    // fp64 on the rank with fp64 parameters (to the last bit), fp32 on the other.
+    if (rank == 0) {
+      EXPECT_DOUBLE_EQ(norm.item<double>(), expected);
+    } else {
+      EXPECT_FLOAT_EQ(norm.item<float>(), static_cast<float>(expected));
+    }
   });
 }
