@@ -139,6 +139,7 @@ struct Pipeline::Impl {
   void split_batch(const at::Tensor& input, const at::Tensor& target);
   void begin(std::size_t k);
   void end_all();
+  void end_all_after_error() noexcept;
   std::vector<at::Tensor> parameters() const;
 };
 
@@ -246,6 +247,21 @@ void Pipeline::Impl::end_all() {
   }
 }
 
+// A step or evaluation that threw still ends its stages' scopes (ZeRO's
+// no-sync and gathered parameters): the next one begins them afresh instead
+// of running inside the failed one's. The first error is the one reported.
+void Pipeline::Impl::end_all_after_error() noexcept {
+  for (std::size_t k = 0; k < syncs.size(); ++k) {
+    if (!begun[k]) continue;
+    begun[k] = false;
+    try {
+      syncs[k]->end_step();
+    } catch (const std::exception& e) {
+      DTRAIN_LOG(kWarning) << "pipeline stage " << k << " did not end its step cleanly after an error: " << e.what();
+    }
+  }
+}
+
 Pipeline::~Pipeline() = default;
 Pipeline::Pipeline(Pipeline&&) noexcept = default;
 Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
@@ -296,7 +312,13 @@ at::Tensor Pipeline::step(const at::Tensor& input, const at::Tensor& target, amp
   if (s.sharded) s.refresh_borrowed_weights();
   s.exchange_meta = s.output_meta.empty() && s.input_meta.empty();
   s.loss_sum = at::Tensor();
-  s.run(s.schedule.actions[s.rank]);
+  try {
+    s.run(s.schedule.actions[s.rank]);
+  } catch (...) {
+    s.end_all_after_error();
+    s.scaler = nullptr;
+    throw;
+  }
   s.exchange_meta = false;
   s.end_all();
   s.finish_gradients();
@@ -314,11 +336,20 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
   s.eval_outputs.clear();
   // Evaluation agrees on its own shapes; training's stay as they were.
   auto saved_input_meta = s.input_meta, saved_output_meta = s.output_meta;
-  s.run(s.eval_schedule.actions[s.rank]);
+  auto restore = [&] {
+    s.input_meta = std::move(saved_input_meta);
+    s.output_meta = std::move(saved_output_meta);
+    s.training = true;
+  };
+  try {
+    s.run(s.eval_schedule.actions[s.rank]);
+  } catch (...) {
+    s.end_all_after_error();
+    restore();
+    throw;
+  }
   s.end_all();
-  s.input_meta = std::move(saved_input_meta);
-  s.output_meta = std::move(saved_output_meta);
-  s.training = true;
+  restore();
   return s.eval_outputs.empty() ? at::Tensor() : at::cat(s.eval_outputs, 0);
 }
 
