@@ -431,6 +431,22 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     mem.logits = best.logits;
     mem.captured = best.captured;
     mem.buffers += best.buffers;
+    if (plan.zero_stage == 2 && shard > 1 && !pipelined && options.ddp_buckets_copy_gradients) {
+      // dtrain's ZeRO-2 (src/parallel/zero/zero_backward.cpp): zero_grad
+      // drops the shards' gradients before each step, and a unit's full
+      // gradients move into its reduce-scatter input as soon as they are
+      // complete. At the start of backward, where the activations peak, it
+      // holds no gradient; at its end, with the activations gone, every
+      // unit's reduce-scatter input (all the gradients) and output (the
+      // shard). The peak is the larger of the two.
+      const double all_grads = params * bpp.grads;
+      MemoryBreakdown start = mem, end = mem;
+      start.grads = 0;
+      start.buffers -= 2.0 * std::min(static_cast<double>(options.ddp_bucket_bytes), all_grads);
+      end.activations = end.logits = 0;
+      end.buffers = all_grads;
+      mem = start.total() >= end.total() ? start : end;
+    }
     est.peak_memory_bytes[r] = mem.total() * options.allocator_factor;
   }
   const int worst = static_cast<int>(std::max_element(est.peak_memory_bytes.begin(), est.peak_memory_bytes.end()) -
