@@ -238,14 +238,15 @@ inline dtrain::plan::MemoryLimit agreed_memory_limit(const PlanCli& cli, int loc
     if (failure) std::rethrow_exception(failure);
     return mine;
   }
-  const std::vector<at::Tensor> all = group->all_gather(at::tensor({mine.bytes}, at::kLong).to(group->device()));
+  dtrain::dist::ProcessGroup exchange = *group;  // a handle: collectives are non-const
+  const std::vector<at::Tensor> all = exchange.all_gather(at::tensor({mine.bytes}, at::kLong).to(group->device()));
   int least = -1;
   std::int64_t bytes = 0;
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     const std::int64_t b = all[r].to(at::kCPU).item<std::int64_t>();
     if (b < 0) {
       if (failure) std::rethrow_exception(failure);
-      DTRAIN_CHECK(false, dtrain::ConfigError,
+      DTRAIN_CHECK(false, ConfigError,
                    "rank " << r << " cannot tell how much memory it may use, so no rank starts (memory pre-flight).",
                    "read rank " << r << "'s error; state the limit with --memory-limit or DTRAIN_MEMORY_LIMIT, or "
                                 << "pass --no-memory-check");
