@@ -8,13 +8,17 @@
 // change; resolve_run maps it onto the strategy that runs it.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <exception>
 #include <fstream>
 #include <optional>
 #include <sstream>
 #include <string>
 
+#include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/plan/plan.h"
@@ -210,11 +214,61 @@ inline std::optional<dtrain::ParallelPlan> plan_of_run(const Resolved& r, int wo
   return p;
 }
 
+// Note [One pre-flight decision]
+// Each rank reads its own limit: --memory-limit is the same on every rank,
+// but DTRAIN_MEMORY_LIMIT and MemAvailable belong to a host and a moment.
+// Deciding alone, one rank could refuse while the others went on to their
+// first collective and waited there for it. So the ranks of `group` exchange
+// their limits (one all_gather of an int64 each) and all decide against the
+// smallest; the estimate is a function of the plan alone, so every rank then
+// decides alike, and a refusal names the rank whose limit it was. A rank
+// that cannot read its limit sends -1: it stops with its own error, every
+// other rank with one naming it. Without a group (one process) this is
+// rank_memory_limit.
+inline dtrain::plan::MemoryLimit agreed_memory_limit(const PlanCli& cli, int local_world,
+                                                     const std::optional<dtrain::dist::ProcessGroup>& group) {
+  dtrain::plan::MemoryLimit mine{.bytes = -1, .source = ""};
+  std::exception_ptr failure;
+  try {
+    mine = dtrain::plan::rank_memory_limit(local_world, cli.memory_limit);
+  } catch (const dtrain::ConfigError&) {
+    failure = std::current_exception();
+  }
+  if (!group || group->size() < 2) {
+    if (failure) std::rethrow_exception(failure);
+    return mine;
+  }
+  dtrain::dist::ProcessGroup exchange = *group;  // a handle: collectives are non-const
+  const std::vector<at::Tensor> all = exchange.all_gather(at::tensor({mine.bytes}, at::kLong).to(group->device()));
+  int least = -1;
+  std::int64_t bytes = 0;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    const std::int64_t b = all[r].to(at::kCPU).item<std::int64_t>();
+    if (b < 0) {
+      if (failure) std::rethrow_exception(failure);
+      DTRAIN_CHECK(false, ConfigError,
+                   "rank " << r << " cannot tell how much memory it may use, so no rank starts (memory pre-flight).",
+                   "read rank " << r << "'s error; state the limit with --memory-limit or DTRAIN_MEMORY_LIMIT, or "
+                                << "pass --no-memory-check");
+    }
+    if (least < 0 || b < bytes) {
+      least = r;
+      bytes = b;
+    }
+  }
+  if (least == group->rank()) return mine;
+  return {.bytes = bytes,
+          .source = "rank " + std::to_string(least) + "'s limit, the least of the " + std::to_string(all.size()) +
+                    " ranks'; this rank's: " + dtrain::plan::format_gib(static_cast<double>(mine.bytes)) + ", " +
+                    mine.source};
+}
+
 // Note [Memory pre-flight]
 // Before the first step, the planner's peak memory per rank for `plan` on
 // `model` (dtrain::plan::check_plan_memory) against what a rank may use:
 // --memory-limit, else $DTRAIN_MEMORY_LIMIT, else this host's available
-// memory divided by its ranks. A plan that does not fit stops here with a
+// memory divided by its ranks, the least over `group`'s ranks (Note [One
+// pre-flight decision]). A plan that does not fit stops here, on every rank, with a
 // ConfigError (the peak and its parts, the excess, the nearest plan that
 // fits); --no-memory-check lets it run. CPU ranks only: on accelerators the
 // device's memory is the device table's, which this program does not know.
@@ -222,7 +276,8 @@ inline std::optional<dtrain::ParallelPlan> plan_of_run(const Resolved& r, int wo
 // pipeline splits it into its micro-batches (the planner's micro-batch is
 // batch_size / micro_batches), so they do not multiply it.
 inline void preflight_memory(const PlanCli& cli, dtrain::ParallelPlan plan, const dtrain::plan::ModelSpec& model,
-                             std::int64_t batch_size, int world, int local_world, bool bf16) {
+                             std::int64_t batch_size, int world, int local_world, bool bf16,
+                             const std::optional<dtrain::dist::ProcessGroup>& group = std::nullopt) {
   if (cli.no_memory_check) return;
   plan.global_batch = batch_size * plan.data_parallel() * plan.accumulate;
   plan.precision = bf16 ? "bf16" : "fp32";
@@ -240,7 +295,7 @@ inline void preflight_memory(const PlanCli& cli, dtrain::ParallelPlan plan, cons
     DTRAIN_LOG(kWarning) << "memory pre-flight skipped: the planner cannot cost this plan (" << e.what() << ")";
     return;
   }
-  const auto limit = dtrain::plan::rank_memory_limit(local_world, cli.memory_limit);
+  const auto limit = agreed_memory_limit(cli, local_world, group);
   const auto e = dtrain::plan::check_plan_memory(plan, model, cluster, cost, limit);
   DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << dtrain::plan::format_gib(e.peak()) << " per rank of "
                     << dtrain::plan::format_gib(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";
