@@ -251,14 +251,24 @@ void Lighthouse::scan(Clock::time_point now) {
 
 bool Lighthouse::claim_answers(const std::vector<Replica*>& asking) {
   bool all = true;
+  std::vector<std::string> claimed;
   for (Replica* r : asking) {
     const std::string key = "claim/" + std::to_string(r->incarnation) + "/" + std::to_string(r->seq);
-    if (store_.compare_set(key, "", "lighthouse") == "lighthouse") continue;
+    if (store_.compare_set(key, "", "lighthouse") == "lighthouse") {
+      claimed.push_back(key);
+      continue;
+    }
     // Withdrawn: the client gave up on this request.
     dist::delete_key(store_, key);
     r->answered_seq = r->seq;
     r->pending = false;
     all = false;
+  }
+  // No quorum now: the claims just taken are released, so their clients may
+  // still withdraw (a claim promises an answer; this scan gives none). Their
+  // requests stay pending and are claimed again when a quorum forms.
+  if (!all) {
+    for (const auto& key : claimed) dist::delete_key(store_, key);
   }
   return all;
 }

@@ -200,6 +200,44 @@ TEST(FtLighthouse, WithdrawnRequestIsNotAnswered) {
   lighthouse.check();
 }
 
+// Review finding: a quorum that falls through after some of its requests
+// were claimed (another was withdrawn) must release those claims, or their
+// clients can no longer withdraw and are answered long after they gave up.
+TEST(FtLighthouse, ClaimsOfAQuorumThatFellThroughAreReleased) {
+  auto store = dist::Store::in_memory();
+  LighthouseOptions options = fast_lighthouse(2);
+  options.join_timeout = milliseconds(2500);
+  Lighthouse lighthouse(store, options);
+  // b's first request (incarnation 2, seq 1) is withdrawn before the
+  // lighthouse sees it: as if b gave up the moment it asked.
+  store.with_prefix("ft").set("claim/2/1", "withdrawn");
+  auto a = std::make_unique<LighthouseClient>(
+      store, store,
+      LighthouseClientOptions{
+          .replica_id = 0, .heartbeat_interval = milliseconds(50), .quorum_timeout = milliseconds(800)});
+  auto b = std::make_unique<LighthouseClient>(
+      store, store,
+      LighthouseClientOptions{
+          .replica_id = 1, .heartbeat_interval = milliseconds(50), .quorum_timeout = milliseconds(800)});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto asked_a = std::async(std::launch::async, [&] { return a->quorum(0); });
+  // a registers first (incarnation 1), so the lighthouse claims a's request, then finds b's withdrawn.
+  while (!store.with_prefix("ft").check({"reg/1"})) std::this_thread::sleep_for(milliseconds(5));
+  auto asked_b = std::async(std::launch::async, [&] { return b->quorum(0); });
+  EXPECT_THROW(asked_b.get(), TimeoutError);
+  // a withdraws at its own timeout; before the fix its claim was kept, and a
+  // was answered, alone, after the join timeout.
+  EXPECT_THROW(asked_a.get(), TimeoutError);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(2000)) << "a waited for a claimed request";
+  std::this_thread::sleep_for(options.join_timeout);
+  EXPECT_TRUE(lighthouse.history().empty()) << lighthouse.history().front().describe();
+  // Both ask again and are answered together.
+  const auto both = ask_all({a.get(), b.get()}, {0, 0});
+  EXPECT_EQ(both[0].members.size(), 2u);
+  EXPECT_EQ(both[0].to_text(), both[1].to_text());
+  lighthouse.check();
+}
+
 TEST(FtLighthouse, StoreKeysDoNotGrowWithSteps) {
   auto store = dist::Store::in_memory();
   Lighthouse lighthouse(store, fast_lighthouse(2));

@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -175,6 +176,10 @@ class LighthouseClient {
  private:
   void register_once();
   void beat();
+  // At the quorum timeout: withdraws request `id` ("<incarnation>/<seq>"),
+  // throwing TimeoutError, or returns once its answer is there (the
+  // lighthouse had claimed it).
+  void withdraw_or_wait(const std::string& id);
   // Throws CommunicationError when the lighthouse failed or its liveness
   // counter has not moved for lighthouse_timeout.
   void check_lighthouse_alive(std::int64_t& alive, std::chrono::steady_clock::time_point& moved_at);
