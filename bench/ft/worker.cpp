@@ -15,6 +15,8 @@
 //
 //   worker --mode ft --log-dir D --steps 300 --width 512 --depth 4 --batch 32
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>

@@ -17,7 +17,7 @@ ft::ReplicaState trainer_extra_state(amp::GradScaler* scaler, std::shared_ptr<Sc
   const bool with_scaler = scaler != nullptr && scaler->is_enabled();
   return {.save =
               [scaler, schedule, with_scaler](torch::serialize::OutputArchive& archive) {
-                if (with_scaler) archive.write("trainer/grad_scaler", c10::IValue(to_json(*scaler->state_dict())));
+                if (with_scaler) archive.write("trainer/grad_scaler", c10::IValue(amp::to_json(*scaler->state_dict())));
                 if (schedule) archive.write("trainer/lr_schedule", c10::IValue(schedule->to_json()));
               },
           .load =
