@@ -4,7 +4,8 @@
 // incarnation that is behind, the vote's all-or-none answer, no quorum
 // without a member holding the newest step, none disjoint from the last;
 // the review's defects: a half-written registration, a withdrawn request,
-// keys that grew per step, a lighthouse that failed or stopped.
+// keys that grew per step, a lighthouse that failed or stopped, one
+// restarted on the same store.
 #include <gtest/gtest.h>
 
 #include <future>
@@ -297,6 +298,32 @@ TEST(FtLighthouse, StoppedLighthouseIsAnErrorWithinItsTimeout) {
   const auto waited = std::chrono::steady_clock::now() - t0;
   EXPECT_GE(waited, milliseconds(700));
   EXPECT_LT(waited, milliseconds(5000)) << "waited for the quorum timeout instead";
+}
+
+// A lighthouse restarted on the same store (Note [Quorum protocol]): it
+// finds the registration and the last, answered request of a replica that
+// died meanwhile, and must neither count that replica in (it is live only
+// once its heartbeat moves) nor hand out its predecessor's round and quorum
+// ids again (the dead member's vote keys of that round are still there; a
+// group made under a reused quorum id would meet stale rendezvous keys).
+TEST(FtLighthouse, RestartedLighthouseGoesOnFromItsPredecessorsIdsWithoutTheDead) {
+  auto store = dist::Store::in_memory();
+  auto lighthouse = std::make_unique<Lighthouse>(store, fast_lighthouse(2));
+  auto a = ft_client(store, 0), b = ft_client(store, 1);
+  const Quorum first = ask_all({a.get(), b.get()}, {0, 0})[0];
+  ASSERT_EQ(first.members.size(), 2u);
+  auto b_vote = std::async(std::launch::async, [&] { return b->agree_commit(first, true); });
+  EXPECT_TRUE(a->agree_commit(first, true));
+  EXPECT_TRUE(b_vote.get());
+  b.reset();  // replica 1 dies: its heartbeat stops, its keys stay
+  lighthouse.reset();
+  lighthouse = std::make_unique<Lighthouse>(store, fast_lighthouse(2));
+  const Quorum second = a->quorum(1);
+  EXPECT_EQ(second.members.size(), 1u) << "the dead replica was counted in: " << second.describe();
+  EXPECT_GT(second.round, first.round);
+  EXPECT_GT(second.quorum_id, first.quorum_id);
+  EXPECT_FALSE(a->agree_commit(second, false)) << "the predecessor's vote decided this round";
+  lighthouse->check();
 }
 
 }  // namespace
