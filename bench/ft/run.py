@@ -173,7 +173,8 @@ def main():
     p.add_argument("--torchft-lighthouse", required=True)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--kill-at", type=int, default=60)
+    # Midway between two checkpoints (--checkpoint-every 20): restart-from-checkpoint loses its average.
+    p.add_argument("--kill-at", type=int, default=70)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
