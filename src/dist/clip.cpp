@@ -110,7 +110,7 @@ GradientSet GradientSet::from_layouts(const std::vector<std::pair<at::Tensor, di
                                    std::find(partitioned.begin(), partitioned.end(), dims[d].name) == partitioned.end();
       if (combines[d] && replicated_here && at[d] != 0) counted = false;
     }
-    if (counted) set.parameters.push_back(parameter);
+    (counted ? set.parameters : set.counted_elsewhere).push_back(parameter);
   }
   return set;
 }
@@ -136,9 +136,11 @@ at::Tensor clip_grad_norm_(const GradientSet& gradients, double max_norm, const 
   // testing the norm avoids a device synchronization, as torch does. The
   // coefficient is max_norm / (norm + 1e-6), spelled as ATen's operator/ does.
   const at::Tensor coef = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
-  for (const auto& g : grads) {
-    at::Tensor values = g.is_sparse() ? g._values() : g;
-    values.mul_(coef.to(values.device()));
+  for (const std::vector<at::Tensor>& held : {grads, grads_of(gradients.counted_elsewhere)}) {
+    for (const auto& g : held) {
+      at::Tensor values = g.is_sparse() ? g._values() : g;
+      values.mul_(coef.to(values.device()));
+    }
   }
   return norm;
 }

@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "dtrain/amp/grad_scaler.h"
+#include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "split_backward.h"
@@ -143,6 +144,37 @@ struct Pipeline::Impl {
   std::vector<at::Tensor> parameters() const;
 };
 
+namespace {
+
+// The gradients counted for global norms, from the parameters' layouts over
+// `mesh` (PipelineOptions::mesh): what each stage's applier steps on, with
+// its layout (a ZeRO stage's shards: norm_layouts()); stages partition the
+// model over pp. The borrowers' tied copies are not among them, as below.
+GradientSet laid_out_gradients(const std::vector<PipelineStage>& stages,
+                               const std::vector<std::unique_ptr<StageGradientSync>>& syncs, dist::DeviceMesh& mesh) {
+  DTRAIN_CHECK(mesh.has("pp"), ConfigError, "PipelineOptions::mesh " << mesh.describe() << " has no pp dimension.",
+               "give the mesh whose pp group runs the pipeline");
+  std::vector<std::pair<at::Tensor, dist::Layout>> laid_out;
+  for (std::size_t k = 0; k < stages.size(); ++k) {
+    if (ShardedDataParallel* engine = syncs[k]->zero_engine()) {
+      for (auto& item : engine->norm_layouts(mesh)) laid_out.push_back(std::move(item));
+      continue;
+    }
+    const dist::NamedLayouts layouts = dist::named_layouts(*stages[k].module, mesh);
+    const auto params = stages[k].module->named_parameters();
+    for (const at::Tensor& param : syncs[k]->parameters()) {
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        if (!params[i].value().is_same(param)) continue;
+        laid_out.emplace_back(param, layouts[i].second);
+        break;
+      }
+    }
+  }
+  return GradientSet::from_layouts(laid_out, mesh, {"pp"});
+}
+
+}  // namespace
+
 Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, PipelineOptions options, LossFn loss_fn)
     : impl_(std::make_unique<Impl>(group)) {
   Impl& s = *impl_;
@@ -225,7 +257,9 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
   for (const auto& sync : s.syncs) {
     for (const at::Tensor& param : sync->parameters()) counted.push_back(param);
   }
-  if (s.sharded) {
+  if (s.options.mesh) {
+    s.counted_gradients = laid_out_gradients(s.stages, s.syncs, *s.options.mesh);
+  } else if (s.sharded) {
     s.counted_gradients = GradientSet{std::move(counted), {*dp, s.group}};
   } else {
     s.counted_gradients = GradientSet::sharded(std::move(counted), s.group);

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "zero_engine.h"
@@ -209,13 +210,51 @@ void ZeroEngine::build_units() {
       unit.gathered = false;
     }
   }
-  gradient_set_ = GradientSet::sharded(shard_tensors(), group_);
+  gradient_set_ = options_.mesh ? GradientSet::from_layouts(norm_layouts(*options_.mesh), *options_.mesh)
+                                : GradientSet::sharded(shard_tensors(), group_);
   if (rank_ == 0) {
     std::int64_t total = 0;
     for (const Unit& unit : units_) total += unit.numel;
     DTRAIN_LOG(kInfo) << "ZeRO stage " << options_.stage << ": " << units_.size() << " units (root included), " << total
                       << " parameters, " << world_ << " ranks";
   }
+}
+
+std::vector<std::pair<at::Tensor, dist::Layout>> ZeroEngine::norm_layouts(const dist::DeviceMesh& mesh) const {
+  // The mesh dimensions the sharding group spans, and this rank's row-major
+  // index over them (its rank in mesh.join(shard_dims)).
+  const std::vector<dist::MeshDim>& dims = mesh.dims();
+  const std::vector<std::string>& names = options_.shard_dims;
+  std::vector<std::size_t> spanned;
+  int size = 1, index = 0;
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    if (std::find(names.begin(), names.end(), dims[d].name) == names.end()) continue;
+    spanned.push_back(d);
+    size *= dims[d].size;
+    index = index * dims[d].size + mesh.coordinates()[d];
+  }
+  std::string spelled;
+  for (const std::string& name : names) spelled += (spelled.empty() ? "" : " x ") + name;
+  DTRAIN_CHECK(size == world_ && index == rank_, ConfigError,
+               "ZeRO shards over a group of " << world_ << " ranks (this one " << rank_ << "), which is not the "
+                                              << spelled << " group of the mesh " << mesh.describe() << ".",
+               "shard over mesh.join(ZeroOptions::shard_dims) of the mesh the parameters are laid out over");
+  std::unordered_map<std::string, dist::Layout> by_name;
+  for (auto& [name, layout] : dist::named_layouts(*module_, mesh)) by_name.emplace(name, std::move(layout));
+  std::vector<std::pair<at::Tensor, dist::Layout>> out;
+  out.reserve(shards_.size());
+  for (const ParameterShard& piece : shards_) {
+    dist::Layout layout = by_name.at(piece.name);
+    for (std::size_t d : spanned) {
+      DTRAIN_CHECK(layout.placements[d].kind == dist::Placement::Kind::kReplicate, ConfigError,
+                   "parameter '" << piece.name << "' is laid out as " << layout.to_string() << ", already split over "
+                                 << dims[d].name << ", which ZeRO shards itself.",
+                   "declare the module's layouts over the other dimensions only (tensor-parallel layers: tp)");
+      layout.placements[d] = dist::Placement::shard(0);
+    }
+    out.emplace_back(piece.shard, std::move(layout));
+  }
+  return out;
 }
 
 std::vector<at::Tensor> ZeroEngine::shard_tensors() const {

@@ -105,6 +105,7 @@ class ZeroEngine {
   bool replicated() const { return options_.replicate_group && options_.replicate_group->size() > 1; }
   torch::nn::Module& module() { return *module_; }
   const GradientSet& gradients() const { return gradient_set_; }
+  std::vector<std::pair<at::Tensor, dist::Layout>> norm_layouts(const dist::DeviceMesh& mesh) const;
   ZeroMemoryStats memory_stats() const;
   void reset_peak() { peak_bytes_ = current_parameter_bytes(); }
   bool sync = true;
