@@ -156,6 +156,11 @@ void ZeroEngine::build_units() {
                  "ShardedDataParallel needs parameters of one dtype; '" << item.key() << "' is " << p.scalar_type()
                                                                         << ", others " << *dtype << ".",
                  "convert the module (module->to(dtype)) and use MixedPrecisionPolicy for compute precision");
+    DTRAIN_CHECK(!dtype || device_ == p.device(), ConfigError,
+                 "ShardedDataParallel needs every parameter on one device; '" << item.key() << "' is on " << p.device()
+                                                                              << ", others on " << device_ << ".",
+                 "move the module to its rank's device (module->to(device)) before wrapping it");
+    device_ = p.device();
     dtype = p.scalar_type();
     auto it = owners.find(p.unsafeGetTensorImpl());
     const std::size_t u = (it != owners.end() && it->second.size() == 1) ? it->second.front() : root;
@@ -177,7 +182,7 @@ void ZeroEngine::build_units() {
   std::vector<at::Tensor> fulls;
   for (Unit& unit : units_) {
     unit.shard = (unit.numel + world_ - 1) / world_;
-    unit.full = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_));
+    unit.full = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_).device(device_));
     for (FlatParam& fp : unit.params) {
       unit.full.narrow(0, fp.offset, fp.numel).copy_(fp.param.detach().reshape(-1));
       fp.param.set_data(unit.full.narrow(0, fp.offset, fp.numel).view(fp.shape));
@@ -436,7 +441,7 @@ std::map<std::string, at::Tensor> ZeroEngine::full_state_dict() {
   if (param_dtype_ != c10::kFloat) {
     for (const Unit& unit : units_) {
       if (unit.numel == 0) continue;
-      at::Tensor all = at::empty({unit.shard * world_}, at::TensorOptions().dtype(c10::kFloat));
+      at::Tensor all = at::empty({unit.shard * world_}, at::TensorOptions().dtype(c10::kFloat).device(device_));
       at::Tensor mine = unit.chunk.clone();
       group_.all_gather_into(all, mine).wait();
       for (const FlatParam& fp : unit.params) out[fp.name] = all.narrow(0, fp.offset, fp.numel).view(fp.shape).clone();
