@@ -25,6 +25,7 @@
 #include "dtrain/data/loader.h"
 #include "dtrain/error.h"
 #include "gpu.h"
+#include "proc_maps.h"
 #include "ranks.h"
 
 namespace {
@@ -34,15 +35,6 @@ using dtrain::dist::ReduceOp;
 dtrain::dist::ProcessGroup nccl_group(int rank) {
   return dtrain::dist::init_process_group(dtrain::dist::GroupOptions{
       .device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank)), .timeout = std::chrono::seconds(60)});
-}
-
-bool maps_contain(const std::string& library) {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    if (line.find(library) != std::string::npos) return true;
-  }
-  return false;
 }
 
 class Ramp : public dtrain::data::Dataset<dtrain::data::TensorExample> {
@@ -243,9 +235,9 @@ TEST(GpuCheckpoint, RestoresCudaGeneratorState) {
 TEST(GpuNccl, ModuleLoadsOnFirstNcclGroup) {
   DTRAIN_REQUIRE_GPU();
   dtrain::testing::run_rank_processes(1, [](int rank) {
-    EXPECT_FALSE(maps_contain("libdtrain_nccl"));
+    EXPECT_FALSE(dtrain::testing::process_maps_contain("libdtrain_nccl"));
     auto group = nccl_group(rank);
-    EXPECT_TRUE(maps_contain("libdtrain_nccl"));
+    EXPECT_TRUE(dtrain::testing::process_maps_contain("libdtrain_nccl"));
     at::Tensor t = at::ones({2}, at::TensorOptions().device(group.device()));
     group.all_reduce(t).wait();
     EXPECT_FLOAT_EQ(t.cpu()[0].item<float>(), 1.0f);

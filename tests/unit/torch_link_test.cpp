@@ -14,21 +14,9 @@
 #include <unistd.h>
 
 #include "dtrain/checkpoint/checkpointer.h"
-
-namespace {
+#include "proc_maps.h"
 
 namespace fs = std::filesystem;
-
-bool torch_link_maps_contain(const std::string& library) {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line)) {
-    if (line.find(library) != std::string::npos) return true;
-  }
-  return false;
-}
-
-}  // namespace
 
 TEST(TorchLink, FilesystemCallsWorkBesideAllOfLibTorch) {
   const fs::path dir = fs::temp_directory_path() / ("dtrain-torch-link-" + std::to_string(::getpid()));
@@ -51,9 +39,11 @@ TEST(TorchLink, FilesystemCallsWorkBesideAllOfLibTorch) {
 // one: nothing references libtorch_cuda, yet it registers the CUDA hooks.
 TEST(TorchLink, CudaPartOfLibTorchLoads) {
 #if DTRAIN_TEST_TORCH_HAS_CUDA
-  EXPECT_TRUE(torch_link_maps_contain("libtorch_cuda")) << "libtorch_cuda.so is not loaded: the CUDA hooks are missing";
+  EXPECT_TRUE(dtrain::testing::process_maps_contain("libtorch_cuda"))
+      << "libtorch_cuda.so is not loaded: the CUDA hooks are missing";
 #else
   GTEST_SKIP() << "this LibTorch has no CUDA part";
 #endif
-  EXPECT_FALSE(torch_link_maps_contain("/libtorch.so")) << "libtorch.so is loaded (Note [no libtorch.so])";
+  EXPECT_FALSE(dtrain::testing::process_maps_contain("/libtorch.so"))
+      << "libtorch.so is loaded (Note [no libtorch.so])";
 }
