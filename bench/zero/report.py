@@ -48,10 +48,10 @@ print("# step time p50 (ms): " + ", ".join(f"dtrain {c} {r['p50_ms']:.1f}" for c
       ", ".join(f"{r['impl']} {r['p50_ms']:.1f}" for r in peers.values()))
 
 
-def line(case, metric, d, p, peer_name, aten_d=None):
+def line(case, metric, d, p, peer_name, aten_d=None, against_peer=False):
     out = {"bench": "zero", "case": case, "metric": metric, "dtrain": d, "peer": p, "peer_name": peer_name,
            "ratio": round(p / d, 3) if d and p else None}
-    if aten:
+    if aten and against_peer:  # dtrain's own baselines and the formula have no like-for-like twin
         out.update(dtrain_aten=aten_d, ratio_like_for_like=round(p / aten_d, 3) if aten_d and p else None)
     out["machine"] = where
     print(json.dumps(out))
@@ -61,7 +61,7 @@ pairs = [("ddp", "ddp"), ("zero3", "fsdp2"), ("zero2", "fsdp2"), ("zero1", "zero
 for mine, theirs in pairs:
     if mine in ours and theirs in peers:
         line(mine, "p50_ms", ours[mine]["p50_ms"], peers[theirs]["p50_ms"], peers[theirs]["impl"],
-             aten.get(mine, {}).get("p50_ms"))
+             aten.get(mine, {}).get("p50_ms"), against_peer=True)
 for case in CASES[1:-1]:  # against dtrain's own DDP on 2 ranks: ratio = ddp / zero
     if case in ours and "ddp" in ours:
         line(case, "p50_ms_vs_dtrain_ddp", ours[case]["p50_ms"], ours["ddp"]["p50_ms"], "dtrain_ddp")
