@@ -7,13 +7,19 @@ torch.optim.AdamW with fused=False (its single-tensor loop), clip_grad_norm_,
 warm-up + cosine learning rate.
 
     peer.py [--max-iters 2000 ...]            one process
+    peer.py --compile ...                     one process, the model under
+                                              torch.compile (nanoGPT's default)
     torchrun --nproc-per-node 2 peer.py ...   DDP over gloo
     peer.py --export FILE [model options]     writes initial weights, one batch,
                                               its logits, loss and gradients
                                               (torch.save) for tests/unit/gpt_test.cpp
 
 Prints JSON lines like the C++ example: eval lines, then
-{"event":"done","val_loss":...,"tokens_per_second":...,"step_ms":{...}}."""
+{"event":"done","val_loss":...,"tokens_per_second":...,"step_ms":{...}}.
+Under --compile, tokens_per_second is the steady state's (the steps after
+the warm-up ones), compile_seconds what the first training step and the first
+evaluation took beyond a steady one (torch.compile's tracing and code
+generation), and tokens_per_second_with_compile the whole run's."""
 import argparse
 import collections
 import contextlib
@@ -228,6 +234,7 @@ def main():
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--data-dir", default=default_data_dir())
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (one process only)")
     ap.add_argument("--export", help="write the reference for tests to this file and exit")
     args = ap.parse_args()
 
@@ -248,6 +255,10 @@ def main():
     torch.manual_seed(args.seed + rank)  # dropout masks
     model = Gpt(Config(args, meta["vocab_size"]))
     init_weights(model, args.n_layer, args.seed)
+    if args.compile:
+        if distributed:
+            sys.exit("peer.py: --compile runs in one process only")
+        model = torch.compile(model)  # as nanoGPT's train.py: the model, not the optimizer
     trained = nn.parallel.DistributedDataParallel(model) if distributed else model
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
@@ -275,9 +286,13 @@ def main():
     measured = 0
     train_seconds, loss_sum, loss_count, val_loss = 0.0, 0.0, 0, float("nan")
 
+    eval_seconds, step_seconds = [], []
+
     def report(step):
         nonlocal val_loss, loss_sum, loss_count
+        t = time.perf_counter()
         val_loss = evaluate()
+        eval_seconds.append(time.perf_counter() - t)
         if rank == 0:
             print(json.dumps({"event": "eval", "step": step,
                               "train_loss": loss_sum / loss_count if loss_count else float("nan"),
@@ -311,7 +326,8 @@ def main():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         opt_s = time.perf_counter() - t
-        train_seconds += time.perf_counter() - start
+        step_seconds.append(time.perf_counter() - start)
+        train_seconds += step_seconds[-1]
         if step >= skip:
             times["forward"] += fwd * 1e3
             times["backward"] += bwd * 1e3
@@ -324,11 +340,19 @@ def main():
         dist.barrier()
     if rank == 0:
         n = max(measured, 1)
-        print(json.dumps({"event": "done", "impl": "torch" + (" DDP" if distributed else ""), "world_size": world,
-                          "steps": args.max_iters, "val_loss": val_loss,
-                          "tokens_per_second": global_batch * args.block_size * args.max_iters / train_seconds,
-                          "train_seconds": train_seconds,
-                          "step_ms": {k: v / n for k, v in times.items()}}), flush=True)
+        tokens_per_second = global_batch * args.block_size * args.max_iters / train_seconds
+        steady = step_seconds[skip:] or step_seconds
+        steady_step = sum(steady) / len(steady)
+        done = {"event": "done", "impl": "torch" + (" DDP" if distributed else ""), "world_size": world,
+                "steps": args.max_iters, "val_loss": val_loss, "tokens_per_second": tokens_per_second,
+                "train_seconds": train_seconds, "steady_step_ms": steady_step * 1e3,
+                "step_ms": {k: v / n for k, v in times.items()}}
+        if args.compile:
+            later_eval = eval_seconds[-1] if len(eval_seconds) > 1 else 0.0
+            done.update(impl="torch.compile", tokens_per_second=global_batch * args.block_size / steady_step,
+                        tokens_per_second_with_compile=tokens_per_second,
+                        compile_seconds=step_seconds[0] - steady_step + eval_seconds[0] - later_eval)
+        print(json.dumps(done), flush=True)
     if distributed:
         dist.destroy_process_group()
 

@@ -5,20 +5,37 @@
 # dropout 0, same initialisation, batches and hyperparameters on both sides.
 #   single: one process;  ddp2: 2 ranks (`dtrain run` vs torchrun, gloo),
 #   12 sequences per rank, so 24 per step.
-# Back to back in this run: dtrain single, peer single, dtrain ddp2, peer ddp2.
+# Per case, back to back in this run: dtrain, dtrain on ATen's kernels
+# (DTRAIN_LINEAR_KERNEL=aten: its Linears on at::linear, as the peer's),
+# the peer; for single also the peer under torch.compile (steady-state
+# tokens/s; its compile time reported apart). Each comparison line carries
+# "ratio" (dtrain's kernels) and "ratio_like_for_like" (ATen's on both
+# sides): their quotient is the kernel's gain, the like-for-like ratio the
+# rest of dtrain's. MFU: model FLOPs (nanoGPT's 6N + 12 L d T per token) per
+# second over the machine's measured fp32 matmul peak (bench_matmul --peak:
+# one thread for single, every core for ddp2).
 # Every process uses one intra-op thread (DTRAIN_BENCH_THREADS for the single
 # cases): on a 2-core machine shared with builds, two OpenMP threads per
 # process measure the neighbours more than the program.
-# DTRAIN_BENCH_QUICK=1: 200 steps.
+# DTRAIN_BENCH_QUICK=1: 200 steps; DTRAIN_BENCH_STEPS=N: N steps (the suite's
+# short run); DTRAIN_BENCH_CASES="single" (default "single ddp2");
+# DTRAIN_BENCH_COMPILE=0: no torch.compile peer (it compiles for ~25 s).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 iters=2000
 if [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ]; then iters=200; fi
+iters="${DTRAIN_BENCH_STEPS:-$iters}"
 threads="${DTRAIN_BENCH_THREADS:-1}"
-config=(--max-iters "$iters" --eval-interval 250 --eval-iters 20 --batch-size 12 --block-size 64
-  --n-layer 4 --n-head 4 --n-embd 128 --dropout 0 --lr 1e-3 --seed 1337)
+cases="${DTRAIN_BENCH_CASES:-single ddp2}"
+model=(--n-layer 4 --n-head 4 --n-embd 128 --block-size 64)
+config=(--max-iters "$iters" --eval-interval 250 --eval-iters 20 --batch-size 12 "${model[@]}"
+  --dropout 0 --lr 1e-3 --seed 1337)
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
+: >"$tmp/dtrain.jsonl"
+: >"$tmp/dtrain_aten.jsonl"
+: >"$tmp/peer.jsonl"
+: >"$tmp/compile.jsonl"
 
 # run_case CASE IMPL_FILE CMD...: runs CMD, keeps its output, and appends its
 # done line with the case name and wall time to IMPL_FILE.
@@ -40,38 +57,42 @@ print(json.dumps(done))
 PY
 }
 
+# The matmul peak first, on an otherwise idle program (every core: no OMP limit).
+env -u OMP_NUM_THREADS "$DTRAIN_BUILD/bench/bench_matmul" --peak >"$tmp/peak.jsonl"
 gpt="$DTRAIN_BUILD/examples/gpt"
-OMP_NUM_THREADS="$threads" run_case single "$tmp/dtrain.jsonl" "$gpt" "${config[@]}" --sample-tokens 0
-OMP_NUM_THREADS="$threads" run_case single "$tmp/peer.jsonl" "$DTRAIN_PYTHON" "$here/peer.py" "${config[@]}"
-OMP_NUM_THREADS=1 run_case ddp2 "$tmp/dtrain.jsonl" "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 \
-  "$gpt" --strategy ddp --devices cpu "${config[@]}" --sample-tokens 0
-OMP_NUM_THREADS=1 run_case ddp2 "$tmp/peer.jsonl" "$DTRAIN_PYTHON" -m torch.distributed.run --nproc-per-node 2 \
-  --standalone "$here/peer.py" "${config[@]}"
+for case in $cases; do
+  case "$case" in
+    single)
+      for kernel in auto aten; do
+        out="$tmp/dtrain.jsonl"
+        [ "$kernel" = aten ] && out="$tmp/dtrain_aten.jsonl"
+        DTRAIN_LINEAR_KERNEL="$kernel" OMP_NUM_THREADS="$threads" run_case single "$out" "$gpt" "${config[@]}" \
+          --sample-tokens 0
+      done
+      OMP_NUM_THREADS="$threads" run_case single "$tmp/peer.jsonl" "$DTRAIN_PYTHON" "$here/peer.py" "${config[@]}"
+      if [ "${DTRAIN_BENCH_COMPILE:-1}" = 1 ]; then
+        OMP_NUM_THREADS="$threads" run_case single "$tmp/compile.jsonl" "$DTRAIN_PYTHON" "$here/peer.py" \
+          "${config[@]}" --compile
+      fi ;;
+    ddp2)
+      for kernel in auto aten; do
+        out="$tmp/dtrain.jsonl"
+        [ "$kernel" = aten ] && out="$tmp/dtrain_aten.jsonl"
+        DTRAIN_LINEAR_KERNEL="$kernel" OMP_NUM_THREADS=1 run_case ddp2 "$out" "$DTRAIN_BUILD/tools/dtrain" run \
+          --nproc-per-node 2 "$gpt" --strategy ddp --devices cpu "${config[@]}" --sample-tokens 0
+      done
+      OMP_NUM_THREADS=1 run_case ddp2 "$tmp/peer.jsonl" "$DTRAIN_PYTHON" -m torch.distributed.run \
+        --nproc-per-node 2 --standalone "$here/peer.py" "${config[@]}" ;;
+    *) echo "bench gpt: unknown case '$case' in DTRAIN_BENCH_CASES (single, ddp2)" >&2; exit 2 ;;
+  esac
+done
 
 echo "# raw results"
-cat "$tmp/dtrain.jsonl" "$tmp/peer.jsonl"
-echo "# step-time breakdown, mean ms per step after 10 warm-up steps (ddp2: backward includes the all-reduce;"
-echo "# exposed communication = ddp2 backward - single backward, same per-rank batch and threads)"
-"$DTRAIN_PYTHON" - "$tmp/dtrain.jsonl" "$tmp/peer.jsonl" <<'PY'
-import json, sys
-rows = {}
-for path, side in zip(sys.argv[1:], ["dtrain", "peer"]):
-    for line in open(path):
-        r = json.loads(line)
-        rows[(side, r["case"])] = r
-print(f"{'side':8}{'case':8}{'forward':>10}{'backward':>10}{'optimizer':>10}{'comm':>8}{'tok/s':>10}{'val':>8}{'wall s':>8}")
-for side in ["dtrain", "peer"]:
-    for case in ["single", "ddp2"]:
-        r = rows.get((side, case))
-        if r is None:
-            continue
-        ms = r["step_ms"]
-        comm = ""
-        if case == "ddp2" and (side, "single") in rows:
-            comm = f"{ms['backward'] - rows[(side, 'single')]['step_ms']['backward']:.1f}"
-        print(f"{side:8}{case:8}{ms['forward']:10.1f}{ms['backward']:10.1f}{ms['optimizer']:10.1f}{comm:>8}"
-              f"{r['tokens_per_second']:10.0f}{r['val_loss']:8.4f}{r['wall_seconds']:8.1f}")
-PY
-echo "# comparisons (ratio > 1: dtrain better)"
-"$DTRAIN_PYTHON" "$here/../common/compare.py" --bench gpt --dtrain "$tmp/dtrain.jsonl" --peer "$tmp/peer.jsonl" \
-  --metric tokens_per_second:higher --metric wall_seconds:lower --metric val_loss:lower
+cat "$tmp/peak.jsonl" "$tmp/dtrain.jsonl" "$tmp/dtrain_aten.jsonl" "$tmp/peer.jsonl" "$tmp/compile.jsonl"
+"$DTRAIN_PYTHON" "$here/report.py" --dir "$tmp" --threads "$threads" "${model[@]}"
+echo "# comparisons (ratio > 1: dtrain better; ratio_like_for_like: dtrain on ATen's kernels)"
+for peer in peer compile; do
+  "$DTRAIN_PYTHON" "$here/../common/compare.py" --bench gpt --dtrain "$tmp/dtrain.jsonl" --peer "$tmp/$peer.jsonl" \
+    --dtrain-aten "$tmp/dtrain_aten.jsonl" --metric tokens_per_second:higher --metric wall_seconds:lower \
+    --metric val_loss:lower
+done

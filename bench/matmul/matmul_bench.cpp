@@ -4,6 +4,15 @@
 // uses. Prints one JSON line per case and kernel:
 //   {"case": "fc.fwd", "impl": "dtrain" | "aten", "us": ..., "gflops": ...}
 // (bench/matmul/peer.py times torch.mm on the same shapes from Python).
+//
+// bench_matmul --peak: the machine's fp32 matmul peak instead, the
+// denominator of bench/gpt's MFU: square products of 1024 and 2048 on ATen's
+// at::mm (MKL's sgemm here) and on oneDNN, on one thread and on every core
+// (at::get_num_threads() before this program changes it). One line per size,
+// kernel and thread count, then the best per thread count:
+//   {"case": "peak", "threads": 1, "gflops": ..., "impl": "aten" | "onednn", "n": 2048}
+// The peak is the best either kernel reaches, so an MFU against it is not
+// flattered by a slow sgemm path (MKL on AMD).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -38,9 +47,46 @@ struct Case {
   at::Tensor a, b;  // a @ b
 };
 
+// Prints the peak lines (see the file's comment).
+void print_peak() {
+  const int all = at::get_num_threads();
+  for (const int threads : {1, all}) {
+    at::set_num_threads(threads);
+    double best = 0;
+    std::string best_impl;
+    std::int64_t best_n = 0;
+    for (const std::int64_t n : {1024, 2048}) {
+      const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
+      const double flops = 2.0 * static_cast<double>(n * n * n);
+      std::vector<std::pair<std::string, std::function<void()>>> kernels{{"aten", [&] { at::mm(a, b); }}};
+      if (dtrain::nn::onednn_matmul_available()) kernels.push_back({"onednn", [&] { dtrain::nn::onednn_mm(a, b); }});
+      for (const auto& [impl, f] : kernels) {
+        f();  // warm-up: first-touch of the output, oneDNN's primitive cache
+        std::vector<double> us;
+        for (int r = 0; r < 5; ++r) {
+          const auto t = Clock::now();
+          f();
+          us.push_back(ms_since(t) * 1000.0);
+        }
+        const double gflops = flops / dtrain::bench::percentile(us, 0.0) / 1e3;  // fastest run: a peak
+        std::printf("{\"case\": \"peak_run\", \"threads\": %d, \"impl\": \"%s\", \"n\": %lld, \"gflops\": %.1f}\n",
+                    threads, impl.c_str(), static_cast<long long>(n), gflops);
+        if (gflops > best) best = gflops, best_impl = impl, best_n = n;
+      }
+    }
+    std::printf("{\"case\": \"peak\", \"threads\": %d, \"gflops\": %.1f, \"impl\": \"%s\", \"n\": %lld}\n", threads,
+                best, best_impl.c_str(), static_cast<long long>(best_n));
+    if (all == 1) break;
+  }
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "--peak") {
+    print_peak();
+    return 0;
+  }
   at::set_num_threads(1);
   const std::int64_t tokens = 12 * 64, width = 128;
   std::vector<Case> cases;

@@ -14,3 +14,5 @@ cat "$tmp/all.jsonl" "$tmp/peer.jsonl"
 echo "# comparisons (ratio > 1: dtrain faster)"
 "$DTRAIN_PYTHON" "$here/../common/compare.py" --bench matmul --dtrain "$tmp/dtrain.jsonl" --peer "$tmp/peer.jsonl" \
   --metric us:lower
+echo "# fp32 matmul peak (GFLOP/s; square products of 1024 and 2048, best of ATen's at::mm and oneDNN)"
+env -u OMP_NUM_THREADS "$DTRAIN_BUILD/bench/bench_matmul" --peak

@@ -27,6 +27,7 @@
 #include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/host_memory.h"
+#include "dtrain/nn/linear.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
 
 using namespace dtrain::pipeline;
@@ -239,8 +240,9 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
   for (double t : times) mean += t / double(times.size());
   std::printf(
       "{\"impl\":\"dtrain\",\"schedule\":\"%s\",\"transport\":\"%s\",\"micro_batches\":%d,\"batch\":%d,"
-      "\"dp_shard\":%d,\"step_ms\":%.2f,\"tokens_per_second\":%.0f}\n",
-      schedule.c_str(), transport.c_str(), m, batch, dp_shard, mean, batch * 64 * 1000.0 / mean);
+      "\"dp_shard\":%d,\"step_ms\":%.2f,\"tokens_per_second\":%.0f,\"linear_kernel\":\"%s\"}\n",
+      schedule.c_str(), transport.c_str(), m, batch, dp_shard, mean, batch * 64 * 1000.0 / mean,
+      dtrain::nn::linear_kernel_name());
   return 0;
 }
 

@@ -170,11 +170,12 @@ int main(int argc, char** argv) {
       std::printf(
           "{\"impl\":\"dtrain\",\"case\":\"%s\",\"world\":%d,\"params\":%lld,\"p50_ms\":%.3f,\"p95_ms\":%.3f,"
           "\"param_bytes\":%lld,\"grad_bytes\":%lld,\"optimizer_bytes\":%lld,\"peak_bytes\":%lld,"
-          "\"resident_bytes\":%lld,\"formula_bytes\":%.0f}\n",
+          "\"resident_bytes\":%lld,\"formula_bytes\":%.0f,\"linear_kernel\":\"%s\"}\n",
           strategy.c_str(), world, static_cast<long long>(numel), percentile(step_ms, 0.5), percentile(step_ms, 0.95),
           static_cast<long long>(param_bytes), static_cast<long long>(grad_bytes),
           static_cast<long long>(optimizer_bytes), static_cast<long long>(param_bytes + grad_bytes + optimizer_bytes),
-          static_cast<long long>(resident_param_bytes + grad_bytes + optimizer_bytes), formula);
+          static_cast<long long>(resident_param_bytes + grad_bytes + optimizer_bytes), formula,
+          dtrain::nn::linear_kernel_name());
     }
     return 0;
   } catch (const std::exception& e) {

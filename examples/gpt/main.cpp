@@ -510,6 +510,7 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
                                 ? static_cast<double>(summary.examples * opt.model.block_size) / summary.train_seconds
                                 : 0.0},
       {"train_seconds", summary.train_seconds},
+      {"linear_kernel", dtrain::nn::linear_kernel_name()},
       {"step_ms",
        {{"forward", summary.step_times.forward * 1e3 / n},
         {"backward", summary.step_times.backward * 1e3 / n},

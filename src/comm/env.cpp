@@ -169,6 +169,14 @@ std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallback, co
   return std::chrono::milliseconds(std::max<long long>(1, std::llround(seconds * 1000.0)));
 }
 
+LinearKernel linear_kernel(const EnvLookup& env) {
+  const auto raw = env("DTRAIN_LINEAR_KERNEL");
+  if (!raw || raw->empty() || *raw == "auto") return LinearKernel::kAuto;
+  if (*raw == "aten") return LinearKernel::kAten;
+  throw ConfigError("DTRAIN_LINEAR_KERNEL='" + *raw + "' is not a kernel choice.",
+                    "set it to 'aten' (at::linear everywhere) or 'auto', or unset it");
+}
+
 FlightRecorderOptions flight_recorder_options(const EnvLookup& env) {
   FlightRecorderOptions options;
   if (const auto entries = env("DTRAIN_FLIGHT_RECORDER"); entries && !entries->empty()) {

@@ -4,6 +4,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 
 // LibTorch exports its oneDNN matrix product (TORCH_API in
@@ -87,8 +88,19 @@ bool onednn_matmul_available() {
   return available;
 }
 
+bool onednn_linear_enabled() {
+  // Read once: a process compares kernels by being started twice, never by
+  // switching mid-run (a model's products would mix summation orders).
+  static const bool enabled = onednn_matmul_available() && dist::linear_kernel() != dist::LinearKernel::kAten;
+  return enabled;
+}
+
+const char* linear_kernel_name() {
+  return onednn_linear_enabled() ? "onednn" : "aten";
+}
+
 bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  return onednn_matmul_available() && x.dim() >= 1 && weight.dim() == 2 && x.numel() > 0 && is_dense_cpu_float(x) &&
+  return onednn_linear_enabled() && x.dim() >= 1 && weight.dim() == 2 && x.numel() > 0 && is_dense_cpu_float(x) &&
          is_dense_cpu_float(weight) && (!bias.defined() || is_dense_cpu_float(bias)) &&
          !at::autocast::is_autocast_enabled(at::kCPU);
 }

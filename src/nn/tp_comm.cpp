@@ -142,7 +142,7 @@ at::Tensor apply(const at::Tensor& x, dist::ProcessGroup group, Primitive forwar
 // otherwise (other dtypes, autocast's bf16).
 at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
   const bool fp32_cpu = a.device().is_cpu() && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat;
-  return fp32_cpu && onednn_matmul_available() ? onednn_mm(a, b) : at::mm(a, b);
+  return fp32_cpu && onednn_linear_enabled() ? onednn_mm(a, b) : at::mm(a, b);
 }
 
 // See gathered_linear in tp_comm.h. Saved: the local input and the weight;

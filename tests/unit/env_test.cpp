@@ -131,6 +131,23 @@ TEST(DefaultTimeout, FallbackAndOverride) {
   }
 }
 
+TEST(LinearKernel, AutoByDefaultAtenOnRequestAndMalformedRefused) {
+  using dtrain::dist::LinearKernel;
+  EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({})), LinearKernel::kAuto);
+  EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", ""}})), LinearKernel::kAuto);
+  EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", "auto"}})), LinearKernel::kAuto);
+  EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", "aten"}})), LinearKernel::kAten);
+  for (const char* bad : {"ATen", "onednn", "mkl", " aten"}) {
+    try {
+      dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", bad}}));
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("DTRAIN_LINEAR_KERNEL"), std::string::npos) << e.what();
+      EXPECT_FALSE(e.hint().empty());
+    }
+  }
+}
+
 TEST(EnvContract, WhatALauncherWritesReadsBackTheSame) {
   const dtrain::dist::EnvContract written{.rank = 5,
                                           .world_size = 8,

@@ -9,6 +9,9 @@
 // oneDNN's matmul when it can, and is at::linear otherwise. The results are
 // those of a different summation order: equal to at::linear's within fp32
 // rounding, not bit for bit. bench/matmul prints both kernels' figures.
+// DTRAIN_LINEAR_KERNEL=aten (comm/env.h) makes linear() at::linear
+// everywhere, so a benchmark can compare dtrain with a PyTorch program on the
+// same kernels and tell the kernel's gain from the distributed layer's.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,8 +31,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // AVX-NE-CONVERT, such as AMD Zen 3).
 bool onednn_matmul_available();
 
-// True when linear() would use oneDNN for these tensors: oneDNN's matmul is
-// available (above), all are dense fp32 CPU tensors, weight is 2-D, and CPU autocast
+// Whether linear() may take oneDNN's path at all: onednn_matmul_available()
+// and DTRAIN_LINEAR_KERNEL is not "aten" (read once, at the first call;
+// ConfigError when malformed). "onednn" or "aten", as benchmarks report it.
+bool onednn_linear_enabled();
+const char* linear_kernel_name();
+
+// True when linear() would use oneDNN for these tensors: onednn_linear_enabled()
+// (above), all are dense fp32 CPU tensors, weight is 2-D, and CPU autocast
 // is off (under autocast linear() defers to at::linear, which autocast casts).
 bool linear_uses_onednn(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {});
 
