@@ -50,6 +50,14 @@ FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaSt
                "use ft::module_and_optimizer_state(model, optimizer)");
 }
 
+void FaultTolerantReplicas::resume_at(std::int64_t step) {
+  DTRAIN_CHECK(
+      quorum_.members.empty() && step >= 0, ConfigError,
+      "FaultTolerantReplicas::resume_at(" << step << ") after a quorum was joined (replica " << replica_id() << ").",
+      "call it once, before the first start_step()");
+  step_ = step;
+}
+
 void FaultTolerantReplicas::fail(const std::string& what, const std::exception& e) {
   DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": " << what << " failed in " << quorum_.describe()
                        << "; the step will not commit: " << e.what();

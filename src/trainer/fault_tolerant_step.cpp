@@ -1,4 +1,17 @@
 // The Trainer's fault-tolerant step (src/trainer/fault_tolerant_step.h).
+//
+// Note [Checkpoints of replica groups]
+// After a committed step every member of its quorum holds the same state, so
+// one replica group writing it is enough: the member with the lowest replica
+// id (every member knows the quorum, so exactly one decides to write, and
+// all ranks of that group decide alike). It writes through the Trainer's
+// Checkpointer over its own ranks: the usual commit protocol (every part,
+// then MANIFEST last), so a group killed mid-write leaves no checkpoint at
+// that step and the previous ones intact. The next checkpoint step is then
+// written by the next lowest live group. The folder is the job's: a restart
+// of the whole job (every group) resumes every group from the newest
+// checkpoint and the quorum starts at its step; a single restarted group
+// also reads it, is behind its live peers, and recovers from them as usual.
 #include "fault_tolerant_step.h"
 
 #include <ATen/core/ivalue.h>
@@ -7,7 +20,7 @@
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/error.h"
 
-namespace dtrain::detail {
+namespace dtrain {
 
 namespace {
 
@@ -36,6 +49,12 @@ ft::ReplicaState trainer_extra_state(amp::GradScaler* scaler, std::shared_ptr<Sc
 
 }  // namespace
 
+ft::ReplicaState Strategy::replica_state(torch::optim::Optimizer& optimizer, ft::ReplicaState extra) {
+  return ft::module_and_optimizer_state(module(), optimizer, std::move(extra));
+}
+
+namespace detail {
+
 FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strategy& strategy,
                                      torch::optim::Optimizer& optimizer, amp::GradScaler* scaler,
                                      std::shared_ptr<ScheduledLR> schedule)
@@ -50,8 +69,7 @@ FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strat
   std::optional<dist::ProcessGroup> group = strategy_.group();
   if (group && group->size() == 1) group.reset();
   replicas_ = std::make_unique<ft::FaultTolerantReplicas>(
-      *client_,
-      ft::module_and_optimizer_state(strategy_.module(), optimizer, trainer_extra_state(scaler, std::move(schedule))),
+      *client_, strategy_.replica_state(optimizer, trainer_extra_state(scaler, std::move(schedule))),
       ft::FaultTolerantOptions{.replica_group = group, .group_timeout = options_.group_timeout});
 }
 
@@ -85,4 +103,10 @@ bool FaultTolerantStep::commit(std::int64_t step) {
   return true;
 }
 
-}  // namespace dtrain::detail
+bool FaultTolerantStep::writes_checkpoints() const {
+  const auto& members = replicas_->quorum().members;
+  return !members.empty() && members.front().replica_id == endpoint_.replica_id;
+}
+
+}  // namespace detail
+}  // namespace dtrain

@@ -41,6 +41,13 @@ class FaultTolerantStep {
   // After backward: the gradients' mean over the quorum and the commit vote;
   // true when the step is to be applied (by every member alike).
   bool commit(std::int64_t step);
+  // Before the first begin(): the Trainer resumed from a checkpoint at
+  // committed step `step` (a restart of the whole job).
+  void resume_at(std::int64_t step) { replicas_->resume_at(step); }
+  // After a committed step: whether this replica group writes the job's
+  // checkpoints, as the lowest replica id of the step's quorum. One member
+  // of each quorum, the same on every rank of its group.
+  bool writes_checkpoints() const;
 
  private:
   TrainerFaultTolerance options_;

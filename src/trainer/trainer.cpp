@@ -277,6 +277,7 @@ struct Trainer::Run {
                  "the Trainer's batch source is endless (a StepStream), but TrainerOptions::max_steps is 0.",
                  "set max_steps to the number of optimizer steps to train");
     if (!o.checkpoint_dir.empty()) resume();
+    if (ft && position.step > 0) ft->resume_at(position.step);
     st.step = position.step;
     if (!o.sample_log.empty()) {
       const auto& f = o.sample_log;
@@ -306,10 +307,6 @@ struct Trainer::Run {
                  "TrainerOptions::fault_tolerance needs a StepStream and max_steps: a recovered replica group "
                  "finds its data position from the step.",
                  "train from a StepStream (batches a function of the step) with max_steps set");
-    DTRAIN_CHECK(o.checkpoint_dir.empty(), ConfigError,
-                 "TrainerOptions::fault_tolerance with checkpoint_dir is not supported yet (every replica group "
-                 "would write the same folder).",
-                 "leave checkpoint_dir empty: a restarted replica group recovers from a live peer");
     ft = std::make_unique<detail::FaultTolerantStep>(*o.fault_tolerance, s, st.optimizer, scaler.get(), st.schedule);
   }
 
@@ -338,7 +335,10 @@ struct Trainer::Run {
     }
   }
 
+  // Under fault tolerance the replica groups hold the same state after a
+  // committed step: one writes it (Note [Checkpoints of replica groups]).
   void save() {
+    if (ft && !ft->writes_checkpoints()) return;
     position.sampler = source.state();
     s.save(*checkpoints, position, st.optimizer);
     last_saved_step = position.step;

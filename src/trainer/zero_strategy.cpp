@@ -1,6 +1,8 @@
 // The Trainer's ZeRO strategy (include/dtrain/trainer/zero_strategy.h).
 #include "dtrain/trainer/zero_strategy.h"
 
+#include <torch/serialize/archive.h>
+
 #include "dtrain/error.h"
 #include "dtrain/parallel/zero/sharded_checkpoint.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
@@ -106,6 +108,42 @@ void ZeroStrategy::save(Checkpointer& checkpointer, const TrainingState& state, 
 std::optional<TrainingState> ZeroStrategy::load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
   add_to(checkpointer, optimizer);
   return load_any_plan(checkpointer, {.laid_out = laid_out_reader(*sdp_, optimizer), .zero = state_}, name());
+}
+
+// The part is written as a checkpoint's (zero_state): the receiver's
+// counterpart has the same rank in a group of the same size, so its part
+// covers exactly this rank's chunk (load_counterpart_part).
+ft::ReplicaState ZeroStrategy::replica_state(torch::optim::Optimizer& optimizer, ft::ReplicaState extra) {
+  DTRAIN_CHECK(!all_, ConfigError,
+               "ZeroStrategy over HSDP (ZeroOptions::replicate_group) inside a fault-tolerant replica group is not "
+               "supported.",
+               "shard over the replica group's ranks only: the fault-tolerant replica groups are the dp_replicate "
+               "dimension");
+  std::shared_ptr<ShardedStateful> shards = zero_state(*sdp_, optimizer);
+  torch::nn::Module* module = &sdp_->module();
+  ShardedDataParallel* sdp = sdp_.get();
+  torch::optim::Optimizer* opt = &optimizer;
+  return {.save =
+              [shards, module, extra](torch::serialize::OutputArchive& archive) {
+                torch::serialize::OutputArchive part;
+                shards->save_state(part);
+                archive.write("zero", part);
+                for (const auto& b : module->named_buffers()) archive.write("buffer/" + b.key(), b.value());
+                if (extra.save) extra.save(archive);
+              },
+          .load =
+              [sdp, opt, module, extra](torch::serialize::InputArchive& archive) {
+                torch::serialize::InputArchive part;
+                archive.read("zero", part);
+                load_counterpart_part(*sdp, *opt, part);
+                torch::NoGradGuard no_grad;
+                for (auto& b : module->named_buffers()) {
+                  at::Tensor read;
+                  archive.read("buffer/" + b.key(), read);
+                  b.value().copy_(read);
+                }
+                if (extra.load) extra.load(archive);
+              }};
 }
 
 }  // namespace dtrain

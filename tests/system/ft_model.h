@@ -22,8 +22,13 @@ inline torch::nn::Sequential make_model(std::uint64_t seed) {
   return torch::nn::Sequential(torch::nn::Linear(kIn, kHidden), torch::nn::Tanh(), torch::nn::Linear(kHidden, kOut));
 }
 
+// Over the model's parameters, or over the tensors a strategy steps on
+// (ZeRO's shards): the same options either way.
+inline torch::optim::Adam make_optimizer(std::vector<torch::Tensor> parameters) {
+  return torch::optim::Adam(std::move(parameters), torch::optim::AdamOptions(1e-2));
+}
 inline torch::optim::Adam make_optimizer(torch::nn::Sequential& model) {
-  return torch::optim::Adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+  return make_optimizer(model->parameters());
 }
 
 // The samples replica `replica` trains on at `step`: ids step * 1000 +

@@ -74,11 +74,17 @@ std::size_t ft_steps_logged(const fs::path& path) {
 // SIGKILLed after 20 steps (with k > 1 the launcher then stops its other
 // ranks and restarts the whole group). `worker`: ft_worker.cpp's hand-written
 // loop, or ft_trainer_worker.cpp's Trainer.
-void run_ft_kill_scenario(const int kReplicas, const int k, const std::string& worker = kFtWorker) {
+// `zero_stage` > 0: the Trainer's replica groups are ZeroStrategy of that
+// stage over their k ranks (the cross-replica mean runs on the shards, a
+// recovering rank loads its counterpart's shards); the replay is the same,
+// since ZeRO's reduce-scatter averages in rank order as the replay does.
+void run_ft_kill_scenario(const int kReplicas, const int k, const std::string& worker = kFtWorker,
+                          const int zero_stage = 0) {
   constexpr int kSteps = 200;
   constexpr int kVictim = 1;
   Scratch scratch;
   const fs::path dir = scratch.path();
+  ::setenv("FT_ZERO_STAGE", std::to_string(zero_stage).c_str(), 1);
   ::setenv("FT_DIR", dir.c_str(), 1);
   ::setenv("FT_STEPS", std::to_string(kSteps).c_str(), 1);
   ::setenv("FT_STEP_MS", "15", 1);
@@ -214,6 +220,70 @@ void run_ft_kill_scenario(const int kReplicas, const int k, const std::string& w
   }
 }
 
+// One whole `dtrain run --ft-replicas kReplicas` of the Trainer worker (k
+// ranks per group, ZeRO-`zero_stage` when > 0) to `steps` steps, with its
+// checkpoints in `ckpt` (every 10 steps; empty: none); returns each rank's
+// final parameters, replica-major.
+std::vector<std::vector<at::Tensor>> run_ft_trainer_job(const Scratch& scratch, const std::string& name, int steps,
+                                                        const fs::path& ckpt, int kReplicas, int k, int zero_stage) {
+  const fs::path dir = scratch.path() / name;
+  fs::create_directories(dir);
+  ::setenv("FT_ZERO_STAGE", std::to_string(zero_stage).c_str(), 1);
+  ::setenv("FT_DIR", dir.c_str(), 1);
+  ::setenv("FT_STEPS", std::to_string(steps).c_str(), 1);
+  ::setenv("FT_STEP_MS", "0", 1);
+  ::setenv("FT_CKPT_DIR", ckpt.c_str(), 1);
+  ::setenv("FT_CKPT_EVERY", "10", 1);
+  Launch launch({"--nproc-per-node", std::to_string(kReplicas * k), "--ft-replicas", std::to_string(kReplicas),
+                 "--log-dir", (dir / "logs").string(), kFtTrainerWorker},
+                scratch, name);
+  const int rc = launch.wait(std::chrono::seconds(120));
+  ::unsetenv("FT_CKPT_DIR");
+  ::unsetenv("FT_CKPT_EVERY");
+  EXPECT_EQ(rc, 0) << launch.err();
+  std::vector<std::vector<at::Tensor>> finals;
+  for (int r = 0; r < kReplicas; ++r) {
+    for (int local = 0; local < k; ++local) {
+      std::vector<at::Tensor> params;
+      torch::load(params, (dir / ("final_" + std::to_string(r) + "_" + std::to_string(local) + ".pt")).string());
+      finals.push_back(params);
+    }
+  }
+  return finals;
+}
+
+// Checkpoints under TrainerOptions::fault_tolerance: one replica group (the
+// lowest of the quorum) writes them, so the folder holds one group's parts;
+// the whole job started again resumes every group from it (their first
+// logged step is the checkpoint's), and its end state equals, bit for bit,
+// the same job run without the interruption.
+void run_ft_checkpoint_resume(int kReplicas, int k, int zero_stage) {
+  Scratch scratch;
+  const fs::path ckpt = scratch.path() / "ckpt";
+  run_ft_trainer_job(scratch, "first", 20, ckpt, kReplicas, k, zero_stage);
+  ASSERT_TRUE(fs::exists(ckpt / "step_20")) << "no checkpoint at the first run's end";
+  for (const auto& part : fs::directory_iterator(ckpt / "step_20")) {
+    const std::string file = part.path().filename().string();
+    if (file.rfind("rank_", 0) != 0) continue;
+    EXPECT_LT(std::stoi(file.substr(5)), k) << "a part beyond one replica group's ranks: " << file;
+  }
+  const auto resumed = run_ft_trainer_job(scratch, "resumed", 40, ckpt, kReplicas, k, zero_stage);
+  for (int r = 0; r < kReplicas; ++r) {
+    const auto log = read_ft_log(scratch.path() / "resumed" / ("replica_" + std::to_string(r) + ".log"));
+    ASSERT_FALSE(log.steps.empty());
+    EXPECT_EQ(log.steps.front().step, 20) << "replica " << r << " did not resume from the checkpoint";
+    EXPECT_EQ(log.steps.size(), 20u) << "replica " << r;
+  }
+  const auto whole = run_ft_trainer_job(scratch, "whole", 40, "", kReplicas, k, zero_stage);
+  ASSERT_EQ(resumed.size(), whole.size());
+  for (std::size_t i = 0; i < whole.size(); ++i) {
+    ASSERT_EQ(resumed[i].size(), whole[i].size());
+    for (std::size_t p = 0; p < whole[i].size(); ++p) {
+      EXPECT_TRUE(at::equal(resumed[i][p], whole[i][p])) << "rank " << i << " parameter " << p;
+    }
+  }
+}
+
 TEST(FaultTolerance, KilledReplicaGroupRecoversLiveAndMatchesReplay) {
   run_ft_kill_scenario(/*replicas=*/3, /*ranks_per_replica=*/1);
 }
@@ -234,6 +304,29 @@ TEST(FaultTolerance, TrainerKilledReplicaGroupRecoversLiveAndMatchesReplay) {
 // Two ranks per replica group, a DdpStrategy inside each.
 TEST(FaultTolerance, TrainerKilledDdpReplicaGroupRecoversLiveAndMatchesReplay) {
   run_ft_kill_scenario(/*replicas=*/2, /*ranks_per_replica=*/2, kFtTrainerWorker);
+}
+
+// The test on the MLP (the GPT would take minutes on two cores):
+// four replica groups of two ranks, ZeRO-2 inside each; the killed group's
+// ranks each recover their shards and optimizer state from the same rank of
+// a live group.
+TEST(FaultTolerance, TrainerKilledZero2ReplicaGroupOfFourRecoversLiveAndMatchesReplay) {
+  run_ft_kill_scenario(/*replicas=*/4, /*ranks_per_replica=*/2, kFtTrainerWorker, /*zero_stage=*/2);
+}
+
+// ZeRO-3 (parameters sharded too, gathered per unit): two groups of two.
+TEST(FaultTolerance, TrainerKilledZero3ReplicaGroupRecoversLiveAndMatchesReplay) {
+  run_ft_kill_scenario(/*replicas=*/2, /*ranks_per_replica=*/2, kFtTrainerWorker, /*zero_stage=*/3);
+}
+
+// Checkpoints under fault tolerance, two groups of one rank, and two groups
+// of two ranks with ZeRO-2 (sharded parts, written by one group's ranks).
+TEST(FaultTolerance, TrainerCheckpointOfOneReplicaGroupResumesWholeJobAsUninterrupted) {
+  run_ft_checkpoint_resume(/*replicas=*/2, /*ranks_per_replica=*/1, /*zero_stage=*/0);
+}
+
+TEST(FaultTolerance, TrainerZero2CheckpointOfOneReplicaGroupResumesWholeJobAsUninterrupted) {
+  run_ft_checkpoint_resume(/*replicas=*/2, /*ranks_per_replica=*/2, /*zero_stage=*/2);
 }
 
 }  // namespace

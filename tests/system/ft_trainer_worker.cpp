@@ -3,9 +3,12 @@
 // TrainerOptions::fault_tolerance under `dtrain run --ft-replicas N`: the
 // same problem (ft_model.h), environment and log lines as ft_worker.cpp,
 // which trains through ft::FaultTolerantReplicas by hand. With WORLD_SIZE
-// k > 1 the replica group's ranks are a DdpStrategy; the Trainer gives rank
-// i of replica r data rank r * k + i. A restarted replica
-// (TORCHELASTIC_RESTART_COUNT > 0) starts from another seed.
+// k > 1 the replica group's ranks are a DdpStrategy, or with FT_ZERO_STAGE
+// s a ZeroStrategy of stage s sharded over them; the Trainer gives rank i
+// of replica r data rank r * k + i. A restarted replica
+// (TORCHELASTIC_RESTART_COUNT > 0) starts from another seed. FT_CKPT_DIR
+// (and FT_CKPT_EVERY): the Trainer's checkpoints, written by one replica
+// group, resumed by all when the whole job starts again.
 #include <unistd.h>
 
 #include <chrono>
@@ -41,12 +44,17 @@ int main() {
       std::this_thread::sleep_for(std::chrono::milliseconds(std::stoi(ft_trainer_env("FT_RESTART_DELAY_MS", "0"))));
     }
     auto model = problem::make_model(restart == 0 ? 0 : 1000 + restart);
-    auto optimizer = problem::make_optimizer(model);
     const int k = std::stoi(ft_trainer_env("WORLD_SIZE", "1"));
+    const int zero_stage = std::stoi(ft_trainer_env("FT_ZERO_STAGE", "0"));
     const c10::Device cpu(c10::kCPU);
     std::shared_ptr<dtrain::Strategy> strategy;
     int local = 0;
-    if (k > 1) {
+    if (k > 1 && zero_stage > 0) {
+      auto group = dtrain::dist::init_process_group();
+      local = group.rank();
+      auto sdp = std::make_shared<dtrain::ShardedDataParallel>(model, group, dtrain::ZeroOptions{.stage = zero_stage});
+      strategy = std::make_shared<dtrain::ZeroStrategy>(sdp, cpu);
+    } else if (k > 1) {
       auto group = dtrain::dist::init_process_group();
       local = group.rank();
       strategy = std::make_shared<dtrain::DdpStrategy<torch::nn::Sequential>>(model, group, cpu, cpu);
@@ -86,13 +94,17 @@ int main() {
                 log << "recovered " << step << " pid " << ::getpid() << " t_ms " << ft_trainer_unix_ms() << std::endl;
               }
             }};
+    auto optimizer = problem::make_optimizer(strategy->parameters());
     dtrain::Trainer trainer(strategy, optimizer, stream,
                             {.max_steps = steps,
                              .batch_size = problem::kBatch,
+                             .checkpoint_dir = ft_trainer_env("FT_CKPT_DIR", ""),
+                             .checkpoint_every = std::stoi(ft_trainer_env("FT_CKPT_EVERY", "0")),
                              .progress = false,
                              .log_every = 1000,
                              .fault_tolerance = ft});
     trainer.fit();
+    auto full = strategy->full_parameters();  // ZeRO: gathers the stepped chunks (collective)
     std::vector<at::Tensor> params;
     for (auto& p : model->parameters()) params.push_back(p.detach().clone());
     torch::save(params, dir + "/final_" + std::to_string(r) + "_" + std::to_string(local) + ".pt");

@@ -25,8 +25,9 @@
 // counter. No checkpoint is read; no step is lost or repeated.
 //
 // A replica group may have several ranks (FaultTolerantOptions::replica_group)
-// that reduce among themselves first (a plain all-reduce or DDP; ZeRO and
-// pipelines inside are not tested yet: docs/fault_tolerance.md, Limits).
+// that reduce among themselves first (a plain all-reduce, DDP, or ZeRO,
+// whose shards are then averaged; pipelines inside are not tested yet:
+// docs/fault_tolerance.md, Limits).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -104,6 +105,11 @@ class FaultTolerantReplicas {
   // The commit vote: true when every member's step succeeded; then apply
   // the optimizer step. step() counts the committed steps.
   bool should_commit();
+
+  // Before the first start_step(): this replica's state is that of
+  // committed step `step` (a checkpoint it resumed from, after a restart of
+  // the whole job); the quorum then sees it at that step.
+  void resume_at(std::int64_t step);
 
   std::int64_t step() const { return step_; }
   const Quorum& quorum() const { return quorum_; }

@@ -14,10 +14,12 @@
 // step, so a recovered replica knows its data position from the step); rank
 // r of replica group g reads data rank g * W + r of G * W (W the strategy's
 // data world, G the replica groups), so groups train on different data and a
-// down group's share of a step is not trained on. The strategy's parameters
-// and optimizer state are copied rank to rank (a strategy whose module()
-// holds the full parameters: single device, DDP). Checkpoints are refused
-// for now (every group would write the same folder).
+// down group's share of a step is not trained on. The strategy's
+// replica_state() is copied rank to rank (module()'s parameters for single
+// device and DDP; ZeRO's chunks and sharded optimizer state). Checkpoints
+// (TrainerOptions::checkpoint_dir) are written by one replica group, the
+// lowest of each quorum, and a restart of the whole job resumes every group
+// from them.
 #pragma once
 
 #include <chrono>

@@ -30,6 +30,7 @@
 #include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/dist/clip.h"
+#include "dtrain/ft/replicas.h"
 #include "dtrain/parallel/ddp/ddp.h"
 
 namespace dtrain {
@@ -119,6 +120,14 @@ class Strategy {
   // module()'s (laid out or ZeRO chunks), and this strategy's model.pt.
   virtual void save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer);
   virtual std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer);
+
+  // What a fault-tolerant replica group's live recovery copies from the
+  // same rank of a live peer group (TrainerOptions::fault_tolerance), with
+  // `extra` (the Trainer's scaler and schedule) in the same archive. By
+  // default module()'s parameters and buffers and the optimizer's state,
+  // which holds for strategies whose module() has the full parameters;
+  // ZeRO copies this rank's shards and their optimizer state.
+  virtual ft::ReplicaState replica_state(torch::optim::Optimizer& optimizer, ft::ReplicaState extra);
 
   // Observing communication for the trace timeline (called before the first
   // forward); default: nothing to observe.

@@ -52,6 +52,11 @@ class ZeroStrategy : public Strategy {
   std::optional<dist::ProcessGroup> group() override;
   void save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) override;
   std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) override;
+  // This rank's chunks and their optimizer state (as its checkpoint part),
+  // and the module's buffers: a recovering rank loads its counterpart's
+  // part, of the same sharding. ConfigError under HSDP (the fault-tolerant
+  // replica groups are the dp_replicate dimension themselves).
+  ft::ReplicaState replica_state(torch::optim::Optimizer& optimizer, ft::ReplicaState extra) override;
 
   ShardedDataParallel& sdp() { return *sdp_; }
 

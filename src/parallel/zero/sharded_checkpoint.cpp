@@ -234,14 +234,16 @@ void write_part(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
 // chunks, the ranges its own chunk covers. `where` names the checkpoint in errors.
 void read_parts(detail::ZeroEngine& engine, torch::optim::Optimizer& optimizer,
                 const std::function<torch::serialize::InputArchive&(int)>& archive, int old_world,
-                const std::string& where) {
+                const std::string& where, bool counterpart_only = false) {
   torch::NoGradGuard no_grad;
   const SavedLayout layout = read_layout(archive(0));
   const std::string& kind = layout.kind;
   // The saving ranks that hold shards: all of them, or under HSDP the first
   // replica's (parts 0 .. shards-1, checked).
   const int old_shards = layout.shard_world > 0 ? layout.shard_world : old_world;
-  for (int r = 1; r < old_shards && layout.shard_world > 0; ++r) {
+  // (counterpart_only: archive(r) is this rank's counterpart's part for every r,
+  // and only the ranges of this rank's own chunk are read from it.)
+  for (int r = 1; r < old_shards && layout.shard_world > 0 && !counterpart_only; ++r) {
     const SavedLayout other = read_layout(archive(r));
     DTRAIN_CHECK(other.shard_rank == r && other.replica == 0, DataError,
                  "checkpoint " << where << ": part " << r << " holds shard " << other.shard_rank << " of replica "
@@ -373,6 +375,19 @@ std::optional<ShardedCheckpointInfo> ShardedCheckpointer::load_latest() {
 
 std::shared_ptr<ShardedStateful> zero_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer) {
   return std::make_shared<detail::ZeroState>(sdp, optimizer);
+}
+
+void load_counterpart_part(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
+                           torch::serialize::InputArchive& part) {
+  detail::ZeroEngine& engine = sdp.engine();
+  const SavedLayout layout = read_layout(part);
+  DTRAIN_CHECK(layout.shard_rank == engine.rank() && layout.shard_world == engine.world(), DataError,
+               "a ZeRO part of shard " << layout.shard_rank << " of " << layout.shard_world << " cannot be loaded as "
+                                       << "shard " << engine.rank() << " of " << engine.world() << ".",
+               "send each rank the part of the same rank of a group of the same size");
+  read_parts(
+      engine, optimizer, [&part](int) -> torch::serialize::InputArchive& { return part; }, engine.world(),
+      "(a peer's part)", /*counterpart_only=*/true);
 }
 
 void ShardedCheckpointer::export_full_state_dict(const fs::path& path) {

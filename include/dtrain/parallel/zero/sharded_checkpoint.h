@@ -24,6 +24,9 @@
 namespace torch::optim {
 class Optimizer;
 }
+namespace torch::serialize {
+class InputArchive;
+}
 
 namespace dtrain {
 
@@ -39,6 +42,13 @@ class ZeroState;
 // ZeroStrategy checkpoints, together with the schedule, scaler, sampler and
 // generators in one atomic commit.
 std::shared_ptr<ShardedStateful> zero_state(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer);
+// Live recovery of a fault-tolerant replica group: this rank's chunks and
+// optimizer state from `part`, which zero_state(...)->save_state wrote on the
+// same rank of a group of the same size and sharding (its counterpart in a
+// live replica group); no other part is needed. DataError for a part of
+// another shard.
+void load_counterpart_part(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
+                           torch::serialize::InputArchive& part);
 
 struct ShardedCheckpointOptions {
   std::filesystem::path dir;
