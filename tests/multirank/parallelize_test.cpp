@@ -19,6 +19,7 @@
 
 #include "appliers_model.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/data/loader.h"
 #include "dtrain/dist/clip.h"
 #include "dtrain/error.h"
 #include "dtrain/trainer/parallelize.h"
@@ -157,7 +158,9 @@ TEST(Parallelize, EveryDataAndPipelinePlanEqualsOneProcess) {
                        << "\n";
           }
         }
-        if (rank == 0) EXPECT_EQ(checked, 7 * 7);  // seven parameters (the tie counted once) per plan
+        if (rank == 0) {
+          EXPECT_EQ(checked, 7 * 7);  // seven parameters (the tie counted once) per plan
+        }
         EXPECT_TRUE(failures.str().empty()) << failures.str();
         if (!failures.str().empty()) std::cerr << failures.str();
       },

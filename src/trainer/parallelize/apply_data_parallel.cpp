@@ -14,7 +14,9 @@ namespace {
 // The layers placed over this process's devices (balanced parameter memory).
 ModelParallel model_parallel_split(const ApplyContext& c) {
   ModelParallel split(c.parts.layers(), ModelParallelOptions{.devices = c.devices()});
-  if (c.lead()) DTRAIN_LOG(kInfo) << "layers placed on " << format_devices(split->device_of_layer());
+  if (c.lead()) {
+    DTRAIN_LOG(kInfo) << "layers placed on " << format_devices(split->device_of_layer());
+  }
   return split;
 }
 

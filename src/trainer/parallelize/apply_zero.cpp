@@ -13,7 +13,8 @@ Parallelized apply_zero(const ApplyContext& c) {
   stack->to(first);
   // ShardedDataParallel runs a Sequential unit by unit: the root itself, or
   // the one the stack holds under the model's name.
-  std::shared_ptr<torch::nn::Module> root = c.parts.name.empty() ? layers.ptr() : stack.ptr();
+  std::shared_ptr<torch::nn::Module> root = stack.ptr();
+  if (c.parts.name.empty()) root = layers.ptr();
   ZeroOptions zero{.stage = c.plan.zero_stage, .sequential = c.parts.name, .unit_policy = c.parts.zero_unit};
   dist::ProcessGroup shard_group = c.group();
   std::optional<dist::ProcessGroup> all;
