@@ -177,7 +177,7 @@ Placement place(const Options& opt) {
 }
 
 // Raw float32 parameters in order (tests compare strategies with it).
-void write_params(const std::string& path, torch::nn::Module& module) {
+void write_params(const std::string& path, const torch::nn::Module& module) {
   std::ofstream out(path, std::ios::binary);
   for (const auto& p : module.parameters()) {
     const at::Tensor t = p.detach().to(at::kCPU, at::kFloat).contiguous();
