@@ -75,6 +75,7 @@
 #include "run_stats.h"
 #include "sample.h"
 #include "tensor_parallel.h"
+#include "zero_strategy.h"
 
 namespace {
 
@@ -211,9 +212,7 @@ dtrain::ModelParts gpt_parts(const Options& opt) {
   parts.retie = [](torch::nn::Sequential& copy) {
     copy->ptr<gpt::HeadImpl>(copy->size() - 1)->embed = gpt::Embed(copy->ptr<gpt::EmbedImpl>(0));
   };
-  parts.zero_unit = [](const std::string& name, const torch::nn::Module&) {
-    return name.find(".block") != std::string::npos;
-  };
+  parts.zero_unit = gpt::is_zero_unit;
   parts.pipeline_stages = [](const torch::nn::Sequential& layers, const dtrain::StageCut& cut) {
     return gpt::pipeline_stages(layers, cut.ranks, cut.stages_per_rank, cut.rank, cut.stage_of_layer);
   };
