@@ -54,7 +54,34 @@ endif()
 
 if(NOT TARGET dtrain_torch_link)
   add_library(dtrain_torch_link INTERFACE IMPORTED)
-  set_target_properties(dtrain_torch_link PROPERTIES INTERFACE_LINK_LIBRARIES "${TORCH_LIBRARIES}")
+  # Note [no libtorch.so]: TORCH_LIBRARIES names libtorch.so (targets `torch`
+  # and `torch_library`), a shim whose only job is to pull in torch_cpu and
+  # torch_cuda. The 2.11 CUDA wheel's shim also exports 182 partial copies of
+  # libstdc++ symbols (std::filesystem, std::chrono::tzdb, stringstream
+  # members) whose weak references to recursive_directory_iterator are null:
+  # an executable listing libtorch.so among its direct dependencies resolves
+  # every std::filesystem call in the process to the shim (it comes before
+  # libstdc++.so.6 in the global symbol scope), and remove_all or
+  # create_directories jumps to address 0, from the program's code and from
+  # libdtrain's (checkpoints). Seen on an H100 (docs/gpu.md), reproduced
+  # without a GPU. So we link the two libraries the shim stands for, each
+  # kept with --no-as-needed by its own imported target (torch_cuda must load
+  # to register LibTorch's CUDA hooks, though nothing references it).
+  set(_dtrain_torch_libs "${TORCH_LIBRARIES}")
+  list(REMOVE_ITEM _dtrain_torch_libs torch torch_library)
+  set(_dtrain_torch_parts torch_cpu_library)
+  if(TARGET torch_cuda_library)
+    list(APPEND _dtrain_torch_parts torch_cuda_library)
+  endif()
+  set_target_properties(dtrain_torch_link PROPERTIES
+    INTERFACE_LINK_LIBRARIES "${_dtrain_torch_parts};${_dtrain_torch_libs}"
+    INTERFACE_INCLUDE_DIRECTORIES "${TORCH_INCLUDE_DIRS}")
+  if(TARGET torch)
+    get_target_property(_dtrain_torch_options torch INTERFACE_COMPILE_OPTIONS)
+    if(_dtrain_torch_options)
+      set_property(TARGET dtrain_torch_link PROPERTY INTERFACE_COMPILE_OPTIONS "${_dtrain_torch_options}")
+    endif()
+  endif()
   file(GLOB _dtrain_nvidia_libdirs "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
   foreach(_dir IN LISTS _dtrain_nvidia_libdirs)
     get_filename_component(_dir "${_dir}" REALPATH)

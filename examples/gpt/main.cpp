@@ -473,7 +473,7 @@ int run(Options opt) {
         ",attention=flash,kernels=eager,dropout=" + (m.dropout > 0 ? "1" : "0") + ",bias=" + (m.bias ? "1" : "0"));
     const int local = dtrain::dist::launched_by_launcher() ? dtrain::dist::read_env_contract().local_world_size : 1;
     examples::preflight_memory(opt.plan, *opt.run_plan, spec, opt.batch_size, launched_world(), local,
-                               opt.amp == "bf16");
+                               opt.amp == "bf16", where.group);
   }
   if (gpt::RunStats::requested()) gpt::RunStats{}.start();  // counts from the model's construction on
   return train(opt, where, corpus);

@@ -412,6 +412,7 @@ void Checkpointer::save(const TrainingState& state) {
 }
 
 void Checkpointer::save_entries(const TrainingState& state, const std::vector<Entry>& entries) {
+  latest_.reset();
   const int rank = group_ ? group_->rank() : 0;
   const int world = group_ ? group_->size() : 1;
   const fs::path final_dir = options_.dir / ("step_" + std::to_string(state.step));
@@ -529,7 +530,8 @@ std::optional<TrainingState> Checkpointer::load_latest() {
   return load_entries(added_);
 }
 
-std::optional<TrainingState> Checkpointer::load_entries(const std::vector<Entry>& entries) {
+std::int64_t Checkpointer::latest_step() {
+  if (latest_) return *latest_;
   const int rank = group_ ? group_->rank() : 0;
   std::int64_t chosen = -1;
   if (rank == 0) chosen = newest_complete_step();
@@ -538,6 +540,14 @@ std::optional<TrainingState> Checkpointer::load_entries(const std::vector<Entry>
     group_->broadcast(t, 0).wait();
     chosen = t.cpu().item<std::int64_t>();
   }
+  latest_ = chosen;
+  return chosen;
+}
+
+std::optional<TrainingState> Checkpointer::load_entries(const std::vector<Entry>& entries) {
+  const int rank = group_ ? group_->rank() : 0;
+  const std::int64_t chosen = latest_step();
+  latest_.reset();
   if (chosen < 0) return std::nullopt;
   const fs::path dir = options_.dir / ("step_" + std::to_string(chosen));
   // Rank 0 verified every file just now; the others check what they read

@@ -114,7 +114,8 @@ void LayoutState::load_parts(const std::function<torch::serialize::InputArchive&
       saved, "saved by " + std::to_string(saved_world) + " ranks");
 }
 
-void LayoutState::load_whole(const std::function<at::Tensor(const std::string&)>& whole) {
+void LayoutState::load_whole(const std::function<at::Tensor(const std::string&)>& whole,
+                             const std::vector<std::string>& saved) {
   // Looked up by the targets' names as the load collects them (a fresh
   // optimizer's state exists only then).
   Pieces pieces;
@@ -130,7 +131,7 @@ void LayoutState::load_whole(const std::function<at::Tensor(const std::string&)>
                      .values = [w] { return w; }});
         return &p;
       },
-      {}, "consolidated");
+      saved, "consolidated");
 }
 
 // Note [Checking before filling]: the first pass reads only each piece's box

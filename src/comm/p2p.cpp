@@ -5,6 +5,8 @@
 // coalescing window (ncclGroupStart/End), which the backend opens for us.
 #include <ATen/core/ivalue.h>
 
+#include <functional>
+
 #include "dtrain/error.h"
 #include "flight_recorder.h"
 #include "group_state.h"
@@ -37,16 +39,28 @@ bool use_shared_memory(const detail::GroupState& s, const at::Tensor& tensor) {
   return s.p2p != nullptr && tensor.is_cpu() && !tensor.is_sparse();
 }
 
+// Gloo's send and recv move bytes with writev/readv straight from the
+// tensor's pointer, so they take CPU tensors only: a CUDA pointer fails with
+// EFAULT ("writev: Bad address", seen on an H100 with two ranks sharing the
+// GPU). Its collectives stage device tensors themselves; point-to-point is
+// staged here the same way: a send copies to the CPU first, a receive lands
+// in a CPU buffer that is copied to the device when its Work completes. Both
+// sides then move CPU tensors, so they agree on the shared-memory channel.
+bool needs_host_staging(const detail::GroupState& s, const at::Tensor& tensor) {
+  return s.kind == BackendKind::kGloo && !tensor.is_cpu();
+}
+
 }  // namespace
 
 Work ProcessGroup::isend(const at::Tensor& tensor, int peer, int tag) {
   auto info = p2p_info("send", tensor, peer, tag);
   check_p2p(*state_, info, tensor, peer);
   detail::note_issue(*state_, info, OpKind::kSend, tensor, static_cast<std::int64_t>(tensor.nbytes()));
-  std::vector<at::Tensor> tensors{tensor};
+  const at::Tensor wire = needs_host_staging(*state_, tensor) ? tensor.to(at::kCPU) : tensor;
+  std::vector<at::Tensor> tensors{wire};
   return detail::make_work(state_, std::move(info), c10::IValue(tensor), [&] {
-    return use_shared_memory(*state_, tensor) ? state_->p2p->send(tensor, peer, tag)
-                                              : state_->backend->send(tensors, peer, tag);
+    return use_shared_memory(*state_, wire) ? state_->p2p->send(wire, peer, tag)
+                                            : state_->backend->send(tensors, peer, tag);
   });
 }
 
@@ -54,11 +68,18 @@ Work ProcessGroup::irecv(at::Tensor& tensor, int peer, int tag) {
   auto info = p2p_info("recv", tensor, peer, tag);
   check_p2p(*state_, info, tensor, peer);
   detail::note_issue(*state_, info, OpKind::kRecv, tensor, static_cast<std::int64_t>(tensor.nbytes()));
-  std::vector<at::Tensor> tensors{tensor};
-  return detail::make_work(state_, std::move(info), c10::IValue(tensor), [&] {
-    return use_shared_memory(*state_, tensor) ? state_->p2p->recv(tensor, peer, tag)
-                                              : state_->backend->recv(tensors, peer, tag);
-  });
+  const bool staged = needs_host_staging(*state_, tensor);
+  at::Tensor wire = staged ? at::empty(tensor.sizes(), tensor.options().device(at::kCPU)) : tensor;
+  std::vector<at::Tensor> tensors{wire};
+  std::function<void()> finish;
+  if (staged) finish = [wire, target = tensor]() mutable { target.copy_(wire); };
+  return detail::make_work(
+      state_, std::move(info), c10::IValue(tensor),
+      [&] {
+        return use_shared_memory(*state_, wire) ? state_->p2p->recv(wire, peer, tag)
+                                                : state_->backend->recv(tensors, peer, tag);
+      },
+      std::move(finish));
 }
 
 std::vector<Work> ProcessGroup::batch_isend_irecv(std::vector<P2POp>& ops) {

@@ -37,9 +37,10 @@ at::Tensor total_norm(const GradientSet& gradients, const std::vector<at::Tensor
                "use norm_type 2 (the usual), any p > 0, or std::numeric_limits<double>::infinity() (max norm)");
   // Norms in fp32 at least (bf16/fp16 gradients would lose the sum), fp64
   // when any parameter is fp64. Read from the parameters, not the gradients:
-  // every rank combining partials must pick the same dtype, and a rank whose
-  // parameters got no gradient this step still has the parameters (a rank
-  // with no parameters at all counts in fp32).
+  // a rank whose parameters got no gradient this step still has the
+  // parameters. Partials are combined in fp64 whatever each rank's dtype
+  // (a rank with no parameters at all would otherwise send fp32 to peers'
+  // fp64), and the sum is returned in this rank's dtype.
   c10::ScalarType acc = at::kFloat;
   for (const auto& param : gradients.parameters) {
     if (param.scalar_type() == at::kDouble) acc = at::kDouble;
@@ -62,9 +63,9 @@ at::Tensor total_norm(const GradientSet& gradients, const std::vector<at::Tensor
     partial = is_inf_norm(p) ? stacked.max() : stacked.pow(p).sum();
   }
   for (dist::ProcessGroup group : gradients.combine_over) {  // a handle: the copy is the same group
-    at::Tensor on_group_device = partial.to(group.device());
+    at::Tensor on_group_device = partial.to(group.device(), at::kDouble);
     group.all_reduce(on_group_device, is_inf_norm(p) ? dist::ReduceOp::kMax : dist::ReduceOp::kSum).wait();
-    partial = on_group_device.to(partial.device());
+    partial = on_group_device.to(partial.device(), acc);
   }
   return is_inf_norm(p) ? partial : partial.pow(1.0 / p);
 }
@@ -109,7 +110,7 @@ GradientSet GradientSet::from_layouts(const std::vector<std::pair<at::Tensor, di
                                    std::find(partitioned.begin(), partitioned.end(), dims[d].name) == partitioned.end();
       if (combines[d] && replicated_here && at[d] != 0) counted = false;
     }
-    if (counted) set.parameters.push_back(parameter);
+    (counted ? set.parameters : set.counted_elsewhere).push_back(parameter);
   }
   return set;
 }
@@ -135,9 +136,11 @@ at::Tensor clip_grad_norm_(const GradientSet& gradients, double max_norm, const 
   // testing the norm avoids a device synchronization, as torch does. The
   // coefficient is max_norm / (norm + 1e-6), spelled as ATen's operator/ does.
   const at::Tensor coef = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
-  for (const auto& g : grads) {
-    at::Tensor values = g.is_sparse() ? g._values() : g;
-    values.mul_(coef.to(values.device()));
+  for (const std::vector<at::Tensor>& held : {grads, grads_of(gradients.counted_elsewhere)}) {
+    for (const auto& g : held) {
+      at::Tensor values = g.is_sparse() ? g._values() : g;
+      values.mul_(coef.to(values.device()));
+    }
   }
   return norm;
 }

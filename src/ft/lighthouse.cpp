@@ -37,6 +37,21 @@
 //   alive                the lighthouse's liveness counter (every
 //                        scan_interval); failed: the error that stopped it.
 //                        Clients waiting for a quorum watch both.
+//   round, quorum_id     the last round and quorum id given out, so a
+//                        lighthouse restarted on the same store goes on from
+//                        them: its groups (pg/<quorum id>/...) and votes
+//                        (commit/<round>/...) never meet its predecessor's
+//                        leftover keys.
+// A lighthouse restarted on the same store finds the registrations (and the
+// last requests) of replicas that may have died meanwhile: such a replica
+// counts as live only once its heartbeat moves under the new lighthouse's
+// eyes. It does not know the newest step its predecessor saw (see Note
+// [Ranks at different steps] in replicas.cpp for what a replica group
+// checks on its own), nor which requests its predecessor answered: one may
+// be answered again, and a quorum that counts in a replica not waiting for
+// it fails to make its group, so its members abort that step and ask for a
+// fresh one. `dtrain run` hosts the store and the lighthouse together: a
+// restart on the same store is for a lighthouse hosted on its own.
 // A registration counted in nreg whose reg/<k> never comes (the replica died
 // in between) is skipped after heartbeat_timeout, so later ones are seen.
 // A quorum is formed when at least min_replicas live replicas have asked and
@@ -75,6 +90,9 @@ struct Lighthouse::Replica {
   std::int64_t beats = -1;
   Clock::time_point last_beat;
   std::int64_t answered_seq = 0;
+  // Registered before this lighthouse started: live only once its heartbeat
+  // moved since (the counter's first reading proves nothing).
+  bool inherited = false;
   // The pending request, if any.
   bool pending = false;
   std::int64_t seq = 0;
@@ -87,6 +105,10 @@ Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
     : store_(store.with_prefix("ft")), options_(options) {
   DTRAIN_CHECK(options_.min_replicas >= 1, ConfigError,
                "lighthouse: min_replicas " << options_.min_replicas << " is below 1.", "pass 1 or more");
+  // A predecessor's, when restarted on the same store (Note [Quorum protocol]).
+  inherited_registrations_ = store_.add("nreg", 0);
+  round_ = store_.add("round", 0);
+  quorum_id_ = store_.add("quorum_id", 0);
   thread_ = std::thread([this] {
     try {
       serve();
@@ -201,7 +223,8 @@ void Lighthouse::add_registration(std::int64_t k, Clock::time_point now) {
   auto r = std::make_unique<Replica>();
   r->id = id;
   r->incarnation = k;
-  r->last_beat = now;
+  r->inherited = k <= inherited_registrations_;
+  r->last_beat = r->inherited ? now - options_.heartbeat_timeout : now;
   DTRAIN_LOG(kInfo) << "lighthouse: replica " << id << " registered (incarnation " << r->incarnation << ")";
   replicas_.push_back(std::move(r));
 }
@@ -226,8 +249,8 @@ void Lighthouse::scan(Clock::time_point now) {
     const std::string k = std::to_string(r->incarnation);
     const std::int64_t beats = store_.add("hb/" + k, 0);
     if (beats != r->beats) {
+      if (r->beats >= 0 || !r->inherited) r->last_beat = now;
       r->beats = beats;
-      r->last_beat = now;
     }
     if (!store_.check({"join/" + k})) continue;
     std::istringstream join(store_.get("join/" + k));
@@ -251,14 +274,24 @@ void Lighthouse::scan(Clock::time_point now) {
 
 bool Lighthouse::claim_answers(const std::vector<Replica*>& asking) {
   bool all = true;
+  std::vector<std::string> claimed;
   for (Replica* r : asking) {
     const std::string key = "claim/" + std::to_string(r->incarnation) + "/" + std::to_string(r->seq);
-    if (store_.compare_set(key, "", "lighthouse") == "lighthouse") continue;
+    if (store_.compare_set(key, "", "lighthouse") == "lighthouse") {
+      claimed.push_back(key);
+      continue;
+    }
     // Withdrawn: the client gave up on this request.
     dist::delete_key(store_, key);
     r->answered_seq = r->seq;
     r->pending = false;
     all = false;
+  }
+  // No quorum now: the claims just taken are released, so their clients may
+  // still withdraw (a claim promises an answer; this scan gives none). Their
+  // requests stay pending and are claimed again when a quorum forms.
+  if (!all) {
+    for (const auto& key : claimed) dist::delete_key(store_, key);
   }
   return all;
 }
@@ -319,9 +352,10 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
     members += std::to_string(r->id) + ":" + std::to_string(r->incarnation) + " ";
     fresh = fresh || r->fresh;
   }
-  if (members != last_members_ || fresh) ++quorum_id_;
+  if (members != last_members_ || fresh) quorum_id_ = store_.add("quorum_id", 1);
   last_members_ = members;
-  q.round = ++round_;
+  round_ = store_.add("round", 1);
+  q.round = round_;
   q.quorum_id = quorum_id_;
   const std::string text = q.to_text();
   if (quorum_id_ != (history_.empty() ? 0 : history_.back().quorum_id)) {

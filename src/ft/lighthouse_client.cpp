@@ -108,6 +108,37 @@ void LighthouseClient::check_lighthouse_alive(std::int64_t& alive, std::chrono::
   }
 }
 
+void LighthouseClient::withdraw_or_wait(const std::string& id) {
+  // Withdraw the request unless the lighthouse has claimed it: then its
+  // answer is on the way (Note [Quorum protocol]), or the claim is released
+  // again (the quorum fell through) and the next try withdraws.
+  const std::string answer = "answer/" + id;
+  const auto start = std::chrono::steady_clock::now();
+  const auto slice =
+      std::clamp(options_.lighthouse_timeout / 10, std::chrono::milliseconds(5), std::chrono::milliseconds(100));
+  for (;;) {
+    if (store_.compare_set("claim/" + id, "", "withdrawn") == "withdrawn") {
+      throw TimeoutError("replica " + std::to_string(options_.replica_id) +
+                             " got no quorum from the lighthouse within " +
+                             log::format_seconds(options_.quorum_timeout) + ".",
+                         "check that at least the lighthouse's min_replicas replica groups are up (dtrain run "
+                         "--ft-min-replicas), and that one of them holds the newest step");
+    }
+    try {
+      store_.wait({answer}, slice);
+      return;
+    } catch (const TimeoutError&) {
+    }
+    if (std::chrono::steady_clock::now() - start >= options_.lighthouse_timeout) {
+      throw CommunicationError("replica " + std::to_string(options_.replica_id) +
+                                   ": the lighthouse claimed its quorum request but has not answered it within " +
+                                   log::format_seconds(options_.lighthouse_timeout) + ".",
+                               "the launcher's lighthouse thread is stuck or gone: check the launcher's log; "
+                               "restart the job (from a checkpoint)");
+    }
+  }
+}
+
 Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
   register_once();
   const std::string k = std::to_string(incarnation_);
@@ -131,16 +162,7 @@ Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
     } catch (const TimeoutError&) {
     }
     if (left <= slice) {
-      // Withdraw the request unless the lighthouse has just claimed it (then
-      // its answer is on the way: Note [Quorum protocol]).
-      if (store_.compare_set("claim/" + id, "", "withdrawn") == "withdrawn") {
-        throw TimeoutError("replica " + std::to_string(options_.replica_id) +
-                               " got no quorum from the lighthouse within " +
-                               log::format_seconds(options_.quorum_timeout) + ".",
-                           "check that at least the lighthouse's min_replicas replica groups are up (dtrain run "
-                           "--ft-min-replicas), and that one of them holds the newest step");
-      }
-      store_.wait({answer}, options_.lighthouse_timeout);
+      withdraw_or_wait(id);
       break;
     }
     check_lighthouse_alive(alive, alive_moved_at);

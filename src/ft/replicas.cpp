@@ -11,6 +11,19 @@
 // receiver loads it only once every byte has arrived, so a source dying
 // mid-transfer leaves the receiver as it was: behind, voting to abort, and
 // recovering again at the next quorum.
+//
+// Note [Ranks at different steps]
+// A replica group of several ranks recovers rank to rank; when that
+// completes on some ranks only (a rank's load failed, its source died
+// mid-transfer), the step aborts and the group's ranks hold the states of
+// different steps. Before asking for a quorum they agree on the lowest
+// (a MIN over the group), so the group is behind and every rank recovers
+// from the same source step. That needs a member ahead of it: if none is
+// (the up-to-date groups died and the lighthouse, restarted, no longer knows
+// the newest step; ours otherwise refuses such a quorum), a rank that went
+// ahead cannot be brought back, and the group stops with a RendezvousError
+// on every rank instead of training on with diverged ranks. Every rank
+// decides alike: the same MIN/MAX, the same quorum.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -63,19 +76,30 @@ void FaultTolerantReplicas::start_step() {
     // recovery that one rank completed and another did not (the step
     // aborted), the group is behind, and all of its ranks recover again from
     // the same source step. Rank 0 asks; the others take its answer.
-    at::Tensor group_step = at::empty({1}, at::kLong);
-    group_step.fill_(step_);
-    options_.replica_group->all_reduce(group_step, dist::ReduceOp::kMin).wait();
-    const std::int64_t agreed = group_step.item<std::int64_t>();
-    if (agreed != step_) {
+    // See Note [Ranks at different steps].
+    at::Tensor group_steps = at::empty({2}, at::kLong);
+    group_steps[0].fill_(step_);
+    group_steps[1].fill_(-step_);
+    options_.replica_group->all_reduce(group_steps, dist::ReduceOp::kMin).wait();
+    const std::int64_t agreed = group_steps[0].item<std::int64_t>();
+    const std::int64_t newest = -group_steps[1].item<std::int64_t>();
+    if (agreed != newest) {
       DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": this rank is at step " << step_
-                           << ", another rank of its group at step " << agreed
+                           << ", its group's ranks at steps " << agreed << " to " << newest
                            << " (a recovery that did not complete everywhere); the group recovers again";
       step_ = agreed;
     }
     std::string text;
     if (local_rank() == 0) text = client_.quorum(step_, want_fresh_).to_text();
     quorum_ = Quorum::from_text(broadcast_text(*options_.replica_group, text));
+    DTRAIN_CHECK(agreed == newest || quorum_.max_step() > agreed, RendezvousError,
+                 "replica " << replica_id() << ": the ranks of this replica group hold the states of steps " << agreed
+                            << " to " << newest
+                            << " (a live recovery completed on some of them only), and no member of "
+                            << quorum_.describe() << " is ahead of step " << agreed
+                            << " to recover all of them from; training on would leave the ranks diverged.",
+                 "the up-to-date replica groups are gone (or the lighthouse lost track of the newest step): restart "
+                 "the job from a checkpoint");
   } else {
     quorum_ = client_.quorum(step_, want_fresh_);
   }

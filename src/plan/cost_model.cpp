@@ -58,6 +58,23 @@ double layer_activation_bytes(const ModelSpec& m, const ActivationShape& a) {
   return 0;
 }
 
+// Note [Captured gradients]
+// The split backward (src/parallel/pipeline/split_backward.h) runs I as the
+// input's gradient only and keeps, for W, the gradient arriving at each node
+// of the input path that also leads to weights: per token of one layer, the
+// two norms' outputs 2h (divided by tp under sequence parallelism), the
+// column-parallel GEMMs' outputs, QKV (h + 2kv) and the MLP's input f (2f
+// gated), divided by tp, and the row-parallel GEMMs' outputs, the attention
+// projection's and the MLP's, h each (before their all-reduce every tp rank
+// holds all of h). Bias additions are not counted (a bias fused into its
+// GEMM adds no node).
+double layer_captured_gradient_bytes(const ModelSpec& m, const ActivationShape& a) {
+  const double e = a.bytes_per_element, t = a.tp, h = m.hidden, kv = m.kv_width(), f = m.ffn;
+  const double tokens = static_cast<double>(a.micro_batch) * m.seq / a.cp;
+  const double r_div = a.sequence_parallel ? t : 1;
+  return tokens * e * (2 * h / r_div + (h + 2 * kv + (m.gated_mlp ? 2 : 1) * f) / t + 2 * h);
+}
+
 namespace {
 
 struct BytesPerParam {
@@ -69,9 +86,120 @@ BytesPerParam bytes_per_param(const ParallelPlan& p, const CostOptions& o) {
   return {2, 2, 12};
 }
 
+// Note [Pipeline memory from the action list]
+// What dtrain's executor (src/parallel/pipeline/pipeline.cpp) holds on a
+// rank, walked over the rank's action list (its order is fixed whatever the
+// durations, so the walk is done once per schedule):
+//  - a (stage, micro-batch)'s activations from its F to its B, or under the
+//    split backward (ZB) to its W: I keeps the graph (retain_graph) for W;
+//  - under ZB, from I to W, the gradients I captured where the input path
+//    meets the weights (each weight GEMM's and norm's output gradient), from
+//    which W runs (split_backward.h); not on the first stage, whose input is
+//    token ids: its I does nothing and its W runs the whole backward;
+//  - boundary tensors (one micro-batch's tokens x hidden): a stage's output
+//    sent to the next rank, from its F to the end of the step (the executor
+//    waits for its sends, and so keeps their tensors, at the end of the
+//    step); a gradient sent to the previous rank, from its B or I to the end
+//    of the step; a receive buffer, from when it is posted (kLookahead
+//    actions ahead, Note [Receives posted ahead]) to its F (then it is the
+//    stage's input, among the activations) or, for a gradient, to the end
+//    of the B or W that uses it;
+//  - during a B (an I, or the first stage's W), the backward's working
+//    memory (Holding::backward).
+// Each moment's holdings are counts; the estimate weighs them with the
+// layer shapes and takes the largest sum. The moments no other one
+// dominates are kept (a handful per rank).
+constexpr std::size_t kExecutorLookahead = 8;  // pipeline.cpp's kLookahead
+
+struct Holding {
+  int acts = 0;           // (stage, micro-batch) activation sets
+  int last_acts = 0;      // of them, the last stage's (logits and loss)
+  int captures = 0;       // ZB: (stage, micro-batch)s between I and W
+  int last_captures = 0;  // of them, the last stage's (the logits' gradient)
+  int boundary = 0;       // tokens x hidden tensors: sent, received, posted
+  // Inside a backward (its working memory): 0 no, 1 of a stage, 2 of the
+  // last stage (whose working memory also holds the logits' gradient).
+  int backward = 0;
+  bool dominated_by(const Holding& o) const {
+    return acts <= o.acts && last_acts <= o.last_acts && captures <= o.captures && last_captures <= o.last_captures &&
+           boundary <= o.boundary && backward <= o.backward;
+  }
+};
+
+std::vector<Holding> walk_holdings(const pipeline::Schedule& s, int rank) {
+  using pipeline::ActionKind;
+  const auto& list = s.actions[rank];
+  const int n = s.stage_count();
+  auto remote = [&](int stage) { return stage >= 0 && stage < n && s.rank_of_stage(stage) != rank; };
+  std::vector<bool> posted(list.size(), false);
+  Holding now;
+  std::vector<Holding> moments;
+  auto record = [&](int backward) {
+    Holding h = now;
+    h.backward = backward;
+    moments.push_back(h);
+  };
+  for (std::size_t k = 0; k < list.size(); ++k) {
+    for (std::size_t j = k; j < std::min(list.size(), k + kExecutorLookahead); ++j) {
+      const ActionKind kind = list[j].kind;
+      if (!posted[j] && (kind == ActionKind::kRecvActivation || kind == ActionKind::kRecvGradient)) {
+        posted[j] = true;
+        ++now.boundary;
+      }
+    }
+    const pipeline::Action& a = list[k];
+    const bool last = a.stage == n - 1;
+    switch (a.kind) {
+      case ActionKind::kForward:
+        ++now.acts;
+        now.last_acts += last;
+        if (remote(a.stage - 1)) --now.boundary;  // the received buffer is the stage's input now
+        if (remote(a.stage + 1)) ++now.boundary;  // the output, kept by its send
+        record(0);
+        break;
+      case ActionKind::kBackward:
+        record(last ? 2 : 1);
+        --now.acts;
+        now.last_acts -= last;
+        if (remote(a.stage + 1)) --now.boundary;  // the received gradient
+        if (remote(a.stage - 1)) ++now.boundary;  // the input's gradient, kept by its send
+        break;
+      case ActionKind::kBackwardInput:
+        if (a.stage == 0) break;  // no input path: nothing runs until W
+        record(last ? 2 : 1);
+        ++now.captures;
+        now.last_captures += last;
+        if (remote(a.stage - 1)) ++now.boundary;
+        break;
+      case ActionKind::kBackwardWeight:
+        record(a.stage == 0 ? 1 : 0);  // the first stage's W is its whole backward
+        --now.acts;
+        now.last_acts -= last;
+        if (a.stage > 0) {
+          --now.captures;
+          now.last_captures -= last;
+        }
+        if (remote(a.stage + 1)) --now.boundary;
+        break;
+      default: break;
+    }
+  }
+  record(0);
+  std::vector<Holding> kept;
+  for (std::size_t k = 0; k < moments.size(); ++k) {
+    bool dominated = false;
+    for (std::size_t j = 0; j < moments.size() && !dominated; ++j) {
+      // Of equal moments keep the first.
+      dominated = j != k && moments[k].dominated_by(moments[j]) && (!moments[j].dominated_by(moments[k]) || j < k);
+    }
+    if (!dominated) kept.push_back(moments[k]);
+  }
+  return kept;
+}
+
 struct CachedSchedule {
   pipeline::Schedule schedule;
-  std::vector<int> peak_in_flight;  // per rank: a count over its own order, whatever the durations
+  std::vector<std::vector<Holding>> holdings;  // per rank: its undominated moments
 };
 
 // Generating (and validating) a schedule costs more than replaying it: the
@@ -83,15 +211,8 @@ const CachedSchedule& cached_schedule(pipeline::ScheduleKind kind, int p, int v,
   const auto key = std::make_tuple(static_cast<int>(kind), p, v, m);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    CachedSchedule c{pipeline::make_schedule({.kind = kind, .ranks = p, .stages_per_rank = v, .micro_batches = m}),
-                     std::vector<int>(p, 0)};
-    for (int r = 0; r < p; ++r) {
-      int held = 0;
-      for (const auto& a : c.schedule.actions[r]) {
-        if (a.kind == pipeline::ActionKind::kForward) c.peak_in_flight[r] = std::max(c.peak_in_flight[r], ++held);
-        if (a.kind == pipeline::ActionKind::kBackward || a.kind == pipeline::ActionKind::kBackwardWeight) --held;
-      }
-    }
+    CachedSchedule c{pipeline::make_schedule({.kind = kind, .ranks = p, .stages_per_rank = v, .micro_batches = m}), {}};
+    for (int r = 0; r < p; ++r) c.holdings.push_back(walk_holdings(c.schedule, r));
     it = cache.emplace(key, std::move(c)).first;
   }
   return it->second;
@@ -216,21 +337,25 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   // Replay: the pipeline's action lists, or micro-steps one after another.
   int critical = 0;
   double makespan = 0;
-  std::vector<int> in_flight(plan.pp, 1);
   std::vector<double> busy(plan.pp, 0);
-  if (pipelined && options.memory_only) {
-    in_flight = cached_schedule(pipeline::parse_schedule_kind(plan.pipeline.schedule), plan.pp, v, m).peak_in_flight;
-  } else if (pipelined) {
-    const auto& schedule =
-        cached_schedule(pipeline::parse_schedule_kind(plan.pipeline.schedule), plan.pp, v, m).schedule;
-    const double p2p = detail::p2p_seconds(
-        static_cast<double>(est.micro_batch) * model.seq / cp * model.hidden * e / (plan.sequence_parallel ? tp : 1),
-        pp_link);
-    const auto r = replay(schedule, {.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p});
-    makespan = r.makespan;
-    in_flight = r.peak_in_flight;
-    busy = r.busy;
-    critical = static_cast<int>(std::max_element(r.end.begin(), r.end.end()) - r.end.begin());
+  // What each pipeline rank holds at its moments (Note [Pipeline memory from
+  // the action list]); without a pipeline, one moment: a micro-step's
+  // activations and logits at the start of its backward.
+  std::vector<std::vector<Holding>> holdings(plan.pp,
+                                             std::vector<Holding>{Holding{.acts = 1, .last_acts = 1, .backward = 2}});
+  if (pipelined) {
+    const auto& cached = cached_schedule(pipeline::parse_schedule_kind(plan.pipeline.schedule), plan.pp, v, m);
+    holdings = cached.holdings;
+    if (!options.memory_only) {
+      const double p2p = detail::p2p_seconds(
+          static_cast<double>(est.micro_batch) * model.seq / cp * model.hidden * e / (plan.sequence_parallel ? tp : 1),
+          pp_link);
+      const auto r =
+          replay(cached.schedule, {.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p});
+      makespan = r.makespan;
+      busy = r.busy;
+      critical = static_cast<int>(std::max_element(r.end.begin(), r.end.end()) - r.end.begin());
+    }
   } else {
     makespan = micro_steps * (times[0].forward + times[0].backward_input + times[0].backward_weight);
     busy[0] = makespan;
@@ -239,20 +364,20 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   // Per pipeline rank: parameters held, and memory.
   std::vector<double> rank_params(plan.pp, 0);
   est.peak_memory_bytes.assign(plan.pp, 0);
-  const double none_layer = layer_activation_bytes(model, {.micro_batch = est.micro_batch,
-                                                           .tp = tp,
-                                                           .cp = cp,
-                                                           .sequence_parallel = plan.sequence_parallel,
-                                                           .recompute = Recompute::kNone,
-                                                           .bytes_per_element = e});
-  const double kept_layer = layer_activation_bytes(model, {.micro_batch = est.micro_batch,
-                                                           .tp = tp,
-                                                           .cp = cp,
-                                                           .sequence_parallel = plan.sequence_parallel,
-                                                           .recompute = plan.recompute,
-                                                           .bytes_per_element = e});
+  const ActivationShape act_shape{.micro_batch = est.micro_batch,
+                                  .tp = tp,
+                                  .cp = cp,
+                                  .sequence_parallel = plan.sequence_parallel,
+                                  .recompute = plan.recompute,
+                                  .bytes_per_element = e};
+  ActivationShape none_shape = act_shape;
+  none_shape.recompute = Recompute::kNone;
+  const double none_layer = layer_activation_bytes(model, none_shape);
+  const double kept_layer = layer_activation_bytes(model, act_shape);
+  const double captured_layer = layer_captured_gradient_bytes(model, act_shape);
   const double tokens = static_cast<double>(est.micro_batch) * model.seq / cp;
-  const auto schedule_kind = pipeline::parse_schedule_kind(plan.pipeline.schedule);
+  const double logits = tokens * static_cast<double>(model.vocab) / tp;
+  const double boundary = tokens * model.hidden * e / (plan.sequence_parallel ? tp : 1);
   std::vector<MemoryBreakdown> memory(plan.pp);
   for (int r = 0; r < plan.pp; ++r) {
     std::int64_t layers = 0;
@@ -271,14 +396,6 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     mem.params = params * bpp.weights / (plan.zero_stage == 3 ? shard : 1);
     mem.grads = params * bpp.grads / (plan.zero_stage >= 2 ? shard : 1);
     mem.optimizer = params * bpp.optimizer / (plan.zero_stage >= 1 ? shard : 1);
-    const double per_stage_layers = static_cast<double>(layers) / v;
-    mem.activations = in_flight[r] * per_stage_layers * kept_layer + (none_layer - kept_layer);
-    if (last) {
-      const bool eager = model.kernels == Kernels::kEager;
-      const double logits = tokens * static_cast<double>(model.vocab) / tp;
-      const int held = pipelined && schedule_kind == pipeline::ScheduleKind::kGPipe ? m : 1;
-      mem.logits = logits * ((eager ? 10 : 4) * held + 6);
-    }
     if (plan.zero_stage == 3 && shard > 1) {
       mem.buffers += (1 + options.zero3_prefetch_units) * layer_params * e + layer_params * bpp.grads;
     } else if (plan.data_parallel() * cp > 1) {
@@ -288,8 +405,48 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       const double in_flight = 2.0 * std::min(static_cast<double>(options.ddp_bucket_bytes), all_grads);
       mem.buffers += options.ddp_buckets_copy_gradients && plan.zero_stage == 0 ? all_grads : in_flight;
     }
-    if (pipelined) mem.buffers += 4 * tokens * model.hidden * e / (plan.sequence_parallel ? tp : 1);
     if (tp > 1 && plan.sequence_parallel) mem.buffers += tokens * model.hidden * e;
+    // The largest of the rank's moments: per (stage, micro-batch) its layers'
+    // activations (the last stage also its logits: the fp32 softmax, fused
+    // cross-entropy 4 bytes per logit, eager 10), ZB's captured gradients
+    // (the last stage's also the logits'), the boundary tensors, and in a
+    // backward one layer's recomputed activations and, on the last stage,
+    // 6 bytes per logit of the loss's backward.
+    const double per_stage_layers = static_cast<double>(layers) / v;
+    const double kept_logits = logits * (model.kernels == Kernels::kEager ? 10 : 4);
+    MemoryBreakdown best;
+    double best_total = -1;
+    for (const Holding& h : holdings[r]) {
+      MemoryBreakdown part;
+      part.activations = h.acts * per_stage_layers * kept_layer + (h.backward > 0 ? none_layer - kept_layer : 0);
+      part.logits = last ? h.last_acts * kept_logits + (h.backward == 2 ? 6 * logits : 0) : 0;
+      part.captured = h.captures * per_stage_layers * captured_layer + (last ? h.last_captures * logits * e : 0);
+      part.buffers = h.boundary * boundary;
+      if (part.total() > best_total) {
+        best_total = part.total();
+        best = part;
+      }
+    }
+    mem.activations = best.activations;
+    mem.logits = best.logits;
+    mem.captured = best.captured;
+    mem.buffers += best.buffers;
+    if (plan.zero_stage == 2 && shard > 1 && !pipelined && options.ddp_buckets_copy_gradients) {
+      // dtrain's ZeRO-2 (src/parallel/zero/zero_backward.cpp): zero_grad
+      // drops the shards' gradients before each step, and a unit's full
+      // gradients move into its reduce-scatter input as soon as they are
+      // complete. At the start of backward, where the activations peak, it
+      // holds no gradient; at its end, with the activations gone, every
+      // unit's reduce-scatter input (all the gradients) and output (the
+      // shard). The peak is the larger of the two.
+      const double all_grads = params * bpp.grads;
+      MemoryBreakdown start = mem, end = mem;
+      start.grads = 0;
+      start.buffers -= 2.0 * std::min(static_cast<double>(options.ddp_bucket_bytes), all_grads);
+      end.activations = end.logits = 0;
+      end.buffers = all_grads;
+      mem = start.total() >= end.total() ? start : end;
+    }
     est.peak_memory_bytes[r] = mem.total() * options.allocator_factor;
   }
   const int worst = static_cast<int>(std::max_element(est.peak_memory_bytes.begin(), est.peak_memory_bytes.end()) -
@@ -371,7 +528,8 @@ std::string PlanEstimate::to_json() const {
   j["tflops_per_gpu"] = tflops_per_gpu;
   j["mfu"] = mfu;
   j["memory"] = {{"params", memory.params},           {"grads", memory.grads},   {"optimizer", memory.optimizer},
-                 {"activations", memory.activations}, {"logits", memory.logits}, {"buffers", memory.buffers}};
+                 {"activations", memory.activations}, {"logits", memory.logits}, {"captured", memory.captured},
+                 {"buffers", memory.buffers}};
   j["time"] = {{"compute", time.compute},     {"recompute", time.recompute},   {"tp_comm", time.tp_comm},
                {"cp_comm", time.cp_comm},     {"zero3_comm", time.zero3_comm}, {"pipeline_idle", time.pipeline_idle},
                {"grad_sync", time.grad_sync}, {"optimizer", time.optimizer}};

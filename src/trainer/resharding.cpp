@@ -24,10 +24,12 @@ namespace dtrain {
 
 namespace fs = std::filesystem;
 
-SavedModelState saved_model_state(const Checkpointer& checkpointer) {
-  const std::vector<std::int64_t> steps = checkpointer.complete_steps();
-  if (steps.empty()) return SavedModelState::kNone;
-  const fs::path dir = checkpointer.options().dir / ("step_" + std::to_string(steps.front()));
+SavedModelState saved_model_state(Checkpointer& checkpointer) {
+  // The step the load will take, verified once on rank 0 (not every retained
+  // step on every rank): latest_step() keeps it for load_latest().
+  const std::int64_t step = checkpointer.latest_step();
+  if (step < 0) return SavedModelState::kNone;
+  const fs::path dir = checkpointer.options().dir / ("step_" + std::to_string(step));
   if (fs::exists(dir / "rank_0" / (std::string(kLaidOutState) + ".pt"))) return SavedModelState::kLaidOut;
   if (fs::exists(dir / "rank_0" / (std::string(kZeroState) + ".pt"))) return SavedModelState::kZero;
   if (fs::exists(dir / "model.pt")) return SavedModelState::kReplicated;
@@ -52,10 +54,14 @@ class ZeroReader : public ShardedStateful {
       for (const auto& [field, t] : s.state) whole["optimizer." + name + "." + field] = t;
       whole["optimizer." + name + ".step"] = at::full({1}, s.step, at::kLong);
     }
-    target_->load_whole([&](const std::string& name) {
-      const auto it = whole.find(name);
-      return it == whole.end() ? at::Tensor() : it->second;
-    });
+    std::vector<std::string> saved;
+    for (const auto& [name, t] : whole) saved.push_back(name);
+    target_->load_whole(
+        [&](const std::string& name) {
+          const auto it = whole.find(name);
+          return it == whole.end() ? at::Tensor() : it->second;
+        },
+        saved);
   }
 
  private:

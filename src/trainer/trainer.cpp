@@ -20,6 +20,7 @@
 #include "dtrain/trainer/metrics.h"
 #include "dtrain/trainer/progress.h"
 #include "dtrain/trainer/trace.h"
+#include "fault_tolerant_step.h"
 
 namespace dtrain {
 namespace {
@@ -231,6 +232,7 @@ struct Trainer::Run {
   bool want_metrics = false;  // the same on every rank: decides collectives
   BatchSource& source;
   std::unique_ptr<amp::GradScaler> scaler;
+  std::unique_ptr<detail::FaultTolerantStep> ft;  // TrainerOptions::fault_tolerance
   std::optional<Checkpointer> checkpoints;
   std::unique_ptr<Tracer> tracer;
   std::ofstream sample_log;
@@ -263,21 +265,25 @@ struct Trainer::Run {
   }
 
   void setup() {
-    source.setup({.data_rank = s.data_rank(),
-                  .data_world = s.data_world(),
+    scaler = std::make_unique<amp::GradScaler>(amp::GradScalerOptions{
+        .enabled = o.grad_scaler.value_or(o.amp_dtype == at::kHalf), .found_inf_group = s.found_inf_group()});
+    if (o.fault_tolerance) setup_fault_tolerance();
+    source.setup({.data_rank = ft ? ft->data_rank() : s.data_rank(),
+                  .data_world = ft ? ft->data_world() : s.data_world(),
                   .batch_size = o.batch_size,
                   .accumulate = o.accumulate,
                   .whole_batches = s.needs_whole_batches()});
     DTRAIN_CHECK(o.max_steps > 0 || source.epoch_examples() > 0, ConfigError,
                  "the Trainer's batch source is endless (a StepStream), but TrainerOptions::max_steps is 0.",
                  "set max_steps to the number of optimizer steps to train");
-    scaler = std::make_unique<amp::GradScaler>(amp::GradScalerOptions{
-        .enabled = o.grad_scaler.value_or(o.amp_dtype == at::kHalf), .found_inf_group = s.found_inf_group()});
     if (!o.checkpoint_dir.empty()) resume();
     st.step = position.step;
     if (!o.sample_log.empty()) {
       const auto& f = o.sample_log;
-      const auto path = f.parent_path() / (f.stem().string() + ".rank" + std::to_string(rank) + f.extension().string());
+      // Under fault tolerance every replica group has a rank 0: the data rank tells them apart.
+      const int file_rank = ft ? ft->data_rank() : rank;
+      const auto path =
+          f.parent_path() / (f.stem().string() + ".rank" + std::to_string(file_rank) + f.extension().string());
       sample_log.open(path, std::ios::app);
       DTRAIN_CHECK(sample_log.good(), ConfigError, "cannot open the sample log " << path.string() << ".",
                    "check that the sample log's folder exists and is writable");
@@ -293,6 +299,18 @@ struct Trainer::Run {
                        << " examples per rank and epoch (0: a stream), " << o.epochs << " epochs, micro-batch "
                        << o.batch_size << " x " << o.accumulate << " per rank"
                        << (o.amp_dtype ? std::string(", autocast ") + c10::toString(*o.amp_dtype) : std::string());
+  }
+
+  void setup_fault_tolerance() {
+    DTRAIN_CHECK(source.epoch_examples() == 0 && o.max_steps > 0, ConfigError,
+                 "TrainerOptions::fault_tolerance needs a StepStream and max_steps: a recovered replica group "
+                 "finds its data position from the step.",
+                 "train from a StepStream (batches a function of the step) with max_steps set");
+    DTRAIN_CHECK(o.checkpoint_dir.empty(), ConfigError,
+                 "TrainerOptions::fault_tolerance with checkpoint_dir is not supported yet (every replica group "
+                 "would write the same folder).",
+                 "leave checkpoint_dir empty: a restarted replica group recovers from a live peer");
+    ft = std::make_unique<detail::FaultTolerantStep>(*o.fault_tolerance, s, st.optimizer, scaler.get(), st.schedule);
   }
 
   // Checkpoints hold, besides the strategy's model and optimizer, the scaler
@@ -400,8 +418,19 @@ struct Trainer::Run {
     step_indices.clear();
   }
 
-  // One optimizer step over `accumulate` micro-batches; returns its loss.
-  double step(bool log_now, Window& window) {
+  // One committed optimizer step; under fault tolerance a step another
+  // replica group failed runs again (same step, same data), and a recovery
+  // moves the step to the live peer's.
+  double committed_step(bool log_now, Window& window) {
+    for (;;) {
+      if (ft) position.step = ft->begin(position.step);
+      if (const auto loss = step(log_now, window)) return *loss;
+    }
+  }
+
+  // One optimizer step over `accumulate` micro-batches; returns its loss, or
+  // nullopt when the replica groups did not commit it (fault tolerance).
+  std::optional<double> step(bool log_now, Window& window) {
     if (tracer) tracer->set_step(position.step + 1);
     at::Tensor loss;
     last_lr = st.optimizer.param_groups().front().options().get_lr();
@@ -411,6 +440,10 @@ struct Trainer::Run {
       for (int m = 0; m < o.accumulate; ++m) {
         const at::Tensor part = micro_step(m, window);
         loss = loss.defined() ? loss + part : part;
+      }
+      if (ft && !ft->commit(position.step)) {
+        step_indices.clear();
+        return std::nullopt;
       }
       auto span = Tracer::span(tracer.get(), "optimizer", "compute");
       const auto optimizer_start = Clock::now();
@@ -468,7 +501,7 @@ struct Trainer::Run {
     for (std::int64_t i = 0; i < steps && more; ++i) {
       const bool log_now = (i + 1) % o.log_every == 0 || i + 1 == steps;
       const auto step_start = Clock::now();
-      const double loss = step(log_now, window);
+      const double loss = committed_step(log_now, window);
       summary.train_seconds += seconds_since(step_start);
       summary.examples += o.batch_size * o.accumulate * s.data_world();
       window.loss += loss;

@@ -206,6 +206,7 @@ TEST(GpuLoader, PinnedBatchesCopyNonBlocking) {
   ASSERT_TRUE(dtrain::data::detail::can_pin_memory());
   auto loader = dtrain::data::make_tensor_loader(std::make_shared<Ramp>(),
                                                  {.batch_size = 4, .num_workers = 2, .pin_memory = true});
+  loader->start_epoch(0);
   int batches = 0;
   while (auto batch = loader->next()) {
     EXPECT_TRUE(batch->data.is_pinned());

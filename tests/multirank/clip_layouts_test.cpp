@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 #include <utility>
@@ -94,15 +95,13 @@ void check_clip_by_layouts(std::vector<MeshDim> dims, bool with_stages) {
       // Every element counted once, so the counted elements sum to the whole's.
       const double norm = dtrain::clip_grad_norm_(set, max_norm, {.norm_type = p}).item<double>();
       EXPECT_NEAR(norm, expected, 1e-5 * expected) << "p " << p << " on " << mesh.describe() << " rank " << rank;
-      // Clipped parts (replicated ones too, where counted) equal the parts of
-      // the clipped whole.
+      // Every clipped part equals its part of the clipped whole: replicated
+      // copies too, where counted and where counted elsewhere (which must
+      // scale by the same factor, or the copies drift apart).
       std::size_t k = 0;
       for (std::size_t i = 0; i < all.size(); ++i) {
         if (all[i].stage >= 0 && all[i].stage != mesh.coordinate("pp")) continue;
         const auto& [parameter, layout] = local[k++];
-        const bool counted = std::any_of(set.parameters.begin(), set.parameters.end(),
-                                         [&](const at::Tensor& t) { return t.is_same(parameter); });
-        if (!counted) continue;
         const at::Tensor want = dtrain::dist::local_part(whole[i].grad(), layout, mesh.coordinates());
         EXPECT_TRUE(at::allclose(parameter.grad(), want, 1e-6, 1e-6))
             << "gradient " << i << " p " << p << " rank " << rank;
@@ -150,5 +149,27 @@ TEST(GradientSetSharded, RankWithoutGradientsCombinesInTheParametersDtype) {
     const at::Tensor norm = dtrain::grad_norm(dtrain::GradientSet::sharded({param}, group));
     EXPECT_EQ(norm.scalar_type(), at::kDouble) << "rank " << rank;
     EXPECT_DOUBLE_EQ(norm.item<double>(), 5.0) << "rank " << rank;
+  });
+}
+
+// A rank that holds no parameters at all (e.g. a pipeline rank whose stage
+// owns none of a set) beside a peer with fp64 ones: the partials are combined
+// in fp64 on both, so the all-reduce matches and both see the peer's norm.
+TEST(GradientSetSharded, RankWithNoParametersCombinesWithFp64Peers) {
+  dtrain::testing::run_rank_threads(2, [](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = kClipLayoutsTimeout});
+    std::vector<at::Tensor> params;
+    if (rank == 0) {
+      params.push_back(at::zeros({2}, at::kDouble).requires_grad_(true));
+      params.back().mutable_grad() = at::tensor({1.0 / 3.0, 1e-9}, at::kDouble);
+    }
+    const at::Tensor norm = dtrain::grad_norm(dtrain::GradientSet::sharded(params, group));
+    const double expected = std::sqrt(1.0 / 9.0 + 1e-18);
+    // fp64 on the rank with fp64 parameters (to the last bit), fp32 on the other.
+    if (rank == 0) {
+      EXPECT_DOUBLE_EQ(norm.item<double>(), expected);
+    } else {
+      EXPECT_FLOAT_EQ(norm.item<float>(), static_cast<float>(expected));
+    }
   });
 }

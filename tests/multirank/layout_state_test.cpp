@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -266,4 +267,29 @@ TEST(LayoutState, CheckpointOfAnotherModelNamesTheParameterAndChangesNothing) {
     EXPECT_TRUE(s.exp_avg().allclose(at::full(p.sizes(), 0.1F))) << s.exp_avg();  // (1 - beta1) * grad
   }
   std::filesystem::remove_all(dir);
+}
+
+// State saved in another format (ZeRO's flat shards, made whole) is checked
+// as a laid-out checkpoint is: a tensor this model does not have is a
+// DataError naming it, and nothing is filled.
+TEST(LayoutState, LoadWholeNamesATensorThisModelDoesNotHave) {
+  ParameterModel m = parameter_model({{"a", {2, 3}}}, 7.0F);
+  torch::optim::AdamW opt(m.tensors(), torch::optim::AdamWOptions(0.1));
+  auto state = dtrain::parameter_state([&m] { return m.laid_out(); }, &opt, m.names());
+  const std::map<std::string, at::Tensor> whole{{"model.a", at::ones({2, 3})}, {"model.b", at::ones({3})}};
+  auto find = [&whole](const std::string& name) {
+    const auto it = whole.find(name);
+    return it == whole.end() ? at::Tensor() : it->second;
+  };
+  std::string message = "(no error)";
+  try {
+    state->load_whole(find, {"model.a", "model.b"});
+  } catch (const dtrain::DataError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("holds model.b, which this model does not have"), std::string::npos) << message;
+  EXPECT_TRUE(m.params[0].second.eq(7.0F).all().item<bool>()) << "a refused load filled a tensor";
+  // The same tensors without the stranger load.
+  state->load_whole(find, {"model.a"});
+  EXPECT_TRUE(m.params[0].second.eq(1.0F).all().item<bool>());
 }

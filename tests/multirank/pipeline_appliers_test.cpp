@@ -14,6 +14,7 @@
 #include <iostream>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 
 #include "appliers_model.h"
 #include "dtrain/comm/mesh.h"
@@ -159,4 +160,58 @@ TEST(PipelineAppliers, DataTimesPipelineWithEachApplierAndScheduleEqualsOneProce
         if (!failures.str().empty()) std::cerr << failures.str();
       },
       {.timeout = std::chrono::seconds(300)});
+}
+
+// A step whose loss throws (on every rank alike) ends its stages' scopes: a
+// ZeRO-3 stage is resharded after the error, not left gathered for the next
+// step to run inside, and the next step trains as if the failed one had not
+// happened (equal to one process that never saw it).
+TEST(PipelineAppliers, AStepThatThrowsEndsItsStagesScopes) {
+  constexpr int kWorld = 2, kBatch = 8;
+  dtrain::testing::run_rank_processes(
+      kWorld,
+      [&](int rank) {
+        auto world = dtrain::dist::init_process_group({.timeout = std::chrono::seconds(60)});
+        dtrain::dist::DeviceMesh mesh(world, {{"pp", 1}, {"dp_shard", 2}});
+        torch::nn::Sequential net = appliers_net();
+        auto stages = dtrain::pipeline::split_stages(net, {0, 0, 0, 0});
+        bool fail = true;
+        auto loss_fn = [&fail](const at::Tensor& out, const at::Tensor& y) {
+          if (fail) throw std::runtime_error("loss failed on purpose");
+          return appliers_loss(out, y);
+        };
+        dtrain::pipeline::Pipeline pipe({{.module = stages[0]}}, mesh["pp"],
+                                        {.schedule = dtrain::pipeline::ScheduleKind::kGPipe,
+                                         .micro_batches = 2,
+                                         .data_parallel_group = mesh["dp_shard"],
+                                         .stage_sync = dtrain::pipeline::zero_stage_sync({.stage = 3})},
+                                        loss_fn);
+        ASSERT_EQ(pipe.sharded_stages().size(), 1u);
+        dtrain::ShardedDataParallel& sdp = *pipe.sharded_stages().front();
+        const std::int64_t chunks = sdp.memory_stats().parameter_bytes;
+        const auto half = [&](const at::Tensor& t) { return t.chunk(2, 0)[mesh.coordinate("dp_shard")]; };
+        const AppliersBatch failing = appliers_batch(kBatch, 0);
+        EXPECT_THROW(pipe.step(half(failing.x), half(failing.y)), std::runtime_error) << "rank " << rank;
+        EXPECT_EQ(sdp.memory_stats().parameter_bytes, chunks)
+            << "rank " << rank << ": the failed step left the stage's full parameters gathered";
+
+        fail = false;
+        torch::optim::AdamW opt(pipe.parameters(), torch::optim::AdamWOptions(0.02));
+        torch::nn::Sequential reference = appliers_net();
+        torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(0.02));
+        const AppliersBatch b = appliers_batch(kBatch, 1);
+        pipe.zero_grad();
+        pipe.step(half(b.x), half(b.y));
+        opt.step();
+        appliers_loss(reference->forward(b.x), b.y).backward();
+        ref_opt.step();
+        EXPECT_EQ(sdp.memory_stats().parameter_bytes, chunks) << "rank " << rank;
+        dtrain::ShardedDataParallel::FullParameters full(sdp);
+        auto ref_params = reference->named_parameters();
+        std::ostringstream failures;
+        for (const auto& item : stages[0]->named_parameters())
+          appliers_close(item.value().detach(), ref_params[item.key()].detach(), item.key(), failures);
+        EXPECT_TRUE(failures.str().empty()) << "rank " << rank << "\n" << failures.str();
+      },
+      {.timeout = std::chrono::seconds(120)});
 }

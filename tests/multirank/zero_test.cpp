@@ -109,6 +109,23 @@ TEST(Zero, NoSyncAccumulationAndNoReshardAfterForward) {
   });
 }
 
+// The flat buffers (gathered units, gradients, reductions) live on the
+// parameters' device, so a module spread over two devices is refused, naming
+// a parameter (the GPU tests cover ZeRO-3 on CUDA).
+TEST(Zero, ParametersOnTwoDevicesAreRefused) {
+  run_rank_threads(1, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 1, {.timeout = std::chrono::seconds(30)});
+    auto model = make_model();  // on the CPU, plus one parameter on the meta device
+    model->register_parameter("on_meta", at::ones({4}, at::TensorOptions().device(at::kMeta)));
+    try {
+      dtrain::ShardedDataParallel sdp(model, group, {.stage = 3});
+      ADD_FAILURE() << "a module on the CPU and the meta device was accepted";
+    } catch (const dtrain::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("every parameter on one device"), std::string::npos) << e.what();
+    }
+  });
+}
+
 // Stage 3 holds at most the two largest units beside its shard of the model.
 TEST(Zero, Stage3PeakParameterMemoryIsTwoUnitsPlusShard) {
   constexpr int world = 2;

@@ -22,6 +22,8 @@ namespace dtrain::testing {
 namespace {
 
 const std::string kFtWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_ft_worker";
+// The same replica group trained by dtrain::Trainer (TrainerOptions::fault_tolerance).
+const std::string kFtTrainerWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_ft_trainer_worker";
 
 struct FtStepLine {
   std::int64_t step = 0;
@@ -70,8 +72,9 @@ std::size_t ft_steps_logged(const fs::path& path) {
 
 // `kReplicas` replica groups of `k` ranks; rank 0 of group kVictim is
 // SIGKILLed after 20 steps (with k > 1 the launcher then stops its other
-// ranks and restarts the whole group).
-void run_ft_kill_scenario(const int kReplicas, const int k) {
+// ranks and restarts the whole group). `worker`: ft_worker.cpp's hand-written
+// loop, or ft_trainer_worker.cpp's Trainer.
+void run_ft_kill_scenario(const int kReplicas, const int k, const std::string& worker = kFtWorker) {
   constexpr int kSteps = 200;
   constexpr int kVictim = 1;
   Scratch scratch;
@@ -82,10 +85,9 @@ void run_ft_kill_scenario(const int kReplicas, const int k) {
   // The restarted group joins well after the heartbeat timeout, so the
   // survivors step on without it meanwhile.
   ::setenv("FT_RESTART_DELAY_MS", "2000", 1);
-  Launch launch(
-      {"--nproc-per-node", std::to_string(kReplicas * k), "--ft-replicas", std::to_string(kReplicas), "--max-restarts",
-       "2", "--ft-heartbeat-timeout", "0.5", "--log-dir", (dir / "logs").string(), kFtWorker},
-      scratch);
+  Launch launch({"--nproc-per-node", std::to_string(kReplicas * k), "--ft-replicas", std::to_string(kReplicas),
+                 "--max-restarts", "2", "--ft-heartbeat-timeout", "0.5", "--log-dir", (dir / "logs").string(), worker},
+                scratch);
   const fs::path victim_log = dir / ("replica_" + std::to_string(kVictim) + ".log");
   ASSERT_TRUE(wait_for([&] { return ft_steps_logged(victim_log) >= 20; }, std::chrono::seconds(60))) << launch.err();
   const int victim_pid = read_ft_log(victim_log).steps.back().pid;
@@ -220,6 +222,18 @@ TEST(FaultTolerance, KilledReplicaGroupRecoversLiveAndMatchesReplay) {
 // recovers from the same rank of a peer group.
 TEST(FaultTolerance, KilledTwoRankReplicaGroupRecoversLiveAndMatchesReplay) {
   run_ft_kill_scenario(/*replicas=*/2, /*ranks_per_replica=*/2);
+}
+
+// The Trainer with TrainerOptions::fault_tolerance: three replica groups
+// of one rank, one SIGKILLed; the same checks against the same replay (the
+// scaler, schedule and step counter travel in its recovery).
+TEST(FaultTolerance, TrainerKilledReplicaGroupRecoversLiveAndMatchesReplay) {
+  run_ft_kill_scenario(/*replicas=*/3, /*ranks_per_replica=*/1, kFtTrainerWorker);
+}
+
+// Two ranks per replica group, a DdpStrategy inside each.
+TEST(FaultTolerance, TrainerKilledDdpReplicaGroupRecoversLiveAndMatchesReplay) {
+  run_ft_kill_scenario(/*replicas=*/2, /*ranks_per_replica=*/2, kFtTrainerWorker);
 }
 
 }  // namespace

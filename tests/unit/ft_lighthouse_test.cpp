@@ -4,7 +4,8 @@
 // incarnation that is behind, the vote's all-or-none answer, no quorum
 // without a member holding the newest step, none disjoint from the last;
 // the review's defects: a half-written registration, a withdrawn request,
-// keys that grew per step, a lighthouse that failed or stopped.
+// keys that grew per step, a lighthouse that failed or stopped, one
+// restarted on the same store.
 #include <gtest/gtest.h>
 
 #include <future>
@@ -200,6 +201,44 @@ TEST(FtLighthouse, WithdrawnRequestIsNotAnswered) {
   lighthouse.check();
 }
 
+// Review finding: a quorum that falls through after some of its requests
+// were claimed (another was withdrawn) must release those claims, or their
+// clients can no longer withdraw and are answered long after they gave up.
+TEST(FtLighthouse, ClaimsOfAQuorumThatFellThroughAreReleased) {
+  auto store = dist::Store::in_memory();
+  LighthouseOptions options = fast_lighthouse(2);
+  options.join_timeout = milliseconds(2500);
+  Lighthouse lighthouse(store, options);
+  // b's first request (incarnation 2, seq 1) is withdrawn before the
+  // lighthouse sees it: as if b gave up the moment it asked.
+  store.with_prefix("ft").set("claim/2/1", "withdrawn");
+  auto a = std::make_unique<LighthouseClient>(
+      store, store,
+      LighthouseClientOptions{
+          .replica_id = 0, .heartbeat_interval = milliseconds(50), .quorum_timeout = milliseconds(800)});
+  auto b = std::make_unique<LighthouseClient>(
+      store, store,
+      LighthouseClientOptions{
+          .replica_id = 1, .heartbeat_interval = milliseconds(50), .quorum_timeout = milliseconds(800)});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto asked_a = std::async(std::launch::async, [&] { return a->quorum(0); });
+  // a registers first (incarnation 1), so the lighthouse claims a's request, then finds b's withdrawn.
+  while (!store.with_prefix("ft").check({"reg/1"})) std::this_thread::sleep_for(milliseconds(5));
+  auto asked_b = std::async(std::launch::async, [&] { return b->quorum(0); });
+  EXPECT_THROW(asked_b.get(), TimeoutError);
+  // a withdraws at its own timeout; before the fix its claim was kept, and a
+  // was answered, alone, after the join timeout.
+  EXPECT_THROW(asked_a.get(), TimeoutError);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(2000)) << "a waited for a claimed request";
+  std::this_thread::sleep_for(options.join_timeout);
+  EXPECT_TRUE(lighthouse.history().empty()) << lighthouse.history().front().describe();
+  // Both ask again and are answered together.
+  const auto both = ask_all({a.get(), b.get()}, {0, 0});
+  EXPECT_EQ(both[0].members.size(), 2u);
+  EXPECT_EQ(both[0].to_text(), both[1].to_text());
+  lighthouse.check();
+}
+
 TEST(FtLighthouse, StoreKeysDoNotGrowWithSteps) {
   auto store = dist::Store::in_memory();
   Lighthouse lighthouse(store, fast_lighthouse(2));
@@ -259,6 +298,32 @@ TEST(FtLighthouse, StoppedLighthouseIsAnErrorWithinItsTimeout) {
   const auto waited = std::chrono::steady_clock::now() - t0;
   EXPECT_GE(waited, milliseconds(700));
   EXPECT_LT(waited, milliseconds(5000)) << "waited for the quorum timeout instead";
+}
+
+// A lighthouse restarted on the same store (Note [Quorum protocol]): it
+// finds the registration and the last, answered request of a replica that
+// died meanwhile, and must neither count that replica in (it is live only
+// once its heartbeat moves) nor hand out its predecessor's round and quorum
+// ids again (the dead member's vote keys of that round are still there; a
+// group made under a reused quorum id would meet stale rendezvous keys).
+TEST(FtLighthouse, RestartedLighthouseGoesOnFromItsPredecessorsIdsWithoutTheDead) {
+  auto store = dist::Store::in_memory();
+  auto lighthouse = std::make_unique<Lighthouse>(store, fast_lighthouse(2));
+  auto a = ft_client(store, 0), b = ft_client(store, 1);
+  const Quorum first = ask_all({a.get(), b.get()}, {0, 0})[0];
+  ASSERT_EQ(first.members.size(), 2u);
+  auto b_vote = std::async(std::launch::async, [&] { return b->agree_commit(first, true); });
+  EXPECT_TRUE(a->agree_commit(first, true));
+  EXPECT_TRUE(b_vote.get());
+  b.reset();  // replica 1 dies: its heartbeat stops, its keys stay
+  lighthouse.reset();
+  lighthouse = std::make_unique<Lighthouse>(store, fast_lighthouse(2));
+  const Quorum second = a->quorum(1);
+  EXPECT_EQ(second.members.size(), 1u) << "the dead replica was counted in: " << second.describe();
+  EXPECT_GT(second.round, first.round);
+  EXPECT_GT(second.quorum_id, first.quorum_id);
+  EXPECT_FALSE(a->agree_commit(second, false)) << "the predecessor's vote decided this round";
+  lighthouse->check();
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 #include <torch/serialize/archive.h>
 
 #include <atomic>
+#include <memory>
+#include <string>
 #include <thread>
 
 #include "dtrain/comm/process_group.h"
@@ -89,6 +91,99 @@ TEST(FtReplicas, HalfRecoveredReplicaGroupRecoversAgainOnEveryRank) {
   EXPECT_EQ(recoveries[0], 2) << "rank 0 recovered, the step aborted, and it recovers again with rank 1";
   EXPECT_EQ(recoveries[1], 1);
   lighthouse.check();
+}
+
+// Review finding: the MIN agreement makes a half-recovered group recover
+// again, which needs a member ahead of it. Here the up-to-date group dies
+// right after the half recovery, and the lighthouse restarts (forgetting the
+// newest step), so the next quorum is the half-recovered group alone, not
+// behind. Before the fix its ranks trained on from different states; now
+// every rank stops with a RendezvousError and commits nothing.
+TEST(FtReplicas, HalfRecoveredGroupWithNoPeerAheadStopsInsteadOfDiverging) {
+  constexpr int kRanksPerGroup = 2;
+  auto store = dist::Store::in_memory();
+  const LighthouseOptions options{.min_replicas = 1,
+                                  .heartbeat_timeout = milliseconds(500),
+                                  .join_timeout = milliseconds(5000),
+                                  .scan_interval = milliseconds(10)};
+  auto lighthouse = std::make_unique<Lighthouse>(store, options);
+  std::atomic<std::int64_t> b_step{0};
+  std::atomic<bool> load_failed_once{false};
+  std::atomic<bool> a_started{false};
+  std::atomic<int> b_gone{0};
+  std::vector<std::string> errors(4);
+  std::vector<std::int64_t> commits_after_abort(4, 0);
+  std::vector<at::Tensor> final_w(4);
+  testing::run_rank_threads(4, [&](int rank, dist::Store) {
+    const int replica = rank / kRanksPerGroup;
+    const int local = rank % kRanksPerGroup;
+    if (replica == 0) {
+      while (b_step.load() < 2) std::this_thread::sleep_for(milliseconds(5));
+    }
+    auto group = dist::init_process_group(store.with_prefix("dgroup" + std::to_string(replica)), local, kRanksPerGroup,
+                                          {.timeout = milliseconds(20000)});
+    at::Tensor w = at::zeros({4});
+    {
+      LighthouseClient client(
+          store, store,
+          {.replica_id = replica, .quorum_timeout = milliseconds(20000), .commit_timeout = milliseconds(3000)});
+      ReplicaState state{.save = [&](torch::serialize::OutputArchive& a) { a.write("w", w); },
+                         .load =
+                             [&](torch::serialize::InputArchive& a) {
+                               if (replica == 0 && local == 1 && !load_failed_once.exchange(true)) {
+                                 throw std::runtime_error("injected: loading the peer's state failed");
+                               }
+                               at::Tensor got;
+                               a.read("w", got);
+                               w.copy_(got);
+                             }};
+      FaultTolerantReplicas replicas(client, state, {.replica_group = group, .group_timeout = milliseconds(2000)});
+      if (replica == 0) a_started = true;
+      bool aborted = false;
+      try {
+        while (replicas.step() < 50) {
+          replicas.start_step();
+          if (replica == 1 && replicas.quorum().members.size() < 2) {
+            if (replicas.step() >= 2) {
+              while (!a_started.load()) std::this_thread::sleep_for(milliseconds(5));
+              std::this_thread::sleep_for(milliseconds(200));
+            } else {
+              std::this_thread::sleep_for(milliseconds(20));
+            }
+          }
+          std::vector<at::Tensor> grads{at::full({4}, static_cast<float>(replicas.step() + 1))};
+          replicas.all_reduce_gradients(grads);
+          const bool commit = replicas.should_commit();
+          // Group 1 dies right after the step the half recovery aborted.
+          if (replica == 1 && !commit) break;
+          if (!commit) {
+            aborted = true;
+            continue;
+          }
+          if (aborted) ++commits_after_abort[rank];
+          w -= grads[0];
+          if (replica == 1 && local == 0) b_step = replicas.step();
+        }
+      } catch (const RendezvousError& e) {
+        errors[rank] = e.what();
+      }
+    }  // group 1's client goes: its heartbeat stops
+    final_w[rank] = w;
+    if (replica == 1 && ++b_gone == kRanksPerGroup) {
+      // The lighthouse restarts (on the same store) and forgets the newest step.
+      lighthouse.reset();
+      lighthouse = std::make_unique<Lighthouse>(store, options);
+    }
+  });
+  EXPECT_TRUE(load_failed_once.load());
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(errors[rank].find("training on would leave the ranks diverged"), std::string::npos)
+        << "rank " << rank << ": '" << errors[rank] << "'";
+    EXPECT_EQ(commits_after_abort[rank], 0) << "rank " << rank << " trained on";
+  }
+  // What the error prevents: rank 0 holds the peer's state, rank 1 its own.
+  EXPECT_TRUE(at::equal(final_w[0], final_w[2]));
+  EXPECT_TRUE(at::equal(final_w[1], at::zeros({4})));
 }
 
 }  // namespace

@@ -99,10 +99,35 @@ TEST(ParallelPlan, PlansThatCannotWorkSayWhatToChange) {
   EXPECT_NE(invalid({.dp_shard = 2}, {.world = 2}).find("shards nothing"), std::string::npos);
   EXPECT_NO_THROW((ParallelPlan{.tp = 2}.validate({.world = 2})));
   EXPECT_NO_THROW((ParallelPlan{.dp_replicate = 2, .tp = 2, .sequence_parallel = true}.validate({.world = 4})));
-  EXPECT_NE(invalid({.dp_shard = 2, .tp = 2, .zero_stage = 3}, {.world = 4}).find("tensor parallelism with ZeRO"),
+  // Tensor parallelism composes with ZeRO, pipelines and cp (tests/multirank/tp_*_test.cpp) ...
+  for (int stage : {1, 2, 3})
+    EXPECT_NO_THROW((ParallelPlan{.dp_shard = 2, .tp = 2, .zero_stage = stage}.validate({.world = 4})));
+  for (const char* schedule : {"gpipe", "1f1b", "zb"})
+    EXPECT_NO_THROW((ParallelPlan{.pp = 2, .tp = 2, .pipeline = {.schedule = schedule}}.validate({.world = 4})));
+  EXPECT_NO_THROW(
+      (ParallelPlan{.pp = 2, .tp = 2, .pipeline = {.schedule = "interleaved", .stages_per_rank = 2}}.validate(
+          {.world = 4, .model = kGpt})));
+  EXPECT_NO_THROW((ParallelPlan{.cp = 2, .tp = 2}.validate({.world = 4})));
+  EXPECT_NO_THROW((ParallelPlan{.dp_replicate = 2, .cp = 2, .tp = 2}.validate({.world = 8})));
+  EXPECT_NO_THROW(
+      (ParallelPlan{.pp = 2, .dp_shard = 2, .tp = 2, .zero_stage = 3}.validate({.world = 8, .model = kGpt})));
+  EXPECT_NO_THROW((ParallelPlan{.pp = 2, .dp_replicate = 2, .tp = 2}.validate({.world = 8, .model = kGpt})));
+  // ... but not yet with HSDP, nor with sequence parallelism beside ZeRO, pipelines or cp.
+  EXPECT_NE(invalid({.dp_replicate = 2, .dp_shard = 2, .tp = 2, .zero_stage = 2}, {.world = 8})
+                .find("tensor parallelism with HSDP"),
             std::string::npos);
-  EXPECT_NE(invalid({.pp = 2, .tp = 2}, {.world = 4}).find("tensor parallelism with pipelines"), std::string::npos);
-  EXPECT_NE(invalid({.cp = 2, .tp = 2}, {.world = 4}).find("tensor and context parallelism"), std::string::npos);
+  for (const ParallelPlan& sp : {ParallelPlan{.dp_shard = 2, .tp = 2, .zero_stage = 1, .sequence_parallel = true},
+                                 ParallelPlan{.pp = 2, .tp = 2, .sequence_parallel = true},
+                                 ParallelPlan{.cp = 2, .tp = 2, .sequence_parallel = true}}) {
+    const std::string error = invalid(sp, {.world = 4});
+    EXPECT_NE(error.find("sequence parallelism with"), std::string::npos) << error;
+    EXPECT_NE(error.find("set sequence_parallel false"), std::string::npos) << error;
+  }
+  EXPECT_NE(invalid({.pp = 2, .cp = 2, .tp = 2}, {.world = 8}).find("context parallelism with pipelines"),
+            std::string::npos);
+  EXPECT_NE(
+      invalid({.dp_shard = 2, .cp = 2, .tp = 2, .zero_stage = 1}, {.world = 8}).find("context parallelism with ZeRO"),
+      std::string::npos);
   EXPECT_NO_THROW((ParallelPlan{.cp = 2}.validate({.world = 2})));
   EXPECT_NO_THROW((ParallelPlan{.dp_replicate = 2, .cp = 2}.validate({.world = 4})));
   EXPECT_NE(invalid({.dp_shard = 2, .cp = 2, .zero_stage = 3}, {.world = 4}).find("context parallelism with ZeRO"),

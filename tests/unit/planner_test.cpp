@@ -103,6 +103,43 @@ TEST(PlannerMemory, PipelineHoldsTheScheduleInFlightMicroBatches) {
   EXPECT_NEAR(gpipe.memory.activations, 8 * 2 * per_layer, 1);
 }
 
+// Note [Pipeline memory from the action list], by hand for p = 2, m = 4 on
+// the GPT example's shape (4 layers, 2 per stage; fp32).
+//  1F1B, rank 0: F0 F1 B0 F2 B1 F3 B2 B3 (with sends and receives). At B1 it
+//  holds two micro-batches' activations, the outputs of micro-batches 0-2
+//  (sent: kept to the end of the step) and the gradient receives of
+//  micro-batches 1-3 (posted 8 actions ahead): 6 boundary tensors.
+//  ZB-H1, rank 1 (the last stage): F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3. At
+//  W0 it holds micro-batches 0 and 1 (activations and I's captured
+//  gradients, the logits' too), the sent input gradients of 0 and 1 and the
+//  posted receives of 2 and 3: 4 boundary tensors.
+TEST(PlannerMemory, PipelineBuffersAndCapturedGradientsFollowTheExecutor) {
+  const auto m = ModelSpec::parse(
+      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  const Cluster c{.device = find_device("a100-80gb"), .gpus = 2, .gpus_per_node = 8};
+  const ActivationShape shape{.micro_batch = 6, .bytes_per_element = 4};
+  const double per_layer = layer_activation_bytes(m, shape);
+  const double captured = layer_captured_gradient_bytes(m, shape);
+  const double boundary = 6.0 * 64 * 128 * 4, logits = 6.0 * 64 * 84;
+  // Per token: norms' outputs 2h, QKV 3h, the MLP's input 4h, two projections' outputs 2h.
+  EXPECT_NEAR(captured, 6.0 * 64 * 4 * 11 * 128, 1e-6);
+  auto plan = [](const char* schedule) {
+    return ParallelPlan{
+        .pp = 2, .pipeline = {.schedule = schedule, .micro_batches = 4}, .precision = "fp32", .global_batch = 24};
+  };
+  const auto f1b = estimate(plan("1f1b"), m, c);
+  EXPECT_GT(f1b.peak_memory_bytes[0], f1b.peak_memory_bytes[1]);
+  EXPECT_NEAR(f1b.memory.activations, 2 * 2 * per_layer, 1);
+  EXPECT_NEAR(f1b.memory.buffers, 6 * boundary, 1);
+  EXPECT_EQ(f1b.memory.captured, 0);
+  const auto zb = estimate(plan("zb"), m, c);
+  EXPECT_GT(zb.peak_memory_bytes[1], zb.peak_memory_bytes[0]);
+  EXPECT_NEAR(zb.memory.activations, 2 * 2 * per_layer, 1);
+  EXPECT_NEAR(zb.memory.captured, 2 * 2 * captured + 2 * logits * 4, 1);
+  EXPECT_NEAR(zb.memory.logits, 2 * 10 * logits, 1);
+  EXPECT_NEAR(zb.memory.buffers, 4 * boundary, 1);
+}
+
 TEST(PlannerTime, ReplayMatchesTheUnitTimeSimulator) {
   using pipeline::ScheduleKind;
   for (auto kind :
@@ -171,11 +208,11 @@ TEST(PlannerSearch, RefusesWhatDoesNotFitWithTheFigureAndANearbyPlan) {
 }
 
 TEST(PlannerSearch, WellFormedIsApartFromRunnable) {
-  ParallelPlan p{.dp_shard = 2, .tp = 2, .zero_stage = 3, .recompute = Recompute::kFull, .global_batch = 4};
+  ParallelPlan p{.dp_shard = 2, .cp = 2, .zero_stage = 3, .recompute = Recompute::kFull, .global_batch = 4};
   const PlanContext c{.world = 4};
   EXPECT_NO_THROW(p.check_well_formed(c));
-  EXPECT_THROW(p.validate(c), ConfigError);  // this build has no tp applier
-  p.tp = 3;
+  EXPECT_THROW(p.validate(c), ConfigError);  // this build does not compose cp with ZeRO
+  p.cp = 3;
   EXPECT_THROW(p.check_well_formed(c), ConfigError);
 }
 

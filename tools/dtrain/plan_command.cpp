@@ -90,7 +90,8 @@ void breakdown(const plan::PlanEstimate& e, std::ostream& out) {
   const auto& t = e.time;
   out << "memory (worst rank): params " << plan::format_gib(m.params) << ", grads " << plan::format_gib(m.grads)
       << ", optimizer " << plan::format_gib(m.optimizer) << ", activations " << plan::format_gib(m.activations)
-      << ", logits " << plan::format_gib(m.logits) << ", buffers " << plan::format_gib(m.buffers) << " of "
+      << ", logits " << plan::format_gib(m.logits) << ", captured gradients " << plan::format_gib(m.captured)
+      << ", buffers " << plan::format_gib(m.buffers) << " of "
       << plan::format_gib(static_cast<double>(e.device_memory_bytes)) << "\n";
   out << std::fixed << std::setprecision(3) << "time (critical rank, s): compute " << t.compute << ", recompute "
       << t.recompute << ", tp " << t.tp_comm << ", cp " << t.cp_comm << ", zero3 " << t.zero3_comm << ", pipeline idle "

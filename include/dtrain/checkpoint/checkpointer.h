@@ -127,6 +127,11 @@ class Checkpointer {
   // Steps of the complete, verified checkpoints in DIR, newest first (every
   // file of every step read and checked against its CRC32).
   std::vector<std::int64_t> complete_steps() const;
+  // The step load_latest() takes: the newest that verifies on rank 0, told to
+  // every rank (collective when a group is given); -1 when there is none.
+  // The answer is kept for the next load_latest(), which then does not read
+  // the files again; a save in between forgets it.
+  std::int64_t latest_step();
 
  private:
   struct Entry {
@@ -147,6 +152,8 @@ class Checkpointer {
   // Steps this Checkpointer committed or verified in full (rank 0): pruning
   // does not read them again (Note [Checkpoint I/O] in checkpointer.cpp).
   std::set<std::int64_t> committed_;
+  // latest_step()'s answer until the next load or save.
+  std::optional<std::int64_t> latest_;
 };
 
 }  // namespace dtrain

@@ -72,9 +72,10 @@ class LayoutState : public ShardedStateful {
   void save_state(torch::serialize::OutputArchive& archive) const override;
   void load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) override;
   // Fills every tensor from whole global tensors by name (`whole(name)`
-  // undefined: absent), with load_parts's checks: how state saved in another
-  // format (ZeRO's flat shards, consolidated) is loaded.
-  void load_whole(const std::function<at::Tensor(const std::string&)>& whole);
+  // undefined: absent), with load_parts's checks, `saved` being every name
+  // the source holds (a name this model does not have is a DataError): how
+  // state saved in another format (ZeRO's flat shards, consolidated) is loaded.
+  void load_whole(const std::function<at::Tensor(const std::string&)>& whole, const std::vector<std::string>& saved);
   // Whether the last checkpoint loaded had `name` (for optional tensors).
   bool loaded(const std::string& name) const;
   // The names a checkpoint may hold (null: any). A saved name it rejects is

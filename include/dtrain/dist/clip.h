@@ -46,6 +46,11 @@ struct GradientSet {
   // member of each must take part, with or without gradients. Empty: the
   // local norm is the global one.
   std::vector<dist::ProcessGroup> combine_over;
+  // This rank's copies of parameters that another rank counts (replicated on
+  // a combining dimension, e.g. a LayerNorm's weight on tp ranks above 0):
+  // not in the norm, but clipping scales their gradients by the same factor,
+  // so the copies stay equal and equal the one-process run.
+  std::vector<at::Tensor> counted_elsewhere;
 
   // Every rank holds all gradients, identical across ranks (single process,
   // DDP after backward, DataParallel).
@@ -60,7 +65,8 @@ struct GradientSet {
   // which ranks hold disjoint sets of parameters rather than parts of one
   // (`pp`: each stage its own layers). A parameter replicated on a combining
   // dimension is counted only where this rank's coordinate there is 0, so
-  // every element is counted once. Contract: every rank passes layouts that
+  // every element is counted once (elsewhere it is in counted_elsewhere,
+  // clipped but not counted). Contract: every rank passes layouts that
   // shard the same mesh dimensions (true when every rank builds the same
   // model, or its stage of it, with the same plan), since the combining
   // groups must agree. ConfigError for a Partial placement (a gradient not yet
@@ -78,8 +84,8 @@ struct ClipGradNormOptions {
 
 // The global norm of the gradients (0 when there are none), not modifying them.
 at::Tensor grad_norm(const GradientSet& gradients, const ClipGradNormOptions& options = {});
-// Scales the gradients so that their global norm is at most `max_norm`;
-// returns the norm before clipping.
+// Scales the gradients (counted_elsewhere too) so that their global norm is
+// at most `max_norm`; returns the norm before clipping.
 at::Tensor clip_grad_norm_(const GradientSet& gradients, double max_norm, const ClipGradNormOptions& options = {});
 // The replicated case.
 at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,

@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -80,6 +81,7 @@ class Lighthouse {
   LighthouseOptions options_;
   std::vector<std::unique_ptr<Replica>> replicas_;  // by registration; the serving thread's
   std::int64_t registrations_seen_ = 0;
+  std::int64_t inherited_registrations_ = 0;  // counted before this lighthouse started
   // Since when reg/<registrations_seen_ + 1> is missing though counted (its
   // replica died between the two): skipped after heartbeat_timeout.
   std::optional<std::chrono::steady_clock::time_point> registration_gap_since_;
@@ -89,10 +91,10 @@ class Lighthouse {
   std::optional<std::chrono::steady_clock::time_point> event_gap_since_;
   std::chrono::steady_clock::time_point last_alive_{};
   std::map<std::int64_t, OpenRound> open_rounds_;
-  std::int64_t round_ = 0;
-  std::int64_t quorum_id_ = 0;
-  std::string last_members_;               // "id:incarnation ..." of the last quorum
-  std::int64_t highest_step_ = 0;          // the newest step a quorum has had
+  std::int64_t round_ = 0;         // the store's "round": the last one given out, by this lighthouse or its predecessor
+  std::int64_t quorum_id_ = 0;     // the store's "quorum_id", likewise
+  std::string last_members_;       // "id:incarnation ..." of the last quorum
+  std::int64_t highest_step_ = 0;  // the newest step a quorum has had
   std::vector<std::int64_t> last_quorum_;  // its members' incarnations
   bool warned_stale_ = false;
   std::atomic<bool> stop_{false};
@@ -175,6 +177,10 @@ class LighthouseClient {
  private:
   void register_once();
   void beat();
+  // At the quorum timeout: withdraws request `id` ("<incarnation>/<seq>"),
+  // throwing TimeoutError, or returns once its answer is there (the
+  // lighthouse had claimed it).
+  void withdraw_or_wait(const std::string& id);
   // Throws CommunicationError when the lighthouse failed or its liveness
   // counter has not moved for lighthouse_timeout.
   void check_lighthouse_alive(std::int64_t& alive, std::chrono::steady_clock::time_point& moved_at);

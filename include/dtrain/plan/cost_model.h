@@ -57,9 +57,10 @@ struct CostOptions {
   bool memory_only = false;
 };
 
-struct MemoryBreakdown {  // bytes on one rank
+struct MemoryBreakdown {  // bytes on one rank, at its peak
   double params = 0, grads = 0, optimizer = 0, activations = 0, logits = 0, buffers = 0;
-  double total() const { return params + grads + optimizer + activations + logits + buffers; }
+  double captured = 0;  // the split backward's (ZB) gradients kept between I and W
+  double total() const { return params + grads + optimizer + activations + logits + captured + buffers; }
 };
 
 struct TimeBreakdown {       // seconds per step on the critical pipeline rank
@@ -109,6 +110,10 @@ struct ActivationShape {
   int bytes_per_element = 2;
 };
 double layer_activation_bytes(const ModelSpec& model, const ActivationShape& shape);
+// Bytes of the gradients the split backward (ZB's I) keeps for W, one layer
+// and micro-batch on one rank: each weight GEMM's and norm's output gradient
+// (Note [Captured gradients]).
+double layer_captured_gradient_bytes(const ModelSpec& model, const ActivationShape& shape);
 
 // "12.3 GiB", for tables and messages.
 std::string format_gib(double bytes);

@@ -40,9 +40,10 @@ inline constexpr const char* kZeroState = "zero";
 // The model state of the checkpoint load_latest() would take (the newest
 // complete one): none, laid out, ZeRO chunks, a replicated model.pt (before
 // laid-out checkpoints), or something else (per-rank pipeline parts, a
-// tensor-parallel "tp" state).
+// tensor-parallel "tp" state). Collective where the checkpointer has a group
+// (Checkpointer::latest_step).
 enum class SavedModelState { kNone, kLaidOut, kZero, kReplicated, kOther };
-SavedModelState saved_model_state(const Checkpointer& checkpointer);
+SavedModelState saved_model_state(Checkpointer& checkpointer);
 
 // Readers of the other format, for load_any_plan: a laid-out state filled
 // from ZeRO chunks; ZeRO shards filled from laid-out pieces.

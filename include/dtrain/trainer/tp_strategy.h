@@ -91,23 +91,14 @@ class TensorParallelStrategy : public Strategy {
     }
   }
   // From the parameters' layouts: sharded on tp, summed over tp; replicated,
-  // counted on tp rank 0 (dp_replicate holds equal copies after DDP).
+  // counted on tp rank 0 (dp_replicate holds equal copies after DDP) and
+  // clipped alike on every rank (GradientSet::counted_elsewhere), so
+  // Strategy::clip_grad_norm needs nothing of its own.
   GradientSet gradients() override {
     const auto params = module().named_parameters();
     std::vector<std::pair<at::Tensor, dist::Layout>> laid_out;
     for (auto& [name, layout] : dist::named_layouts(module(), *mesh_)) laid_out.emplace_back(params[name], layout);
     return GradientSet::from_layouts(laid_out, *mesh_);
-  }
-  // The norm over the counted gradients (see gradients()), then
-  // every gradient of this rank scaled by the same factor as
-  // clip_grad_norm_'s, the replicated ones on tp ranks above 0 included.
-  at::Tensor clip_grad_norm(double max_norm) override {
-    at::NoGradGuard no_grad;
-    at::Tensor norm = grad_norm(gradients());
-    const at::Tensor coef = at::clamp(norm.add(1e-6).reciprocal().mul(max_norm), std::nullopt, 1.0);
-    for (const auto& p : module().parameters())
-      if (p.grad().defined()) p.grad().mul_(coef.to(p.grad().device()));
-    return norm;
   }
   std::optional<dist::ProcessGroup> found_inf_group() override { return mesh_->group(); }
   int data_rank() const override { return mesh_->coordinate("dp_replicate"); }

@@ -42,6 +42,7 @@
 
 #include "dtrain/data/dataset.h"
 #include "dtrain/trainer/batch_source.h"
+#include "dtrain/trainer/fault_tolerance.h"
 #include "dtrain/trainer/lr_schedule.h"
 #include "dtrain/trainer/strategy.h"
 
@@ -82,6 +83,11 @@ struct TrainerOptions {
   // (round: the launcher's DTRAIN_RDZV_ROUND, -1 without one). The step a
   // run last executed is the one its checkpoints hold (bench/chaos checks it).
   std::filesystem::path sample_log;
+
+  // Train as one fault-tolerant replica group (fault_tolerance.h): a quorum
+  // per step, the gradients averaged over the live replica groups, live
+  // recovery of a restarted one. Needs a StepStream and max_steps.
+  std::optional<TrainerFaultTolerance> fault_tolerance;
 };
 
 struct EvalResult {

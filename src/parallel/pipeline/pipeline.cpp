@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "dtrain/amp/grad_scaler.h"
+#include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "split_backward.h"
@@ -139,8 +140,40 @@ struct Pipeline::Impl {
   void split_batch(const at::Tensor& input, const at::Tensor& target);
   void begin(std::size_t k);
   void end_all();
+  void end_all_after_error() noexcept;
   std::vector<at::Tensor> parameters() const;
 };
+
+namespace {
+
+// The gradients counted for global norms, from the parameters' layouts over
+// `mesh` (PipelineOptions::mesh): what each stage's applier steps on, with
+// its layout (a ZeRO stage's shards: norm_layouts()); stages partition the
+// model over pp. The borrowers' tied copies are not among them, as below.
+GradientSet laid_out_gradients(const std::vector<PipelineStage>& stages,
+                               const std::vector<std::unique_ptr<StageGradientSync>>& syncs, dist::DeviceMesh& mesh) {
+  DTRAIN_CHECK(mesh.has("pp"), ConfigError, "PipelineOptions::mesh " << mesh.describe() << " has no pp dimension.",
+               "give the mesh whose pp group runs the pipeline");
+  std::vector<std::pair<at::Tensor, dist::Layout>> laid_out;
+  for (std::size_t k = 0; k < stages.size(); ++k) {
+    if (ShardedDataParallel* engine = syncs[k]->zero_engine()) {
+      for (auto& item : engine->norm_layouts(mesh)) laid_out.push_back(std::move(item));
+      continue;
+    }
+    const dist::NamedLayouts layouts = dist::named_layouts(*stages[k].module, mesh);
+    const auto params = stages[k].module->named_parameters();
+    for (const at::Tensor& param : syncs[k]->parameters()) {
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        if (!params[i].value().is_same(param)) continue;
+        laid_out.emplace_back(param, layouts[i].second);
+        break;
+      }
+    }
+  }
+  return GradientSet::from_layouts(laid_out, mesh, {"pp"});
+}
+
+}  // namespace
 
 Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, PipelineOptions options, LossFn loss_fn)
     : impl_(std::make_unique<Impl>(group)) {
@@ -224,7 +257,9 @@ Pipeline::Pipeline(std::vector<PipelineStage> stages, dist::ProcessGroup group, 
   for (const auto& sync : s.syncs) {
     for (const at::Tensor& param : sync->parameters()) counted.push_back(param);
   }
-  if (s.sharded) {
+  if (s.options.mesh) {
+    s.counted_gradients = laid_out_gradients(s.stages, s.syncs, *s.options.mesh);
+  } else if (s.sharded) {
     s.counted_gradients = GradientSet{std::move(counted), {*dp, s.group}};
   } else {
     s.counted_gradients = GradientSet::sharded(std::move(counted), s.group);
@@ -243,6 +278,21 @@ void Pipeline::Impl::end_all() {
     if (!begun[k]) continue;
     begun[k] = false;
     syncs[k]->end_step();
+  }
+}
+
+// A step or evaluation that threw still ends its stages' scopes (ZeRO's
+// no-sync and gathered parameters): the next one begins them afresh instead
+// of running inside the failed one's. The first error is the one reported.
+void Pipeline::Impl::end_all_after_error() noexcept {
+  for (std::size_t k = 0; k < syncs.size(); ++k) {
+    if (!begun[k]) continue;
+    begun[k] = false;
+    try {
+      syncs[k]->end_step();
+    } catch (const std::exception& e) {
+      DTRAIN_LOG(kWarning) << "pipeline stage " << k << " did not end its step cleanly after an error: " << e.what();
+    }
   }
 }
 
@@ -296,7 +346,13 @@ at::Tensor Pipeline::step(const at::Tensor& input, const at::Tensor& target, amp
   if (s.sharded) s.refresh_borrowed_weights();
   s.exchange_meta = s.output_meta.empty() && s.input_meta.empty();
   s.loss_sum = at::Tensor();
-  s.run(s.schedule.actions[s.rank]);
+  try {
+    s.run(s.schedule.actions[s.rank]);
+  } catch (...) {
+    s.end_all_after_error();
+    s.scaler = nullptr;
+    throw;
+  }
   s.exchange_meta = false;
   s.end_all();
   s.finish_gradients();
@@ -314,11 +370,20 @@ at::Tensor Pipeline::forward(const at::Tensor& input) {
   s.eval_outputs.clear();
   // Evaluation agrees on its own shapes; training's stay as they were.
   auto saved_input_meta = s.input_meta, saved_output_meta = s.output_meta;
-  s.run(s.eval_schedule.actions[s.rank]);
+  auto restore = [&] {
+    s.input_meta = std::move(saved_input_meta);
+    s.output_meta = std::move(saved_output_meta);
+    s.training = true;
+  };
+  try {
+    s.run(s.eval_schedule.actions[s.rank]);
+  } catch (...) {
+    s.end_all_after_error();
+    restore();
+    throw;
+  }
   s.end_all();
-  s.input_meta = std::move(saved_input_meta);
-  s.output_meta = std::move(saved_output_meta);
-  s.training = true;
+  restore();
   return s.eval_outputs.empty() ? at::Tensor() : at::cat(s.eval_outputs, 0);
 }
 

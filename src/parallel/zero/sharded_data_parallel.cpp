@@ -74,6 +74,9 @@ const std::vector<ParameterShard>& ShardedDataParallel::parameter_shards() const
 const GradientSet& ShardedDataParallel::gradients() const {
   return engine_->gradients();
 }
+std::vector<std::pair<at::Tensor, dist::Layout>> ShardedDataParallel::norm_layouts(const dist::DeviceMesh& mesh) const {
+  return engine_->norm_layouts(mesh);
+}
 void ShardedDataParallel::zero_grad() {
   engine_->zero_grad();
 }

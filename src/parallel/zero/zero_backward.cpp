@@ -37,7 +37,7 @@ void ZeroEngine::prepare_gradient_buffers() {
   for (Unit& unit : units_) {
     if (unit.trainable == 0) continue;
     if (!unit.grad_flat.defined()) {
-      unit.grad_flat = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_));
+      unit.grad_flat = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_).device(device_));
     } else if (grads_consumed_) {
       for (std::size_t i : unit.pieces) {  // shard gradients kept past the step: detach them from the buffer
         at::Tensor& shard = shards_[i].shard;
@@ -100,7 +100,7 @@ void ZeroEngine::launch_reduction(std::size_t u) {
         unit.grad_flat.scalar_type() == reduce_dtype_ ? unit.grad_flat : unit.grad_flat.to(reduce_dtype_);
   } else {
     // Stages 2-3: the gradients move into the reduction's input and the full ones are freed.
-    unit.reduce_input = at::empty({unit.shard * world_}, at::TensorOptions().dtype(reduce_dtype_));
+    unit.reduce_input = at::empty({unit.shard * world_}, at::TensorOptions().dtype(reduce_dtype_).device(device_));
     unit.reduce_input.narrow(0, unit.numel, unit.shard * world_ - unit.numel).zero_();  // padding
     for (FlatParam& fp : unit.params) {
       at::Tensor range = unit.reduce_input.narrow(0, fp.offset, fp.numel);

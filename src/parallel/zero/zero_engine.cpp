@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "zero_engine.h"
@@ -155,6 +156,11 @@ void ZeroEngine::build_units() {
                  "ShardedDataParallel needs parameters of one dtype; '" << item.key() << "' is " << p.scalar_type()
                                                                         << ", others " << *dtype << ".",
                  "convert the module (module->to(dtype)) and use MixedPrecisionPolicy for compute precision");
+    DTRAIN_CHECK(!dtype || device_ == p.device(), ConfigError,
+                 "ShardedDataParallel needs every parameter on one device; '" << item.key() << "' is on " << p.device()
+                                                                              << ", others on " << device_ << ".",
+                 "move the module to its rank's device (module->to(device)) before wrapping it");
+    device_ = p.device();
     dtype = p.scalar_type();
     auto it = owners.find(p.unsafeGetTensorImpl());
     const std::size_t u = (it != owners.end() && it->second.size() == 1) ? it->second.front() : root;
@@ -176,7 +182,7 @@ void ZeroEngine::build_units() {
   std::vector<at::Tensor> fulls;
   for (Unit& unit : units_) {
     unit.shard = (unit.numel + world_ - 1) / world_;
-    unit.full = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_));
+    unit.full = at::zeros({unit.shard * world_}, at::TensorOptions().dtype(param_dtype_).device(device_));
     for (FlatParam& fp : unit.params) {
       unit.full.narrow(0, fp.offset, fp.numel).copy_(fp.param.detach().reshape(-1));
       fp.param.set_data(unit.full.narrow(0, fp.offset, fp.numel).view(fp.shape));
@@ -209,13 +215,51 @@ void ZeroEngine::build_units() {
       unit.gathered = false;
     }
   }
-  gradient_set_ = GradientSet::sharded(shard_tensors(), group_);
+  gradient_set_ = options_.mesh ? GradientSet::from_layouts(norm_layouts(*options_.mesh), *options_.mesh)
+                                : GradientSet::sharded(shard_tensors(), group_);
   if (rank_ == 0) {
     std::int64_t total = 0;
     for (const Unit& unit : units_) total += unit.numel;
     DTRAIN_LOG(kInfo) << "ZeRO stage " << options_.stage << ": " << units_.size() << " units (root included), " << total
                       << " parameters, " << world_ << " ranks";
   }
+}
+
+std::vector<std::pair<at::Tensor, dist::Layout>> ZeroEngine::norm_layouts(const dist::DeviceMesh& mesh) const {
+  // The mesh dimensions the sharding group spans, and this rank's row-major
+  // index over them (its rank in mesh.join(shard_dims)).
+  const std::vector<dist::MeshDim>& dims = mesh.dims();
+  const std::vector<std::string>& names = options_.shard_dims;
+  std::vector<std::size_t> spanned;
+  int size = 1, index = 0;
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    if (std::find(names.begin(), names.end(), dims[d].name) == names.end()) continue;
+    spanned.push_back(d);
+    size *= dims[d].size;
+    index = index * dims[d].size + mesh.coordinates()[d];
+  }
+  std::string spelled;
+  for (const std::string& name : names) spelled += (spelled.empty() ? "" : " x ") + name;
+  DTRAIN_CHECK(size == world_ && index == rank_, ConfigError,
+               "ZeRO shards over a group of " << world_ << " ranks (this one " << rank_ << "), which is not the "
+                                              << spelled << " group of the mesh " << mesh.describe() << ".",
+               "shard over mesh.join(ZeroOptions::shard_dims) of the mesh the parameters are laid out over");
+  std::unordered_map<std::string, dist::Layout> by_name;
+  for (auto& [name, layout] : dist::named_layouts(*module_, mesh)) by_name.emplace(name, std::move(layout));
+  std::vector<std::pair<at::Tensor, dist::Layout>> out;
+  out.reserve(shards_.size());
+  for (const ParameterShard& piece : shards_) {
+    dist::Layout layout = by_name.at(piece.name);
+    for (std::size_t d : spanned) {
+      DTRAIN_CHECK(layout.placements[d].kind == dist::Placement::Kind::kReplicate, ConfigError,
+                   "parameter '" << piece.name << "' is laid out as " << layout.to_string() << ", already split over "
+                                 << dims[d].name << ", which ZeRO shards itself.",
+                   "declare the module's layouts over the other dimensions only (tensor-parallel layers: tp)");
+      layout.placements[d] = dist::Placement::shard(0);
+    }
+    out.emplace_back(piece.shard, std::move(layout));
+  }
+  return out;
 }
 
 std::vector<at::Tensor> ZeroEngine::shard_tensors() const {
@@ -397,7 +441,7 @@ std::map<std::string, at::Tensor> ZeroEngine::full_state_dict() {
   if (param_dtype_ != c10::kFloat) {
     for (const Unit& unit : units_) {
       if (unit.numel == 0) continue;
-      at::Tensor all = at::empty({unit.shard * world_}, at::TensorOptions().dtype(c10::kFloat));
+      at::Tensor all = at::empty({unit.shard * world_}, at::TensorOptions().dtype(c10::kFloat).device(device_));
       at::Tensor mine = unit.chunk.clone();
       group_.all_gather_into(all, mine).wait();
       for (const FlatParam& fp : unit.params) out[fp.name] = all.narrow(0, fp.offset, fp.numel).view(fp.shape).clone();

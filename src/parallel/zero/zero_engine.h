@@ -105,6 +105,7 @@ class ZeroEngine {
   bool replicated() const { return options_.replicate_group && options_.replicate_group->size() > 1; }
   torch::nn::Module& module() { return *module_; }
   const GradientSet& gradients() const { return gradient_set_; }
+  std::vector<std::pair<at::Tensor, dist::Layout>> norm_layouts(const dist::DeviceMesh& mesh) const;
   ZeroMemoryStats memory_stats() const;
   void reset_peak() { peak_bytes_ = current_parameter_bytes(); }
   bool sync = true;
@@ -135,6 +136,9 @@ class ZeroEngine {
   int world_ = 1;
   c10::ScalarType param_dtype_ = c10::kFloat;
   c10::ScalarType reduce_dtype_ = c10::kFloat;
+  // Where every parameter, and so every flat buffer (gathered units, gradient
+  // and reduction buffers), lives: the module's device.
+  c10::Device device_ = c10::kCPU;
   std::vector<Unit> units_;         // sequential units in forward order, then the root unit (last)
   std::vector<int> unit_of_child_;  // per child of the Sequential: its unit, or -1
   std::vector<ParameterShard> shards_;

@@ -99,6 +99,22 @@ struct PipelineOptions {
   StageSyncFactory stage_sync = ddp_stage_sync();
   // Record each compute action's start and end in step() (see trace()).
   bool record_trace = false;
+  // The mesh the stages' parameters are laid out over, for stages whose
+  // parameters are not all replicated (tensor-parallel layers: Shard on tp).
+  // The pipeline group must be mesh["pp"] and the data-parallel group a
+  // group of the mesh: dp_replicate (DDP), dp_shard, or dp_shard x cp with
+  // ZeroOptions::shard_dims saying so (context-parallel stages). Global
+  // norms (gradient_set()) then come from the layouts
+  // (GradientSet::from_layouts, partitioned over pp): each stage's
+  // parameters, or its ZeRO shards (norm_layouts()), counted once over the
+  // mesh. Contract: every stage shards the same mesh dimensions
+  // (e.g. each has a tensor-parallel layer), since all ranks must combine
+  // over the same groups. Unset: parameters are replicated outside the
+  // pipeline and data groups. Activations between stages are whatever the
+  // stage modules send: with tensor-parallel stages, tp-replicated (a row
+  // layer's all-reduced output), each tp rank exchanging with its own peer
+  // in the pp group.
+  std::optional<dist::DeviceMesh> mesh;
 };
 
 // One compute action of the last step, in the order run (record_trace).

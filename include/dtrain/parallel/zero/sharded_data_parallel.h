@@ -52,10 +52,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/dist/clip.h"
+#include "dtrain/dist/layout.h"
 
 namespace torch::nn {
 class Module;
@@ -94,6 +97,21 @@ struct ZeroOptions {
   // parameters. Unset: one replica. Sharded checkpoints refuse it (not yet
   // written once per shard).
   std::optional<dist::ProcessGroup> replicate_group;
+  // The mesh the module's parameters are laid out over, for a module whose
+  // parameters are not all replicated (tensor-parallel layers, whose
+  // dist::Layouts say Shard on tp). `group` must then be
+  // mesh.join(shard_dims): the units flatten this rank's tp-local parameters
+  // as they are and reduce over the sharding group only (the tp layers' own
+  // communication makes each tp rank's gradient of its part complete), and
+  // gradients() combines partial norms over the sharding group and over
+  // every dimension sharding some parameter (GradientSet::from_layouts on
+  // norm_layouts()). Unset: every parameter is replicated outside the
+  // sharding group (GradientSet::sharded over it).
+  std::optional<dist::DeviceMesh> mesh;
+  // The mesh dimensions the sharding group spans (with `mesh`, and for
+  // norm_layouts()): dp_shard, or dp_shard and cp for context-parallel ranks,
+  // whose gradients (parameters Replicate on cp) ZeRO then averages too.
+  std::vector<std::string> shard_dims = {"dp_shard"};
 };
 
 // One trainable parameter's piece in this rank's chunk.
@@ -138,6 +156,14 @@ class ShardedDataParallel {
   const std::vector<ParameterShard>& parameter_shards() const;
   // Global-norm clipping over the shards: clip_grad_norm_(sdp.gradients(), 1.0).
   const GradientSet& gradients() const;
+  // Each of parameters() with its parameter's layout over `mesh`
+  // (dist::named_layouts of the module) with the placements on the sharding
+  // group's dimensions (ZeroOptions::shard_dims) made Shard(0), since the
+  // pieces are disjoint over that group: what GradientSet::from_layouts needs
+  // for global norms (a pipeline's over all its stages). Not for resharding
+  // (the global shape stays the parameter's). ConfigError unless the group
+  // is mesh.join(shard_dims) (its size and this rank's index there).
+  std::vector<std::pair<at::Tensor, dist::Layout>> norm_layouts(const dist::DeviceMesh& mesh) const;
   // Clears the shards' gradients and any full gradients kept (stage 1, no_sync).
   void zero_grad();
 

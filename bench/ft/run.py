@@ -1,0 +1,214 @@
+"""bench/ft: surviving the SIGKILL of one of 4 replica groups (issue 27).
+
+Same MLP, data and machine for every case; one rank per replica group:
+  ft        dtrain run --ft-replicas 4: fault-tolerant replica groups
+            (Trainer with TrainerOptions::fault_tolerance); the launcher
+            restarts the killed group, which recovers live from a peer;
+  restart   dtrain run --max-restarts: 4-rank DDP with a checkpoint every
+            --checkpoint-every steps; the launcher restarts every rank, which
+            resume from the last checkpoint;
+  torchft   torchft 0.2.0: its Rust lighthouse, Manager and ProcessGroupGloo
+            (bench/ft/torchft_worker.py); this script restarts the killed
+            replica group, as a launcher would.
+Replica group 1 is SIGKILLed once it has committed --kill-at steps.
+
+Figures per case: fault to the first full-quorum step (the first step the
+restarted group commits with all 4 groups taking part), steps trained again
+(committed before the fault and once more after it: lost work), steps that
+ran with fewer than 4 groups (their batch shrank), and the steady step time.
+Steady state also runs ft and plain DDP (fault tolerance off) without a
+fault. The last lines are JSON: one per case, then the ratios
+({"bench","case","metric","dtrain","peer","peer_name","ratio"}, ratio > 1:
+dtrain better).
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+LINE = re.compile(r"(step|recovered) (\d+)(?: members (\d+))? pid (\d+) t_ms (\d+)")
+
+
+def read_log(path):
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                m = LINE.match(line)
+                if m:
+                    kind, step, members, pid, t = m.groups()
+                    out.append({"kind": kind, "step": int(step), "members": int(members or 0), "pid": int(pid),
+                                "t_ms": int(t)})
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def steps_of(path):
+    return [e for e in read_log(path) if e["kind"] == "step"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise TimeoutError(what)
+
+
+def steady_ms(steps, skip=20):
+    """Median interval between consecutive committed steps of one process."""
+    intervals = [b["t_ms"] - a["t_ms"] for a, b in zip(steps, steps[1:])
+                 if a["pid"] == b["pid"] and b["step"] == a["step"] + 1 and a["step"] >= skip]
+    return statistics.median(intervals) if intervals else float("nan")
+
+
+def analyse(log_dir, replicas, victim, victim_pid, t_kill_ms, full):
+    logs = {r: steps_of(os.path.join(log_dir, f"log_{r}.txt")) for r in range(replicas)}
+    after = [e for e in logs[victim] if e["pid"] != victim_pid and e["members"] == full]
+    heal = (after[0]["t_ms"] - t_kill_ms) / 1000 if after else float("nan")
+    # Steps trained twice: committed by the first incarnation (before the
+    # fault) and again after it, on any replica.
+    again = 0
+    for r in range(replicas):
+        before = {e["step"] for e in logs[r] if e["t_ms"] <= t_kill_ms}
+        later = {e["step"] for e in logs[r] if e["t_ms"] > t_kill_ms}
+        again = max(again, len(before & later))
+    survivor = logs[0]
+    shrunk = len({e["step"] for e in survivor if e["members"] < full})
+    return {"fault_to_full_quorum_s": round(heal, 3), "steps_trained_again": again, "steps_below_full": shrunk,
+            "steady_step_ms": steady_ms([e for e in survivor if e["t_ms"] <= t_kill_ms] or survivor)}
+
+
+def run_case(name, args, kill=True):
+    log_dir = tempfile.mkdtemp(prefix=f"bench-ft-{name}-")
+    worker_args = ["--log-dir", log_dir, "--steps", str(args.steps), "--width", str(args.width), "--depth",
+                   str(args.depth), "--batch", str(args.batch)]
+    procs = {}
+    lighthouse = None
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    hb_s = args.heartbeat_timeout
+    if name in ("ft", "ft_nofault"):
+        cmd = [args.dtrain, "run", "--nproc-per-node", str(args.replicas), "--ft-replicas", str(args.replicas),
+               "--max-restarts", "3", "--ft-heartbeat-timeout", str(hb_s), "--ft-join-timeout",
+               str(args.join_timeout), "--log-dir", os.path.join(log_dir, "launcher"), args.worker, "--mode", "ft",
+               *worker_args]
+        procs["launcher"] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    elif name in ("restart", "ddp_nofault"):
+        ckpt = ["--checkpoint-dir", os.path.join(log_dir, "ckpt"), "--checkpoint-every", str(args.checkpoint_every)]
+        cmd = [args.dtrain, "run", "--nproc-per-node", str(args.replicas), "--max-restarts", "3", "--log-dir",
+               os.path.join(log_dir, "launcher"), args.worker, "--mode", "ddp", *worker_args,
+               *(ckpt if name == "restart" else [])]
+        procs["launcher"] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    else:  # torchft
+        port = free_port()
+        lighthouse = subprocess.Popen(
+            [args.torchft_lighthouse, "--min_replicas", "1", "--bind", f"[::]:{port}", "--heartbeat_timeout_ms",
+             str(int(hb_s * 1000)), "--join_timeout_ms", str(int(args.join_timeout * 1000)), "--quorum_tick_ms", "10"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+
+        def start(r):
+            return subprocess.Popen(
+                [args.python, args.torchft_worker, "--replica-id", str(r), "--lighthouse", f"http://127.0.0.1:{port}",
+                 *worker_args], env=env, stdout=subprocess.DEVNULL, stderr=open(os.path.join(log_dir, f"err_{r}"), "a"))
+        for r in range(args.replicas):
+            procs[r] = start(r)
+    victim = 1
+    victim_log = os.path.join(log_dir, f"log_{victim}.txt")
+    result = {"case": name}
+    try:
+        if kill:
+            wait_until(lambda: len(steps_of(victim_log)) >= args.kill_at, 300, f"{name}: no step {args.kill_at}")
+            victim_pid = steps_of(victim_log)[-1]["pid"]
+            t_kill_ms = int(time.time() * 1000)
+            os.kill(victim_pid, signal.SIGKILL)
+            if name == "torchft":
+                procs[victim].wait()
+                procs[victim] = start(victim)
+        # The end: every replica's log reaches the last step.
+        last = args.steps - 1
+
+        def done():
+            return all(any(e["step"] == last for e in steps_of(os.path.join(log_dir, f"log_{r}.txt")))
+                       for r in range(args.replicas))
+        wait_until(done, args.case_timeout, f"{name}: did not finish within {args.case_timeout} s")
+        if kill:
+            result.update(analyse(log_dir, args.replicas, victim, victim_pid, t_kill_ms, args.replicas))
+        else:
+            result["steady_step_ms"] = steady_ms(steps_of(os.path.join(log_dir, "log_0.txt")))
+    finally:
+        for p in procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if lighthouse:
+            lighthouse.kill()
+            lighthouse.wait()
+    result["log_dir"] = log_dir
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtrain", required=True)
+    p.add_argument("--worker", required=True)
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--torchft-worker", required=True)
+    p.add_argument("--torchft-lighthouse", required=True)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200)
+    # Midway between two checkpoints (--checkpoint-every 20): restart-from-checkpoint loses its average.
+    p.add_argument("--kill-at", type=int, default=70)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--heartbeat-timeout", type=float, default=2.0)
+    p.add_argument("--join-timeout", type=float, default=10.0)
+    p.add_argument("--case-timeout", type=float, default=400.0)
+    p.add_argument("--cases", default="ft,restart,torchft,ft_nofault,ddp_nofault")
+    a = p.parse_args()
+    params = a.depth * (a.width * a.width + a.width) + a.width * 16 + 16
+    print(f"# MLP {a.depth} x {a.width} (+16 outputs), {params / 1e6:.2f} M parameters, batch {a.batch}; "
+          f"{a.replicas} replica groups of one rank; SIGKILL of group 1 after {a.kill_at} steps, {a.steps} steps; "
+          f"heartbeat timeout {a.heartbeat_timeout} s, join timeout {a.join_timeout} s; checkpoints every "
+          f"{a.checkpoint_every} steps")
+    results = {}
+    for case in a.cases.split(","):
+        try:
+            results[case] = run_case(case, a, kill=not case.endswith("_nofault"))
+        except Exception as e:  # a case that fails is reported, the others still run
+            results[case] = {"case": case, "error": str(e)}
+        print(json.dumps({"bench": "ft", **results[case]}), flush=True)
+    ft, rs, tf = results.get("ft", {}), results.get("restart", {}), results.get("torchft", {})
+    metric = "fault_to_full_quorum_s"
+    for peer_name, peer in (("torchft-0.2.0", tf), ("dtrain-restart-from-checkpoint", rs)):
+        if metric in ft and metric in peer:
+            print(json.dumps({"bench": "ft", "case": f"{a.replicas}_replicas_sigkill", "metric": metric,
+                              "dtrain": ft[metric], "peer": peer[metric], "peer_name": peer_name,
+                              "ratio": round(peer[metric] / ft[metric], 3)}))
+    on, off = results.get("ft_nofault", {}), results.get("ddp_nofault", {})
+    if "steady_step_ms" in on and "steady_step_ms" in off:
+        print(json.dumps({"bench": "ft", "case": f"{a.replicas}_replicas_steady", "metric": "steps_per_s",
+                          "dtrain": round(1000 / on["steady_step_ms"], 2), "peer": round(1000 / off["steady_step_ms"], 2),
+                          "peer_name": "dtrain-ddp-ft-off", "ratio": round(off["steady_step_ms"] / on["steady_step_ms"], 3)}))
+
+
+if __name__ == "__main__":
+    main()

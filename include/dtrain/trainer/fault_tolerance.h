@@ -1,0 +1,50 @@
+// TrainerOptions::fault_tolerance: the Trainer's loop as one fault-tolerant
+// replica group (docs/fault_tolerance.md). Every step joins the lighthouse's
+// quorum, averages the gradients over the quorum's replica groups after the
+// strategy's own reduction, and applies the update only when every member's
+// step succeeded (ft::FaultTolerantReplicas); a replica group that starts
+// behind (restarted by `dtrain run --ft-replicas`) receives the parameters,
+// optimizer state, GradScaler, learning-rate schedule and step counter of a
+// live peer before it joins, and goes on from that step.
+//
+//   dtrain::Trainer trainer(strategy, optimizer, stream,
+//                           {.max_steps = 1000, .fault_tolerance = dtrain::TrainerFaultTolerance{}});
+//
+// Contracts: the batch source is a StepStream (its batches a function of the
+// step, so a recovered replica knows its data position from the step); rank
+// r of replica group g reads data rank g * W + r of G * W (W the strategy's
+// data world, G the replica groups), so groups train on different data and a
+// down group's share of a step is not trained on. The strategy's parameters
+// and optimizer state are copied rank to rank (a strategy whose module()
+// holds the full parameters: single device, DDP). Checkpoints are refused
+// for now (every group would write the same folder).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+
+#include "dtrain/ft/lighthouse.h"
+#include "dtrain/ft/quorum.h"
+
+namespace dtrain {
+
+struct TrainerFaultTolerance {
+  // Where the lighthouse is and which replica group this is; nullopt: from
+  // the environment `dtrain run --ft-replicas N` sets (ft::lighthouse_from_env).
+  std::optional<ft::LighthouseEndpoint> lighthouse;
+  // The client's timeouts and heartbeat (its replica_id is the endpoint's).
+  ft::LighthouseClientOptions client;
+  // Each quorum's group: rendezvous and operation timeout (a member that died
+  // between the quorum and the group fails that step, which runs again).
+  std::chrono::milliseconds group_timeout{std::chrono::seconds(10)};
+  // Called on every rank after each committed step with that step (0-based)
+  // and its quorum: the replica groups whose gradients it averaged.
+  std::function<void(std::int64_t step, const ft::Quorum& quorum)> on_commit;
+  // Called on every rank when this replica group loaded a live peer's state;
+  // `step` is the step it goes on from.
+  std::function<void(std::int64_t step)> on_recover;
+};
+
+}  // namespace dtrain

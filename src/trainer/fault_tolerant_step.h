@@ -1,0 +1,54 @@
+// The Trainer's side of TrainerOptions::fault_tolerance (include/dtrain/
+// trainer/fault_tolerance.h): the lighthouse client and the replicas of one
+// fit(), and what a live recovery copies besides the model and optimizer
+// (the GradScaler and the learning-rate schedule). Private to the Trainer.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "dtrain/ft/replicas.h"
+#include "dtrain/trainer/fault_tolerance.h"
+#include "dtrain/trainer/lr_schedule.h"
+#include "dtrain/trainer/strategy.h"
+
+namespace dtrain {
+namespace amp {
+class GradScaler;
+}
+
+namespace detail {
+
+class FaultTolerantStep {
+ public:
+  // Connects to the lighthouse (registration waits for the first step).
+  // `scaler` and `schedule` (either may be null) travel in a recovery; they,
+  // the strategy and the optimizer must outlive this object.
+  FaultTolerantStep(const TrainerFaultTolerance& options, Strategy& strategy, torch::optim::Optimizer& optimizer,
+                    amp::GradScaler* scaler, std::shared_ptr<ScheduledLR> schedule);
+  ~FaultTolerantStep();
+
+  // This rank's data position over every replica group's ranks.
+  int data_rank() const;
+  int data_world() const;
+
+  // Joins the quorum of the next step attempt; returns the step it runs:
+  // `committed` (the steps this group has committed), or the live peer's
+  // after a recovery (the state is then loaded).
+  std::int64_t begin(std::int64_t committed);
+  // After backward: the gradients' mean over the quorum and the commit vote;
+  // true when the step is to be applied (by every member alike).
+  bool commit(std::int64_t step);
+
+ private:
+  TrainerFaultTolerance options_;
+  Strategy& strategy_;
+  ft::LighthouseEndpoint endpoint_;
+  std::unique_ptr<ft::LighthouseClient> client_;
+  std::unique_ptr<ft::FaultTolerantReplicas> replicas_;
+};
+
+}  // namespace detail
+}  // namespace dtrain
