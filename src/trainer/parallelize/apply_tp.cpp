@@ -45,8 +45,11 @@ Parallelized apply_tp(const ApplyContext& c) {
   const c10::Device first = c.device();
   auto mesh = std::make_shared<dist::DeviceMesh>(c.group(), c.plan.mesh_dims());
   // The full layers stay (on the CPU) to assemble the trained weights into.
+  // The split is trained under the Sequential's own names ("0.wte.weight"),
+  // not under parts.name: tp checkpoints (state "tp") keep the names they
+  // had before parallelize, so those saved earlier still load.
   torch::nn::Sequential full = c.parts.layers();
-  LayerStack split = c.stack(tp.split(full, *mesh));
+  LayerStack split(tp.split(full, *mesh), "", c.parts.retie);
   split->to(first);
   auto strategy = std::make_shared<TensorParallelStrategy<LayerStack>>(split, mesh, first, c.options.ddp);
   LayerStack whole = c.stack(full);
@@ -54,7 +57,7 @@ Parallelized apply_tp(const ApplyContext& c) {
   r.mesh = mesh;
   r.loss = tp.loss(*mesh);
   r.full_weights = [split, mesh, whole]() mutable -> std::unique_ptr<Strategy::Scope> {
-    assemble_by_layouts(*split, *mesh, *whole);
+    assemble_by_layouts(*split, *mesh, *whole->layers);  // both under the Sequential's names
     return nullptr;
   };
   return r;
