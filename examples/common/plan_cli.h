@@ -17,12 +17,14 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/plan/plan.h"
 #include "dtrain/plan/preflight.h"
+#include "dtrain/trainer/parallelize.h"
 #include "pipeline_cli.h"
 
 namespace examples {
@@ -224,6 +226,55 @@ inline std::optional<dtrain::ParallelPlan> plan_of_run(const Resolved& r, int wo
   p.recompute_every = r.recompute_every;
   p.accumulate = accumulate;
   return p;
+}
+
+// The plan a run trains under (dtrain::parallelize's): the resolved plan, or
+// the one a --strategy shorthand stands for: single, dp, model-parallel one
+// process (dp and model-parallel split over its devices:
+// dtrain::LocalSplit); ddp, ddp-model-parallel dp_replicate over the world;
+// zeroK dp_shard (HSDP over the plan's replicas); pipeline pp = --pp-size
+// (the world by default), its replicas on dp_shard under --dp-reduce zeroK,
+// else on dp_replicate. Not validated: a shorthand runs what it always ran.
+inline dtrain::ParallelPlan plan_to_run(const Resolved& r, int world, int accumulate) {
+  if (r.plan) return *r.plan;
+  dtrain::ParallelPlan p;
+  if (r.strategy == "ddp" || r.strategy == "ddp-model-parallel") {
+    p.dp_replicate = world;
+  } else if (r.strategy.rfind("zero", 0) == 0 && r.strategy.size() == 5) {
+    p.zero_stage = r.strategy[4] - '0';
+    p.dp_replicate = r.hsdp_replicas;
+    p.dp_shard = world / r.hsdp_replicas;
+  } else if (r.strategy == "pipeline") {
+    const auto dims = r.pipeline.mesh_dims(world);  // checks that --pp-size divides the world
+    p.pp = dims[0].size;
+    if (dims[1].name == "dp_shard") {
+      p.dp_shard = dims[1].size;
+      p.zero_stage = r.pipeline.dp_reduce.back() - '0';
+    } else {
+      p.dp_replicate = dims[1].size;
+    }
+    p.pipeline = {.schedule = r.pipeline.schedule,
+                  .stages_per_rank = r.pipeline.stages_per_rank(),
+                  .micro_batches = r.pipeline.micro_batches};
+  }
+  p.recompute = r.recompute;
+  p.recompute_every = r.recompute_every;
+  p.accumulate = accumulate;
+  return p;
+}
+
+// How a --strategy shorthand uses one process's devices (dp: DataParallel;
+// model-parallel, ddp-model-parallel: the layers placed over them), and the
+// stage sync --dp-reduce allreduce asks for (the plan's otherwise): the rest
+// of dtrain::ParallelizeOptions.
+inline dtrain::ParallelizeOptions parallelize_options(const Resolved& r, std::vector<c10::Device> devices) {
+  dtrain::ParallelizeOptions o{.devices = std::move(devices)};
+  if (r.strategy == "dp") o.local = dtrain::LocalSplit::kDataParallel;
+  if (r.strategy == "model-parallel" || r.strategy == "ddp-model-parallel")
+    o.local = dtrain::LocalSplit::kModelParallel;
+  if (r.strategy == "pipeline" && r.pipeline.dp_reduce == "allreduce")
+    o.stage_sync = dtrain::pipeline::allreduce_stage_sync();
+  return o;
 }
 
 // Note [One pre-flight decision]

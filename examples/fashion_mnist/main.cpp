@@ -4,7 +4,7 @@
 //                 [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
 //                 [--dp-reduce ddp|zero1|zero2|zero3|allreduce] [--devices all] [--epochs 2]
 //                 [--plan FILE | --dp-replicate N --dp-shard N --pp N --zero-stage K] [--global-batch-size G]
-//                 [--batch-size 64] [--lr 1e-3] [--seed 0]
+//                 [--batch-size 64] [--lr 1e-3] [--seed 0] [--dropout 0.25]
 //                 [--amp off|bf16|fp16] [--accumulate 1] [--clip-norm 0]
 //                 [--checkpoint-dir DIR [--checkpoint-every N]] [--tensorboard DIR] [--trace FILE]
 //                 [--sample-log FILE]
@@ -30,10 +30,10 @@
 //                       PipelineStrategy; --accumulate must stay 1); with --pp-size P below the
 //                       world, a data x pipeline mesh whose stage replicas are averaged by
 //                       --dp-reduce
-// A plan (--plan FILE or the degree flags, examples/common/plan_cli.h) picks
-// the strategy that runs it: pp > 1 the pipeline, dp_shard > 1 zeroK (HSDP
-// with dp_replicate > 1), dp_replicate > 1 ddp; --global-batch-size sets the
-// per-rank batch.
+// A plan (--plan FILE or the degree flags, examples/common/plan_cli.h) runs
+// through dtrain::parallelize: pp > 1 the pipeline, dp_shard > 1 ZeRO (HSDP
+// with dp_replicate > 1), dp_replicate > 1 DDP; --strategy names are
+// shorthands for plans; --global-batch-size sets the per-rank batch.
 // After the model is built, each rank seeds its generators with seed + rank
 // (dropout masks differ per rank); checkpoints restore each rank's own.
 //
@@ -51,6 +51,7 @@
 #include <optional>
 
 #include "dtrain/dtrain.h"
+#include "model.h"
 #include "placement.h"
 #include "plan_cli.h"
 
@@ -64,6 +65,7 @@ struct Options {
   int epochs = 2;
   std::int64_t batch_size = 64;
   double lr = 1e-3;
+  double dropout = 0.25;
   std::uint64_t seed = 0;
   std::string data_dir = dtrain::data::kFashionMnistDefaultDir;
   std::int64_t train_limit = 0;  // 0: the whole training set
@@ -116,13 +118,15 @@ int run(Options opt) {
   if (resolved.plan && dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
     DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << resolved.plan->table();
   }
-  const PlacementOptions placement{.strategy = opt.strategy,
-                                   .devices = opt.devices,
-                                   .pipeline = opt.pipeline,
-                                   .hsdp_replicas = resolved.hsdp_replicas};
-  Placement where = place(placement);
+  Placement where = place({.strategy = opt.strategy, .devices = opt.devices});
+  // The plan (or the one --strategy stands for) applied to the CNN's layers;
+  // every rank builds them from the same seed.
   torch::manual_seed(opt.seed);
-  auto strategy = make_strategy(placement, where);
+  const dtrain::Parallelized parallel =
+      dtrain::parallelize({.layers = [&] { return small_cnn_layers(opt.dropout); }},
+                          examples::plan_to_run(resolved, launched_world, opt.accumulate), where.group,
+                          examples::parallelize_options(resolved, where.devices));
+  const std::shared_ptr<dtrain::Strategy> strategy = parallel.strategy;
   torch::manual_seed(opt.seed + static_cast<std::uint64_t>(where.rank));
   auto train = std::make_shared<dtrain::data::FashionMnist>(opt.data_dir, dtrain::data::Split::kTrain);
   auto test = std::make_shared<dtrain::data::FashionMnist>(opt.data_dir, dtrain::data::Split::kTest);
@@ -174,6 +178,7 @@ int run(Options opt) {
                            .tensorboard_dir = opt.tensorboard,
                            .trace_file = opt.trace,
                            .sample_log = opt.sample_log});
+  trainer.set_loss(parallel.loss);
   trainer.set_eval_dataset(test);
   trainer.on_eval([&](const dtrain::EvalReport& report) {
     if (where.rank != 0) return;
@@ -194,6 +199,7 @@ int run(Options opt) {
                                 {"steps", summary.steps},
                                 {"params_fnv", params_fingerprint(strategy->module())},
                                 {"test_accuracy", summary.last_eval ? summary.last_eval->accuracy : 0.0},
+                                {"test_loss", summary.last_eval ? summary.last_eval->loss : 0.0},
                                 {"train_seconds", summary.train_seconds},
                                 {"samples_per_second", static_cast<double>(summary.examples) / summary.train_seconds}}
                      .dump()
@@ -224,6 +230,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--lr", opt.lr, "Adam learning rate")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seed", opt.seed, "Seed for initialisation and shuffling")->capture_default_str();
+  app.add_option("--dropout", opt.dropout, "Dropout before the last layer")
+      ->check(CLI::Range(0.0, 0.99))
+      ->capture_default_str();
   app.add_option("--data-dir", opt.data_dir, "Directory with the Fashion-MNIST IDX files")->capture_default_str();
   app.add_option("--num-workers", opt.num_workers,
                  "DataLoader worker threads per rank (0: load in the training thread)")

@@ -27,7 +27,7 @@ torch::Tensor SmallCnnImpl::forward(torch::Tensor x) {
   return fc2(x);
 }
 
-torch::nn::Sequential small_cnn_layers() {
+torch::nn::Sequential small_cnn_layers(double dropout) {
   // Parameters are created in SmallCnn's order, so one seed gives both forms the same weights.
   return torch::nn::Sequential({{"conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1))},
                                 {"relu1", torch::nn::ReLU()},
@@ -38,6 +38,6 @@ torch::nn::Sequential small_cnn_layers() {
                                 {"flatten", torch::nn::Flatten()},
                                 {"fc1", torch::nn::Linear(64 * 7 * 7, 64)},
                                 {"relu3", torch::nn::ReLU()},
-                                {"dropout", torch::nn::Dropout(0.25)},
+                                {"dropout", torch::nn::Dropout(dropout)},
                                 {"fc2", torch::nn::Linear(64, 10)}});
 }

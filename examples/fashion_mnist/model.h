@@ -25,4 +25,5 @@ struct SmallCnnImpl : torch::nn::Cloneable<SmallCnnImpl> {
 };
 TORCH_MODULE(SmallCnn);
 
-torch::nn::Sequential small_cnn_layers();
+// `dropout`: before the last layer (SmallCnn's 0.25 by default).
+torch::nn::Sequential small_cnn_layers(double dropout = 0.25);

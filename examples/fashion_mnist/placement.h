@@ -1,6 +1,5 @@
 // Where examples/fashion_mnist trains: the devices and process group of
-// --strategy and --devices, and the model placed accordingly behind the
-// Trainer's Strategy interface.
+// --strategy and --devices (dtrain::parallelize places the model).
 #pragma once
 
 #include <memory>
@@ -8,18 +7,11 @@
 #include <string>
 #include <vector>
 
-#include <torch/nn/functional/loss.h>
-
 #include "dtrain/dtrain.h"
-#include "model.h"
-#include "pipeline_cli.h"
 
 struct PlacementOptions {
   std::string strategy = "single";
   std::string devices = "all";
-  // --strategy pipeline: stages cut by the planner, on a mesh of pipelines.
-  examples::PipelineCli pipeline;
-  int hsdp_replicas = 1;  // zeroK on a dp_replicate x dp_shard mesh (from a plan)
 };
 
 // ZeRO stage of --strategy zero1|zero2|zero3, 0 otherwise.
@@ -73,68 +65,4 @@ inline Placement place(const PlacementOptions& opt) {
   }
   auto group = dtrain::dist::init_process_group(env, {.device = devices.front()});
   return {.devices = devices, .rank = env.rank, .world = env.world_size, .group = std::move(group)};
-}
-
-// The model placed as --strategy says, behind the Trainer's Strategy interface.
-inline std::shared_ptr<dtrain::Strategy> make_strategy(const PlacementOptions& opt, Placement& where) {
-  const c10::Device first = where.devices.front();
-  if (opt.strategy == "model-parallel" || opt.strategy == "ddp-model-parallel") {
-    dtrain::ModelParallel split(small_cnn_layers(), dtrain::ModelParallelOptions{.devices = where.devices});
-    if (where.rank == 0) {
-      DTRAIN_LOG(kInfo) << "layers placed on " << dtrain::format_devices(split->device_of_layer());
-    }
-    if (where.group) {
-      return std::make_shared<dtrain::DdpStrategy<dtrain::ModelParallel>>(split, *where.group, first,
-                                                                          split->output_device());
-    }
-    return std::make_shared<dtrain::ForwardStrategy>(dtrain::ForwardStrategy::Parts{
-        "model-parallel", split.ptr(), [split](const at::Tensor& x) mutable { return split(x); }, first,
-        split->output_device()});
-  }
-  if (opt.strategy == "pipeline") {
-    // The layers cut into one stage per rank (v per rank when interleaved) by
-    // the placement planner; every rank builds the whole model alike and
-    // keeps its stages.
-    auto layers = small_cnn_layers();
-    layers->to(first);
-    dtrain::dist::DeviceMesh mesh(*where.group, opt.pipeline.mesh_dims(where.world));
-    const int pp = mesh.size("pp"), v = opt.pipeline.stages_per_rank();
-    const auto stages = dtrain::pipeline::split_stages(layers, dtrain::pipeline::plan_stages(layers, pp * v));
-    std::vector<dtrain::pipeline::PipelineStage> mine;
-    for (int s = mesh.coordinate("pp"); s < pp * v; s += pp) mine.push_back({.module = stages[s]});
-    auto pipe = std::make_shared<dtrain::pipeline::Pipeline>(
-        std::move(mine), mesh["pp"], opt.pipeline.options(mesh),
-        [](const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); });
-    return std::make_shared<dtrain::PipelineStrategy>(pipe, mesh);
-  }
-  if (const int stage = zero_stage(opt.strategy)) {
-    // ShardedDataParallel runs a Sequential unit by unit: the same layers and
-    // initialisation as SmallCnn (ModelParallelEqualsSingleDevice checks it).
-    auto layers = small_cnn_layers();
-    layers->to(first);
-    // HSDP: ZeRO over dp_shard, replicas of it over dp_replicate (ranks
-    // row-major, so a rank's data-parallel index is its world rank).
-    dtrain::ZeroOptions zero{.stage = stage};
-    dtrain::dist::ProcessGroup shard_group = *where.group;
-    std::optional<dtrain::dist::ProcessGroup> world;
-    if (opt.hsdp_replicas > 1) {
-      dtrain::dist::DeviceMesh mesh(
-          *where.group, {{"dp_replicate", opt.hsdp_replicas}, {"dp_shard", where.world / opt.hsdp_replicas}});
-      shard_group = mesh["dp_shard"];
-      zero.replicate_group = mesh["dp_replicate"];
-      world = *where.group;
-    }
-    auto sdp = std::make_shared<dtrain::ShardedDataParallel>(layers, shard_group, zero);
-    return std::make_shared<dtrain::ZeroStrategy>(sdp, first, world);
-  }
-  SmallCnn net;
-  net->to(first);
-  if (opt.strategy == "dp") {
-    auto dp =
-        std::make_shared<dtrain::DataParallel<SmallCnn>>(net, dtrain::DataParallelOptions{.devices = where.devices});
-    return std::make_shared<dtrain::ForwardStrategy>(
-        dtrain::ForwardStrategy::Parts{"dp", net.ptr(), [dp](const at::Tensor& x) { return (*dp)(x); }, first, first});
-  }
-  if (where.group) return std::make_shared<dtrain::DdpStrategy<SmallCnn>>(net, *where.group, first, first);
-  return std::make_shared<dtrain::SingleDeviceStrategy<SmallCnn>>(net, first);
 }

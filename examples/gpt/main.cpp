@@ -3,7 +3,7 @@
 //
 //   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
 //       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
-//       [--dp-reduce ddp|zero1|zero2|zero3|allreduce] (pipeline_strategy.h)
+//       [--dp-reduce ddp|zero1|zero2|zero3|allreduce] (pipeline_cli.h)
 //       [--plan FILE | --dp-replicate N --dp-shard N --pp N --tp N [--sequence-parallel] --cp N --zero-stage K]
 //       [--cp-exchange ring|allgather]
 //       [--global-batch-size G]
@@ -22,17 +22,26 @@
 // Strategies as in examples/fashion_mnist: single; dp (each batch split over
 // --devices); model-parallel (the blocks placed over --devices); ddp and
 // ddp-model-parallel (one process per rank under `dtrain run`/torchrun);
-// zero1-3: ZeRO stages 1-3 (ShardedDataParallel, one process per rank);
-// pipeline (pipeline_strategy.h); tp (a plan with --tp: the blocks split
-// the Megatron way, tensor_parallel.h, DDP over dp_replicate; no checkpoints
-// yet); cp (a plan with --cp: every sequence split over the cp ranks, zig-zag,
-// attention by a K/V ring, context_parallel.h; DDP over dp_replicate x cp).
-// A plan (--plan or the degree flags) picks the strategy that runs it.
+// zero1-3: ZeRO stages 1-3 (ShardedDataParallel, one process per rank;
+// blocks are the units, the embedding and the head that reads its weight
+// stay in the root unit); pipeline (the layers cut into stages,
+// pipeline_stages.h, --pp-size pipelines replicated over the rest of the
+// world, their stages averaged by --dp-reduce; --save-params writes each
+// stage's parameters of the first replica to FILE.stage<s>); tp (a plan with
+// --tp: the blocks split the Megatron way, tensor_parallel.h, DDP over
+// dp_replicate); cp (a plan with --cp: every sequence split over the cp
+// ranks, zig-zag, attention by a K/V ring, context_parallel.h; DDP over
+// dp_replicate x cp). --strategy names are shorthands for plans
+// (examples::plan_to_run), and a plan (--plan or the degree flags) runs as it is.
 //
-// Every strategy is trained by dtrain::Trainer: this file holds the model,
-// its data (a StepStream of random windows, a function of the global step
-// only, and fixed val batches), the schedule, and its flags; the loop,
-// clipping, evaluation, checkpoints and the progress bar are the Trainer's.
+// dtrain::parallelize turns the plan into the Trainer's strategy, given the
+// GPT's parts (gpt_parts: its layers, its ZeRO units, pipeline cut and tie,
+// tensor- and context-parallel splits and losses); dtrain::Trainer trains
+// it. This file holds the model's parts, its data (a StepStream of random
+// windows, a function of the global step only, and fixed val batches), the
+// schedule, and its flags; the loop, clipping, evaluation, checkpoints and
+// the progress bar are the Trainer's, the full weights for the sample and
+// exports parallelize's (Parallelized::full_weights).
 //
 // Progress goes to stderr; stdout gets a JSON line per evaluation, the sample,
 // and last {"event":"done","val_loss":...,"tokens_per_second":...,...} with
@@ -57,14 +66,11 @@
 #include "context_parallel.h"
 #include "corpus.h"
 #include "dtrain/dtrain.h"
-#include "dtrain/trainer/cp_strategy.h"
-#include "dtrain/trainer/pipeline_strategy.h"
-#include "dtrain/trainer/tp_strategy.h"
-#include "dtrain/trainer/zero_strategy.h"
+#include "dtrain/trainer/parallelize.h"
 #include "fused_adamw.h"
 #include "hf_export.h"
 #include "model.h"
-#include "pipeline_strategy.h"
+#include "pipeline_stages.h"
 #include "plan_cli.h"
 #include "run_stats.h"
 #include "sample.h"
@@ -97,16 +103,15 @@ struct Options {
   std::int64_t sample_tokens = 500;
   double temperature = 0.8;
   std::int64_t top_k = 200;
-  bool ddp_shared_memory = true;   // DDP's intra-host shared-memory all-reduce (else Gloo)
-  std::string save_params;         // write the final parameters here (raw float32, in order) for tests
-  std::string export_hf;           // write a Hugging Face GPT-2 folder here after training (hf_export.h)
-  std::string init_from_hf;        // start from this Hugging Face GPT-2 folder's weights and sizes
-  examples::PipelineCli pipeline;  // --strategy pipeline (pipeline_strategy.h)
-  examples::PlanCli plan;          // --plan or the degrees; --global-batch-size
-  int hsdp_replicas = 1;           // zero1-3 on a dp_replicate x dp_shard mesh (from a plan)
-  int tp = 1;                      // strategy "tp" (from a plan): the degree
-  bool sequence_parallel = false;
-  int cp = 1;                                    // strategy "cp" (from a plan): the degree
+  bool ddp_shared_memory = true;                 // DDP's intra-host shared-memory all-reduce (else Gloo)
+  std::string save_params;                       // write the final parameters here (raw float32, in order) for tests
+  std::string export_hf;                         // write a Hugging Face GPT-2 folder here after training (hf_export.h)
+  std::string init_from_hf;                      // start from this Hugging Face GPT-2 folder's weights and sizes
+  examples::PipelineCli pipeline;                // --strategy pipeline (pipeline_strategy.h)
+  examples::PlanCli plan;                        // --plan or the degrees; --global-batch-size
+  dtrain::ParallelPlan parallel;                 // what runs: the plan, or the one --strategy stands for (plan_cli.h)
+  examples::Resolved resolved;                   // the strategy and pipeline flags it came from
+  bool sequence_parallel = false;                // under tp (from a plan)
   std::string cp_exchange = "ring";              // ring | allgather (context_parallel.h)
   std::optional<dtrain::ParallelPlan> run_plan;  // what runs, for the memory pre-flight (plan_cli.h)
 };
@@ -130,8 +135,8 @@ class GptSchedule : public dtrain::ScheduledLR {
 };
 
 bool distributed(const std::string& s) {
-  return s == "ddp" || s == "ddp-model-parallel" || gpt::is_zero_strategy(s) || s == "pipeline" || s == "tp" ||
-         s == "cp";
+  return s == "ddp" || s == "ddp-model-parallel" || s == "zero1" || s == "zero2" || s == "zero3" || s == "pipeline" ||
+         s == "tp" || s == "cp";
 }
 
 // Where this process trains and which ranks it trains with.
@@ -172,27 +177,8 @@ Placement place(const Options& opt) {
   return {.devices = devices, .rank = env.rank, .world = env.world_size, .group = std::move(group)};
 }
 
-// The strategy a run trains through, and what the example does around the
-// Trainer with it: the sample and --save-params read full weights on rank 0.
-struct Trainee {
-  std::shared_ptr<dtrain::Strategy> strategy;
-  std::vector<std::shared_ptr<void>> keep;        // objects the strategy's forward refers to
-  std::function<bool(const at::Tensor&)> decays;  // null: the 2-D parameters decay
-  // Collective: makes the full weights readable on rank 0 for as long as the
-  // returned scope lives, and gives rank 0's local forward of the whole network.
-  std::function<std::shared_ptr<void>()> gather_full;
-  std::function<at::Tensor(const at::Tensor&)> local;
-  // The whole network's module on rank 0 while gather_full's scope lives (the
-  // HF export reads it); null: the strategy's module.
-  std::function<torch::nn::Module&()> full_module;
-  std::function<void(const std::string&)> save_params;  // collective where gather_full is
-  std::shared_ptr<gpt::GptPipeline> pipeline;
-  // The loss of the strategy's outputs; null: gpt::lm_loss.
-  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
-};
-
 // Raw float32 parameters in order (tests compare strategies with it).
-void write_params(const std::string& path, torch::nn::Module& module) {
+void write_params(const std::string& path, const torch::nn::Module& module) {
   std::ofstream out(path, std::ios::binary);
   for (const auto& p : module.parameters()) {
     const at::Tensor t = p.detach().to(at::kCPU, at::kFloat).contiguous();
@@ -200,172 +186,71 @@ void write_params(const std::string& path, torch::nn::Module& module) {
   }
 }
 
-// A strategy over one module whose forward rank 0 can run alone once
-// `full` (the strategy's full_parameters) is in scope.
-template <typename Holder>
-void whole_model(Trainee& t, Holder module, bool lead) {
-  t.gather_full = [s = t.strategy] { return std::shared_ptr<void>(s->full_parameters()); };
-  t.local = [module](const at::Tensor& x) mutable { return module(x); };
-  t.save_params = [s = t.strategy, lead](const std::string& path) {
-    auto full = s->full_parameters();
-    if (lead) write_params(path, s->module());
-  };
+// Under a pipeline, the first replica's stages each write FILE.stage<s>
+// (their concatenation in stage order is single's file).
+void write_stage_params(dtrain::pipeline::Pipeline& pipe, dtrain::dist::DeviceMesh& mesh, const std::string& file) {
+  if (mesh.join({"dp_replicate", "dp_shard"}).rank() != 0) return;
+  const auto stages = pipe.schedule().stages_of_rank(pipe.group().rank());
+  for (std::size_t k = 0; k < stages.size(); ++k)
+    write_params(file + ".stage" + std::to_string(stages[k]), *pipe.stages()[k].module);
 }
 
-Trainee build(const Options& opt, Placement& where) {
-  Trainee t;
-  const c10::Device first = where.devices.front();
-  const bool lead = where.rank == 0;
-  if (opt.strategy == "pipeline") {
-    auto p = std::make_shared<gpt::GptPipeline>(
-        gpt::build_pipeline(opt.model, opt.seed, opt.pipeline, *where.group, opt.init_from_hf));
-    t.pipeline = p;
-    t.strategy = p->strategy;
-    t.decays = p->decays;
-    t.gather_full = [p, world = *where.group]() mutable {
-      auto full = std::shared_ptr<void>(p->strategy->full_parameters());
-      gpt::gather_layers(*p, world);
-      return full;
-    };
-    t.local = [layers = p->layers](const at::Tensor& x) mutable { return layers->forward(x); };
-    t.full_module = [p]() -> torch::nn::Module& { return *p->layers; };
-    t.save_params = [p](const std::string& path) {
-      auto full = p->strategy->full_parameters();
-      gpt::write_stage_params(*p, path);
-    };
-    return t;
-  }
-  if (opt.strategy == "tp") {
-    // The full layers, initialised as every strategy's, split over tp; the
-    // full copy is kept to gather the trained weights into (sample, --save-params).
-    auto mesh = std::make_shared<dtrain::dist::DeviceMesh>(
-        *where.group, where.world > opt.tp
-                          ? std::vector<dtrain::dist::MeshDim>{{"dp_replicate", where.world / opt.tp}, {"tp", opt.tp}}
-                          : std::vector<dtrain::dist::MeshDim>{{"tp", opt.tp}});
-    torch::nn::Sequential full = gpt::gpt_layers(opt.model);
-    gpt::init_weights(*full, opt.model.n_layer, opt.seed);
-    if (!opt.init_from_hf.empty()) gpt::load_hf(*full, opt.model, opt.init_from_hf);
+// The GPT for dtrain::parallelize: its layers (initialised from --seed or
+// --init-from-hf), held as Gpt holds them ("layers"), and its own parts: the
+// embedding and head in ZeRO's root unit (the head reads the embedding's
+// weight), the pipeline cut with that tie (pipeline_stages.h), the Megatron
+// split (tensor_parallel.h) and the zig-zag split (context_parallel.h) with
+// their losses.
+dtrain::ModelParts gpt_parts(const Options& opt) {
+  dtrain::ModelParts parts{.name = "layers", .loss = gpt::lm_loss};
+  parts.layers = [&opt] {
+    torch::nn::Sequential layers = gpt::gpt_layers(opt.model);
+    gpt::init_weights(*layers, opt.model.n_layer, opt.seed);
+    if (!opt.init_from_hf.empty()) gpt::load_hf(*layers, opt.model, opt.init_from_hf);
+    return layers;
+  };
+  parts.retie = [](torch::nn::Sequential& copy) {
+    copy->ptr<gpt::HeadImpl>(copy->size() - 1)->embed = gpt::Embed(copy->ptr<gpt::EmbedImpl>(0));
+  };
+  parts.zero_unit = gpt::is_zero_unit;
+  parts.pipeline_stages = [](const torch::nn::Sequential& layers, const dtrain::StageCut& cut) {
+    return gpt::pipeline_stages(layers, cut.ranks, cut.stages_per_rank, cut.rank, cut.stage_of_layer);
+  };
+  parts.tp.split = [&opt](const torch::nn::Sequential& full, dtrain::dist::DeviceMesh& mesh) {
     // Dropout streams (Note [TP dropout]): the replicated one shared by the
     // tp group, seeded per data-parallel replica like the other strategies'
     // per-rank seeds; the tensor-parallel one per tp rank on top of it.
-    const std::uint64_t dropout_seed = opt.seed + 7919 * static_cast<std::uint64_t>(mesh->coordinate("dp_replicate"));
+    const std::uint64_t dropout_seed = opt.seed + 7919 * static_cast<std::uint64_t>(mesh.coordinate("dp_replicate"));
     auto rng =
-        std::make_shared<dtrain::nn::RngTracker>(dtrain::nn::RngTracker::for_tp(dropout_seed, mesh->coordinate("tp")));
-    torch::nn::Sequential split = gpt::apply_tp(full, *mesh, {.sequence_parallel = opt.sequence_parallel, .rng = rng});
-    split->to(first);
-    auto strategy = std::make_shared<dtrain::TensorParallelStrategy<torch::nn::Sequential>>(split, mesh, first);
-    t.strategy = strategy;
-    t.keep.push_back(mesh);
-    t.keep.push_back(rng);
-    t.loss = [tp = (*mesh)["tp"], vocab = opt.model.vocab_size](const at::Tensor& logits, const at::Tensor& target) {
+        std::make_shared<dtrain::nn::RngTracker>(dtrain::nn::RngTracker::for_tp(dropout_seed, mesh.coordinate("tp")));
+    return gpt::apply_tp(full, mesh, {.sequence_parallel = opt.sequence_parallel, .rng = rng});
+  };
+  parts.tp.loss = [vocab = opt.model.vocab_size](dtrain::dist::DeviceMesh& mesh) -> dtrain::ModelLossFn {
+    return [tp = mesh["tp"], vocab](const at::Tensor& logits, const at::Tensor& target) {
       return gpt::tp_lm_loss(logits, target, tp, vocab);
     };
-    auto gather = [split, mesh, full]() mutable { gpt::gather_tp_params(*split, *mesh, *full); };
-    t.gather_full = [gather]() mutable {
-      gather();
-      return std::shared_ptr<void>();
+  };
+  const auto exchange =
+      opt.cp_exchange == "allgather" ? dtrain::nn::cp::KvExchange::kAllGather : dtrain::nn::cp::KvExchange::kRing;
+  parts.cp.split = [exchange](const torch::nn::Sequential& full, dtrain::dist::DeviceMesh& mesh) {
+    return gpt::apply_cp(full, mesh["cp"], {.exchange = exchange});
+  };
+  parts.cp.targets = [](const at::Tensor& target, dtrain::dist::DeviceMesh& mesh) {
+    return gpt::cp_targets(target, mesh["cp"]);
+  };
+  parts.cp.loss = [](dtrain::dist::DeviceMesh& mesh) -> dtrain::ModelLossFn {
+    return [cp = mesh["cp"]](const at::Tensor& logits, const at::Tensor& target) {
+      return gpt::cp_lm_loss(logits, target, cp);
     };
-    t.local = [full](const at::Tensor& x) mutable { return full->forward(x.to(at::kCPU)); };
-    t.full_module = [full]() mutable -> torch::nn::Module& { return *full; };
-    t.save_params = [gather, full, lead](const std::string& path) mutable {
-      gather();
-      if (lead) write_params(path, *full);
-    };
-    return t;
-  }
-  if (opt.strategy == "cp") {
-    // The full layers, initialised as every strategy's; the cp view shares
-    // their modules, so they are the full weights (sample, --save-params).
-    auto mesh = std::make_shared<dtrain::dist::DeviceMesh>(
-        *where.group, where.world > opt.cp
-                          ? std::vector<dtrain::dist::MeshDim>{{"dp_replicate", where.world / opt.cp}, {"cp", opt.cp}}
-                          : std::vector<dtrain::dist::MeshDim>{{"cp", opt.cp}});
-    gpt::Gpt full(opt.model);
-    gpt::init_weights(*full, opt.model.n_layer, opt.seed);
-    if (!opt.init_from_hf.empty()) gpt::load_hf(*full, opt.model, opt.init_from_hf);
-    full->to(first);
-    const auto exchange =
-        opt.cp_exchange == "allgather" ? dtrain::nn::cp::KvExchange::kAllGather : dtrain::nn::cp::KvExchange::kRing;
-    dtrain::dist::ProcessGroup cp = (*mesh)["cp"];
-    gpt::CpGpt split(gpt::apply_cp(full->layers, cp, {.exchange = exchange}));  // names as full's
-    t.strategy = std::make_shared<dtrain::ContextParallelStrategy<gpt::CpGpt>>(
-        split, mesh, first, [cp](const at::Tensor& target) mutable { return gpt::cp_targets(target, cp); });
-    t.keep.push_back(mesh);
-    t.loss = [cp](const at::Tensor& logits, const at::Tensor& target) { return gpt::cp_lm_loss(logits, target, cp); };
-    t.gather_full = [] { return std::shared_ptr<void>(); };
-    t.local = [full](const at::Tensor& x) mutable { return full->forward(x); };
-    t.full_module = [full]() mutable -> torch::nn::Module& { return *full; };
-    t.save_params = [full, lead](const std::string& path) mutable {
-      if (lead) write_params(path, *full);
-    };
-    return t;
-  }
-  if (opt.strategy == "model-parallel" || opt.strategy == "ddp-model-parallel") {
-    dtrain::ModelParallel split(gpt::gpt_layers(opt.model), dtrain::ModelParallelOptions{.devices = where.devices});
-    gpt::init_weights(*split, opt.model.n_layer, opt.seed);
-    if (!opt.init_from_hf.empty()) gpt::load_hf(*split, opt.model, opt.init_from_hf);
-    if (lead) {
-      DTRAIN_LOG(kInfo) << "layers placed on " << dtrain::format_devices(split->device_of_layer());
-    }
-    if (where.group) {
-      t.strategy = std::make_shared<dtrain::DdpStrategy<dtrain::ModelParallel>>(split, *where.group, first,
-                                                                                split->output_device());
-    } else {
-      t.strategy = std::make_shared<dtrain::ForwardStrategy>(
-          dtrain::ForwardStrategy::Parts{.name = "model-parallel",
-                                         .module = split.ptr(),
-                                         .forward = [split](const at::Tensor& x) mutable { return split(x); },
-                                         .input_device = first,
-                                         .output_device = split->output_device()});
-    }
-    whole_model(t, split, lead);
-    return t;
-  }
-  gpt::Gpt net(opt.model);
-  gpt::init_weights(*net, opt.model.n_layer, opt.seed);
-  if (!opt.init_from_hf.empty()) gpt::load_hf(*net, opt.model, opt.init_from_hf);
-  net->to(first);
-  if (opt.strategy == "dp") {
-    auto dp =
-        std::make_shared<dtrain::DataParallel<gpt::Gpt>>(net, dtrain::DataParallelOptions{.devices = where.devices});
-    t.strategy = std::make_shared<dtrain::ForwardStrategy>(
-        dtrain::ForwardStrategy::Parts{.name = "dp",
-                                       .module = net.ptr(),
-                                       .forward = [dp](const at::Tensor& x) { return (*dp)(x); },
-                                       .input_device = first,
-                                       .output_device = first});
-  } else if (gpt::is_zero_strategy(opt.strategy)) {
-    // HSDP: ZeRO over dp_shard, replicas of it over dp_replicate (ranks
-    // row-major, so a rank's data-parallel index is its world rank).
-    dtrain::ZeroOptions zero = gpt::zero_options(opt.strategy);
-    dtrain::dist::ProcessGroup shard_group = *where.group;
-    std::optional<dtrain::dist::ProcessGroup> world;
-    if (opt.hsdp_replicas > 1) {
-      auto mesh = std::make_shared<dtrain::dist::DeviceMesh>(
-          *where.group, std::vector<dtrain::dist::MeshDim>{{"dp_replicate", opt.hsdp_replicas},
-                                                           {"dp_shard", where.world / opt.hsdp_replicas}});
-      shard_group = (*mesh)["dp_shard"];
-      zero.replicate_group = (*mesh)["dp_replicate"];
-      world = *where.group;
-      t.keep.push_back(mesh);
-    }
-    auto sdp = std::make_shared<dtrain::ShardedDataParallel>(net, shard_group, zero);
-    t.decays = gpt::zero_decays(*sdp);
-    t.strategy = std::make_shared<dtrain::ZeroStrategy>(sdp, first, world);
-  } else if (where.group) {
-    t.strategy = std::make_shared<dtrain::DdpStrategy<gpt::Gpt>>(net, *where.group, first, first);
-  } else {
-    t.strategy = std::make_shared<dtrain::SingleDeviceStrategy<gpt::Gpt>>(net, first);
-  }
-  whole_model(t, net, lead);
-  return t;
+  };
+  return parts;
 }
 
 // AdamW with weight decay on matrices and embeddings only (nanoGPT's two groups).
 std::unique_ptr<torch::optim::AdamW> make_optimizer(const Options& opt, const std::vector<at::Tensor>& params,
-                                                    const std::function<bool(const at::Tensor&)>& decays) {
+                                                    const std::function<bool(const at::Tensor&)>& is_matrix) {
   std::vector<at::Tensor> decay, no_decay;
-  for (const auto& p : params) ((decays ? decays(p) : p.dim() >= 2) ? decay : no_decay).push_back(p);
+  for (const auto& p : params) (is_matrix(p) ? decay : no_decay).push_back(p);
   const auto adamw = torch::optim::AdamWOptions(opt.lr).betas({0.9, opt.beta2}).eps(1e-8);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
@@ -386,11 +271,11 @@ gpt::SampleOptions sample_options(const Options& opt) {
 
 // The launcher's restart tests: DTRAIN_GPT_KILL_LAST_STAGE_AT=N makes the
 // pipeline's last stage SIGKILL itself after step N of the first attempt.
-std::function<void(std::int64_t)> kill_switch(const Trainee& t) {
+std::function<void(std::int64_t)> kill_switch(const dtrain::Parallelized& run) {
   const char* at = std::getenv("DTRAIN_GPT_KILL_LAST_STAGE_AT");
-  if (at == nullptr || !t.pipeline || dtrain::dist::read_env_contract().restart_count != 0) return nullptr;
-  const auto& schedule = t.pipeline->pipe->schedule();
-  if (schedule.rank_of_stage(schedule.stage_count() - 1) != t.pipeline->mesh->coordinate("pp")) return nullptr;
+  if (at == nullptr || !run.pipeline || dtrain::dist::read_env_contract().restart_count != 0) return nullptr;
+  const auto& schedule = run.pipeline->schedule();
+  if (schedule.rank_of_stage(schedule.stage_count() - 1) != run.mesh->coordinate("pp")) return nullptr;
   const std::int64_t n = std::atoll(at);
   return [n](std::int64_t step) {
     if (step == n) std::raise(SIGKILL);
@@ -398,11 +283,12 @@ std::function<void(std::int64_t)> kill_switch(const Trainee& t) {
 }
 
 int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
-  Trainee t = build(opt, where);
-  dtrain::Strategy& s = *t.strategy;
+  const dtrain::Parallelized run = dtrain::parallelize(gpt_parts(opt), opt.parallel, where.group,
+                                                       examples::parallelize_options(opt.resolved, where.devices));
+  dtrain::Strategy& s = *run.strategy;
   const bool lead = where.rank == 0;
   const auto params = s.parameters();
-  auto optimizer = make_optimizer(opt, params, t.decays);
+  auto optimizer = make_optimizer(opt, params, run.is_matrix);
   auto schedule = std::make_shared<GptSchedule>(*optimizer, opt);
   const std::int64_t data_world = s.data_world();
   const std::int64_t global = opt.batch_size * data_world * opt.accumulate;  // sequences per step
@@ -423,7 +309,7 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
     return dtrain::data::TensorBatch{std::move(b.data), std::move(b.target)};
   });
   dtrain::Trainer trainer(
-      t.strategy, *optimizer, source,
+      run.strategy, *optimizer, source,
       {.max_steps = opt.max_iters,
        .batch_size = opt.batch_size,
        .accumulate = opt.accumulate,
@@ -435,11 +321,7 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
        .checkpoint_every = opt.eval_interval,
        .progress = lead,
        .log_every = 1});
-  if (t.loss) {
-    trainer.set_loss(t.loss);
-  } else {
-    trainer.set_loss(gpt::lm_loss);
-  }
+  trainer.set_loss(run.loss);
   trainer.set_schedule(schedule);
   // Checkpoints record how the GPT maps onto Hugging Face's GPT-2, so that
   // `dtrain ckpt convert --to hf` turns them into a folder transformers loads.
@@ -461,7 +343,7 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
                      .dump()
               << std::endl;
   });
-  auto kill = kill_switch(t);
+  auto kill = kill_switch(run);
   gpt::RunStats stats;
   const bool measure = gpt::RunStats::requested();
   if (kill || measure)
@@ -471,24 +353,33 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
     });
   const dtrain::TrainSummary summary = trainer.fit();
 
-  // Collective where the weights are sharded or pipelined: every rank takes
-  // part, then rank 0 samples alone through its local forward.
-  if (!opt.save_params.empty()) t.save_params(opt.save_params);
+  // Collective where the weights are sharded, split or pipelined: every rank
+  // takes part, then rank 0 reads the whole model alone.
+  if (!opt.save_params.empty()) {
+    auto full = run.full_weights();
+    if (run.pipeline) {
+      write_stage_params(*run.pipeline, *run.mesh, opt.save_params);
+    } else if (lead) {
+      write_params(opt.save_params, *run.whole);
+    }
+  }
   if (!opt.export_hf.empty()) {
-    auto full = t.gather_full();
+    auto full = run.full_weights();
     if (lead) {
       const auto start = std::chrono::steady_clock::now();
-      gpt::export_hf(t.full_module ? t.full_module() : s.module(), opt.model, opt.export_hf);
+      gpt::export_hf(*run.whole, opt.model, opt.export_hf);
       DTRAIN_LOG(kInfo) << "exported a Hugging Face GPT-2 folder to " << opt.export_hf << " in "
                         << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s";
     }
   }
   std::string sample;
   if (opt.sample_tokens > 0) {
-    auto full = t.gather_full();
+    auto full = run.full_weights();
     if (lead) {
       s.module().eval();
-      sample = gpt::generate(sample_options(opt), corpus, t.local, s.input_device());
+      run.whole->eval();
+      sample = gpt::generate(sample_options(opt), corpus, run.forward_whole, s.input_device());
+      run.whole->train();
       s.module().train();
     }
   }
@@ -515,9 +406,9 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
        {{"forward", summary.step_times.forward * 1e3 / n},
         {"backward", summary.step_times.backward * 1e3 / n},
         {"optimizer", summary.step_times.optimizer * 1e3 / n}}}};
-  if (t.pipeline) {
+  if (run.pipeline) {
     done["schedule"] = opt.pipeline.schedule;
-    done["mesh"] = t.pipeline->mesh->describe();
+    done["mesh"] = run.mesh->describe();
     done["dp_reduce"] = data_world > 1 ? opt.pipeline.dp_reduce : "none";
   }
   std::cout << done.dump() << std::endl;
@@ -540,14 +431,13 @@ void apply_plan(Options& opt) {
                                         .seq = opt.model.block_size});
   opt.strategy = r.strategy;
   opt.pipeline = r.pipeline;
-  opt.hsdp_replicas = r.hsdp_replicas;
-  opt.tp = r.tp;
   opt.sequence_parallel = r.sequence_parallel;
-  opt.cp = r.cp;
   opt.batch_size = r.batch_size;
   opt.model.recompute = r.recompute;
   opt.model.recompute_every = r.recompute_every;
   opt.run_plan = examples::plan_of_run(r, launched_world(), opt.accumulate);
+  opt.parallel = examples::plan_to_run(r, launched_world(), opt.accumulate);
+  opt.resolved = r;
   if (r.plan && dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
     DTRAIN_LOG(kInfo) << "parallelism plan (--strategy " << opt.strategy << "):\n" << r.plan->table();
   }

@@ -1,4 +1,6 @@
-// --strategy zero1|zero2|zero3: the GPT under dtrain::ShardedDataParallel.
+// The GPT's ZeRO sharding units, one definition for main.cpp's ModelParts
+// (dtrain::parallelize) and the tests and bench/zero that build
+// ShardedDataParallel directly.
 //
 // Sharding units are the transformer blocks; the embedding and the head stay
 // in the root unit, because the head's output projection is the token
@@ -6,34 +8,19 @@
 // unit is gathered for the whole forward and backward.
 #pragma once
 
-#include <memory>
 #include <string>
-#include <unordered_set>
 
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 
 namespace gpt {
 
-inline bool is_zero_strategy(const std::string& strategy) {
-  return strategy == "zero1" || strategy == "zero2" || strategy == "zero3";
+inline bool is_zero_unit(const std::string& name, const torch::nn::Module& /*layer*/) {
+  return name.find(".block") != std::string::npos;
 }
 
+// ZeroOptions for --strategy zero1|zero2|zero3 over a Gpt (layers under "layers").
 inline dtrain::ZeroOptions zero_options(const std::string& strategy) {
-  return {.stage = strategy.back() - '0',
-          .sequential = "layers",
-          .unit_policy = [](const std::string& name, const torch::nn::Module&) {
-            return name.find(".block") != std::string::npos;
-          }};
-}
-
-// nanoGPT decays matrices and embeddings, not gains: decided on the full
-// parameter's dimension, since the shards are 1-D pieces.
-inline std::function<bool(const at::Tensor&)> zero_decays(const dtrain::ShardedDataParallel& sdp) {
-  auto matrices = std::make_shared<std::unordered_set<const void*>>();
-  for (const auto& s : sdp.parameter_shards()) {
-    if (s.parameter.dim() >= 2) matrices->insert(s.shard.unsafeGetTensorImpl());
-  }
-  return [matrices](const at::Tensor& p) { return matrices->count(p.unsafeGetTensorImpl()) > 0; };
+  return {.stage = strategy.back() - '0', .sequential = "layers", .unit_policy = is_zero_unit};
 }
 
 }  // namespace gpt

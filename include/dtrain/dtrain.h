@@ -44,6 +44,7 @@
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/plan/plan.h"
 #include "dtrain/trainer/accumulate.h"
+#include "dtrain/trainer/parallelize.h"  // issue 23: a ParallelPlan applied to a model, as the Trainer's strategy
 #include "dtrain/trainer/pipeline_strategy.h"
 #include "dtrain/trainer/progress.h"
 #include "dtrain/trainer/trainer.h"        // issue 12: Trainer, strategies, schedules (metrics.h, trace.h separately)

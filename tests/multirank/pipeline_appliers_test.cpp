@@ -9,7 +9,6 @@
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
 
 #include <iostream>
@@ -17,6 +16,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "appliers_model.h"
 #include "dtrain/comm/mesh.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/dist/clip.h"
@@ -25,27 +25,9 @@
 
 namespace {
 
-constexpr std::int64_t kIn = 7, kClasses = 5;
-
-// Linear then tanh, as one layer (a Sequential cannot hold a Sequential).
-struct AppliersTanhLinearImpl : torch::nn::Module {
-  AppliersTanhLinearImpl(std::int64_t in, std::int64_t out)
-      : linear(register_module("linear", torch::nn::Linear(in, out))) {}
-  at::Tensor forward(const at::Tensor& x) { return at::tanh(linear->forward(x)); }
-  torch::nn::Linear linear;
-};
-TORCH_MODULE(AppliersTanhLinear);
-
-// Four layers (one per stage under the interleaved schedule), odd widths.
-torch::nn::Sequential appliers_net() {
-  torch::manual_seed(2311);
-  torch::nn::Sequential net;
-  net->push_back("0", AppliersTanhLinear(kIn, 13));
-  net->push_back("1", AppliersTanhLinear(13, 9));
-  net->push_back("2", AppliersTanhLinear(9, 11));
-  net->push_back("3", torch::nn::Linear(11, kClasses));
-  return net;
-}
+using appliers_model::appliers_net;
+using appliers_model::kClasses;
+using appliers_model::kIn;
 
 at::Tensor appliers_loss(const at::Tensor& out, const at::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);

@@ -159,6 +159,29 @@ TEST(FashionMnistExample, PipelineTrains) {
   EXPECT_NE(bad.stderr_text.find("does not split into 5 equal micro-batches"), std::string::npos) << bad.stderr_text;
 }
 
+// Plans through dtrain::parallelize end where one process does: without
+// dropout (whose masks are drawn per rank), DDP, ZeRO-3 and a two-stage
+// pipeline on 2 ranks with the global batch of the single run (64) train on
+// the same examples per step and reach its test loss and accuracy; only the
+// order of the reductions differs, so the bound is rounding's.
+TEST(FashionMnistExample, PlansEndWhereSingleDoes) {
+  if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
+  const std::string common = "--epochs 1 --train-limit 512 --seed 5 --devices cpu --dropout 0 --global-batch-size 64 ";
+  const auto single = run(common);
+  ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
+  const auto want = last_json_line(single.stdout_text);
+  const double loss = want["test_loss"].get<double>();
+  ASSERT_GT(loss, 0.0);
+  for (const std::string plan : {"--dp-replicate 2", "--dp-shard 2 --zero-stage 3", "--pp 2 --micro-batches 2"}) {
+    const auto r = run(common + plan, kLaunch + " 2");
+    ASSERT_EQ(r.exit_code, 0) << plan << "\n" << r.stderr_text;
+    const auto done = last_json_line(r.stdout_text);
+    EXPECT_EQ(done["steps"], want["steps"]) << plan;
+    EXPECT_NEAR(done["test_loss"].get<double>(), loss, 1e-4 * loss) << plan;
+    EXPECT_NEAR(done["test_accuracy"].get<double>(), want["test_accuracy"].get<double>(), 0.0005) << plan;
+  }
+}
+
 // DataParallel over two CPU replicas learns (dropout masks differ from the
 // single-device run, so the check is accuracy, not equality; equality is
 // covered by the unit tests on a dropout-free model).

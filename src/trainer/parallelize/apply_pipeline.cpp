@@ -1,0 +1,88 @@
+// The pipeline on pp: the model's layers cut into stages (the model's cut and
+// ties, or the placement planner's), each stage's replicas averaged over the
+// data-parallel dimensions by ZeRO (dp_shard, the plan's stage) or DDP
+// (dp_replicate), or the options' stage sync.
+#include <algorithm>
+
+#include "appliers.h"
+#include "dtrain/parallel/pipeline/schedule.h"
+#include "dtrain/parallel/pipeline/stage_sync.h"
+#include "dtrain/trainer/pipeline_strategy.h"
+
+namespace dtrain::detail {
+
+namespace {
+
+std::vector<pipeline::PipelineStage> planned_stages(const torch::nn::Sequential& layers, const StageCut& cut) {
+  const int n = cut.ranks * cut.stages_per_rank;
+  const auto stage_of_layer = cut.stage_of_layer.empty() ? pipeline::plan_stages(layers, n) : cut.stage_of_layer;
+  const std::vector<torch::nn::Sequential> all = pipeline::split_stages(layers, stage_of_layer);
+  std::vector<pipeline::PipelineStage> mine;
+  for (int s = cut.rank; s < n; s += cut.ranks) mine.push_back({.module = all[s]});
+  return mine;
+}
+
+// Brings every layer of `layers` on every rank up to date from the rank of
+// the first replica that trains it (collective over `world`; the layers of
+// other stages were only initialised here). Sharded stages must hold their
+// full parameters (PipelineStrategy::full_parameters).
+void gather_layers(pipeline::Pipeline& pipe, const torch::nn::Sequential& layers, bool first_replica,
+                   dist::ProcessGroup& world) {
+  torch::NoGradGuard no_grad;
+  std::vector<const torch::nn::Module*> mine;
+  for (const auto& stage : pipe.stages())
+    for (const auto& child : stage.module->children()) mine.push_back(child.get());
+  for (const auto& layer : layers->children()) {
+    const bool owner = first_replica && std::find(mine.begin(), mine.end(), layer.get()) != mine.end();
+    for (auto& t : layer->parameters()) {
+      at::Tensor v = owner ? t.detach().clone() : at::zeros_like(t);
+      world.all_reduce(v).wait();
+      t.copy_(v);
+    }
+  }
+}
+
+}  // namespace
+
+Parallelized apply_pipeline(const ApplyContext& c) {
+  const ParallelPlan& plan = c.plan;
+  const c10::Device first = c.device();
+  auto mesh = std::make_shared<dist::DeviceMesh>(c.group(), plan.mesh_dims());
+  // Every layer on every rank, initialised alike, so that one rank can run
+  // the whole model after full_weights(); this rank trains its stages.
+  torch::nn::Sequential layers = c.parts.layers();
+  layers->to(first);
+  const StageCut cut{.ranks = plan.pp,
+                     .stages_per_rank = plan.pipeline.stages_per_rank,
+                     .rank = mesh->coordinate("pp"),
+                     .stage_of_layer = plan.pipeline.stage_of_layer};
+  auto stages = c.parts.pipeline_stages ? c.parts.pipeline_stages(layers, cut) : planned_stages(layers, cut);
+  pipeline::PipelineOptions options{.schedule = pipeline::parse_schedule_kind(plan.pipeline.schedule),
+                                    .micro_batches = plan.pipeline.micro_batches};
+  if (auto& data = mesh->join({"dp_replicate", "dp_shard"}); data.size() > 1) {
+    options.data_parallel_group = data;
+    options.stage_sync = c.options.stage_sync ? c.options.stage_sync
+                         : plan.dp_shard > 1  ? pipeline::zero_stage_sync({.stage = plan.zero_stage})
+                                              : pipeline::ddp_stage_sync();
+  }
+  auto pipe = std::make_shared<pipeline::Pipeline>(std::move(stages), (*mesh)["pp"], options, c.loss());
+  auto strategy = std::make_shared<PipelineStrategy>(pipe, *mesh);
+  // Checkpoints name the stages' parameters as the whole model does, so they
+  // resume under every other plan and load every other plan's.
+  strategy->name_parameters(*layers, c.parts.name.empty() ? "" : c.parts.name + ".");
+  LayerStack whole = c.stack(layers);
+  Parallelized r = trained_module_is_whole(strategy, whole.ptr(), forward_on(whole, first));
+  r.mesh = mesh;
+  r.pipeline = pipe;
+  r.loss = c.loss();
+  if (const auto sharded = pipe->sharded_stages(); !sharded.empty()) r.is_matrix = shards_of_matrices(sharded);
+  const bool first_replica = mesh->join({"dp_replicate", "dp_shard"}).rank() == 0;
+  r.full_weights = [strategy, pipe, layers, first_replica, world = c.group()]() mutable {
+    std::unique_ptr<Strategy::Scope> full = strategy->full_parameters();
+    gather_layers(*pipe, layers, first_replica, world);
+    return full;
+  };
+  return r;
+}
+
+}  // namespace dtrain::detail
