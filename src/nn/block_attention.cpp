@@ -21,8 +21,8 @@ bool use_flash(const at::Tensor& q, BlockKernel kernel) {
 // backward), the one fused CUDA kernel that returns the log-sum-exp for
 // fp32 as well as fp16/bf16. Its conditions, checked here so that anything
 // else takes the math path instead of failing inside the kernel: fp32 q, k,
-// v (see below), a head dimension that is a multiple of 8 (its alignment). Its causal mask is
-// top-left aligned, as block_attention.h asks. Its log-sum-exp comes padded
+// v (see below), a head dimension that is a multiple of 8 (its alignment).
+// Its causal mask is top-left aligned, as block_attention.h asks. Its log-sum-exp comes padded
 // along the queries to a multiple of 32; the merge wants [B, H, Lq], and its
 // backward reads the padded layout, so the merged rows go back into a
 // +inf-padded buffer of that length (padding rows are never read as
