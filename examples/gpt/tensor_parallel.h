@@ -310,34 +310,6 @@ inline torch::nn::Sequential apply_tp(const torch::nn::Sequential& layers, dtrai
   return out;
 }
 
-// Copies the parameters of `tp_module` (apply_tp's result on `mesh`) into
-// `full` (gpt_layers of the same config), each gathered through its layout:
-// every rank writes its part into a zero tensor of the global shape and the
-// parts are summed over tp (disjoint, so exactly). Collective over
-// mesh["tp"]: every tp rank calls it, and each ends with the full weights.
-inline void gather_tp_params(torch::nn::Module& tp_module, dtrain::dist::DeviceMesh& mesh, torch::nn::Module& full) {
-  torch::NoGradGuard no_grad;
-  const auto params = tp_module.named_parameters();
-  auto full_params = full.named_parameters();
-  dtrain::dist::ProcessGroup& tp = mesh["tp"];
-  for (const auto& [name, layout] : dtrain::dist::named_layouts(tp_module, mesh)) {
-    const at::Tensor& part = params[name];
-    at::Tensor& target = full_params[name];
-    bool replicated = true;
-    for (const auto& placement : layout.placements)
-      replicated = replicated && placement.kind == dtrain::dist::Placement::Kind::kReplicate;
-    if (replicated) {
-      target.copy_(part);
-      continue;
-    }
-    at::Tensor global = at::zeros(layout.global_shape, part.options());
-    at::Tensor mine = dtrain::dist::local_part(global, layout, mesh.coordinates());
-    mine.copy_(part.detach().reshape(mine.sizes()));
-    tp.all_reduce(global).wait();
-    target.copy_(global.view(target.sizes()));
-  }
-}
-
 // Mean cross-entropy of vocabulary-split logits [B, T, this rank's part of
 // vocab_size] against targets [B, T]: equal to lm_loss of the full logits, on
 // every tp rank.

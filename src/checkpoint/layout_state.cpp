@@ -9,7 +9,9 @@
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 
@@ -134,6 +136,50 @@ void LayoutState::load_whole(const std::function<at::Tensor(const std::string&)>
       saved, "consolidated");
 }
 
+// Note [Another shape of the same tensor]: plans may lay a tensor out in
+// shapes of the same elements: tensor parallelism saves a fused QKV weight
+// [3C, C] as [3, C, C] (its column split takes one box per rank only in that
+// shape), one process as [3C, C]. Saved pieces in another global shape with
+// as many elements (row-major, as the tensors are) are read when one side is
+// whole: a rank holding the whole tensor reads it in the saved shape (its
+// local viewed so), and a saved piece that is the whole tensor is read in the
+// model's shape. Parts on both sides, in two shapes, are refused: a box of
+// one shape is not one box of the other.
+LayoutState::Frame LayoutState::frame_of(const std::string& name, const LaidOutTensor& t, const dist::Box& mine,
+                                         const std::vector<Piece>& pieces) {
+  const std::vector<std::int64_t>& model = t.layout.global_shape;
+  const std::vector<std::int64_t>& saved = pieces.front().global_shape;
+  for (const Piece& piece : pieces)
+    DTRAIN_CHECK(piece.global_shape == saved, DataError,
+                 "checkpoint: " << name << " was saved in two global shapes, " << at::IntArrayRef(saved) << " and "
+                                << at::IntArrayRef(piece.global_shape) << ".",
+                 "the checkpoint is damaged or mixes two runs; resume from another one");
+  if (saved == model) return {.mine = mine, .shape = model};
+  const auto numel = [](const std::vector<std::int64_t>& s) {
+    return std::accumulate(s.begin(), s.end(), std::int64_t{1}, std::multiplies<>());
+  };
+  const auto whole = [](const std::vector<std::int64_t>& s) {
+    return dist::Box{.offsets = std::vector<std::int64_t>(s.size(), 0), .sizes = s};
+  };
+  const auto is_whole = [&](const dist::Box& b, const std::vector<std::int64_t>& s) {
+    return b.sizes == s && b.offsets == whole(s).offsets;
+  };
+  DTRAIN_CHECK(numel(saved) == numel(model), DataError,
+               "checkpoint: " << name << " was saved with the global shape " << at::IntArrayRef(saved)
+                              << ", the model's is " << at::IntArrayRef(model) << ".",
+               "resume with the model configuration that saved it");
+  if (is_whole(mine, model)) return {.mine = whole(saved), .shape = saved};
+  if (pieces.size() == 1 && is_whole(pieces.front().box, saved))
+    return {.mine = mine, .shape = model, .reshape_pieces = true};
+  DTRAIN_CHECK(
+      false, DataError,
+      "checkpoint: " << name << " was saved in parts of the global shape " << at::IntArrayRef(saved)
+                     << ", and this rank holds a part of it in the shape " << at::IntArrayRef(model)
+                     << "; a part of one shape is not a box of the other.",
+      "resume under a plan that holds the tensor whole (one process, DDP, ZeRO), save, and reshard from there");
+  return {};
+}
+
 // Note [Checking before filling]: the first pass reads only each piece's box
 // and global shape and checks every target; only when all fit does the second
 // pass read values and copy them in, so a checkpoint of another model leaves
@@ -168,17 +214,13 @@ void LayoutState::load_pieces(const std::function<const std::vector<Piece>*(cons
                  "checkpoint: " << name << " holds " << t.local.numel() << " elements, its layout "
                                 << t.layout.to_string() << " gives this rank " << mine.numel(),
                  "declare the layout the tensor has");
+    const Frame frame = frame_of(name, t, mine, *saved_pieces);
     std::int64_t covered = 0;
     found.push_back(name);
-    for (const Piece& piece : *saved_pieces) {
-      DTRAIN_CHECK(piece.global_shape == t.layout.global_shape, DataError,
-                   "checkpoint: " << name << " was saved with the global shape " << at::IntArrayRef(piece.global_shape)
-                                  << ", the model's is " << at::IntArrayRef(t.layout.global_shape) << ".",
-                   "resume with the model configuration that saved it");
-      if (const auto overlap = dist::intersect(piece.box, mine)) covered += overlap->numel();
-    }
-    DTRAIN_CHECK(covered == mine.numel(), DataError,
-                 "checkpoint: the saved parts of " << name << " cover " << covered << " of the " << mine.numel()
+    for (const Piece& piece : *saved_pieces)
+      if (const auto overlap = dist::intersect(frame.box_of(piece), frame.mine)) covered += overlap->numel();
+    DTRAIN_CHECK(covered == frame.mine.numel(), DataError,
+                 "checkpoint: the saved parts of " << name << " cover " << covered << " of the " << frame.mine.numel()
                                                    << " elements this rank needs.",
                  "the checkpoint is incomplete; resume from another one");
   }
@@ -186,12 +228,16 @@ void LayoutState::load_pieces(const std::function<const std::vector<Piece>*(cons
   for (auto& [name, t] : targets) {
     const std::vector<Piece>* saved_pieces = find(name);
     if (saved_pieces == nullptr) continue;
-    const dist::Box mine = t.box ? *t.box : t.layout.local_box(t.coordinates);
+    const Frame frame = frame_of(name, t, t.box ? *t.box : t.layout.local_box(t.coordinates), *saved_pieces);
+    const dist::Box& mine = frame.mine;
     at::Tensor target = t.local.view(mine.sizes);  // local's own storage
     at::Tensor staging = target.device().is_cpu() ? target : at::empty(mine.sizes, target.options().device(at::kCPU));
     for (const Piece& piece : *saved_pieces) {
-      if (!dist::intersect(piece.box, mine)) continue;
-      dist::copy_intersection(piece.values().to(staging.scalar_type()), piece.box, staging, mine);
+      const dist::Box box = frame.box_of(piece);
+      if (!dist::intersect(box, mine)) continue;
+      at::Tensor values = piece.values();
+      if (frame.reshape_pieces) values = values.reshape(frame.shape);
+      dist::copy_intersection(values.to(staging.scalar_type()), box, staging, mine);
     }
     if (!staging.is_same(target)) target.copy_(staging);
   }
@@ -352,20 +398,20 @@ std::shared_ptr<LayoutState> parameter_state(std::function<std::vector<LaidOutPa
 }
 
 std::shared_ptr<LayoutState> layout_state(torch::nn::Module& module, const dist::DeviceMesh& mesh,
-                                          torch::optim::Optimizer* optimizer) {
+                                          torch::optim::Optimizer* optimizer, const std::string& name_prefix) {
   return parameter_state(
-      [&module, &mesh] {
+      [&module, &mesh, name_prefix] {
         std::vector<LaidOutParameter> out;
         const auto params = module.named_parameters();
         for (const auto& [name, layout] : dist::named_layouts(module, mesh))
-          out.push_back(
-              {.name = name, .tensor = {.local = params[name], .layout = layout, .coordinates = mesh.coordinates()}});
+          out.push_back({.name = name_prefix + name,
+                         .tensor = {.local = params[name], .layout = layout, .coordinates = mesh.coordinates()}});
         return out;
       },
       optimizer,
-      [&module] {
+      [&module, &name_prefix] {
         std::vector<std::string> names;
-        for (const auto& item : module.named_parameters()) names.push_back(item.key());
+        for (const auto& item : module.named_parameters()) names.push_back(name_prefix + item.key());
         return names;
       }());
 }

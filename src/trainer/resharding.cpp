@@ -33,6 +33,7 @@ SavedModelState saved_model_state(Checkpointer& checkpointer) {
   if (fs::exists(dir / "rank_0" / (std::string(kLaidOutState) + ".pt"))) return SavedModelState::kLaidOut;
   if (fs::exists(dir / "rank_0" / (std::string(kZeroState) + ".pt"))) return SavedModelState::kZero;
   if (fs::exists(dir / "model.pt")) return SavedModelState::kReplicated;
+  if (fs::exists(dir / "rank_0" / (std::string(kTensorParallelState) + ".pt"))) return SavedModelState::kTensorParallel;
   return SavedModelState::kOther;
 }
 
@@ -216,7 +217,9 @@ std::optional<TrainingState> load_any_plan(Checkpointer& checkpointer, const Sta
                                         : saved == SavedModelState::kZero  ? "ZeRO shards"
                                         : saved == SavedModelState::kReplicated
                                             ? "a replicated model.pt (saved before laid-out checkpoints)"
-                                            : "per-rank or tensor-parallel model state")
+                                        : saved == SavedModelState::kTensorParallel
+                                            ? "a tensor-parallel state saved before tp checkpoints were laid out"
+                                            : "per-rank model state")
                                     << ", which the " << plan << " plan cannot load.",
                "resume it under the plan that saved it (see docs/checkpoints.md for what reshards to what)");
   checkpointer.add_state(name, reader, StateScope::kSharded);

@@ -24,6 +24,7 @@
 #include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/comm/mesh.h"
 #include "dtrain/dist/parameter_layouts.h"
+#include "dtrain/trainer/strategy.h"
 #include "dtrain/trainer/tp_strategy.h"
 #include "model.h"
 #include "ranks.h"
@@ -59,13 +60,16 @@ struct TpTrainee {
   torch::nn::Sequential layers{nullptr};
   std::shared_ptr<TpSequentialStrategy> strategy;
 
-  TpTrainee(dtrain::dist::ProcessGroup group, int tp, std::uint64_t seed) {
+  // `prefix`: the checkpoint names' (set_checkpoint_prefix); "layers."
+  // names them as gpt::Gpt's parameters, as parallelize does.
+  TpTrainee(dtrain::dist::ProcessGroup group, int tp, std::uint64_t seed, const std::string& prefix = "") {
     mesh = std::make_shared<dtrain::dist::DeviceMesh>(group, std::vector<dtrain::dist::MeshDim>{{"tp", tp}});
     const gpt::GptConfig config = checkpoint_config();
     torch::nn::Sequential full = gpt::gpt_layers(config);
     gpt::init_weights(*full, config.n_layer, seed);
     layers = gpt::apply_tp(full, *mesh, {});
     strategy = std::make_shared<TpSequentialStrategy>(layers, mesh, c10::Device(c10::kCPU));
+    strategy->set_checkpoint_prefix(prefix);
   }
   void step(torch::optim::Optimizer& opt, const std::pair<at::Tensor, at::Tensor>& batch) {
     opt.zero_grad();
@@ -75,6 +79,33 @@ struct TpTrainee {
 };
 
 const torch::optim::SGDOptions kCheckpointSgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+
+// gpt::Gpt (parameters "layers.<...>") trained `steps` SGD steps from init
+// seed `seed` on `batches` (from `first`), as one process.
+void train_whole(gpt::Gpt& model, torch::optim::Optimizer& opt,
+                 const std::vector<std::pair<at::Tensor, at::Tensor>>& batches, int first, int last) {
+  for (int s = first; s < last; ++s) {
+    opt.zero_grad();
+    gpt::lm_loss(model(batches[static_cast<std::size_t>(s)].first), batches[static_cast<std::size_t>(s)].second)
+        .backward();
+    opt.step();
+  }
+}
+
+// Each of `t`'s parts against its box of the whole tensors `finals` (the
+// module's own names), rtol 1e-5.
+void expect_parts_equal(TpTrainee& t, const std::map<std::string, at::Tensor>& finals, const std::string& what) {
+  auto params = t.layers->named_parameters();
+  for (const auto& [name, layout] : dtrain::dist::named_layouts(*t.layers, *t.mesh)) {
+    const at::Tensor& p = params[name];
+    const at::Tensor expected =
+        dtrain::dist::local_part(finals.at(name).reshape(layout.global_shape), layout, t.mesh->coordinates())
+            .reshape(p.sizes());
+    const double scale = std::max(1.0, expected.abs().max().item<double>());
+    EXPECT_TRUE(at::allclose(p.detach(), expected, 1e-5, 1e-6 * scale))
+        << what << ": " << name << " differs by " << (p.detach() - expected).abs().max().item<double>();
+  }
+}
 
 }  // namespace
 
@@ -113,17 +144,7 @@ TEST(GptTpCheckpoint, SavedAtTp2ResumedAtTp1And2And4EqualsUninterrupted) {
       ASSERT_TRUE(resumed.has_value());
       EXPECT_EQ(resumed->step, kSaveAt);
       for (int s = kSaveAt; s < kSteps; ++s) t.step(opt, batches[static_cast<std::size_t>(s)]);
-      auto params = t.layers->named_parameters();
-      for (const auto& [name, layout] : dtrain::dist::named_layouts(*t.layers, *t.mesh)) {
-        const at::Tensor& p = params[name];
-        const at::Tensor expected =
-            dtrain::dist::local_part(finals.at(name).reshape(layout.global_shape), layout, t.mesh->coordinates())
-                .reshape(p.sizes());
-        const double scale = std::max(1.0, expected.abs().max().item<double>());
-        EXPECT_TRUE(at::allclose(p.detach(), expected, 1e-5, 1e-6 * scale))
-            << "tp " << tp << " rank " << rank << ": " << name << " differs by "
-            << (p.detach() - expected).abs().max().item<double>();
-      }
+      expect_parts_equal(t, finals, "tp " + std::to_string(tp) + " rank " + std::to_string(rank));
     });
   }
   std::filesystem::remove_all(dir);
@@ -178,6 +199,123 @@ TEST(GptTpCheckpoint, AdamWStateSavedAtTp2LoadsAsItsPartsAtTp4) {
         EXPECT_TRUE(at::equal(local, expected)) << "tp 4 rank " << rank << ": " << name << " " << what;
       }
     }
+  });
+  std::filesystem::remove_all(dir);
+}
+
+// tp <-> one process, both ways, through the laid-out format every plan
+// shares (the whole model's names, "layers.<...>"; the fused QKV saved as
+// [3, C, C] at tp and [3C, C] whole: Note [Another shape of the same
+// tensor]): 2 SGD steps at tp 2, saved, 2 more in one process; and 2 in one
+// process, saved, 2 more at tp 2. Both end where 4 uninterrupted steps do.
+TEST(GptTpCheckpoint, SavedAtTp2ResumesInOneProcessAndBack) {
+  constexpr int kSteps = 4, kSaveAt = 2;
+  const auto batches = checkpoint_batches(kSteps);
+  const gpt::GptConfig config = checkpoint_config();
+  gpt::Gpt reference(config);
+  gpt::init_weights(*reference, config.n_layer, 13);
+  torch::optim::SGD reference_opt(reference->parameters(), kCheckpointSgd);
+  train_whole(reference, reference_opt, batches, 0, kSteps);
+  std::map<std::string, at::Tensor> finals;
+  for (const auto& item : reference->layers->named_parameters()) finals[item.key()] = item.value().detach();
+  const auto expect_whole_equal = [&](gpt::Gpt& model) {
+    for (const auto& item : model->layers->named_parameters()) {
+      const at::Tensor& expected = finals.at(item.key());
+      EXPECT_TRUE(at::allclose(item.value().detach(), expected, 1e-5, 1e-6))
+          << "one process: " << item.key() << " differs by "
+          << (item.value().detach() - expected).abs().max().item<double>();
+    }
+  };
+
+  const auto to_whole = tp_checkpoint_dir("to-whole");
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(60)});
+    TpTrainee t(group, 2, 13, "layers.");
+    torch::optim::SGD opt(t.layers->parameters(), kCheckpointSgd);
+    for (int s = 0; s < kSaveAt; ++s) t.step(opt, batches[static_cast<std::size_t>(s)]);
+    dtrain::Checkpointer checkpointer({.dir = to_whole}, group);
+    t.strategy->save(checkpointer, {.step = kSaveAt}, opt);
+  });
+  {
+    gpt::Gpt model(config);
+    gpt::init_weights(*model, config.n_layer, 99);  // other weights: the checkpoint must replace them
+    torch::optim::SGD opt(model->parameters(), kCheckpointSgd);
+    dtrain::SingleDeviceStrategy<gpt::Gpt> single(model, c10::Device(c10::kCPU));
+    dtrain::Checkpointer checkpointer({.dir = to_whole});
+    const auto resumed = single.load(checkpointer, opt);
+    ASSERT_TRUE(resumed.has_value());
+    EXPECT_EQ(resumed->step, kSaveAt);
+    train_whole(model, opt, batches, kSaveAt, kSteps);
+    expect_whole_equal(model);
+  }
+
+  const auto from_whole = tp_checkpoint_dir("from-whole");
+  {
+    gpt::Gpt model(config);
+    gpt::init_weights(*model, config.n_layer, 13);
+    torch::optim::SGD opt(model->parameters(), kCheckpointSgd);
+    train_whole(model, opt, batches, 0, kSaveAt);
+    dtrain::SingleDeviceStrategy<gpt::Gpt> single(model, c10::Device(c10::kCPU));
+    dtrain::Checkpointer checkpointer({.dir = from_whole});
+    single.save(checkpointer, {.step = kSaveAt}, opt);
+  }
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(60)});
+    TpTrainee t(group, 2, 99, "layers.");
+    torch::optim::SGD opt(t.layers->parameters(), kCheckpointSgd);
+    dtrain::Checkpointer checkpointer({.dir = from_whole}, group);
+    const auto resumed = t.strategy->load(checkpointer, opt);
+    ASSERT_TRUE(resumed.has_value());
+    EXPECT_EQ(resumed->step, kSaveAt);
+    for (int s = kSaveAt; s < kSteps; ++s) t.step(opt, batches[static_cast<std::size_t>(s)]);
+    expect_parts_equal(t, finals, "tp 2 rank " + std::to_string(rank));
+  });
+  std::filesystem::remove_all(to_whole);
+  std::filesystem::remove_all(from_whole);
+}
+
+// A tp checkpoint as TensorParallelStrategy wrote it before tp checkpoints
+// were laid out (state "tp", the module's own names: the code it ran then)
+// loads into today's strategy, which names its parameters "layers.<...>":
+// every part and its AdamW state bit for bit, at the saved step.
+TEST(GptTpCheckpoint, StateSavedBeforeLaidOutStillLoads) {
+  const auto batches = checkpoint_batches(2);
+  const auto dir = tp_checkpoint_dir("legacy");
+  const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  std::map<std::string, at::Tensor> saved;  // "<rank>.<name>.<what>"
+  std::mutex saved_mutex;
+  const auto parts_of = [](TpTrainee& t, torch::optim::AdamW& opt) {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& item : t.layers->named_parameters()) {
+      const auto& s = static_cast<torch::optim::AdamWParamState&>(*opt.state().at(item.value().unsafeGetTensorImpl()));
+      EXPECT_EQ(s.step(), 2) << item.key();
+      out.emplace_back(item.key() + ".param", item.value().detach().clone());
+      out.emplace_back(item.key() + ".exp_avg", s.exp_avg().clone());
+      out.emplace_back(item.key() + ".exp_avg_sq", s.exp_avg_sq().clone());
+    }
+    return out;
+  };
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(60)});
+    TpTrainee t(group, 2, 13);
+    torch::optim::AdamW opt(t.layers->parameters(), adamw);
+    for (const auto& batch : batches) t.step(opt, batch);
+    dtrain::Checkpointer checkpointer({.dir = dir}, group);
+    checkpointer.add_state("tp", dtrain::layout_state(*t.layers, *t.mesh, &opt), dtrain::StateScope::kSharded);
+    checkpointer.save({.step = 2});
+    std::lock_guard<std::mutex> lock(saved_mutex);
+    for (auto& [key, value] : parts_of(t, opt)) saved[std::to_string(rank) + "." + key] = value;
+  });
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(60)});
+    TpTrainee t(group, 2, 99, "layers.");
+    torch::optim::AdamW opt(t.layers->parameters(), adamw);
+    dtrain::Checkpointer checkpointer({.dir = dir}, group);
+    const auto resumed = t.strategy->load(checkpointer, opt);
+    ASSERT_TRUE(resumed.has_value());
+    EXPECT_EQ(resumed->step, 2);
+    for (auto& [key, value] : parts_of(t, opt))
+      EXPECT_TRUE(at::equal(value, saved.at(std::to_string(rank) + "." + key))) << "rank " << rank << ": " << key;
   });
   std::filesystem::remove_all(dir);
 }

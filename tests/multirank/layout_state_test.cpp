@@ -161,6 +161,68 @@ TEST(LayoutState, ShapeMismatchMissingTensorsAndPartialSumsAreErrors) {
   std::filesystem::remove_all(dir);
 }
 
+// Note [Another shape of the same tensor]: w saved in parts of [5, 7] loads
+// into one rank holding it whole as [35], and w saved whole loads into the
+// parts of 2 ranks holding it as [7, 5] rows: each exactly the same elements
+// in row-major order. Parts of [35] from parts of [5, 7] are refused, naming
+// w and both shapes, and leave the tensor as it was.
+TEST(LayoutState, AnotherShapeOfTheSameElementsLoadsWhereOneSideIsWhole) {
+  const auto parts = layout_state_dir("shape-parts");
+  save_two_ranks(parts);
+  const auto whole = layout_state_dir("shape-whole");
+  dtrain::testing::run_rank_threads(1, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 1, {.timeout = std::chrono::seconds(30)});
+    LaidOutRank r = make_rank(group, 1, Placement::shard(0), true);
+    dtrain::Checkpointer checkpointer({.dir = whole}, group);
+    checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&r] { return r.tensors(); }),
+                           dtrain::StateScope::kSharded);
+    checkpointer.save({.step = 1});
+  });
+  // Loads "w" laid out as `global` sharded on dim 0 over `world` ranks from
+  // `dir`; returns each rank's tensor (or the error's message).
+  auto load = [](const std::filesystem::path& dir, int world, std::vector<std::int64_t> global) {
+    std::vector<at::Tensor> out(static_cast<std::size_t>(world));
+    std::vector<std::string> errors(static_cast<std::size_t>(world));
+    dtrain::testing::run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
+      auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(30)});
+      dtrain::dist::DeviceMesh mesh(group, {{"dp_shard", world}});
+      const Layout layout{.mesh = mesh.dims(), .placements = {Placement::shard(0)}, .global_shape = global};
+      at::Tensor w = at::full(layout.local_box(mesh.coordinates()).sizes, -1.0F);
+      dtrain::Checkpointer checkpointer({.dir = dir}, group);
+      checkpointer.add_state(
+          "laid_out", std::make_shared<dtrain::LayoutState>([&] {
+            return dtrain::LaidOutTensors{{"w", {.local = w, .layout = layout, .coordinates = mesh.coordinates()}}};
+          }),
+          dtrain::StateScope::kSharded);
+      try {
+        checkpointer.load_latest();
+      } catch (const dtrain::DataError& e) {
+        errors[static_cast<std::size_t>(rank)] = e.what();
+      }
+      out[static_cast<std::size_t>(rank)] = w;
+    });
+    return std::make_pair(out, errors);
+  };
+  const auto [as_one, none] = load(parts, 1, {35});
+  EXPECT_EQ(none[0], "");
+  EXPECT_TRUE(at::equal(as_one[0], global_w().view({35}))) << as_one[0];
+  const auto [as_rows, none2] = load(whole, 2, {7, 5});
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(none2[static_cast<std::size_t>(r)], "");
+    EXPECT_TRUE(at::equal(as_rows[static_cast<std::size_t>(r)], global_w().view({7, 5}).chunk(2)[r])) << "rank " << r;
+  }
+  const auto [untouched, refused] = load(parts, 2, {35});
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(refused[static_cast<std::size_t>(r)].find("w was saved in parts of the global shape [5, 7]"),
+              std::string::npos)
+        << refused[static_cast<std::size_t>(r)];
+    const at::Tensor& t = untouched[static_cast<std::size_t>(r)];
+    EXPECT_TRUE(t.numel() == (r == 0 ? 18 : 17) && at::equal(t, at::full_like(t, -1.0F))) << "rank " << r << ": " << t;
+  }
+  std::filesystem::remove_all(parts);
+  std::filesystem::remove_all(whole);
+}
+
 namespace {
 
 // A model of named parameters for parameter_state, replicated on one rank.

@@ -1,4 +1,5 @@
-// Checkpoints that reshard across plans (issue 23 item 6, trainer/resharding.h):
+// Checkpoints that reshard across plans (issue 23 item 6, issue 25 item 5,
+// trainer/resharding.h):
 // examples/gpt saved under one plan resumes under another and ends where one
 // uninterrupted process does on the same global batches (12 sequences per
 // step under every plan: batch x data-parallel ranks). The plans differ in
@@ -46,6 +47,8 @@ const ReshardPlan kZero3On3{"zero3x3", "--strategy zero3 --batch-size 4", 3};
 const ReshardPlan kZero2On3{"zero2x3", "--strategy zero2 --batch-size 4", 3};
 const ReshardPlan kHsdp2x2{"hsdp2x2", "--strategy zero3 --dp-replicate 2 --dp-shard 2 --batch-size 3", 4};
 const ReshardPlan kDdp4{"ddp4", "--strategy ddp --batch-size 3", 4};
+const ReshardPlan kTp2xDp2{"tp2xdp2", "--tp 2 --dp-replicate 2 --batch-size 6", 4};
+const ReshardPlan kTp2{"tp2", "--tp 2 --batch-size 12", 2};
 
 struct ReshardDir {
   fs::path path;
@@ -140,6 +143,25 @@ TEST(GptReshard, WorldFourThenThreeThenOne) {
   run_plan(kDdp4, 3, saved);
   expect_resumes_as_reference(saved, 4, 3, kZero2On3, 6, reference6, dir.path, "ddp4 -> zero2x3");
   expect_resumes_as_reference(dir.path / "ckpt-zero2x3-6", 3, 6, kSingle, 9, reference9, dir.path, "zero2x3 -> single");
+}
+
+// Tensor parallelism saves laid out under the whole model's names, its fused
+// QKV as [3, C, C] (docs/checkpoints.md): tp 2 x dp_replicate 2 saved at step
+// 3 resumes under ZeRO-3 on 3 ranks (through the whole state) and in one
+// process; one process saved at step 3 resumes under tp 2.
+TEST(GptReshard, TensorParallelCheckpointResumesUnderZeroAndOneProcessAndBack) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  ReshardDir dir("tp");
+  const auto reference = reshard_reference(dir.path, 6);
+  ASSERT_FALSE(reference.empty());
+  const fs::path saved = dir.path / "tp2xdp2";
+  run_plan(kTp2xDp2, 3, saved);
+  ASSERT_TRUE(fs::exists(saved / "step_3" / "rank_1" / "laid_out.pt"));
+  for (const ReshardPlan* plan : {&kZero3On3, &kSingle})
+    expect_resumes_as_reference(saved, 4, 3, *plan, 6, reference, dir.path, "tp2xdp2 -> " + plan->name);
+  const fs::path single = dir.path / "single";
+  run_plan(kSingle, 3, single);
+  expect_resumes_as_reference(single, 1, 3, kTp2, 6, reference, dir.path, "single -> tp2");
 }
 
 }  // namespace

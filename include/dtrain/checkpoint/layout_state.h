@@ -18,9 +18,11 @@
 //    boxes of its name, else DataError naming the tensor and the count; a
 //    name absent from the checkpoint is a DataError too, unless the tensor
 //    is marked optional (optimizer state a fresh optimizer does not have);
-//  - shapes: the global shapes must agree; `local` may have any shape with
-//    its box's number of elements (a fused QKV weight [3C/t, C] under the
-//    layout [3, C, C]), and is read and written through a view of the box;
+//  - shapes: the global shapes must agree, or have as many elements with
+//    one side whole (a tensor-parallel [3, C, C] read by one process's
+//    [3C, C], and back); `local` may have any shape with its box's number of
+//    elements (a fused QKV weight [3C/t, C] under the layout [3, C, C]), and
+//    is read and written through a view of the box;
 //  - a load checks everything (every name present, every global shape, every
 //    element covered, no saved name the model does not know) before it
 //    writes into any tensor: a checkpoint that does not fit changes nothing.
@@ -96,6 +98,20 @@ class LayoutState : public ShardedStateful {
     std::function<at::Tensor()> values;
   };
   using Pieces = std::map<std::string, std::vector<Piece>>;
+  // Where a target is read from its pieces: its box in the frame's global
+  // shape, and whether the pieces are read reshaped to it (Note [Another
+  // shape of the same tensor]).
+  struct Frame {
+    dist::Box mine;
+    std::vector<std::int64_t> shape;
+    bool reshape_pieces = false;
+    dist::Box box_of(const Piece& piece) const {
+      return reshape_pieces ? dist::Box{.offsets = std::vector<std::int64_t>(shape.size(), 0), .sizes = shape}
+                            : piece.box;
+    }
+  };
+  static Frame frame_of(const std::string& name, const LaidOutTensor& t, const dist::Box& mine,
+                        const std::vector<Piece>& pieces);
   // `find(name)`: the saved pieces of a target (null: none); `saved`: every
   // saved name, for set_known's check (empty: not enumerable).
   void load_pieces(const std::function<const std::vector<Piece>*(const std::string&)>& find,
@@ -131,9 +147,10 @@ std::shared_ptr<LayoutState> parameter_state(std::function<std::vector<LaidOutPa
                                              std::vector<std::string> model_names = {});
 
 // parameter_state over the parameters of `module` (layouts from
-// dist::named_layouts(module, mesh)). `module`, `mesh` and `optimizer` must
-// outlive the state.
+// dist::named_layouts(module, mesh)), named `name_prefix` + their names in
+// `module` (the whole model's names when `module` holds a part of it under
+// another root). `module`, `mesh` and `optimizer` must outlive the state.
 std::shared_ptr<LayoutState> layout_state(torch::nn::Module& module, const dist::DeviceMesh& mesh,
-                                          torch::optim::Optimizer* optimizer);
+                                          torch::optim::Optimizer* optimizer, const std::string& name_prefix = "");
 
 }  // namespace dtrain

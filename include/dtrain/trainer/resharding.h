@@ -36,13 +36,16 @@ class ShardedDataParallel;
 
 inline constexpr const char* kLaidOutState = "laid_out";
 inline constexpr const char* kZeroState = "zero";
+// Tensor-parallel checkpoints saved before they were laid out: a LayoutState
+// under the tp module's own names (TensorParallelStrategy still loads them).
+inline constexpr const char* kTensorParallelState = "tp";
 
 // The model state of the checkpoint load_latest() would take (the newest
 // complete one): none, laid out, ZeRO chunks, a replicated model.pt (before
-// laid-out checkpoints), or something else (per-rank pipeline parts, a
-// tensor-parallel "tp" state). Collective where the checkpointer has a group
-// (Checkpointer::latest_step).
-enum class SavedModelState { kNone, kLaidOut, kZero, kReplicated, kOther };
+// laid-out checkpoints), a tensor-parallel "tp" state (before tp saved laid
+// out), or something else (per-rank pipeline parts). Collective where the
+// checkpointer has a group (Checkpointer::latest_step).
+enum class SavedModelState { kNone, kLaidOut, kZero, kReplicated, kTensorParallel, kOther };
 SavedModelState saved_model_state(Checkpointer& checkpointer);
 
 // Readers of the other format, for load_any_plan: a laid-out state filled

@@ -24,10 +24,12 @@
 //  - the loss must be the tp one (e.g. vocab-parallel cross-entropy): it is
 //    collective over tp, as are forward and backward;
 //  - checkpoints: every rank saves its parameters and optimizer state with
-//    their layouts (layout_state, StateScope::kSharded, through the
-//    Checkpointer's commit protocol); loading under another tp degree (or
-//    dp_replicate size) fills each rank's parts from the saved boxes that
-//    meet them. The mesh must outlive the Checkpointer's use of it.
+//    their layouts, laid out (kLaidOutState, the format of one process, DDP
+//    and pipelines; names set_checkpoint_prefix + the module's); loading
+//    under another tp degree, dp_replicate size or plan fills each rank's
+//    parts from the saved boxes that meet them (trainer/resharding.h); tp
+//    checkpoints saved before (state "tp") still load. The mesh must outlive
+//    the Checkpointer's use of it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -43,6 +45,7 @@
 #include "dtrain/comm/mesh.h"
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
+#include "dtrain/trainer/resharding.h"
 #include "dtrain/trainer/strategy.h"
 
 namespace dtrain {
@@ -105,22 +108,40 @@ class TensorParallelStrategy : public Strategy {
   int data_world() const override { return mesh_->size("dp_replicate"); }
   std::optional<dist::ProcessGroup> group() override { return mesh_->group(); }
   void save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) override {
-    add_to(checkpointer, optimizer);
+    register_saved_state(checkpointer, kLaidOutState, laid_out(optimizer));
     checkpointer.save(state);
   }
+  // Any plan's checkpoint (laid out or ZeRO shards), and tp checkpoints
+  // saved before they were laid out (state "tp", the module's own names).
   std::optional<TrainingState> load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) override {
-    add_to(checkpointer, optimizer);
-    return checkpointer.load_latest();
+    if (saved_model_state(checkpointer) == SavedModelState::kTensorParallel) {
+      checkpointer.remove_state(kLaidOutState);
+      register_saved_state(checkpointer, kTensorParallelState, layout_state(module(), *mesh_, &optimizer));
+      struct Remove {
+        Checkpointer& c;
+        ~Remove() { c.remove_state(kTensorParallelState); }
+      } remove{checkpointer};
+      return checkpointer.load_latest();
+    }
+    const std::shared_ptr<LayoutState> mine = laid_out(optimizer);
+    return load_any_plan(checkpointer, {.laid_out = mine, .zero = zero_reader(mine)}, name());
   }
   dist::DeviceMesh& mesh() { return *mesh_; }
+  // Checkpoints name the parameters `prefix` + their names in the module:
+  // the whole model's names under every other plan (parallelize's "layers."),
+  // so they reshard to and from those plans. Default: the module's names.
+  void set_checkpoint_prefix(std::string prefix) {
+    checkpoint_prefix_ = std::move(prefix);
+    laid_out_ = nullptr;
+  }
 
  private:
-  void add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
-    if (added_to_ == &checkpointer) return;
-    DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "TensorParallelStrategy is used with a second Checkpointer.",
-                 "use one Trainer (one checkpoint directory) per strategy");
-    checkpointer.add_state("tp", layout_state(module(), *mesh_, &optimizer), StateScope::kSharded);
-    added_to_ = &checkpointer;
+  std::shared_ptr<LayoutState> laid_out(torch::optim::Optimizer& optimizer) {
+    if (!laid_out_ || laid_out_optimizer_ != &optimizer) {
+      laid_out_ = layout_state(module(), *mesh_, &optimizer, checkpoint_prefix_);
+      laid_out_optimizer_ = &optimizer;
+    }
+    return laid_out_;
   }
 
   Holder module_;
@@ -128,7 +149,9 @@ class TensorParallelStrategy : public Strategy {
   c10::Device device_;
   bool bucket_views_;
   std::unique_ptr<DistributedDataParallel<Holder>> ddp_;
-  Checkpointer* added_to_ = nullptr;
+  std::string checkpoint_prefix_;
+  std::shared_ptr<LayoutState> laid_out_;
+  torch::optim::Optimizer* laid_out_optimizer_ = nullptr;
 };
 
 }  // namespace dtrain

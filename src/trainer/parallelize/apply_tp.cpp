@@ -45,13 +45,14 @@ Parallelized apply_tp(const ApplyContext& c) {
   const c10::Device first = c.device();
   auto mesh = std::make_shared<dist::DeviceMesh>(c.group(), c.plan.mesh_dims());
   // The full layers stay (on the CPU) to assemble the trained weights into.
-  // The split is trained under the Sequential's own names ("0.wte.weight"),
-  // not under parts.name: tp checkpoints (state "tp") keep the names they
-  // had before parallelize, so those saved earlier still load.
+  // The split is trained under the Sequential's own names ("embed.wte.weight")
+  // and checkpointed under the whole model's (parts.name + "."), so tp
+  // checkpoints reshard to and from every other plan.
   torch::nn::Sequential full = c.parts.layers();
   LayerStack split(tp.split(full, *mesh), "", c.parts.retie);
   split->to(first);
   auto strategy = std::make_shared<TensorParallelStrategy<LayerStack>>(split, mesh, first, c.options.ddp);
+  strategy->set_checkpoint_prefix(c.parts.name.empty() ? "" : c.parts.name + ".");
   LayerStack whole = c.stack(full);
   Parallelized r = trained_module_is_whole(strategy, whole.ptr(), forward_on(whole, c10::kCPU));
   r.mesh = mesh;
