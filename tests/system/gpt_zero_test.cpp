@@ -89,7 +89,12 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
     const auto params = read_floats(file);
     ASSERT_EQ(params.size(), reference.size()) << c.name;
     const auto diff = dtrain::testing::compare_params(params, reference);
-    EXPECT_EQ(diff.outside, 0u) << c.name;
+    // One element may leave the per-element bound: block0's c_fc weight at
+    // column 21, whose gradient cancels to ~1e-8, so Adam turns the plans'
+    // other summation order into a visible step (gpt_tp_test.cpp's
+    // EveryCompositionMatchesSingle). HSDP on AMD EPYC family 26
+    // (2026-11-25): 1.0e-6 off on 0.0037, every other element within 1.2e-7.
+    EXPECT_LE(diff.outside, 1u) << c.name;
     EXPECT_LT(diff.relative_l2, 1e-5) << c.name;
   }
   {
