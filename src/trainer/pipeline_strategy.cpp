@@ -3,8 +3,15 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
+#include <map>
+#include <numeric>
+#include <set>
+
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
+#include "dtrain/parallel/zero/full_state.h"
+#include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/trainer/resharding.h"
 
 namespace dtrain {
@@ -114,24 +121,6 @@ at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
   return pipe_->clip_grad_norm_(max_norm);
 }
 
-void PipelineStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
-  if (added_to_ == &checkpointer) return;
-  DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "PipelineStrategy is used with a second Checkpointer.",
-               "use one Trainer (one checkpoint directory) per strategy");
-  // The per-rank part is the stages' module parameters, which ZeRO-3 frees
-  // between steps (its values live in the shards): not written that way yet.
-  for (ShardedDataParallel* sdp : pipe_->sharded_stages()) {
-    DTRAIN_CHECK(sdp->options().stage < 3, ConfigError,
-                 "checkpoints of a pipeline with ZeRO stage 3 stages are not supported yet",
-                 "train without --checkpoint-dir, or use ZeRO stage 1 or 2 for the stages");
-  }
-  if (!pipe_->sharded_stages().empty()) {
-    checkpointer.add_state("pipeline_stages", module_state(*holder_), StateScope::kPerRank);
-    checkpointer.add_state("pipeline_optimizer", optimizer_state(optimizer), StateScope::kPerRank);
-  }
-  added_to_ = &checkpointer;
-}
-
 void PipelineStrategy::name_parameters(const torch::nn::Module& whole, const std::string& prefix) {
   global_names_.clear();
   whole_names_.clear();
@@ -153,35 +142,55 @@ void PipelineStrategy::name_parameters(const torch::nn::Module& whole, const std
 // The one place that reads the stages for checkpoints: each stage's own
 // parameters and buffers, written by the first replica of the stage (data
 // rank 0), and the borrowed tied copies, loaded (from their owner's name)
-// but not written.
+// but not written. A sharded (ZeRO) stage writes its trainable parameters as
+// this rank's pieces of each one flattened (global shape [numel], the box of
+// its chunk: every data rank writes its own; a load of another shape reads
+// them whole, Note [Another shape of the same tensor]) with the optimizer
+// state of the pieces, and its frozen ones whole (inside full_parameters()).
 std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
   std::vector<LaidOutParameter> out;
   const auto stages = pipe_->schedule().stages_of_rank(pipe_->group().rank());
-  auto add = [&](const std::string& local, const at::Tensor& t, bool buffer, bool saved) {
+  const std::vector<ShardedDataParallel*> sharded = pipe_->sharded_stages();
+  DTRAIN_INTERNAL_ASSERT(sharded.empty() || sharded.size() == stages.size(),
+                         "a pipeline rank has sharded and unsharded stages");
+  auto global_name = [&](const at::Tensor& t, const std::string& local) {
     const auto it = global_names_.find(t.unsafeGetTensorImpl());
+    return it != global_names_.end() ? it->second : local;
+  };
+  auto add = [&](const std::string& local, const at::Tensor& t, bool buffer, bool saved) {
     const std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
-    out.push_back({.name = it != global_names_.end() ? it->second : local,
+    out.push_back({.name = global_name(t, local),
                    .tensor = {.local = t,
                               .layout = {.mesh = {{"replicas", data_world_}},
                                          .placements = {dist::Placement::replicate()},
                                          .global_shape = shape},
                               .coordinates = {data_rank_},
-                              .saved = saved || it == global_names_.end()},
+                              .saved = saved || global_names_.find(t.unsafeGetTensorImpl()) == global_names_.end()},
                    .buffer = buffer});
   };
   for (std::size_t k = 0; k < stages.size(); ++k) {
     const std::string stage = "stage" + std::to_string(stages[k]) + ".";
     const auto& module = *pipe_->stages()[k].module;
-    for (const auto& item : module.named_parameters()) {
-      const std::string& name = item.key();
-      const at::Tensor& p = item.value();
-      add(stage + name, p, false, true);
+    auto params = module.named_parameters();
+    if (sharded.empty()) {
+      for (const auto& item : params) add(stage + item.key(), item.value(), false, true);
+    } else {
+      std::map<std::string, std::int64_t> numel;
+      for (const ZeroParameterInfo& p : zero_parameters(*sharded[k])) {
+        numel[p.name] = std::accumulate(p.shape.begin(), p.shape.end(), std::int64_t{1}, std::multiplies<>());
+        if (!p.trainable) add(stage + p.name, params[p.name], false, true);
+      }
+      for (const ParameterShard& piece : sharded[k]->parameter_shards()) {
+        out.push_back({.name = global_name(params[piece.name], stage + piece.name),
+                       .tensor = {.local = piece.shard,
+                                  .layout = {.mesh = {{"whole", 1}},
+                                             .placements = {dist::Placement::replicate()},
+                                             .global_shape = {numel.at(piece.name)}},
+                                  .coordinates = {0},
+                                  .box = dist::Box{.offsets = {piece.offset}, .sizes = {piece.shard.numel()}}}});
+      }
     }
-    for (const auto& item : module.named_buffers()) {
-      const std::string& name = item.key();
-      const at::Tensor& b = item.value();
-      add(stage + name, b, true, true);
-    }
+    for (const auto& item : module.named_buffers()) add(stage + item.key(), item.value(), true, true);
     const auto& ties = pipe_->stages()[k].tied;
     for (std::size_t j = 0; j < ties.size(); ++j)
       if (!ties[j].owner) add(stage + "tied" + std::to_string(j), ties[j].parameter, false, false);
@@ -194,18 +203,88 @@ std::shared_ptr<LayoutState> PipelineStrategy::laid_out_state(torch::optim::Opti
   return laid_out_;
 }
 
+// Sharded stages load through their whole state: each stage's parameters
+// and optimizer state whole (zero_whole_targets, by their global names), its
+// buffers and borrowed tied copies in place; then each stage takes its
+// chunks (load_zero_full_state).
+std::shared_ptr<LayoutState> PipelineStrategy::sharded_reader(torch::optim::Optimizer& optimizer) {
+  struct Reader {
+    std::vector<ZeroWholeTargets> stages;
+    LayoutState* state = nullptr;
+  };
+  auto reader = std::make_shared<Reader>();
+  auto collect = [this, reader, &optimizer] {
+    reader->stages.clear();
+    LaidOutTensors all;
+    const auto stages = pipe_->schedule().stages_of_rank(pipe_->group().rank());
+    const std::vector<ShardedDataParallel*> sharded = pipe_->sharded_stages();
+    for (std::size_t k = 0; k < stages.size(); ++k) {
+      const std::string stage = "stage" + std::to_string(stages[k]) + ".";
+      auto params = pipe_->stages()[k].module->named_parameters();
+      reader->stages.push_back(zero_whole_targets(*sharded[k], optimizer, [&](const std::string& name) {
+        const auto it = global_names_.find(params[name].unsafeGetTensorImpl());
+        return it != global_names_.end() ? it->second : stage + name;
+      }));
+      const LaidOutTensors& mine = reader->stages.back().tensors;
+      all.insert(all.end(), mine.begin(), mine.end());
+      for (const auto& item : pipe_->stages()[k].module->named_buffers()) {
+        const auto it = global_names_.find(item.value().unsafeGetTensorImpl());
+        all.emplace_back("model." + (it != global_names_.end() ? it->second : stage + item.key()),
+                         whole_tensor(item.value(), true));
+      }
+      const auto& ties = pipe_->stages()[k].tied;
+      for (std::size_t j = 0; j < ties.size(); ++j) {
+        if (ties[j].owner) continue;
+        const auto it = global_names_.find(ties[j].parameter.unsafeGetTensorImpl());
+        all.emplace_back("model." + (it != global_names_.end() ? it->second : stage + "tied" + std::to_string(j)),
+                         whole_tensor(ties[j].parameter));
+      }
+    }
+    return all;
+  };
+  auto after_load = [reader] {
+    for (ZeroWholeTargets& stage : reader->stages)
+      stage.finish([&](const std::string& name) { return reader->state->loaded(name); });
+  };
+  auto state = std::make_shared<LayoutState>(collect, after_load);
+  reader->state = state.get();
+  std::set<std::string> known;
+  for (const std::string& name : whole_names_) known.insert(name);
+  state->set_known([known](const std::string& name) {
+    if (name.rfind("model.", 0) == 0) return known.count(name.substr(6)) > 0;
+    if (name.rfind("optimizer.", 0) != 0) return false;
+    const std::string rest = name.substr(10);
+    const auto dot = rest.rfind('.');
+    return dot != std::string::npos && known.count(rest.substr(0, dot)) > 0;
+  });
+  return state;
+}
+
 void PipelineStrategy::save(Checkpointer& checkpointer, const TrainingState& state,
                             torch::optim::Optimizer& optimizer) {
-  add_to(checkpointer, optimizer);
-  auto full = full_parameters();  // the stages' module parameters are what is written
-  if (pipe_->sharded_stages().empty()) register_saved_state(checkpointer, kLaidOutState, laid_out_state(optimizer));
+  auto full = full_parameters();  // frozen parameters of sharded stages are written whole
+  register_saved_state(checkpointer, kLaidOutState, laid_out_state(optimizer));
   checkpointer.save(state);
 }
 
 std::optional<TrainingState> PipelineStrategy::load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
-  add_to(checkpointer, optimizer);
-  if (!pipe_->sharded_stages().empty()) return checkpointer.load_latest();
-  const std::shared_ptr<LayoutState> mine = laid_out_state(optimizer);
+  const bool sharded = !pipe_->sharded_stages().empty();
+  if (sharded && saved_model_state(checkpointer) == SavedModelState::kOther) {
+    // Sharded stages' checkpoints before they were laid out: each rank's
+    // stages and optimizer state, per rank (the same mesh only).
+    checkpointer.remove_state(kLaidOutState);
+    checkpointer.add_state("pipeline_stages", module_state(*holder_), StateScope::kPerRank);
+    checkpointer.add_state("pipeline_optimizer", optimizer_state(optimizer), StateScope::kPerRank);
+    struct Remove {
+      Checkpointer& c;
+      ~Remove() {
+        c.remove_state("pipeline_stages");
+        c.remove_state("pipeline_optimizer");
+      }
+    } remove{checkpointer};
+    return checkpointer.load_latest();
+  }
+  const std::shared_ptr<LayoutState> mine = sharded ? sharded_reader(optimizer) : laid_out_state(optimizer);
   return load_any_plan(checkpointer, {.laid_out = mine, .zero = zero_reader(mine)}, name());
 }
 

@@ -78,53 +78,66 @@ class LaidOutReader : public ShardedStateful {
     DTRAIN_INTERNAL_ASSERT(false, "a LaidOutReader only loads");
   }
   void load_parts(const std::function<torch::serialize::InputArchive&(int)>& part, int saved_world) override {
-    const std::vector<ZeroParameterInfo> params = zero_parameters(sdp_);
-    const std::string kind = zero_optimizer_kind(optimizer_);
-    std::vector<std::string> fields;
-    if (kind == "adam" || kind == "adamw") fields = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-    if (kind == "sgd") fields = {"momentum_buffer"};
-    const dist::MeshDim one{"whole", 1};
-    auto whole = [&](std::vector<std::int64_t> shape, at::ScalarType type) {
-      at::Tensor t = at::zeros(shape, at::TensorOptions(type));
-      return LaidOutTensor{
-          .local = t,
-          .layout = {.mesh = {one}, .placements = {dist::Placement::replicate()}, .global_shape = shape},
-          .coordinates = {0}};
-    };
-    LaidOutTensors tensors;
-    std::set<std::string> known;
-    for (const ZeroParameterInfo& p : params) {
-      tensors.emplace_back("model." + p.name, whole(p.shape, at::kFloat));
-      known.insert("model." + p.name);
-      if (!p.trainable) continue;
-      for (const std::string& f : fields) {
-        LaidOutTensor t = whole(p.shape, at::kFloat);
-        t.optional = true;
-        tensors.emplace_back("optimizer." + p.name + "." + f, t);
-        known.insert("optimizer." + p.name + "." + f);
-      }
-      LaidOutTensor step = whole({1}, at::kLong);
-      step.optional = true;
-      tensors.emplace_back("optimizer." + p.name + ".step", step);
-      known.insert("optimizer." + p.name + ".step");
-    }
-    // Buffers are not sharded: filled in place where the checkpoint has them.
+    ZeroWholeTargets targets = zero_whole_targets(sdp_, optimizer_, [](const std::string& name) { return name; });
     for (const auto& item : sdp_.module().named_buffers()) {
       const std::string& name = item.key();
-      const at::Tensor& b = item.value();
-      const std::vector<std::int64_t> shape(b.sizes().begin(), b.sizes().end());
-      tensors.emplace_back(
-          "model." + name,
-          LaidOutTensor{.local = b,
-                        .layout = {.mesh = {one}, .placements = {dist::Placement::replicate()}, .global_shape = shape},
-                        .coordinates = {0},
-                        .optional = true});
-      known.insert("model." + name);
+      targets.known.insert("model." + name);
     }
-    LayoutState state([&tensors] { return tensors; });
-    state.set_known([&known](const std::string& name) { return known.count(name) > 0; });
+    LayoutState state([&targets, this] {
+      LaidOutTensors all = targets.tensors;
+      // Buffers are not sharded: filled in place where the checkpoint has them.
+      for (const auto& item : sdp_.module().named_buffers()) {
+        const std::string& name = item.key();
+        all.emplace_back("model." + name, whole_tensor(item.value(), true));
+      }
+      return all;
+    });
+    state.set_known([&targets](const std::string& name) { return targets.known.count(name) > 0; });
     state.load_parts(part, saved_world);
+    targets.finish([&state](const std::string& name) { return state.loaded(name); });
+  }
 
+ private:
+  ShardedDataParallel& sdp_;
+  torch::optim::Optimizer& optimizer_;
+};
+
+}  // namespace
+
+LaidOutTensor whole_tensor(at::Tensor t, bool optional) {
+  const std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
+  return LaidOutTensor{
+      .local = std::move(t),
+      .layout = {.mesh = {{"whole", 1}}, .placements = {dist::Placement::replicate()}, .global_shape = shape},
+      .coordinates = {0},
+      .optional = optional};
+}
+
+ZeroWholeTargets zero_whole_targets(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
+                                    const std::function<std::string(const std::string&)>& name_of) {
+  ZeroWholeTargets out;
+  const std::vector<ZeroParameterInfo> params = zero_parameters(sdp);
+  const std::string kind = zero_optimizer_kind(optimizer);
+  std::vector<std::string> fields;
+  if (kind == "adam" || kind == "adamw") fields = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  if (kind == "sgd") fields = {"momentum_buffer"};
+  for (const ZeroParameterInfo& p : params) {
+    const std::string name = name_of(p.name);
+    out.tensors.emplace_back("model." + name, whole_tensor(at::zeros(p.shape, at::kFloat)));
+    out.known.insert("model." + name);
+    if (!p.trainable) continue;
+    for (const std::string& f : fields) {
+      out.tensors.emplace_back("optimizer." + name + "." + f, whole_tensor(at::zeros(p.shape, at::kFloat), true));
+      out.known.insert("optimizer." + name + "." + f);
+    }
+    out.tensors.emplace_back("optimizer." + name + ".step", whole_tensor(at::zeros({1}, at::kLong), true));
+    out.known.insert("optimizer." + name + ".step");
+  }
+  // The tensors live in `out.tensors`, which the finisher reads once loaded
+  // (copies of the vector share them).
+  const LaidOutTensors tensors = out.tensors;
+  out.finish = [&sdp, &optimizer, params, kind, fields,
+                tensors](const std::function<bool(const std::string&)>& loaded) {
     ZeroFullState full{.optimizer_kind = kind};
     std::size_t i = 0;
     for (const ZeroParameterInfo& p : params) {
@@ -134,21 +147,16 @@ class LaidOutReader : public ShardedStateful {
       ParameterOptimizerState s;
       for (const std::string& f : fields) {
         const auto& [name, t] = tensors[i++];
-        if (state.loaded(name)) s.state[f] = t.local;
+        if (loaded(name)) s.state[f] = t.local;
       }
       const auto& [step_name, step] = tensors[i++];
-      if (state.loaded(step_name)) s.step = step.local.item<std::int64_t>();
+      if (loaded(step_name)) s.step = step.local.item<std::int64_t>();
       if (!s.state.empty()) full.optimizer_state[p.name] = std::move(s);
     }
-    load_zero_full_state(sdp_, optimizer_, full);
-  }
-
- private:
-  ShardedDataParallel& sdp_;
-  torch::optim::Optimizer& optimizer_;
-};
-
-}  // namespace
+    load_zero_full_state(sdp, optimizer, full);
+  };
+  return out;
+}
 
 std::shared_ptr<ShardedStateful> zero_reader(std::shared_ptr<LayoutState> laid_out) {
   return std::make_shared<ZeroReader>(std::move(laid_out));

@@ -47,6 +47,10 @@ const ReshardPlan kZero3On3{"zero3x3", "--strategy zero3 --batch-size 4", 3};
 const ReshardPlan kZero2On3{"zero2x3", "--strategy zero2 --batch-size 4", 3};
 const ReshardPlan kHsdp2x2{"hsdp2x2", "--strategy zero3 --dp-replicate 2 --dp-shard 2 --batch-size 3", 4};
 const ReshardPlan kDdp4{"ddp4", "--strategy ddp --batch-size 3", 4};
+const ReshardPlan kPipelineZero3{
+    "pp2xzero3", "--pp 2 --dp-shard 2 --zero-stage 3 --micro-batches 2 --pp-schedule 1f1b --batch-size 6", 4, true};
+const ReshardPlan kPipelineZero2{
+    "pp2xzero2", "--pp 2 --dp-shard 2 --zero-stage 2 --micro-batches 2 --pp-schedule gpipe --batch-size 6", 4, true};
 const ReshardPlan kTp2xDp2{"tp2xdp2", "--tp 2 --dp-replicate 2 --batch-size 6", 4};
 const ReshardPlan kTp2{"tp2", "--tp 2 --batch-size 12", 2};
 
@@ -143,6 +147,26 @@ TEST(GptReshard, WorldFourThenThreeThenOne) {
   run_plan(kDdp4, 3, saved);
   expect_resumes_as_reference(saved, 4, 3, kZero2On3, 6, reference6, dir.path, "ddp4 -> zero2x3");
   expect_resumes_as_reference(dir.path / "ckpt-zero2x3-6", 3, 6, kSingle, 9, reference9, dir.path, "zero2x3 -> single");
+}
+
+// Pipelines with sharded stages save each rank's ZeRO pieces laid out
+// (flattened, the box of its chunk) under the whole model's names: ZeRO-3
+// stages (which could not be checkpointed before) saved at step 3 resume in
+// one process and as ZeRO-2 stages under another schedule; one process saved
+// at step 3 resumes as ZeRO-3 stages.
+TEST(GptReshard, ShardedPipelineStagesResumeInOneProcessAndBack) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  ReshardDir dir("sharded-stages");
+  const auto reference = reshard_reference(dir.path, 6);
+  ASSERT_FALSE(reference.empty());
+  const fs::path saved = dir.path / "pp2xzero3";
+  run_plan(kPipelineZero3, 3, saved);
+  ASSERT_TRUE(fs::exists(saved / "step_3" / "rank_3" / "laid_out.pt"));
+  for (const ReshardPlan* plan : {&kSingle, &kPipelineZero2})
+    expect_resumes_as_reference(saved, 4, 3, *plan, 6, reference, dir.path, "pp2xzero3 -> " + plan->name);
+  const fs::path single = dir.path / "single";
+  run_plan(kSingle, 3, single);
+  expect_resumes_as_reference(single, 1, 3, kPipelineZero3, 6, reference, dir.path, "single -> pp2xzero3");
 }
 
 // Tensor parallelism saves laid out under the whole model's names, its fused

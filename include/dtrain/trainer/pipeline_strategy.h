@@ -24,8 +24,11 @@
 // the whole model's names (name_parameters), written by the first replica of
 // the stage, so a run resumes under any plan (another cut, pp or dp width,
 // one process, ZeRO, HSDP) and any plan's checkpoint resumes here. Sharded
-// (ZeRO) stages still save each rank's stages and optimizer as its per-rank
-// part (StateScope::kPerRank), gathered first, and resume on the same mesh.
+// (ZeRO 1-3) stages save each rank's pieces of their parameters and
+// optimizer state, laid out under the same names (every data rank writes
+// its own), and load through their whole state, so they reshard the same
+// way; their checkpoints from before (per-rank parts) resume on the same
+// mesh.
 #pragma once
 
 #include <map>
@@ -84,13 +87,12 @@ class PipelineStrategy : public Strategy {
  private:
   std::vector<LaidOutParameter> laid_out_parameters();
   std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
-  void add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer);
+  std::shared_ptr<LayoutState> sharded_reader(torch::optim::Optimizer& optimizer);
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;
   int data_rank_ = 0, data_world_ = 1;
   int loss_rank_ = 0;  // the pipeline group's rank of the last stage
   std::shared_ptr<torch::nn::Module> holder_;
-  const Checkpointer* added_to_ = nullptr;
   std::map<const void*, std::string> global_names_;  // by TensorImpl, from name_parameters
   std::vector<std::string> whole_names_;
   std::shared_ptr<LayoutState> laid_out_;

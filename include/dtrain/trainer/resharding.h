@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "dtrain/checkpoint/checkpointer.h"
+#include "dtrain/checkpoint/layout_state.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -47,6 +49,24 @@ inline constexpr const char* kTensorParallelState = "tp";
 // checkpointer has a group (Checkpointer::latest_step).
 enum class SavedModelState { kNone, kLaidOut, kZero, kReplicated, kTensorParallel, kOther };
 SavedModelState saved_model_state(Checkpointer& checkpointer);
+
+// A whole tensor as a laid-out load target (or a piece to save whole).
+LaidOutTensor whole_tensor(at::Tensor t, bool optional = false);
+
+// The whole state of `sdp`'s parameters as load targets (fp32 zeros, every
+// parameter "model.<name_of(name)>", a trainable one's optimizer fields
+// "optimizer.<...>.<field>" and step, optional), the names they may have,
+// and what takes this rank's chunks and optimizer state from them once a
+// LayoutState has loaded them (load_zero_full_state; `loaded` tells which
+// optional tensors the checkpoint had). Each rank holds its whole state
+// once, during the load.
+struct ZeroWholeTargets {
+  LaidOutTensors tensors;
+  std::set<std::string> known;
+  std::function<void(const std::function<bool(const std::string&)>& loaded)> finish;
+};
+ZeroWholeTargets zero_whole_targets(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
+                                    const std::function<std::string(const std::string&)>& name_of);
 
 // Readers of the other format, for load_any_plan: a laid-out state filled
 // from ZeRO chunks; ZeRO shards filled from laid-out pieces.
