@@ -248,6 +248,7 @@ std::shared_ptr<LayoutState> PipelineStrategy::sharded_reader(torch::optim::Opti
   };
   auto state = std::make_shared<LayoutState>(collect, after_load);
   reader->state = state.get();
+  if (whole_names_.empty()) return state;  // stage names ("stage<s>."): any may be saved
   std::set<std::string> known;
   for (const std::string& name : whole_names_) known.insert(name);
   state->set_known([known](const std::string& name) {
