@@ -20,6 +20,11 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<pipeline::Pipeline> pipe, dis
   auto& data = mesh.join({"dp_replicate", "dp_shard"});
   data_rank_ = data.rank();
   data_world_ = data.size();
+  // The copies of each stage's parameters: its data-parallel ranks and, as
+  // they hold every parameter alike, its cp ranks.
+  replica_ = data_rank_ * mesh.size("cp") + mesh.coordinate("cp");
+  replicas_ = data_world_ * mesh.size("cp");
+  tensor_parallel_ = mesh.size("tp") > 1;
   const pipeline::Schedule& schedule = pipe_->schedule();
   loss_rank_ = schedule.rank_of_stage(schedule.stage_count() - 1);
   // module(): this rank's stages (train/eval modes, per-rank checkpoints)
@@ -95,7 +100,7 @@ at::Tensor PipelineStrategy::eval_forward(const at::Tensor& input) {
 
 at::Tensor PipelineStrategy::forward_backward(const at::Tensor& input, const at::Tensor& target,
                                               amp::GradScaler* scaler) {
-  at::Tensor loss = pipe_->step(input, target, scaler);
+  at::Tensor loss = pipe_->step(input, local_target(target), scaler);
   at::Tensor shared = loss.defined() ? loss.detach().to(at::kFloat).reshape({1}).clone()
                                      : at::zeros({1}, at::TensorOptions(at::kFloat).device(input_device()));
   if (pipeline_group_.size() > 1) pipeline_group_.broadcast(shared, loss_rank_).wait();
@@ -118,6 +123,10 @@ void PipelineStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimize
   if (added_to_ == &checkpointer) return;
   DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "PipelineStrategy is used with a second Checkpointer.",
                "use one Trainer (one checkpoint directory) per strategy");
+  // The stages' tp parts would be saved as whole parameters.
+  DTRAIN_CHECK(!tensor_parallel_, ConfigError,
+               "checkpoints of pipeline stages split over tp are not supported yet.",
+               "train without a checkpoint directory, or with pp 1 beside tp");
   // The per-rank part is the stages' module parameters, which ZeRO-3 frees
   // between steps (its values live in the shards): not written that way yet.
   for (ShardedDataParallel* sdp : pipe_->sharded_stages()) {
@@ -162,10 +171,10 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
     const std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
     out.push_back({.name = it != global_names_.end() ? it->second : local,
                    .tensor = {.local = t,
-                              .layout = {.mesh = {{"replicas", data_world_}},
+                              .layout = {.mesh = {{"replicas", replicas_}},
                                          .placements = {dist::Placement::replicate()},
                                          .global_shape = shape},
-                              .coordinates = {data_rank_},
+                              .coordinates = {replica_},
                               .saved = saved || it == global_names_.end()},
                    .buffer = buffer});
   };

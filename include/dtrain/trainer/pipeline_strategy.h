@@ -18,7 +18,9 @@
 // broadcast from the last stage over the pipeline, so every rank reports it.
 // Evaluation runs the pipeline forward and counts on the last stage's rank
 // (a batch not divisible into the micro-batches is padded and the padding
-// dropped). Clipping is Pipeline::clip_grad_norm_ (tied copies included);
+// dropped). Stages of a tp/cp split (dtrain::parallelize) run on the mesh:
+// the targets reach the last stage through local_target (cut_targets: this
+// rank's rows under cp), cp ranks are replicas of the stages' parameters. Clipping is Pipeline::clip_grad_norm_ (tied copies included);
 // GradScaler's found-inf is combined over the world. Checkpoints: laid out
 // (trainer/resharding.h), each stage's parameters and optimizer state under
 // the whole model's names (name_parameters), written by the first replica of
@@ -88,6 +90,8 @@ class PipelineStrategy : public Strategy {
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;
   int data_rank_ = 0, data_world_ = 1;
+  int replica_ = 0, replicas_ = 1;  // over dp_replicate x dp_shard x cp: the stages' copies
+  bool tensor_parallel_ = false;    // stages of tp parts (checkpoints refused)
   int loss_rank_ = 0;  // the pipeline group's rank of the last stage
   std::shared_ptr<torch::nn::Module> holder_;
   const Checkpointer* added_to_ = nullptr;
