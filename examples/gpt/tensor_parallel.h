@@ -55,6 +55,7 @@
 #include <optional>
 #include <string>
 
+#include "context_parallel.h"
 #include "dtrain/comm/mesh.h"
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
@@ -64,7 +65,6 @@
 #include "dtrain/nn/rng_tracker.h"
 #include "dtrain/nn/tp_comm.h"
 #include "dtrain/nn/vocab_parallel.h"
-#include "context_parallel.h"
 #include "model.h"
 
 namespace gpt {

@@ -124,8 +124,7 @@ void PipelineStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimize
   DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "PipelineStrategy is used with a second Checkpointer.",
                "use one Trainer (one checkpoint directory) per strategy");
   // The stages' tp parts would be saved as whole parameters.
-  DTRAIN_CHECK(!tensor_parallel_, ConfigError,
-               "checkpoints of pipeline stages split over tp are not supported yet.",
+  DTRAIN_CHECK(!tensor_parallel_, ConfigError, "checkpoints of pipeline stages split over tp are not supported yet.",
                "train without a checkpoint directory, or with pp 1 beside tp");
   // The per-rank part is the stages' module parameters, which ZeRO-3 frees
   // between steps (its values live in the shards): not written that way yet.

@@ -108,7 +108,7 @@ void ZeroStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimizer& o
   // Chunks of tp parts would be saved as chunks of whole parameters.
   DTRAIN_CHECK(!sdp_->options().mesh || sdp_->options().mesh->size("tp") == 1, ConfigError,
                "checkpoints of ZeRO over tensor-parallel layers (mesh " << sdp_->options().mesh->describe()
-                                                                       << ") are not supported yet.",
+                                                                        << ") are not supported yet.",
                "train without a checkpoint directory, or put the data-parallel ranks on dp_replicate beside tp");
   state_ = zero_state(*sdp_, optimizer);
   added_to_ = &checkpointer;

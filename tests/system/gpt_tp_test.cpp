@@ -107,7 +107,8 @@ TEST(GptTp, ClippedStepsMatchSingle) {
 TEST(GptTp, UnsupportedCompositionsAreRefused) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const std::string common = kCommon + "0.5 --sample-tokens 0 --batch-size 2 ";
-  const auto zero = dtrain::testing::run_example(kExample, common + "--tp 2 --sequence-parallel --dp-shard 2", launch(4));
+  const auto zero =
+      dtrain::testing::run_example(kExample, common + "--tp 2 --sequence-parallel --dp-shard 2", launch(4));
   EXPECT_NE(zero.exit_code, 0);
   EXPECT_NE(zero.stderr_text.find("sequence parallelism with"), std::string::npos) << zero.stderr_text;
 }

@@ -20,12 +20,14 @@
 // (a batch not divisible into the micro-batches is padded and the padding
 // dropped). Stages of a tp/cp split (dtrain::parallelize) run on the mesh:
 // the targets reach the last stage through local_target (cut_targets: this
-// rank's rows under cp), cp ranks are replicas of the stages' parameters. Clipping is Pipeline::clip_grad_norm_ (tied copies included);
+// rank's rows under cp), and cp ranks are replicas of the stages'
+// parameters. Clipping is Pipeline::clip_grad_norm_ (tied copies included);
 // GradScaler's found-inf is combined over the world. Checkpoints: laid out
 // (trainer/resharding.h), each stage's parameters and optimizer state under
 // the whole model's names (name_parameters), written by the first replica of
 // the stage, so a run resumes under any plan (another cut, pp or dp width,
-// one process, ZeRO, HSDP) and any plan's checkpoint resumes here. Sharded
+// one process, ZeRO, HSDP) and any plan's checkpoint resumes here; refused
+// for stages of tp parts (not written with their layouts yet). Sharded
 // (ZeRO) stages still save each rank's stages and optimizer as its per-rank
 // part (StateScope::kPerRank), gathered first, and resume on the same mesh.
 #pragma once
@@ -92,7 +94,7 @@ class PipelineStrategy : public Strategy {
   int data_rank_ = 0, data_world_ = 1;
   int replica_ = 0, replicas_ = 1;  // over dp_replicate x dp_shard x cp: the stages' copies
   bool tensor_parallel_ = false;    // stages of tp parts (checkpoints refused)
-  int loss_rank_ = 0;  // the pipeline group's rank of the last stage
+  int loss_rank_ = 0;               // the pipeline group's rank of the last stage
   std::shared_ptr<torch::nn::Module> holder_;
   const Checkpointer* added_to_ = nullptr;
   std::map<const void*, std::string> global_names_;  // by TensorImpl, from name_parameters

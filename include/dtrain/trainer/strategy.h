@@ -141,7 +141,7 @@ class Strategy {
  private:
   std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
   std::function<at::Tensor(const at::Tensor&)> target_cut_;  // cut_targets()
-  std::shared_ptr<LayoutState> laid_out_;  // the default save's state, for laid_out_optimizer_
+  std::shared_ptr<LayoutState> laid_out_;                    // the default save's state, for laid_out_optimizer_
   const torch::optim::Optimizer* laid_out_optimizer_ = nullptr;
 };
 

@@ -69,8 +69,8 @@ class TensorParallelStrategy : public Strategy {
                    "TensorParallelStrategy composes tp with dp_replicate and cp; the mesh has " << d.name << ".",
                    "put the data-parallel ranks on dp_replicate (DDP), or shard with ShardedDataParallel's mesh");
     if (mesh_->size("cp") > 1) {
-      ddp_ = std::make_unique<DistributedDataParallel<Holder>>(std::move(module),
-                                                               mesh_->join({"dp_replicate", "dp_shard", "cp"}), options);
+      ddp_ = std::make_unique<DistributedDataParallel<Holder>>(
+          std::move(module), mesh_->join({"dp_replicate", "dp_shard", "cp"}), options);
     } else if (mesh_->size("dp_replicate") > 1) {
       ddp_ = std::make_unique<DistributedDataParallel<Holder>>(std::move(module), (*mesh_)["dp_replicate"], options);
     }

@@ -72,7 +72,7 @@ class ZeroStrategy : public Strategy {
   int rank_ = 0;
   int world_ = 1;
   std::optional<dist::ProcessGroup> all_;   // HSDP or a mesh: every rank
-  bool over_mesh_ = false;                   // ZeroOptions::mesh: norms from the layouts
+  bool over_mesh_ = false;                  // ZeroOptions::mesh: norms from the layouts
   const Checkpointer* added_to_ = nullptr;  // the checkpointer holding our state
   std::shared_ptr<ShardedStateful> state_;  // zero_state(), saved as "zero"
 };

@@ -65,7 +65,7 @@ Parallelized apply_tp(const ApplyContext& c) {
   }
   r.full_weights = [strategy, layers = m.trained, mesh, whole]() mutable -> std::unique_ptr<Strategy::Scope> {
     const std::unique_ptr<Strategy::Scope> gathered = strategy->full_parameters();  // ZeRO's shards
-    assemble_by_layouts(*layers, *mesh, *whole->layers);  // both under the Sequential's names
+    assemble_by_layouts(*layers, *mesh, *whole->layers);                            // both under the Sequential's names
     return nullptr;
   };
   return r;

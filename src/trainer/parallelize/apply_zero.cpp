@@ -16,8 +16,8 @@ std::shared_ptr<ShardedDataParallel> shard_with_zero(const ApplyContext& c, std:
     // mesh.join({"dp_replicate", "dp_shard"}).
     if (mesh->size("tp") > 1 || mesh->size("cp") > 1) {
       zero.mesh = *mesh;
-      zero.shard_dims = mesh->size("cp") > 1 ? std::vector<std::string>{"dp_shard", "cp"}
-                                             : std::vector<std::string>{"dp_shard"};
+      zero.shard_dims =
+          mesh->size("cp") > 1 ? std::vector<std::string>{"dp_shard", "cp"} : std::vector<std::string>{"dp_shard"};
     }
     shard_group = mesh->join(zero.shard_dims);
     if (mesh->size("dp_replicate") > 1) zero.replicate_group = (*mesh)["dp_replicate"];

@@ -11,17 +11,16 @@ SplitModel split_model(const ApplyContext& c, dist::DeviceMesh& mesh) {
   const ModelParts& parts = c.parts;
   const bool cp = c.plan.cp > 1;
   if (cp) {
-    DTRAIN_CHECK(parts.cp.targets && (c.plan.tp > 1 || (parts.cp.split && parts.cp.loss)), ConfigError,
-                 "the plan splits sequences over cp " << c.plan.cp
-                                                      << ", but the model gives no context-parallel split.",
-                 "set ModelParts::cp (split, targets and loss), or plan cp 1");
+    DTRAIN_CHECK(
+        parts.cp.targets && (c.plan.tp > 1 || (parts.cp.split && parts.cp.loss)), ConfigError,
+        "the plan splits sequences over cp " << c.plan.cp << ", but the model gives no context-parallel split.",
+        "set ModelParts::cp (split, targets and loss), or plan cp 1");
   }
   SplitModel m;
   m.full = parts.layers();
   if (c.plan.tp > 1) {
     DTRAIN_CHECK(parts.tp.split && parts.tp.loss, ConfigError,
-                 "the plan splits the model over tp " << c.plan.tp
-                                                      << ", but the model gives no tensor-parallel split.",
+                 "the plan splits the model over tp " << c.plan.tp << ", but the model gives no tensor-parallel split.",
                  "set ModelParts::tp (split and loss), or plan tp 1");
     // The full layers stay on the CPU, to assemble the trained weights into.
     m.trained = parts.tp.split(m.full, mesh);
