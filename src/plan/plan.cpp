@@ -114,19 +114,11 @@ void validate_applied(const ParallelPlan& p) {
   DTRAIN_CHECK(p.precision != "fp8", ConfigError, "precision fp8: this build plans fp8 but does not train in it.",
                "use bf16 (or fp16, fp32) to run the plan");
   // dtrain::parallelize composes tensor and context parallelism with DDP
-  // (dp_replicate), ZeRO 1-3 over dp_shard (x cp), pipelines of every
+  // (dp_replicate), ZeRO 1-3 over dp_shard (x cp), HSDP, pipelines of every
   // schedule with DDP or ZeRO per stage, and each other (docs/tp.md,
   // "Compositions"; tests/multirank/tp_*_test.cpp and
-  // tests/system/gpt_compose_test.cpp against one process). Not yet: tp or
-  // cp with HSDP, and sequence parallelism beside anything but dp_replicate.
-  if (p.tp > 1 || p.cp > 1) {
-    const char* axis = p.tp > 1 ? "tensor" : "context";
-    DTRAIN_CHECK(p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,
-                 "tp " << p.tp << " x cp " << p.cp << " with dp_replicate " << p.dp_replicate << " x dp_shard "
-                       << p.dp_shard << " (HSDP): no applier in this build composes " << axis
-                       << " parallelism with HSDP yet.",
-                 "put the data-parallel ranks on one of dp_replicate (DDP) or dp_shard (ZeRO)");
-  }
+  // tests/system/gpt_compose_test.cpp against one process). Not yet:
+  // sequence parallelism beside anything but dp_replicate.
   if (p.tp > 1) {
     DTRAIN_CHECK(!p.sequence_parallel || (p.dp_shard == 1 && p.pp == 1 && p.cp == 1), ConfigError,
                  "sequence parallelism with " << degrees_of(p)

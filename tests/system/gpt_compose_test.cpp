@@ -1,7 +1,8 @@
 // examples/gpt under tensor parallelism composed with the other axes through
 // its plan flags (`dtrain run`, dtrain::parallelize): tp 2 x dp_shard 2
-// (ZeRO-3), tp 2 x pp 2 (1f1b and interleaved), tp 2 x cp 2, dp_shard 2 x
-// tp 2 x pp 2 (zb, ZeRO-2), cp 2 with ZeRO-3 and with pp 2, and the 4-D
+// (ZeRO-3), tp 2 x HSDP 2 x 2, tp 2 x pp 2 (1f1b and interleaved), tp 2 x
+// cp 2, dp_shard 2 x tp 2 x pp 2 (zb, ZeRO-2), cp 2 with ZeRO-3, HSDP and
+// pp 2, and the 4-D
 // plan dp_shard 2 x tp 2 x pp 2 x cp 2 on 16 processes, each against
 // --strategy single on the same global batches: the loss curve (every
 // step's val loss, and train loss where one data rank reads the whole
@@ -116,6 +117,7 @@ TEST(GptCompose, TensorParallelWithZeroPipelinesAndCpMatchesSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   expect_composed_runs_match_single({
       {"tp2-zero3", "--tp 2 --dp-shard 2 --global-batch-size 4", 4, false},
+      {"tp2-hsdp", "--tp 2 --dp-replicate 2 --dp-shard 2 --global-batch-size 4", 8, false},
       {"tp2-pp2-1f1b", "--tp 2 --pp 2 --micro-batches 2 --batch-size 4", 4},
       {"tp2-pp2-interleaved", "--tp 2 --pp 2 --pp-schedule interleaved --micro-batches 2 --batch-size 4", 4},
       {"tp2-cp2", "--tp 2 --cp 2 --batch-size 4", 4},
@@ -138,6 +140,7 @@ TEST(GptCompose, ContextParallelWithZeroAndPipelinesMatchesSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   expect_composed_runs_match_single({
       {"cp2-zero3", "--cp 2 --dp-shard 2 --global-batch-size 4", 4, false},
+      {"cp2-hsdp", "--cp 2 --dp-replicate 2 --dp-shard 2 --global-batch-size 4", 8, false},
       {"cp2-pp2", "--cp 2 --pp 2 --micro-batches 2 --batch-size 4", 4},
   });
 }
