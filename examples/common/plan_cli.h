@@ -128,10 +128,12 @@ struct PlanCli {
 };
 
 // What the examples run for their flags: the strategy a plan names (pp > 1:
-// pipeline, its replicas reduced by ZeRO where dp_shard > 1, else DDP;
-// dp_shard > 1: zeroK, HSDP with dp_replicate > 1; tp > 1: tp, DDP over
-// dp_replicate; cp > 1: cp, DDP over dp_replicate x cp; dp_replicate > 1:
-// ddp; else single), and the per-rank (per-replica under a pipeline) batch a
+// pipeline, of the tp/cp split where tp or cp > 1, its replicas reduced by
+// ZeRO where dp_shard > 1, else DDP; tp > 1: tp, with cp inside it, ZeRO
+// over dp_shard or DDP over dp_replicate; cp > 1: cp, ZeRO over dp_shard x
+// cp or DDP over dp_replicate x cp; dp_shard > 1: zeroK, HSDP with
+// dp_replicate > 1; dp_replicate > 1: ddp; else single; dtrain::parallelize
+// builds each), and the per-rank (per-replica under a pipeline) batch a
 // global batch sets. --strategy names are shorthands for plans.
 struct Resolved {
   std::string strategy;
@@ -160,29 +162,17 @@ inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, con
   if (strategy == "pipeline") data_parallel = world / (pipeline.pp_size > 0 ? pipeline.pp_size : world);
   if (cli.given()) {
     const dtrain::ParallelPlan plan = cli.resolve(world, pipeline, model, accumulate);
-    // The library composes tp with ZeRO, pipelines and cp (docs/tp.md,
-    // "Compositions"); the examples' strategies below do not wire them yet.
-    if (plan.tp > 1) {
-      std::string beside;
-      if (plan.dp_shard > 1) beside += " ZeRO (dp_shard " + std::to_string(plan.dp_shard) + ")";
-      if (plan.pp > 1) beside += " pipelines (pp " + std::to_string(plan.pp) + ")";
-      if (plan.cp > 1) beside += " context parallelism (cp " + std::to_string(plan.cp) + ")";
-      DTRAIN_CHECK(beside.empty(), ConfigError,
-                   "the examples do not yet compose tensor parallelism (tp " << plan.tp << ") with" << beside
-                                                                             << " (the library does: docs/tp.md).",
-                   "put the data-parallel ranks on dp_replicate, with pp 1 and cp 1, beside tp");
-    }
     if (plan.pp > 1) {
       r.strategy = "pipeline";
       r.pipeline.pp_size = plan.pp;
       r.pipeline.schedule = plan.pipeline.schedule;
       r.pipeline.micro_batches = plan.pipeline.micro_batches;
       r.pipeline.dp_reduce = plan.dp_shard > 1 ? "zero" + std::to_string(plan.zero_stage) : "ddp";
-    } else if (plan.tp > 1) {  // dp_replicate only beside it (checked above)
+    } else if (plan.tp > 1) {  // with cp, ZeRO over dp_shard or DDP over dp_replicate (parallelize.h)
       r.strategy = "tp";
       r.tp = plan.tp;
       r.sequence_parallel = plan.sequence_parallel;
-    } else if (plan.cp > 1) {  // validate() allows dp_replicate only beside it
+    } else if (plan.cp > 1) {  // ZeRO over dp_shard x cp or DDP over dp_replicate x cp
       r.strategy = "cp";
       r.cp = plan.cp;
     } else if (plan.dp_shard > 1) {

@@ -216,22 +216,25 @@ dtrain::ModelParts gpt_parts(const Options& opt) {
   parts.pipeline_stages = [](const torch::nn::Sequential& layers, const dtrain::StageCut& cut) {
     return gpt::pipeline_stages(layers, cut.ranks, cut.stages_per_rank, cut.rank, cut.stage_of_layer);
   };
-  parts.tp.split = [&opt](const torch::nn::Sequential& full, dtrain::dist::DeviceMesh& mesh) {
+  const auto exchange =
+      opt.cp_exchange == "allgather" ? dtrain::nn::cp::KvExchange::kAllGather : dtrain::nn::cp::KvExchange::kRing;
+  parts.tp.split = [&opt, exchange](const torch::nn::Sequential& full, dtrain::dist::DeviceMesh& mesh) {
     // Dropout streams (Note [TP dropout]): the replicated one shared by the
     // tp group, seeded per data-parallel replica like the other strategies'
     // per-rank seeds; the tensor-parallel one per tp rank on top of it.
-    const std::uint64_t dropout_seed = opt.seed + 7919 * static_cast<std::uint64_t>(mesh.coordinate("dp_replicate"));
+    const int replica = mesh.join({"dp_replicate", "dp_shard"}).rank();
+    const std::uint64_t dropout_seed = opt.seed + 7919 * static_cast<std::uint64_t>(replica);
     auto rng =
         std::make_shared<dtrain::nn::RngTracker>(dtrain::nn::RngTracker::for_tp(dropout_seed, mesh.coordinate("tp")));
-    return gpt::apply_tp(full, mesh, {.sequence_parallel = opt.sequence_parallel, .rng = rng});
+    gpt::TpOptions tp{.sequence_parallel = opt.sequence_parallel, .rng = rng, .exchange = exchange};
+    if (mesh.size("cp") > 1) tp.cp = mesh["cp"];  // tp x cp: the split cuts every sequence too
+    return gpt::apply_tp(full, mesh, tp);
   };
   parts.tp.loss = [vocab = opt.model.vocab_size](dtrain::dist::DeviceMesh& mesh) -> dtrain::ModelLossFn {
     return [tp = mesh["tp"], vocab](const at::Tensor& logits, const at::Tensor& target) {
       return gpt::tp_lm_loss(logits, target, tp, vocab);
     };
   };
-  const auto exchange =
-      opt.cp_exchange == "allgather" ? dtrain::nn::cp::KvExchange::kAllGather : dtrain::nn::cp::KvExchange::kRing;
   parts.cp.split = [exchange](const torch::nn::Sequential& full, dtrain::dist::DeviceMesh& mesh) {
     return gpt::apply_cp(full, mesh["cp"], {.exchange = exchange});
   };
@@ -357,7 +360,7 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
   // takes part, then rank 0 reads the whole model alone.
   if (!opt.save_params.empty()) {
     auto full = run.full_weights();
-    if (run.pipeline) {
+    if (run.pipeline && run.mesh->size("tp") == 1) {  // tp stages hold parts: the assembled whole below
       write_stage_params(*run.pipeline, *run.mesh, opt.save_params);
     } else if (lead) {
       write_params(opt.save_params, *run.whole);

@@ -12,8 +12,9 @@
 
 namespace gpt {
 
-// `layers`: a whole gpt_layers Sequential, built and initialised alike on
-// every rank (its other stages are simply not used here). `stage_of_layer`:
+// `layers`: a whole gpt_layers Sequential (or its tp or cp split, whose
+// layers have the same names), built and initialised alike on every rank
+// (its other stages are simply not used here). `stage_of_layer`:
 // an explicit cut (one stage index per layer), or empty for the planner's.
 inline std::vector<dtrain::pipeline::PipelineStage> pipeline_stages(const torch::nn::Sequential& layers, int ranks,
                                                                     int stages_per_rank, int rank,
@@ -27,8 +28,14 @@ inline std::vector<dtrain::pipeline::PipelineStage> pipeline_stages(const torch:
                             << " stages needs one stage index per layer, from 0 to " << n - 1,
       "e.g. 0,0,0,1,1,1 for 4 blocks on 2 stages");
   const std::vector<torch::nn::Sequential> all = dtrain::pipeline::split_stages(layers, stage_of_layer);
-  const at::Tensor embedding = layers->ptr<EmbedImpl>(0)->wte->weight;
-  const at::Tensor head_copy = layers->ptr<HeadImpl>(layers->size() - 1)->embed->wte->weight;
+  // The token embedding, which the head reads as its output projection: in
+  // `layers` one tensor (its tied copy on another rank is that rank's).
+  const auto first_params = layers->ptr(0)->named_parameters();
+  const at::Tensor* wte = first_params.find("wte.weight");
+  DTRAIN_CHECK(wte != nullptr, ConfigError, "the GPT's first layer has no wte.weight to tie the head to.",
+               "cut gpt_layers (or its tp or cp split: apply_tp, apply_cp) into stages");
+  const at::Tensor embedding = *wte;
+  const at::Tensor head_copy = embedding;
   std::vector<dtrain::pipeline::PipelineStage> mine;
   for (int s = rank; s < n; s += ranks) {
     dtrain::pipeline::PipelineStage stage{.module = all[s], .tied = {}};

@@ -25,6 +25,15 @@
 // The vocabulary splits by torch.chunk's rule (the layout's), so the 65
 // Shakespeare characters run under tp 2 as 33 + 32 rows.
 //
+// Inside context parallelism (TpOptions::cp: tp x cp, a cp group of the
+// ranks with this tp coordinate) the split also keeps this rank's zig-zag
+// part of every sequence, as apply_cp does: the embedding takes the whole
+// batch [B, T] and keeps its rows (position embeddings of their global
+// positions), attention on this rank's heads runs nn::cp::causal_attention
+// over cp, and the logits are [B, T/c, V/t] (the loss: tp_lm_loss on
+// cp_targets, averaged over cp by nn::cp::mean_loss). Not with sequence
+// parallelism, dropout or recompute (validate_tp, validate_cp).
+//
 // Dropout (Note [TP dropout]) draws from TpOptions::rng, a
 // dtrain::nn::RngTracker: masks of regions every tp rank holds alike (the
 // embedding's output, the residual branches under plain TP) from its
@@ -43,11 +52,14 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "context_parallel.h"
 #include "dtrain/comm/mesh.h"
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
+#include "dtrain/nn/context_parallel.h"
 #include "dtrain/nn/linear.h"
 #include "dtrain/nn/parallel_linear.h"
 #include "dtrain/nn/rng_tracker.h"
@@ -62,6 +74,10 @@ struct TpOptions {
   // The dropout streams of this rank (RngTracker::for_tp(seed, tp rank));
   // required when the config's dropout is above 0.
   std::shared_ptr<dtrain::nn::RngTracker> rng;
+  // tp x cp: the cp group of this rank (every sequence split over it, see
+  // the file comment) and how K/V reach its other ranks; unset: no cp.
+  std::optional<dtrain::dist::ProcessGroup> cp;
+  dtrain::nn::cp::KvExchange exchange = dtrain::nn::cp::KvExchange::kRing;
 };
 
 // ConfigError naming the size when the tp degree does not divide the heads,
@@ -84,6 +100,9 @@ inline void validate_tp(const GptConfig& c, std::int64_t tp, const TpOptions& op
                                                      << " leaves the last rank no rows.",
                "use a smaller tp degree");
   if (options.sequence_parallel) require(c.block_size, "block_size (sequence parallelism splits the sequence)");
+  DTRAIN_CHECK(!options.cp || !options.sequence_parallel, ConfigError,
+               "GPT tensor parallelism inside context parallelism does not run with sequence parallelism yet.",
+               "drop --sequence-parallel under --cp");
   DTRAIN_CHECK(c.dropout == 0.0 || options.rng, ConfigError,
                "GPT tensor parallelism with dropout " << c.dropout
                                                       << " needs the dropout streams (TpOptions::rng) and has none.",
@@ -155,6 +174,7 @@ struct TpEmbedImpl : torch::nn::Module {
       : config(full.config),
         sp(options.sequence_parallel),
         tp(mesh["tp"]),
+        cp(options.cp),
         drop{.p = full.config.dropout, .rng = options.rng, .sp = options.sequence_parallel} {
     wte = register_module("wte", dtrain::nn::VocabParallelEmbedding(mesh, {.num_embeddings = config.vocab_size,
                                                                            .embedding_dim = config.n_embd,
@@ -164,9 +184,15 @@ struct TpEmbedImpl : torch::nn::Module {
     torch::NoGradGuard no_grad;
     wpe->weight.copy_(full.wpe->weight);
   }
-  // idx [B, T] -> [B, T, C], or [B, T/t, C] (this rank's part) under SP.
+  // idx [B, T] -> [B, T, C], or [B, T/t, C] (this rank's part) under SP, or
+  // [B, T/c, C] (this rank's zig-zag rows) under cp.
   at::Tensor forward(const at::Tensor& idx) {
     const std::int64_t t = idx.size(1);
+    if (cp) {
+      const at::Tensor mine = dtrain::nn::cp::zigzag_shard(idx, cp->size(), cp->rank(), 1);
+      return drop(wte(mine) + wpe(dtrain::nn::cp::zigzag_positions(t, cp->size(), cp->rank(), idx.options())),
+                  is_training());
+    }
     if (!sp) return drop(wte(idx) + wpe(at::arange(t, idx.options())), is_training());
     const std::int64_t part = t / tp.size();
     const at::Tensor pos = at::arange(tp.rank() * part, (tp.rank() + 1) * part, idx.options());
@@ -176,6 +202,7 @@ struct TpEmbedImpl : torch::nn::Module {
   GptConfig config;
   bool sp;
   dtrain::dist::ProcessGroup tp;
+  std::optional<dtrain::dist::ProcessGroup> cp;
   detail::TpDropout drop;
   dtrain::nn::VocabParallelEmbedding wte{nullptr};
   torch::nn::Embedding wpe{nullptr};
@@ -186,6 +213,8 @@ struct TpAttentionImpl : torch::nn::Module {
   TpAttentionImpl(const CausalSelfAttentionImpl& full, dtrain::dist::DeviceMesh& mesh, const TpOptions& options)
       : config(full.config),
         tp_size(mesh.size("tp")),
+        cp(options.cp),
+        exchange(options.exchange),
         drop{.p = full.config.dropout, .rng = options.rng, .sp = options.sequence_parallel} {
     const std::int64_t c = config.n_embd;
     c_attn = register_module("c_attn",
@@ -210,15 +239,21 @@ struct TpAttentionImpl : torch::nn::Module {
     auto qkv = qkv_all.split(local, 2);
     auto heads = [&](const at::Tensor& m) { return m.view({b, t, h, d}).transpose(1, 2); };
     const bool dropping = is_training() && drop.p > 0;
-    const at::Tensor y = dropping
-                             ? detail::causal_attention_with_dropout(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), drop)
-                             : at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {}, 0.0,
-                                                                /*is_causal=*/true);
+    at::Tensor y;
+    if (cp) {  // this rank's heads of its zig-zag rows, K/V over cp (no dropout: validate_cp)
+      y = dtrain::nn::cp::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), *cp, {.exchange = exchange});
+    } else if (dropping) {
+      y = detail::causal_attention_with_dropout(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), drop);
+    } else {
+      y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {}, 0.0, /*is_causal=*/true);
+    }
     return drop(c_proj(y.transpose(1, 2).contiguous().view({b, t, local})), is_training());
   }
 
   GptConfig config;
   std::int64_t tp_size;
+  std::optional<dtrain::dist::ProcessGroup> cp;
+  dtrain::nn::cp::KvExchange exchange;
   detail::TpDropout drop;
   dtrain::nn::ColumnParallelLinear c_attn{nullptr};
   dtrain::nn::RowParallelLinear c_proj{nullptr};
@@ -296,11 +331,13 @@ struct TpHeadImpl : torch::nn::Module {
 TORCH_MODULE(TpHead);
 
 // The tensor-parallel copy of gpt_layers(config) `layers` on this rank (see
-// the file comment). Collective over mesh["tp"] only in forward/backward.
+// the file comment). Collective over mesh["tp"] (and TpOptions::cp) only in
+// forward/backward.
 inline torch::nn::Sequential apply_tp(const torch::nn::Sequential& layers, dtrain::dist::DeviceMesh& mesh,
                                       const TpOptions& options = {}) {
   const auto& embed = *layers->ptr<EmbedImpl>(0);
   validate_tp(embed.config, mesh.size("tp"), options);
+  if (options.cp) validate_cp(embed.config, options.cp->size());
   torch::nn::Sequential out;
   TpEmbed tp_embed(embed, mesh, options);
   out->push_back("embed", tp_embed);

@@ -113,35 +113,19 @@ void validate_applied(const ParallelPlan& p) {
   // applier in this build casts to fp8.
   DTRAIN_CHECK(p.precision != "fp8", ConfigError, "precision fp8: this build plans fp8 but does not train in it.",
                "use bf16 (or fp16, fp32) to run the plan");
-  // Tensor parallelism composes with DDP (dp_replicate), ZeRO 1-3 over
-  // dp_shard (ZeroOptions::mesh), pipelines of every schedule with DDP or
-  // ZeRO per stage (PipelineOptions::mesh) and cp (DDP over dp_replicate x
-  // cp), each tested against one process (tests/multirank/tp_*_test.cpp,
-  // docs/tp.md "Compositions"). Not yet: tp with HSDP, and sequence
-  // parallelism beside anything but dp_replicate.
+  // dtrain::parallelize composes tensor and context parallelism with DDP
+  // (dp_replicate), ZeRO 1-3 over dp_shard (x cp), HSDP, pipelines of every
+  // schedule with DDP or ZeRO per stage, and each other (docs/tp.md,
+  // "Compositions"; tests/multirank/tp_*_test.cpp and
+  // tests/system/gpt_compose_test.cpp against one process). Not yet:
+  // sequence parallelism beside anything but dp_replicate.
   if (p.tp > 1) {
-    DTRAIN_CHECK(p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,
-                 "tp " << p.tp << " with dp_replicate " << p.dp_replicate << " x dp_shard " << p.dp_shard
-                       << " (HSDP): no applier in this build composes tensor parallelism with HSDP yet.",
-                 "put the data-parallel ranks on one of dp_replicate (DDP) or dp_shard (ZeRO)");
     DTRAIN_CHECK(!p.sequence_parallel || (p.dp_shard == 1 && p.pp == 1 && p.cp == 1), ConfigError,
                  "sequence parallelism with " << degrees_of(p)
                                               << ": this build runs sequence parallelism with tp and dp_replicate "
                                                  "only (its compositions with ZeRO, pipelines and cp are not tested).",
                  "set sequence_parallel false (tensor parallelism alone composes with dp_shard, pp and cp), or "
                  "put the data-parallel ranks on dp_replicate with pp 1 and cp 1");
-  }
-  // Context parallelism runs alone, under DDP (dp_replicate) and inside tp
-  // groups; with ZeRO and pipelines not yet.
-  if (p.cp > 1) {
-    DTRAIN_CHECK(p.dp_shard == 1, ConfigError,
-                 "cp " << p.cp << " with dp_shard " << p.dp_shard
-                       << " (ZeRO): no applier in this build composes context parallelism with ZeRO yet.",
-                 "put the data-parallel ranks on dp_replicate (DDP), or set cp 1");
-    DTRAIN_CHECK(p.pp == 1, ConfigError,
-                 "cp " << p.cp << " with pp " << p.pp
-                       << ": no applier in this build composes context parallelism with pipelines yet.",
-                 "set pp 1, or cp 1 (tp, dp_shard and dp_replicate compose with pipelines)");
   }
   DTRAIN_CHECK(p.pp == 1 || p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,
                "dp_replicate " << p.dp_replicate << " x dp_shard " << p.dp_shard << " (HSDP) inside a pipeline (pp "

@@ -27,6 +27,11 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<pipeline::Pipeline> pipe, dis
   auto& data = mesh.join({"dp_replicate", "dp_shard"});
   data_rank_ = data.rank();
   data_world_ = data.size();
+  // The copies of each stage's parameters: its data-parallel ranks and, as
+  // they hold every parameter alike, its cp ranks.
+  replica_ = data_rank_ * mesh.size("cp") + mesh.coordinate("cp");
+  replicas_ = data_world_ * mesh.size("cp");
+  tensor_parallel_ = mesh.size("tp") > 1;
   const pipeline::Schedule& schedule = pipe_->schedule();
   loss_rank_ = schedule.rank_of_stage(schedule.stage_count() - 1);
   // module(): this rank's stages (train/eval modes, per-rank checkpoints)
@@ -102,7 +107,7 @@ at::Tensor PipelineStrategy::eval_forward(const at::Tensor& input) {
 
 at::Tensor PipelineStrategy::forward_backward(const at::Tensor& input, const at::Tensor& target,
                                               amp::GradScaler* scaler) {
-  at::Tensor loss = pipe_->step(input, target, scaler);
+  at::Tensor loss = pipe_->step(input, local_target(target), scaler);
   at::Tensor shared = loss.defined() ? loss.detach().to(at::kFloat).reshape({1}).clone()
                                      : at::zeros({1}, at::TensorOptions(at::kFloat).device(input_device()));
   if (pipeline_group_.size() > 1) pipeline_group_.broadcast(shared, loss_rank_).wait();
@@ -119,6 +124,12 @@ GradientSet PipelineStrategy::gradients() {
 
 at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
   return pipe_->clip_grad_norm_(max_norm);
+}
+
+// The stages' tp parts would be saved as whole parameters.
+void PipelineStrategy::check_checkpointable() const {
+  DTRAIN_CHECK(!tensor_parallel_, ConfigError, "checkpoints of pipeline stages split over tp are not supported yet.",
+               "train without a checkpoint directory, or with pp 1 beside tp");
 }
 
 void PipelineStrategy::name_parameters(const torch::nn::Module& whole, const std::string& prefix) {
@@ -161,10 +172,10 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
     const std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
     out.push_back({.name = global_name(t, local),
                    .tensor = {.local = t,
-                              .layout = {.mesh = {{"replicas", data_world_}},
+                              .layout = {.mesh = {{"replicas", replicas_}},
                                          .placements = {dist::Placement::replicate()},
                                          .global_shape = shape},
-                              .coordinates = {data_rank_},
+                              .coordinates = {replica_},
                               .saved = saved || global_names_.find(t.unsafeGetTensorImpl()) == global_names_.end()},
                    .buffer = buffer});
   };
@@ -263,12 +274,14 @@ std::shared_ptr<LayoutState> PipelineStrategy::sharded_reader(torch::optim::Opti
 
 void PipelineStrategy::save(Checkpointer& checkpointer, const TrainingState& state,
                             torch::optim::Optimizer& optimizer) {
+  check_checkpointable();
   auto full = full_parameters();  // frozen parameters of sharded stages are written whole
   register_saved_state(checkpointer, kLaidOutState, laid_out_state(optimizer));
   checkpointer.save(state);
 }
 
 std::optional<TrainingState> PipelineStrategy::load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
+  check_checkpointable();
   const bool sharded = !pipe_->sharded_stages().empty();
   if (sharded && saved_model_state(checkpointer) == SavedModelState::kOther) {
     // Sharded stages' checkpoints before they were laid out: each rank's

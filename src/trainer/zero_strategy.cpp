@@ -18,7 +18,15 @@ ZeroStrategy::ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device
   rank_ = sdp_->group().rank();
   world_ = sdp_->group().size();
   const auto& replicas = sdp_->options().replicate_group;
-  if (replicas && replicas->size() > 1) {
+  if (sdp_->options().mesh) {
+    // Parameters laid out over a mesh (tp parts; cp ranks in the sharding
+    // group): the data index is the mesh's, every rank of the mesh reduces.
+    dist::DeviceMesh mesh = *sdp_->options().mesh;
+    rank_ = mesh.coordinate("dp_replicate") * mesh.size("dp_shard") + mesh.coordinate("dp_shard");
+    world_ = mesh.size("dp_replicate") * mesh.size("dp_shard");
+    all_ = mesh.group();
+    over_mesh_ = true;
+  } else if (replicas && replicas->size() > 1) {
     DTRAIN_CHECK(all_ && all_->size() == replicas->size() * world_, ConfigError,
                  "ZeroStrategy over HSDP (" << replicas->size() << " replicas of " << world_
                                             << " shards) needs the group of all " << replicas->size() * world_
@@ -71,12 +79,16 @@ void ZeroStrategy::zero_grad(torch::optim::Optimizer& /*optimizer*/) {
   sdp_->zero_grad();
 }
 
+// Over a mesh: from the layouts (ShardedDataParallel::gradients, the norm
+// combined over the sharding group and tp).
 GradientSet ZeroStrategy::gradients() {
+  if (over_mesh_) return sdp_->gradients();
   return GradientSet::sharded(sdp_->parameters(), sdp_->group());
 }
 
+// Over a mesh, tp ranks hold different gradients: every rank decides alike.
 std::optional<dist::ProcessGroup> ZeroStrategy::found_inf_group() {
-  return sdp_->group();
+  return over_mesh_ ? all_ : std::optional<dist::ProcessGroup>(sdp_->group());
 }
 
 std::optional<dist::ProcessGroup> ZeroStrategy::group() {
@@ -93,6 +105,11 @@ void ZeroStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimizer& o
   if (added_to_ == &checkpointer) return;
   DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "ZeroStrategy is used with a second Checkpointer.",
                "use one Trainer (one checkpoint directory) per strategy");
+  // Chunks of tp parts would be saved as chunks of whole parameters.
+  DTRAIN_CHECK(!sdp_->options().mesh || sdp_->options().mesh->size("tp") == 1, ConfigError,
+               "checkpoints of ZeRO over tensor-parallel layers (mesh " << sdp_->options().mesh->describe()
+                                                                        << ") are not supported yet.",
+               "train without a checkpoint directory, or put the data-parallel ranks on dp_replicate beside tp");
   state_ = zero_state(*sdp_, optimizer);
   added_to_ = &checkpointer;
 }

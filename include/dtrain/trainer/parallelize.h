@@ -13,13 +13,17 @@
 //   if (rank == 0) export_model(*run.whole);
 //
 // One applier per axis (src/trainer/parallelize/), tried in a fixed order;
-// the first that handles the plan builds its strategy: tensor parallelism
-// (tp > 1, DDP over dp_replicate), context parallelism (cp > 1, DDP over
-// dp_replicate x cp), the pipeline (pp > 1; each stage's replicas averaged by
-// ZeRO over dp_shard or DDP over dp_replicate), ZeRO 1-3 (dp_shard > 1; HSDP
+// the first that handles the plan builds its strategy: the pipeline (pp > 1;
+// stages of the model, or of its tp/cp split; each stage's replicas averaged
+// by ZeRO over dp_shard (x cp) or DDP over dp_replicate (x cp)), tensor
+// parallelism (tp > 1, with cp inside it; ZeRO over dp_shard (x cp) or DDP
+// over dp_replicate (x cp)), context parallelism (cp > 1; ZeRO over
+// dp_shard x cp or DDP over dp_replicate x cp), ZeRO 1-3 (dp_shard > 1; HSDP
 // with dp_replicate > 1), DDP (dp_replicate > 1; over a ModelParallel split
 // of this process's devices: the hybrid), and one process (one device,
-// DataParallel or ModelParallel over several). What only the model knows
+// DataParallel or ModelParallel over several). The tp and cp splits are
+// applied in one place (split_model) before the others wrap them, so every
+// composition ParallelPlan::validate accepts is built from the same parts. What only the model knows
 // (where its pipeline cuts and ties, its tensor- and context-parallel split
 // and their losses) comes in through ModelParts; an axis the model gives no
 // part for is a ConfigError naming it. Adding an axis: a part in ModelParts,
@@ -87,11 +91,17 @@ struct ModelParts {
   std::function<bool(const std::string& name, const torch::nn::Module& layer)> zero_unit;
   // Pipelines: this rank's stages of `layers` (sharing its modules) with
   // their tied parameters; null: pipeline::split_stages of the cut, no ties.
+  // Under tp or cp `layers` is the split (tp.split's or cp.split's result),
+  // with the same layer names.
   std::function<std::vector<pipeline::PipelineStage>(const torch::nn::Sequential& layers, const StageCut& cut)>
       pipeline_stages;
   // Tensor parallelism (plan tp > 1): this rank's split of `full` over
   // mesh["tp"] (parameter names as in `full`, layouts declared:
-  // dist::DeclaresLayouts), and the loss of its outputs (collective over tp).
+  // dist::DeclaresLayouts), and the loss of its outputs (collective over tp;
+  // the mean over the tokens it is given). With plan cp > 1 too, the split
+  // also keeps this rank's part of every sequence over mesh["cp"] as
+  // cp.split would (its attention over cp), cp.targets cuts the targets, and
+  // the loss is tp's averaged over cp (nn::cp::mean_loss).
   struct TensorParallel {
     std::function<torch::nn::Sequential(const torch::nn::Sequential& full, dist::DeviceMesh& mesh)> split;
     std::function<ModelLossFn(dist::DeviceMesh& mesh)> loss;

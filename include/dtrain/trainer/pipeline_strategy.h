@@ -18,12 +18,16 @@
 // broadcast from the last stage over the pipeline, so every rank reports it.
 // Evaluation runs the pipeline forward and counts on the last stage's rank
 // (a batch not divisible into the micro-batches is padded and the padding
-// dropped). Clipping is Pipeline::clip_grad_norm_ (tied copies included);
+// dropped). Stages of a tp/cp split (dtrain::parallelize) run on the mesh:
+// the targets reach the last stage through local_target (cut_targets: this
+// rank's rows under cp), and cp ranks are replicas of the stages'
+// parameters. Clipping is Pipeline::clip_grad_norm_ (tied copies included);
 // GradScaler's found-inf is combined over the world. Checkpoints: laid out
 // (trainer/resharding.h), each stage's parameters and optimizer state under
 // the whole model's names (name_parameters), written by the first replica of
 // the stage, so a run resumes under any plan (another cut, pp or dp width,
-// one process, ZeRO, HSDP) and any plan's checkpoint resumes here. Sharded
+// one process, ZeRO, HSDP) and any plan's checkpoint resumes here; refused
+// for stages of tp parts (not written with their layouts yet). Sharded
 // (ZeRO 1-3) stages save each rank's pieces of their parameters and
 // optimizer state, laid out under the same names (every data rank writes
 // its own), and load through their whole state, so they reshard the same
@@ -88,10 +92,13 @@ class PipelineStrategy : public Strategy {
   std::vector<LaidOutParameter> laid_out_parameters();
   std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
   std::shared_ptr<LayoutState> sharded_reader(torch::optim::Optimizer& optimizer);
+  void check_checkpointable() const;
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;
   int data_rank_ = 0, data_world_ = 1;
-  int loss_rank_ = 0;  // the pipeline group's rank of the last stage
+  int replica_ = 0, replicas_ = 1;  // over dp_replicate x dp_shard x cp: the stages' copies
+  bool tensor_parallel_ = false;    // stages of tp parts (checkpoints refused)
+  int loss_rank_ = 0;               // the pipeline group's rank of the last stage
   std::shared_ptr<torch::nn::Module> holder_;
   std::map<const void*, std::string> global_names_;  // by TensorImpl, from name_parameters
   std::vector<std::string> whole_names_;

@@ -70,9 +70,14 @@ class Strategy {
   // pipeline's last stage), and this rank adds nothing to the metrics.
   virtual at::Tensor eval_forward(const at::Tensor& input) { return forward(input); }
   // The part of a batch's targets that this rank's outputs hold, which the
-  // loss and the accuracy compare them with; default all of it (context
-  // parallelism keeps this rank's rows of the sequence).
-  virtual at::Tensor local_target(const at::Tensor& target) { return target; }
+  // loss and the accuracy compare them with; default all of it, or what
+  // cut_targets() set (context parallelism keeps this rank's rows of the
+  // sequence).
+  virtual at::Tensor local_target(const at::Tensor& target) { return target_cut_ ? target_cut_(target) : target; }
+  // For a model that keeps part of every sequence (context parallelism
+  // inside tp, ZeRO or pipeline stages: dtrain::parallelize sets it): the
+  // rows of a target its outputs hold.
+  void cut_targets(std::function<at::Tensor(const at::Tensor&)> cut) { target_cut_ = std::move(cut); }
   // Whether the forward is collective over data-parallel ranks (ZeRO
   // all-gathers parameters in it): evaluation then runs as many forwards on
   // every rank, a rank with fewer batches repeating one it leaves uncounted.
@@ -135,7 +140,8 @@ class Strategy {
 
  private:
   std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
-  std::shared_ptr<LayoutState> laid_out_;  // the default save's state, for laid_out_optimizer_
+  std::function<at::Tensor(const at::Tensor&)> target_cut_;  // cut_targets()
+  std::shared_ptr<LayoutState> laid_out_;                    // the default save's state, for laid_out_optimizer_
   const torch::optim::Optimizer* laid_out_optimizer_ = nullptr;
 };
 

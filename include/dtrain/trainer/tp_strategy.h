@@ -1,20 +1,25 @@
 // Tensor parallelism through the Trainer: a module whose layers are split
 // over the mesh's `tp` dimension (nn::ColumnParallelLinear and the others,
 // their parameters carrying layouts), optionally replicated over
-// `dp_replicate` with DDP over that dimension's group.
+// `dp_replicate` with DDP over that dimension's group, and optionally
+// splitting every sequence over `cp` as well (its attention over cp inside
+// each tp coordinate), DDP then averaging over dp_replicate x cp.
 //
 //   auto mesh = std::make_shared<dist::DeviceMesh>(world, {{"dp_replicate", 2}, {"tp", 2}});
 //   auto model = gpt::apply_tp(gpt::gpt_layers(config), *mesh);  // any tp-split module
 //   auto s = std::make_shared<TensorParallelStrategy<torch::nn::Sequential>>(model, mesh, device);
 //
 // Contracts:
-//  - the mesh has `tp`, and besides it only `dp_replicate` (ZeRO, pipelines
-//    and cp do not compose with it here; ParallelPlan::validate refuses them);
+//  - the mesh has `tp`, and besides it only `dp_replicate` and `cp` (ZeRO
+//    and pipelines compose with tp through ShardedDataParallel's and
+//    Pipeline's own mesh options: dtrain::parallelize);
 //  - the data rank and world are the dp_replicate coordinate and size: every
-//    rank of a tp group reads the same batch;
-//  - gradients are averaged over the dp_replicate group only (DDP), never
-//    over tp: the tp layers' own communication already makes each rank's
-//    gradient of its part complete;
+//    rank of a tp (and cp) group reads the same batch; under cp the module
+//    keeps its own rows of each sequence and cut_targets() cuts the targets
+//    alike, the loss's value averaged over cp (nn::cp::mean_loss);
+//  - gradients are averaged over the dp_replicate x cp group only (DDP),
+//    never over tp: the tp layers' own communication already makes each
+//    rank's gradient of its part complete;
 //  - the global gradient norm counts each element once: squares of
 //    parameters sharded on tp are summed over the tp group, replicated ones
 //    are counted on tp rank 0 only (their gradients are equal on every tp
@@ -63,10 +68,13 @@ class TensorParallelStrategy : public Strategy {
                  "TensorParallelStrategy needs a mesh with a tp dimension; this one is " << mesh_->describe() << ".",
                  "build the mesh with {\"tp\", degree}");
     for (const auto& d : mesh_->dims())
-      DTRAIN_CHECK(d.name == "tp" || d.name == "dp_replicate", ConfigError,
-                   "TensorParallelStrategy composes tp with dp_replicate only; the mesh has " << d.name << ".",
-                   "put the data-parallel ranks on dp_replicate (DDP)");
-    if (mesh_->size("dp_replicate") > 1) {
+      DTRAIN_CHECK(d.name == "tp" || d.name == "dp_replicate" || d.name == "cp", ConfigError,
+                   "TensorParallelStrategy composes tp with dp_replicate and cp; the mesh has " << d.name << ".",
+                   "put the data-parallel ranks on dp_replicate (DDP), or shard with ShardedDataParallel's mesh");
+    if (mesh_->size("cp") > 1) {
+      ddp_ = std::make_unique<DistributedDataParallel<Holder>>(
+          std::move(module), mesh_->join({"dp_replicate", "dp_shard", "cp"}), options);
+    } else if (mesh_->size("dp_replicate") > 1) {
       ddp_ = std::make_unique<DistributedDataParallel<Holder>>(std::move(module), (*mesh_)["dp_replicate"], options);
     }
   }

@@ -30,7 +30,12 @@ class ZeroStrategy : public Strategy {
   // The optimizer given to the Trainer must be over sdp->parameters().
   // HSDP (ZeroOptions::replicate_group set): `world` is every rank of the run
   // (evaluation and metrics reduce over it; the data index is the replica's
-  // index x shard size + the shard rank).
+  // index x shard size + the shard rank). With ZeroOptions::mesh (tp parts,
+  // or cp ranks in the sharding group) the mesh says all that: the data
+  // index is its dp_replicate x dp_shard one, norms come from the layouts,
+  // found-inf and metrics reduce over the whole mesh, and `world` is unused;
+  // checkpoints are refused under tp (chunks of tp parts are not written
+  // with their layouts yet).
   ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device device,
                std::optional<dist::ProcessGroup> world = std::nullopt);
   ~ZeroStrategy() override;
@@ -66,7 +71,8 @@ class ZeroStrategy : public Strategy {
   c10::Device device_;
   int rank_ = 0;
   int world_ = 1;
-  std::optional<dist::ProcessGroup> all_;   // HSDP: every rank
+  std::optional<dist::ProcessGroup> all_;   // HSDP or a mesh: every rank
+  bool over_mesh_ = false;                  // ZeroOptions::mesh: norms from the layouts
   const Checkpointer* added_to_ = nullptr;  // the checkpointer holding our state
   std::shared_ptr<ShardedStateful> state_;  // zero_state(), saved as "zero"
 };

@@ -76,16 +76,46 @@ std::function<bool(const at::Tensor&)> shards_of_matrices(const std::vector<Shar
 // Forward of `module`'s layers with inputs moved to `device`.
 std::function<at::Tensor(const at::Tensor&)> forward_on(LayerStack module, c10::Device device);
 
+// The model as this rank trains it under the plan's tp and cp, before the
+// pipeline or a data-parallel applier wraps it (split_model.cpp): the
+// model's tensor-parallel split (ModelParts::tp; with cp > 1 as well, the
+// split also cuts every sequence over mesh["cp"]), its context-parallel
+// view (ModelParts::cp), or the layers themselves.
+struct SplitModel {
+  // Every layer of the whole model: `trained` itself or what its modules
+  // are shared with (cp), or, under tp, the unsplit copy (on the CPU) that
+  // full_weights() assembles the trained parts into.
+  torch::nn::Sequential full;
+  torch::nn::Sequential trained;  // this rank's layers, on the context's device
+  bool tensor_parallel = false;   // `trained` holds tp parts (own parameters)
+  ModelLossFn loss;               // of trained's outputs
+  // The rows of a [B, T] target that trained's outputs hold (cp); null: all.
+  std::function<at::Tensor(const at::Tensor&)> targets;
+};
+// `mesh` (the plan's) must outlive the result's loss and targets.
+SplitModel split_model(const ApplyContext& c, dist::DeviceMesh& mesh);
+// Copies the parameters of `split` (tp parts) into `full` (same names), each
+// assembled through its layout. Collective over mesh["tp"]; every tp rank
+// ends with the full weights (apply_tp.cpp).
+void assemble_by_layouts(torch::nn::Module& split, dist::DeviceMesh& mesh, torch::nn::Module& full);
+// ZeRO at the plan's stage over `root` (running the Sequential `sequential`
+// in it, ModelParts::zero_unit's units): over dp_shard (HSDP with
+// dp_replicate); with a mesh whose parameters are laid out over it (tp, or
+// cp whose ranks the sharding group then spans: ZeroOptions::shard_dims),
+// over mesh.join(shard dims) (apply_zero.cpp).
+std::shared_ptr<ShardedDataParallel> shard_with_zero(const ApplyContext& c, std::shared_ptr<torch::nn::Module> root,
+                                                     const std::string& sequential, dist::DeviceMesh* mesh);
+
 struct Applier {
   const char* name;
   bool (*handles)(const ParallelPlan& plan);
   Parallelized (*apply)(const ApplyContext& context);
 };
 
-// One per axis, in the order parallelize tries them (appliers.cpp).
-Parallelized apply_tp(const ApplyContext& c);        // tp > 1
-Parallelized apply_cp(const ApplyContext& c);        // cp > 1
-Parallelized apply_pipeline(const ApplyContext& c);  // pp > 1
+// One per axis, in the order parallelize tries them (parallelize.cpp).
+Parallelized apply_pipeline(const ApplyContext& c);  // pp > 1 (stages of the tp/cp split)
+Parallelized apply_tp(const ApplyContext& c);        // tp > 1 (ZeRO or DDP over the rest)
+Parallelized apply_cp(const ApplyContext& c);        // cp > 1 (ZeRO or DDP over the rest)
 Parallelized apply_zero(const ApplyContext& c);      // dp_shard > 1 (HSDP with dp_replicate)
 Parallelized apply_ddp(const ApplyContext& c);       // dp_replicate > 1
 Parallelized apply_local(const ApplyContext& c);     // one process: one device, DataParallel, ModelParallel

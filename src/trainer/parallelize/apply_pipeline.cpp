@@ -1,7 +1,9 @@
-// The pipeline on pp: the model's layers cut into stages (the model's cut and
-// ties, or the placement planner's), each stage's replicas averaged over the
-// data-parallel dimensions by ZeRO (dp_shard, the plan's stage) or DDP
-// (dp_replicate), or the options' stage sync.
+// The pipeline on pp: the model's layers (or its tp/cp split: split_model)
+// cut into stages (the model's cut and ties, or the placement planner's),
+// each stage's replicas averaged over the data-parallel dimensions by ZeRO
+// (dp_shard, with cp ranks: dp_shard x cp; the plan's stage) or DDP
+// (dp_replicate, x cp), or the options' stage sync. Stages split over tp or
+// cp run on the mesh (PipelineOptions::mesh: norms from the layouts).
 #include <algorithm>
 
 #include "appliers.h"
@@ -23,9 +25,10 @@ std::vector<pipeline::PipelineStage> planned_stages(const torch::nn::Sequential&
 }
 
 // Brings every layer of `layers` on every rank up to date from the rank of
-// the first replica that trains it (collective over `world`; the layers of
-// other stages were only initialised here). Sharded stages must hold their
-// full parameters (PipelineStrategy::full_parameters).
+// the first replica that trains it (collective over `world`, the ranks that
+// hold the same parts: all but tp; the layers of other stages were only
+// initialised here). Sharded stages must hold their full parameters
+// (PipelineStrategy::full_parameters).
 void gather_layers(pipeline::Pipeline& pipe, const torch::nn::Sequential& layers, bool first_replica,
                    dist::ProcessGroup& world) {
   torch::NoGradGuard no_grad;
@@ -47,11 +50,17 @@ void gather_layers(pipeline::Pipeline& pipe, const torch::nn::Sequential& layers
 Parallelized apply_pipeline(const ApplyContext& c) {
   const ParallelPlan& plan = c.plan;
   const c10::Device first = c.device();
-  auto mesh = std::make_shared<dist::DeviceMesh>(c.group(), plan.mesh_dims());
+  // The data-parallel ranks of a stage (cp ranks are replicas of its
+  // parameters), and the ranks holding the same tp parts of every layer.
+  const std::vector<std::string> data_dims{"dp_replicate", "dp_shard", "cp"};
+  const std::vector<std::string> same_parts{"pp", "dp_replicate", "dp_shard", "cp"};
+  dist::MeshOptions joins;
+  if (plan.tp > 1) joins.joins.push_back(same_parts);
+  auto mesh = std::make_shared<dist::DeviceMesh>(c.group(), plan.mesh_dims(), joins);
   // Every layer on every rank, initialised alike, so that one rank can run
   // the whole model after full_weights(); this rank trains its stages.
-  torch::nn::Sequential layers = c.parts.layers();
-  layers->to(first);
+  SplitModel m = split_model(c, *mesh);
+  torch::nn::Sequential layers = m.trained;
   const StageCut cut{.ranks = plan.pp,
                      .stages_per_rank = plan.pipeline.stages_per_rank,
                      .rank = mesh->coordinate("pp"),
@@ -59,27 +68,39 @@ Parallelized apply_pipeline(const ApplyContext& c) {
   auto stages = c.parts.pipeline_stages ? c.parts.pipeline_stages(layers, cut) : planned_stages(layers, cut);
   pipeline::PipelineOptions options{.schedule = pipeline::parse_schedule_kind(plan.pipeline.schedule),
                                     .micro_batches = plan.pipeline.micro_batches};
-  if (auto& data = mesh->join({"dp_replicate", "dp_shard"}); data.size() > 1) {
+  const bool on_mesh = plan.tp > 1 || plan.cp > 1;
+  if (on_mesh) options.mesh = *mesh;
+  if (auto& data = mesh->join(data_dims); data.size() > 1) {
+    ZeroOptions zero{.stage = plan.zero_stage};
+    if (on_mesh) {
+      zero.mesh = *mesh;
+      zero.shard_dims = plan.cp > 1 ? std::vector<std::string>{"dp_shard", "cp"} : std::vector<std::string>{"dp_shard"};
+    }
     options.data_parallel_group = data;
     options.stage_sync = c.options.stage_sync ? c.options.stage_sync
-                         : plan.dp_shard > 1  ? pipeline::zero_stage_sync({.stage = plan.zero_stage})
+                         : plan.dp_shard > 1  ? pipeline::zero_stage_sync(zero)
                                               : pipeline::ddp_stage_sync();
   }
-  auto pipe = std::make_shared<pipeline::Pipeline>(std::move(stages), (*mesh)["pp"], options, c.loss());
+  auto pipe = std::make_shared<pipeline::Pipeline>(std::move(stages), (*mesh)["pp"], options, m.loss);
   auto strategy = std::make_shared<PipelineStrategy>(pipe, *mesh);
+  if (m.targets) strategy->cut_targets(m.targets);
   // Checkpoints name the stages' parameters as the whole model does, so they
-  // resume under every other plan and load every other plan's.
-  strategy->name_parameters(*layers, c.parts.name.empty() ? "" : c.parts.name + ".");
-  LayerStack whole = c.stack(layers);
-  Parallelized r = trained_module_is_whole(strategy, whole.ptr(), forward_on(whole, first));
+  // resume under every other plan and load every other plan's (tp stages
+  // hold parts under the split's names: not saved yet, PipelineStrategy).
+  if (!m.tensor_parallel) strategy->name_parameters(*m.full, c.parts.name.empty() ? "" : c.parts.name + ".");
+  LayerStack whole = c.stack(m.full);
+  Parallelized r = trained_module_is_whole(strategy, whole.ptr(),
+                                           forward_on(whole, m.tensor_parallel ? c10::Device(c10::kCPU) : first));
   r.mesh = mesh;
   r.pipeline = pipe;
-  r.loss = c.loss();
+  r.loss = m.loss;
   if (const auto sharded = pipe->sharded_stages(); !sharded.empty()) r.is_matrix = shards_of_matrices(sharded);
-  const bool first_replica = mesh->join({"dp_replicate", "dp_shard"}).rank() == 0;
-  r.full_weights = [strategy, pipe, layers, first_replica, world = c.group()]() mutable {
+  const bool first_replica = mesh->join(data_dims).rank() == 0;
+  dist::ProcessGroup same = m.tensor_parallel ? mesh->join(same_parts) : c.group();
+  r.full_weights = [strategy, pipe, layers, first_replica, mesh, same, whole, tp = m.tensor_parallel]() mutable {
     std::unique_ptr<Strategy::Scope> full = strategy->full_parameters();
-    gather_layers(*pipe, layers, first_replica, world);
+    gather_layers(*pipe, layers, first_replica, same);
+    if (tp) assemble_by_layouts(*layers, *mesh, *whole->layers);
     return full;
   };
   return r;

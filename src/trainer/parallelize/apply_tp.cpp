@@ -1,17 +1,16 @@
-// Tensor parallelism on tp (the model's split), DDP over dp_replicate.
+// Tensor parallelism on tp (the model's split; with cp, of every sequence
+// too), ZeRO over dp_shard (x cp) or DDP over dp_replicate (x cp).
 #include "appliers.h"
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
+#include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/trainer/tp_strategy.h"
+#include "dtrain/trainer/zero_strategy.h"
 
 namespace dtrain::detail {
 
-namespace {
-
-// Copies the parameters of `split` into `full` (same names), each assembled
-// through its layout: every rank writes its part into a zero tensor of the
-// global shape and the parts are summed over tp (disjoint, so exactly).
-// Collective over mesh["tp"]; every tp rank ends with the full weights.
+// Every rank writes its part into a zero tensor of the global shape and the
+// parts are summed over tp (disjoint, so exactly).
 void assemble_by_layouts(torch::nn::Module& split, dist::DeviceMesh& mesh, torch::nn::Module& full) {
   torch::NoGradGuard no_grad;
   const auto params = split.named_parameters();
@@ -35,30 +34,41 @@ void assemble_by_layouts(torch::nn::Module& split, dist::DeviceMesh& mesh, torch
   }
 }
 
-}  // namespace
-
 Parallelized apply_tp(const ApplyContext& c) {
-  const auto& tp = c.parts.tp;
-  DTRAIN_CHECK(tp.split && tp.loss, ConfigError,
-               "the plan splits the model over tp " << c.plan.tp << ", but the model gives no tensor-parallel split.",
-               "set ModelParts::tp (split and loss), or plan tp 1");
   const c10::Device first = c.device();
   auto mesh = std::make_shared<dist::DeviceMesh>(c.group(), c.plan.mesh_dims());
-  // The full layers stay (on the CPU) to assemble the trained weights into.
-  // The split is trained under the Sequential's own names ("embed.wte.weight")
-  // and checkpointed under the whole model's (parts.name + "."), so tp
-  // checkpoints reshard to and from every other plan.
-  torch::nn::Sequential full = c.parts.layers();
-  LayerStack split(tp.split(full, *mesh), "", c.parts.retie);
-  split->to(first);
-  auto strategy = std::make_shared<TensorParallelStrategy<LayerStack>>(split, mesh, first, c.options.ddp);
-  strategy->set_checkpoint_prefix(c.parts.name.empty() ? "" : c.parts.name + ".");
-  LayerStack whole = c.stack(full);
+  SplitModel m = split_model(c, *mesh);
+  std::shared_ptr<Strategy> strategy;
+  std::shared_ptr<ShardedDataParallel> sdp;
+  // Trained under the Sequential's own names ("embed.wte.weight") and, beside
+  // DDP, checkpointed under the whole model's (parts.name + "."), so tp
+  // checkpoints reshard to and from every other plan. ZeRO (no tp
+  // checkpoints yet) holds it under parts.name, where ModelParts::zero_unit
+  // names units.
+  LayerStack split(m.trained, "", c.parts.retie);
+  if (c.plan.dp_shard > 1) {
+    split = c.stack(m.trained);
+    std::shared_ptr<torch::nn::Module> root = split.ptr();
+    if (c.parts.name.empty()) root = m.trained.ptr();
+    sdp = shard_with_zero(c, root, c.parts.name, mesh.get());
+    strategy = std::make_shared<ZeroStrategy>(sdp, first);
+  } else {
+    auto tp = std::make_shared<TensorParallelStrategy<LayerStack>>(split, mesh, first, c.options.ddp);
+    tp->set_checkpoint_prefix(c.parts.name.empty() ? "" : c.parts.name + ".");
+    strategy = tp;
+  }
+  if (m.targets) strategy->cut_targets(m.targets);
+  LayerStack whole = c.stack(m.full);
   Parallelized r = trained_module_is_whole(strategy, whole.ptr(), forward_on(whole, c10::kCPU));
   r.mesh = mesh;
-  r.loss = tp.loss(*mesh);
-  r.full_weights = [split, mesh, whole]() mutable -> std::unique_ptr<Strategy::Scope> {
-    assemble_by_layouts(*split, *mesh, *whole->layers);  // both under the Sequential's names
+  r.loss = m.loss;
+  if (sdp) {
+    r.is_matrix = shards_of_matrices({sdp.get()});
+    r.keep.push_back(sdp);
+  }
+  r.full_weights = [strategy, layers = m.trained, mesh, whole]() mutable -> std::unique_ptr<Strategy::Scope> {
+    const std::unique_ptr<Strategy::Scope> gathered = strategy->full_parameters();  // ZeRO's shards
+    assemble_by_layouts(*layers, *mesh, *whole->layers);                            // both under the Sequential's names
     return nullptr;
   };
   return r;

@@ -62,12 +62,13 @@ std::function<at::Tensor(const at::Tensor&)> forward_on(LayerStack module, c10::
 namespace {
 
 // Tried in this order; the first that handles the plan builds it. An axis
-// that composes with the ones below it (the pipeline with ZeRO or DDP per
-// stage, tp and cp with DDP) applies them itself.
+// that composes with the ones below it applies them itself: the pipeline
+// cuts the tp/cp split (split_model) into stages with ZeRO or DDP per stage;
+// tp and cp wrap their split in ZeRO or DDP.
 const Applier kAppliers[] = {
+    {"pipeline", [](const ParallelPlan& p) { return p.pp > 1; }, apply_pipeline},
     {"tp", [](const ParallelPlan& p) { return p.tp > 1; }, apply_tp},
     {"cp", [](const ParallelPlan& p) { return p.cp > 1; }, apply_cp},
-    {"pipeline", [](const ParallelPlan& p) { return p.pp > 1; }, apply_pipeline},
     {"zero", [](const ParallelPlan& p) { return p.dp_shard > 1 || p.zero_stage > 0; }, apply_zero},
     {"ddp", [](const ParallelPlan& p) { return p.dp_replicate > 1; }, apply_ddp},
     {"local", [](const ParallelPlan&) { return true; }, apply_local},
