@@ -3,6 +3,7 @@
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
 #include "dtrain/trainer/tp_strategy.h"
+#include "released_parameters.h"
 
 namespace dtrain::detail {
 
@@ -44,21 +45,24 @@ Parallelized apply_tp(const ApplyContext& c) {
                "set ModelParts::tp (split and loss), or plan tp 1");
   const c10::Device first = c.device();
   auto mesh = std::make_shared<dist::DeviceMesh>(c.group(), c.plan.mesh_dims());
-  // The full layers stay (on the CPU) to assemble the trained weights into.
+  // The full layers stay (on the CPU, released while training) to assemble
+  // the trained weights into.
   // The split is trained under the Sequential's own names ("0.wte.weight"),
   // not under parts.name: tp checkpoints (state "tp") keep the names they
   // had before parallelize, so those saved earlier still load.
   torch::nn::Sequential full = c.parts.layers();
   LayerStack split(tp.split(full, *mesh), "", c.parts.retie);
+  const auto unshared = ReleasedParameters::release(*full, identities(split->parameters()));  // until full_weights()
   split->to(first);
   auto strategy = std::make_shared<TensorParallelStrategy<LayerStack>>(split, mesh, first, c.options.ddp);
   LayerStack whole = c.stack(full);
   Parallelized r = trained_module_is_whole(strategy, whole.ptr(), forward_on(whole, c10::kCPU));
   r.mesh = mesh;
   r.loss = tp.loss(*mesh);
-  r.full_weights = [split, mesh, whole]() mutable -> std::unique_ptr<Strategy::Scope> {
+  r.full_weights = [split, mesh, whole, unshared]() mutable -> std::unique_ptr<Strategy::Scope> {
+    auto scope = unshared->rematerialize();
     assemble_by_layouts(*split, *mesh, *whole->layers);  // both under the Sequential's names
-    return nullptr;
+    return scope;
   };
   return r;
 }
