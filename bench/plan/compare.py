@@ -18,7 +18,7 @@ for time figures that mean something; memory does not depend on the load.
 
   bench/plan/compare.py [--build build] [--runs 3] [--steps 12] [--plans ddp2,zero3_2]
                         [--device-file F]   # default: calibrate into build/plan-cpu-here.json
-  bench/plan/compare.py --memory-only --plans ddp2,zero3_2 --check-memory 0.10   # the suite's test
+  bench/plan/compare.py --memory-only --steps 3 --check-memory 0.10   # the suite's test (every plan)
 """
 import argparse
 import json

@@ -23,7 +23,7 @@
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/plan/plan.h"
-#include "dtrain/plan/preflight.h"
+#include "dtrain/trainer/memory_check.h"
 #include "dtrain/trainer/parallelize.h"
 #include "pipeline_cli.h"
 
@@ -41,7 +41,7 @@ struct PlanCli {
   std::string recompute = "none";
   int recompute_every = 1;
   std::int64_t global_batch = 0;  // --global-batch-size; 0: from --batch-size
-  bool no_memory_check = false;   // --no-memory-check: skip the pre-flight (preflight_memory)
+  bool no_memory_check = false;   // --no-memory-check: skip the pre-flight (memory_check)
   std::string memory_limit;       // --memory-limit: bytes per rank for the pre-flight
 
   void add_to(CLI::App& app) {
@@ -267,91 +267,20 @@ inline dtrain::ParallelizeOptions parallelize_options(const Resolved& r, std::ve
   return o;
 }
 
-// Note [One pre-flight decision]
-// Each rank reads its own limit: --memory-limit is the same on every rank,
-// but DTRAIN_MEMORY_LIMIT and MemAvailable belong to a host and a moment.
-// Deciding alone, one rank could refuse while the others went on to their
-// first collective and waited there for it. So the ranks of `group` exchange
-// their limits (one all_gather of an int64 each) and all decide against the
-// smallest; the estimate is a function of the plan alone, so every rank then
-// decides alike, and a refusal names the rank whose limit it was. A rank
-// that cannot read its limit sends -1: it stops with its own error, every
-// other rank with one naming it. Without a group (one process) this is
-// rank_memory_limit.
-inline dtrain::plan::MemoryLimit agreed_memory_limit(const PlanCli& cli, int local_world,
-                                                     const std::optional<dtrain::dist::ProcessGroup>& group) {
-  dtrain::plan::MemoryLimit mine{.bytes = -1, .source = ""};
-  std::exception_ptr failure;
-  try {
-    mine = dtrain::plan::rank_memory_limit(local_world, cli.memory_limit);
-  } catch (const dtrain::ConfigError&) {
-    failure = std::current_exception();
-  }
-  if (!group || group->size() < 2) {
-    if (failure) std::rethrow_exception(failure);
-    return mine;
-  }
-  dtrain::dist::ProcessGroup exchange = *group;  // a handle: collectives are non-const
-  const std::vector<at::Tensor> all = exchange.all_gather(at::tensor({mine.bytes}, at::kLong).to(group->device()));
-  int least = -1;
-  std::int64_t bytes = 0;
-  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    const std::int64_t b = all[r].to(at::kCPU).item<std::int64_t>();
-    if (b < 0) {
-      if (failure) std::rethrow_exception(failure);
-      DTRAIN_CHECK(false, ConfigError,
-                   "rank " << r << " cannot tell how much memory it may use, so no rank starts (memory pre-flight).",
-                   "read rank " << r << "'s error; state the limit with --memory-limit or DTRAIN_MEMORY_LIMIT, or "
-                                << "pass --no-memory-check");
-    }
-    if (least < 0 || b < bytes) {
-      least = r;
-      bytes = b;
-    }
-  }
-  if (least == group->rank()) return mine;
-  return {.bytes = bytes,
-          .source = "rank " + std::to_string(least) + "'s limit, the least of the " + std::to_string(all.size()) +
-                    " ranks'; this rank's: " + dtrain::plan::format_gib(static_cast<double>(mine.bytes)) + ", " +
-                    mine.source};
-}
-
 // Note [Memory pre-flight]
-// Before the first step, the planner's peak memory per rank for `plan` on
-// `model` (dtrain::plan::check_plan_memory) against what a rank may use:
-// --memory-limit, else $DTRAIN_MEMORY_LIMIT, else this host's available
-// memory divided by its ranks, the least over `group`'s ranks (Note [One
-// pre-flight decision]). A plan that does not fit stops here, on every rank, with a
-// ConfigError (the peak and its parts, the excess, the nearest plan that
-// fits); --no-memory-check lets it run. CPU ranks only: on accelerators the
-// device's memory is the device table's, which this program does not know.
-// `batch_size` is per data-parallel rank and micro-step of accumulation; a
-// pipeline splits it into its micro-batches (the planner's micro-batch is
-// batch_size / micro_batches), so they do not multiply it.
-inline void preflight_memory(const PlanCli& cli, dtrain::ParallelPlan plan, const dtrain::plan::ModelSpec& model,
-                             std::int64_t batch_size, int world, int local_world, bool bf16,
-                             const std::optional<dtrain::dist::ProcessGroup>& group = std::nullopt) {
-  if (cli.no_memory_check) return;
+// What the Trainer's memory pre-flight (TrainerOptions::memory_check,
+// dtrain/trainer/memory_check.h: the ranks agree on the least limit, then
+// every rank compares the planner's peak with it) checks for the examples:
+// the plan that runs, the model, --memory-limit, and --no-memory-check to
+// turn it off. `batch_size` is per data-parallel rank and micro-step of
+// accumulation; a pipeline splits it into its micro-batches (the planner's
+// micro-batch is batch_size / micro_batches), so they do not multiply it.
+// CPU ranks only: on accelerators the device's kind is not known here.
+inline dtrain::MemoryCheck memory_check(const PlanCli& cli, dtrain::ParallelPlan plan,
+                                        const dtrain::plan::ModelSpec& model, std::int64_t batch_size, bool bf16) {
   plan.global_batch = batch_size * plan.data_parallel() * plan.accumulate;
   plan.precision = bf16 ? "bf16" : "fp32";
-  dtrain::plan::Cluster cluster{.device = dtrain::plan::find_device("cpu-here"), .gpus = world};
-  cluster.gpus_per_node = std::min(world, cluster.device.gpus_per_node);
-  const dtrain::plan::CostOptions cost{.weights = dtrain::plan::WeightLayout::kFp32Master,
-                                       .ddp_buckets_copy_gradients = true};
-  // The planner costs fewer shapes than the examples run (e.g. stages of
-  // the embedding and head alone, explicit stage maps): those run unchecked.
-  try {
-    auto memory_only = cost;
-    memory_only.memory_only = true;
-    dtrain::plan::estimate(plan, model, cluster, memory_only);
-  } catch (const dtrain::ConfigError& e) {
-    DTRAIN_LOG(kWarning) << "memory pre-flight skipped: the planner cannot cost this plan (" << e.what() << ")";
-    return;
-  }
-  const auto limit = agreed_memory_limit(cli, local_world, group);
-  const auto e = dtrain::plan::check_plan_memory(plan, model, cluster, cost, limit);
-  DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << dtrain::plan::format_gib(e.peak()) << " per rank of "
-                    << dtrain::plan::format_gib(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";
+  return {.plan = plan, .model = model, .limit = cli.memory_limit, .enabled = !cli.no_memory_check};
 }
 
 }  // namespace examples

@@ -114,6 +114,7 @@ struct Options {
   bool sequence_parallel = false;                // under tp (from a plan)
   std::string cp_exchange = "ring";              // ring | allgather (context_parallel.h)
   std::optional<dtrain::ParallelPlan> run_plan;  // what runs, for the memory pre-flight (plan_cli.h)
+  std::optional<dtrain::MemoryCheck> memory_check;  // the Trainer's pre-flight (CPU ranks with a plan)
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -323,7 +324,8 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
        .checkpoint_dir = opt.checkpoint_dir,
        .checkpoint_every = opt.eval_interval,
        .progress = lead,
-       .log_every = 1});
+       .log_every = 1,
+       .memory_check = opt.memory_check});
   trainer.set_loss(run.loss);
   trainer.set_schedule(schedule);
   // Checkpoints record how the GPT maps onto Hugging Face's GPT-2, so that
@@ -475,9 +477,7 @@ int run(Options opt) {
         "gpt:layers=" + std::to_string(m.n_layer) + ",hidden=" + std::to_string(m.n_embd) + ",heads=" +
         std::to_string(m.n_head) + ",seq=" + std::to_string(m.block_size) + ",vocab=" + std::to_string(m.vocab_size) +
         ",attention=flash,kernels=eager,dropout=" + (m.dropout > 0 ? "1" : "0") + ",bias=" + (m.bias ? "1" : "0"));
-    const int local = dtrain::dist::launched_by_launcher() ? dtrain::dist::read_env_contract().local_world_size : 1;
-    examples::preflight_memory(opt.plan, *opt.run_plan, spec, opt.batch_size, launched_world(), local,
-                               opt.amp == "bf16", where.group);
+    opt.memory_check = examples::memory_check(opt.plan, *opt.run_plan, spec, opt.batch_size, opt.amp == "bf16");
   }
   if (gpt::RunStats::requested()) gpt::RunStats{}.start();  // counts from the model's construction on
   return train(opt, where, corpus);

@@ -75,6 +75,23 @@ double layer_captured_gradient_bytes(const ModelSpec& m, const ActivationShape& 
   return tokens * e * (2 * h / r_div + (h + 2 * kv + (m.gated_mlp ? 2 : 1) * f) / t + 2 * h);
 }
 
+// Note [Gradient lifetimes]
+// When gradients exist, under dtrain's engines (CostOptions::
+// ddp_buckets_copy_gradients; measured per phase on examples/gpt):
+//  - the Trainer's zero_grad sets gradients to none before each step, so a
+//    DDP (or tp, cp, single) rank holds none at the start of its first
+//    backward, where activations peak, only DDP's buckets, which live with
+//    the engine; a pipeline stage's appear at its first B (or W) of the step;
+//  - ZeRO-1 keeps one flat full-gradient buffer per unit for the engine's
+//    life (the module's gradients alias it), reduced in place; the reduce-
+//    scatter's output, a shard, is copied back into it but stays held by
+//    the reduce-scatter's Work until the next backward replaces it;
+//  - ZeRO-2 moves a unit's gradients into its reduce-scatter input when
+//    they are complete (no copy beside them); the output, its shards'
+//    gradients, stays held likewise, zero_grad notwithstanding;
+//  - ZeRO-3: as ZeRO-2, and the unit's unsharded gradient among its buffers.
+// Megatron's gradients are views of one buffer that lives through the step.
+
 namespace {
 
 struct BytesPerParam {
@@ -105,7 +122,9 @@ BytesPerParam bytes_per_param(const ParallelPlan& p, const CostOptions& o) {
 //    stage's input, among the activations) or, for a gradient, to the end
 //    of the B or W that uses it;
 //  - during a B (an I, or the first stage's W), the backward's working
-//    memory (Holding::backward).
+//    memory (Holding::backward, Note [Backward working memory]);
+//  - the stages whose gradients exist: from a stage's first B (or W) on,
+//    until zero_grad at the next step (Note [Gradient lifetimes]).
 // Each moment's holdings are counts; the estimate weighs them with the
 // layer shapes and takes the largest sum. The moments no other one
 // dominates are kept (a handful per rank).
@@ -120,9 +139,10 @@ struct Holding {
   // Inside a backward (its working memory): 0 no, 1 of a stage, 2 of the
   // last stage (whose working memory also holds the logits' gradient).
   int backward = 0;
+  int grads = 0;  // the rank's stages whose gradients exist (from their first B or W)
   bool dominated_by(const Holding& o) const {
     return acts <= o.acts && last_acts <= o.last_acts && captures <= o.captures && last_captures <= o.last_captures &&
-           boundary <= o.boundary && backward <= o.backward;
+           boundary <= o.boundary && backward <= o.backward && grads <= o.grads;
   }
 };
 
@@ -133,6 +153,11 @@ std::vector<Holding> walk_holdings(const pipeline::Schedule& s, int rank) {
   auto remote = [&](int stage) { return stage >= 0 && stage < n && s.rank_of_stage(stage) != rank; };
   std::vector<bool> posted(list.size(), false);
   Holding now;
+  std::vector<bool> has_grads(n, false);
+  auto gradients_of = [&](int stage) {
+    if (!has_grads[stage]) ++now.grads;
+    has_grads[stage] = true;
+  };
   std::vector<Holding> moments;
   auto record = [&](int backward) {
     Holding h = now;
@@ -159,6 +184,7 @@ std::vector<Holding> walk_holdings(const pipeline::Schedule& s, int rank) {
         break;
       case ActionKind::kBackward:
         record(last ? 2 : 1);
+        gradients_of(a.stage);
         --now.acts;
         now.last_acts -= last;
         if (remote(a.stage + 1)) --now.boundary;  // the received gradient
@@ -173,6 +199,7 @@ std::vector<Holding> walk_holdings(const pipeline::Schedule& s, int rank) {
         break;
       case ActionKind::kBackwardWeight:
         record(a.stage == 0 ? 1 : 0);  // the first stage's W is its whole backward
+        gradients_of(a.stage);
         --now.acts;
         now.last_acts -= last;
         if (a.stage > 0) {
@@ -340,9 +367,11 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   std::vector<double> busy(plan.pp, 0);
   // What each pipeline rank holds at its moments (Note [Pipeline memory from
   // the action list]); without a pipeline, one moment: a micro-step's
-  // activations and logits at the start of its backward.
-  std::vector<std::vector<Holding>> holdings(plan.pp,
-                                             std::vector<Holding>{Holding{.acts = 1, .last_acts = 1, .backward = 2}});
+  // activations and logits at the start of its backward (the gradients of
+  // earlier micro-steps there under accumulation).
+  std::vector<std::vector<Holding>> holdings(
+      plan.pp,
+      std::vector<Holding>{Holding{.acts = 1, .last_acts = 1, .backward = 2, .grads = micro_steps > 1 ? 1 : 0}});
   if (pipelined) {
     const auto& cached = cached_schedule(pipeline::parse_schedule_kind(plan.pipeline.schedule), plan.pp, v, m);
     holdings = cached.holdings;
@@ -393,59 +422,97 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     if (last && model.tied_embeddings && stages > 1) params += static_cast<double>(model.vocab * model.hidden) / tp;
     rank_params[r] = params;
     MemoryBreakdown& mem = memory[r];
+    const bool dtrain_engines = options.ddp_buckets_copy_gradients;
+    const double all_grads = params * bpp.grads;
     mem.params = params * bpp.weights / (plan.zero_stage == 3 ? shard : 1);
     mem.grads = params * bpp.grads / (plan.zero_stage >= 2 ? shard : 1);
     mem.optimizer = params * bpp.optimizer / (plan.zero_stage >= 1 ? shard : 1);
     if (plan.zero_stage == 3 && shard > 1) {
       mem.buffers += (1 + options.zero3_prefetch_units) * layer_params * e + layer_params * bpp.grads;
+    } else if (plan.data_parallel() * cp > 1 && dtrain_engines) {
+      // Note [Gradient lifetimes]: DDP's buckets, a copy of every gradient;
+      // ZeRO-1's last reduce-scatter output, a shard of the gradients, held
+      // (by its Work) to the next backward beside the flat buffer it was
+      // copied back into; ZeRO-2's output is its shards' gradients (counted).
+      if (plan.zero_stage == 0) mem.buffers += all_grads;
+      if (plan.zero_stage == 1) mem.buffers += all_grads / shard;
     } else if (plan.data_parallel() * cp > 1) {
-      // PyTorch's and dtrain's DDP buckets hold a copy of every gradient;
       // Megatron's gradients are views of its buffer, two buckets in flight.
-      const double all_grads = params * bpp.grads;
-      const double in_flight = 2.0 * std::min(static_cast<double>(options.ddp_bucket_bytes), all_grads);
-      mem.buffers += options.ddp_buckets_copy_gradients && plan.zero_stage == 0 ? all_grads : in_flight;
+      mem.buffers += 2.0 * std::min(static_cast<double>(options.ddp_bucket_bytes), all_grads);
     }
     if (tp > 1 && plan.sequence_parallel) mem.buffers += tokens * model.hidden * e;
+    // Note [Backward working memory]
+    // Inside a layer's backward, beyond what forward kept: the gradient of
+    // the MLP's inner activation (tokens x ffn / tp; gated: both halves),
+    // which its backward holds while it makes the gradient of the GEMM's
+    // input, and the gradient of the layer's largest weight, a fresh tensor
+    // until it is accumulated into (or becomes) the parameter's gradient
+    // (the embedding's on the stages that hold it, if larger). The loss's
+    // backward comes first, before any layer's: its moment holds the logits
+    // and their gradient (6 bytes per logit), a layer's no longer this
+    // micro-batch's logits.
+    const double weight_elements = std::max({static_cast<double>(model.hidden) * model.ffn,
+                                             static_cast<double>(model.hidden) * (model.hidden + 2 * model.kv_width()),
+                                             first || last ? static_cast<double>(model.vocab) * model.hidden : 0.0});
+    const double working = tokens * (model.gated_mlp ? 2 : 1) * model.ffn / tp * e + weight_elements / tp * bpp.grads;
+    // Gradients under dtrain's engines (Note [Gradient lifetimes]): DDP's and
+    // a pipeline stage's exist from the stage's first backward of a step on
+    // (zero_grad sets them to none), ZeRO-1's flat buffer and ZeRO-2/3's
+    // shards' gradients throughout.
+    const bool grads_from_backward = dtrain_engines && plan.zero_stage == 0;
     // The largest of the rank's moments: per (stage, micro-batch) its layers'
     // activations (the last stage also its logits: the fp32 softmax, fused
     // cross-entropy 4 bytes per logit, eager 10), ZB's captured gradients
-    // (the last stage's also the logits'), the boundary tensors, and in a
-    // backward one layer's recomputed activations and, on the last stage,
-    // 6 bytes per logit of the loss's backward.
+    // (the last stage's also the logits'), the boundary tensors, the
+    // gradients that exist, and in a backward one layer's recomputed
+    // activations and the loss's or a layer's working memory (above).
     const double per_stage_layers = static_cast<double>(layers) / v;
     const double kept_logits = logits * (model.kernels == Kernels::kEager ? 10 : 4);
     MemoryBreakdown best;
     double best_total = -1;
-    for (const Holding& h : holdings[r]) {
-      MemoryBreakdown part;
-      part.activations = h.acts * per_stage_layers * kept_layer + (h.backward > 0 ? none_layer - kept_layer : 0);
-      part.logits = last ? h.last_acts * kept_logits + (h.backward == 2 ? 6 * logits : 0) : 0;
-      part.captured = h.captures * per_stage_layers * captured_layer + (last ? h.last_captures * logits * e : 0);
-      part.buffers = h.boundary * boundary;
+    auto consider = [&](const MemoryBreakdown& part) {
       if (part.total() > best_total) {
         best_total = part.total();
         best = part;
       }
+    };
+    for (const Holding& h : holdings[r]) {
+      MemoryBreakdown part;
+      part.grads = grads_from_backward ? mem.grads * h.grads / v : mem.grads;
+      part.activations = h.acts * per_stage_layers * kept_layer + (h.backward > 0 ? none_layer - kept_layer : 0);
+      part.logits = last ? h.last_acts * kept_logits : 0;
+      part.captured = h.captures * per_stage_layers * captured_layer + (last ? h.last_captures * logits * e : 0);
+      part.buffers = h.boundary * boundary;
+      if (h.backward == 0) {
+        consider(part);
+        continue;
+      }
+      MemoryBreakdown layer_moment = part;
+      layer_moment.backward = working;
+      if (h.backward == 2) {
+        layer_moment.logits -= kept_logits;
+        part.logits += 6 * logits;
+        consider(part);
+      }
+      consider(layer_moment);
     }
+    mem.grads = best.grads;
     mem.activations = best.activations;
     mem.logits = best.logits;
     mem.captured = best.captured;
+    mem.backward = best.backward;
     mem.buffers += best.buffers;
-    if (plan.zero_stage == 2 && shard > 1 && !pipelined && options.ddp_buckets_copy_gradients) {
-      // dtrain's ZeRO-2 (src/parallel/zero/zero_backward.cpp): zero_grad
-      // drops the shards' gradients before each step, and a unit's full
+    if (plan.zero_stage == 2 && shard > 1 && !pipelined && dtrain_engines) {
+      // dtrain's ZeRO-2 (src/parallel/zero/zero_backward.cpp): a unit's full
       // gradients move into its reduce-scatter input as soon as they are
-      // complete. At the start of backward, where the activations peak, it
-      // holds no gradient; at its end, with the activations gone, every
-      // unit's reduce-scatter input (all the gradients) and output (the
-      // shard). The peak is the larger of the two.
-      const double all_grads = params * bpp.grads;
-      MemoryBreakdown start = mem, end = mem;
-      start.grads = 0;
-      start.buffers -= 2.0 * std::min(static_cast<double>(options.ddp_bucket_bytes), all_grads);
-      end.activations = end.logits = 0;
+      // complete, so the start of backward, where the activations peak,
+      // holds none of them; at its end, with the activations gone, every
+      // unit's reduce-scatter input (all the gradients) is held at once. The
+      // peak is the larger of the two.
+      MemoryBreakdown end = mem;
+      end.activations = end.logits = end.backward = 0;
       end.buffers = all_grads;
-      mem = start.total() >= end.total() ? start : end;
+      if (end.total() > mem.total()) mem = end;
     }
     est.peak_memory_bytes[r] = mem.total() * options.allocator_factor;
   }
@@ -527,9 +594,9 @@ std::string PlanEstimate::to_json() const {
   j["tokens_per_second_per_gpu"] = tokens_per_second_per_gpu;
   j["tflops_per_gpu"] = tflops_per_gpu;
   j["mfu"] = mfu;
-  j["memory"] = {{"params", memory.params},           {"grads", memory.grads},   {"optimizer", memory.optimizer},
-                 {"activations", memory.activations}, {"logits", memory.logits}, {"captured", memory.captured},
-                 {"buffers", memory.buffers}};
+  j["memory"] = {{"params", memory.params},           {"grads", memory.grads},      {"optimizer", memory.optimizer},
+                 {"activations", memory.activations}, {"logits", memory.logits},    {"captured", memory.captured},
+                 {"buffers", memory.buffers},         {"backward", memory.backward}};
   j["time"] = {{"compute", time.compute},     {"recompute", time.recompute},   {"tp_comm", time.tp_comm},
                {"cp_comm", time.cp_comm},     {"zero3_comm", time.zero3_comm}, {"pipeline_idle", time.pipeline_idle},
                {"grad_sync", time.grad_sync}, {"optimizer", time.optimizer}};

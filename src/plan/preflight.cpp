@@ -74,7 +74,8 @@ PlanEstimate check_plan_memory(const ParallelPlan& plan, const ModelSpec& model,
                                  << ", gradients " << format_gib(m.grads) << ", optimizer state "
                                  << format_gib(m.optimizer) << ", activations " << format_gib(m.activations)
                                  << ", logits " << format_gib(m.logits) << ", captured gradients "
-                                 << format_gib(m.captured) << ", buffers " << format_gib(m.buffers) << "; that is "
+                                 << format_gib(m.captured) << ", buffers " << format_gib(m.buffers)
+                                 << ", backward working memory " << format_gib(m.backward) << "; that is "
                                  << format_gib(e.peak() - static_cast<double>(limit.bytes)) << " ("
                                  << static_cast<std::int64_t>(e.peak()) - limit.bytes << " bytes) more than the "
                                  << format_gib(static_cast<double>(limit.bytes)) << " (" << limit.bytes

@@ -6,7 +6,9 @@
 // (Parallelized::is_matrix, which ZeRO decides on full parameters), read back
 // through full_weights() on rank 0, equals one process training the same
 // layers on the union batch (rtol 1e-5). A plan with an axis the model gives
-// no part for (tp) is a ConfigError naming it.
+// no part for (tp) is a ConfigError naming it. A pipeline rank, and a tp rank
+// beside its split, hold only the weights they train (the others' storage is
+// released), and still read the whole model, trained, through full_weights().
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
@@ -16,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <unordered_set>
 
 #include "appliers_model.h"
 #include "dtrain/comm/process_group.h"
@@ -98,6 +101,51 @@ std::map<std::string, at::Tensor> parallelize_reference() {
   return named;
 }
 
+// A tp "split" that copies the whole model (every parameter Replicate, the
+// default layout): each tp rank trains the union batch as one process does,
+// and parallelize's full copy shares nothing with it.
+dtrain::ModelParts copying_tp_parts() {
+  dtrain::ModelParts parts = parallelize_parts();
+  parts.tp.split = [](const torch::nn::Sequential& full, dtrain::dist::DeviceMesh&) {
+    torch::nn::Sequential copy = appliers_model::tied_appliers_net();
+    torch::NoGradGuard no_grad;
+    const auto from = full->parameters();
+    const auto to = copy->parameters();
+    for (std::size_t k = 0; k < to.size(); ++k) to[k].copy_(from[k]);
+    return copy;
+  };
+  parts.tp.loss = [](dtrain::dist::DeviceMesh&) -> dtrain::ModelLossFn {
+    return [](const at::Tensor& out, const at::Tensor& target) {
+      return torch::nn::functional::cross_entropy(out, target);
+    };
+  };
+  return parts;
+}
+
+// Bytes of storage `params` hold (each parameter once; a released one none).
+std::int64_t resident_bytes(const std::vector<at::Tensor>& params) {
+  std::unordered_set<const void*> seen;
+  std::int64_t total = 0;
+  for (const at::Tensor& p : params) {
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (p.has_storage() && p.storage().nbytes() > 0) total += p.numel() * static_cast<std::int64_t>(p.element_size());
+  }
+  return total;
+}
+
+// What a rank trains (or reads, a tie it borrows) of the whole model: its
+// stages' parameters and ties under a pipeline, none of the full copy under
+// tp (the split is a copy).
+std::vector<at::Tensor> trained_here(const dtrain::Parallelized& run) {
+  std::vector<at::Tensor> out;
+  if (!run.pipeline) return out;
+  for (const auto& stage : run.pipeline->stages()) {
+    for (const auto& p : stage.module->parameters()) out.push_back(p);
+    for (const auto& tied : stage.tied) out.push_back(tied.parameter);
+  }
+  return out;
+}
+
 struct ParallelizeCase {
   const char* name;
   dtrain::ParallelPlan plan;
@@ -163,6 +211,62 @@ TEST(Parallelize, EveryDataAndPipelinePlanEqualsOneProcess) {
         }
         EXPECT_TRUE(failures.str().empty()) << failures.str();
         if (!failures.str().empty()) std::cerr << failures.str();
+      },
+      {.timeout = std::chrono::seconds(240)});
+}
+
+TEST(Parallelize, PipelineAndTpRanksHoldOnlyTheWeightsTheyTrain) {
+  const ParallelizeCase cases[] = {
+      {"pp 2 1f1b", {.pp = 2, .pipeline = {.schedule = "1f1b", .micro_batches = 2}}},
+      {"pp 2 interleaved",
+       {.pp = 2, .pipeline = {.schedule = "interleaved", .stages_per_rank = 2, .micro_batches = 2}}},
+      {"tp 2 (a copying split)", {.tp = 2}},
+  };
+  dtrain::testing::run_rank_processes(
+      2,
+      [&](int rank) {
+        auto world = dtrain::dist::init_process_group({.timeout = std::chrono::seconds(60)});
+        const auto reference = parallelize_reference();
+        std::int64_t whole_bytes = 0;
+        for (const auto& [name, t] : reference) whole_bytes += t.numel() * static_cast<std::int64_t>(t.element_size());
+        for (const ParallelizeCase& c : cases) {
+          SCOPED_TRACE(c.name);
+          c.plan.validate({.world = 2, .model = {.layers = 4}});
+          dtrain::Parallelized run = dtrain::parallelize(copying_tp_parts(), c.plan, world);
+          const std::int64_t mine = resident_bytes(trained_here(run));
+          EXPECT_EQ(resident_bytes(run.whole->parameters()), mine)
+              << "rank " << rank << " holds weights it does not train";
+          EXPECT_LT(mine, whole_bytes) << "rank " << rank << " trains the whole model";
+          auto opt = parallelize_adamw(run.strategy->parameters(), run.is_matrix);
+          auto source = std::make_shared<dtrain::StepStream>([](const dtrain::StepStream::Request& r) {
+            const auto b = parallelize_batch(r.step);
+            const std::int64_t first = (r.micro * r.data_world + r.data_rank) * r.batch_size;
+            return dtrain::data::TensorBatch{b.data.slice(0, first, first + r.batch_size),
+                                             b.target.slice(0, first, first + r.batch_size)};
+          });
+          dtrain::Trainer trainer(run.strategy, *opt, source,
+                                  {.max_steps = kParallelizeSteps,
+                                   .batch_size = kParallelizeBatch,
+                                   .clip_norm = kParallelizeMaxNorm,
+                                   .progress = false});
+          trainer.set_loss(run.loss);
+          EXPECT_EQ(trainer.fit().steps, kParallelizeSteps);
+          EXPECT_EQ(resident_bytes(run.whole->parameters()), mine) << "rank " << rank << " after training";
+          for (int twice = 0; twice < 2; ++twice) {  // the scope releases what it brought back, and can again
+            auto full = run.full_weights();
+            EXPECT_EQ(resident_bytes(run.whole->parameters()), whole_bytes) << "rank " << rank;
+            if (rank == 0) {
+              for (const auto& item : run.whole->named_parameters()) {
+                const at::Tensor& want = reference.at(item.key());
+                const at::Tensor got = item.value().detach();
+                ASSERT_EQ(got.sizes(), want.sizes()) << item.key();
+                EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6))
+                    << item.key() << ": max difference " << (got - want).abs().max().item<double>();
+              }
+            }
+          }
+          EXPECT_EQ(resident_bytes(run.whole->parameters()), mine) << "rank " << rank << " after full_weights()";
+        }
       },
       {.timeout = std::chrono::seconds(240)});
 }

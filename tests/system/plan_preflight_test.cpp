@@ -1,9 +1,10 @@
-// examples/gpt's memory pre-flight (examples/common/plan_cli.h, Note [Memory
-// pre-flight]): under a stated limit (DTRAIN_MEMORY_LIMIT) smaller than the
-// plan's predicted peak, the run stops before training with the bytes the
-// planner says the plan needs (the same figure dtrain::plan computes here)
-// and the nearest plan that fits; --no-memory-check trains anyway. On two
-// ranks whose limits differ, both refuse (Note [One pre-flight decision]).
+// examples/gpt's memory pre-flight (the Trainer's, TrainerOptions::
+// memory_check, set by examples/common/plan_cli.h): under a stated limit
+// (DTRAIN_MEMORY_LIMIT) smaller than the plan's predicted peak, the run stops
+// before training with the bytes the planner says the plan needs (the same
+// figure dtrain::plan computes here) and the nearest plan that fits;
+// --no-memory-check trains anyway. On two ranks whose limits differ, both
+// refuse (Note [One pre-flight decision] in src/trainer/memory_check.cpp).
 #include <gtest/gtest.h>
 #include <unistd.h>
 

@@ -91,8 +91,8 @@ void breakdown(const plan::PlanEstimate& e, std::ostream& out) {
   out << "memory (worst rank): params " << plan::format_gib(m.params) << ", grads " << plan::format_gib(m.grads)
       << ", optimizer " << plan::format_gib(m.optimizer) << ", activations " << plan::format_gib(m.activations)
       << ", logits " << plan::format_gib(m.logits) << ", captured gradients " << plan::format_gib(m.captured)
-      << ", buffers " << plan::format_gib(m.buffers) << " of "
-      << plan::format_gib(static_cast<double>(e.device_memory_bytes)) << "\n";
+      << ", buffers " << plan::format_gib(m.buffers) << ", backward working memory " << plan::format_gib(m.backward)
+      << " of " << plan::format_gib(static_cast<double>(e.device_memory_bytes)) << "\n";
   out << std::fixed << std::setprecision(3) << "time (critical rank, s): compute " << t.compute << ", recompute "
       << t.recompute << ", tp " << t.tp_comm << ", cp " << t.cp_comm << ", zero3 " << t.zero3_comm << ", pipeline idle "
       << t.pipeline_idle << ", grad sync " << t.grad_sync << ", optimizer " << t.optimizer << "\n";

@@ -38,9 +38,13 @@ enum class WeightLayout { kMegatron, kFp32Master };
 struct CostOptions {
   WeightLayout weights = WeightLayout::kMegatron;
   std::int64_t ddp_bucket_bytes = 25LL << 20;  // DDP and ZeRO-1/2 gradient buckets
-  // DDP's buckets copy the gradients (dtrain, PyTorch DDP without
-  // gradient_as_bucket_view: one more gradient's bytes); false: gradients are
-  // views of a contiguous buffer and two buckets are in flight (Megatron).
+  // dtrain's engines (`--ddp-bucket-copy`): DDP's buckets copy the gradients
+  // (as PyTorch DDP without gradient_as_bucket_view: one more gradient's
+  // bytes), gradients exist only from a backward to zero_grad (which sets
+  // them to none), ZeRO-1 reduces its flat gradient buffer in place and
+  // ZeRO-2 moves gradients into its reduce-scatter input (Note [Gradient
+  // lifetimes]); false: gradients are views of a contiguous buffer that
+  // lives through the step and two buckets are in flight (Megatron).
   bool ddp_buckets_copy_gradients = false;
   int zero3_prefetch_units = 1;  // layers gathered ahead of the one running
   // DDP / ZeRO-1/2 buckets reduce while backward runs (dtrain, PyTorch DDP);
@@ -60,7 +64,8 @@ struct CostOptions {
 struct MemoryBreakdown {  // bytes on one rank, at its peak
   double params = 0, grads = 0, optimizer = 0, activations = 0, logits = 0, buffers = 0;
   double captured = 0;  // the split backward's (ZB) gradients kept between I and W
-  double total() const { return params + grads + optimizer + activations + logits + captured + buffers; }
+  double backward = 0;  // a backward's working memory (Note [Backward working memory])
+  double total() const { return params + grads + optimizer + activations + logits + captured + buffers + backward; }
 };
 
 struct TimeBreakdown {       // seconds per step on the critical pipeline rank

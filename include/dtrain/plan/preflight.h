@@ -6,8 +6,9 @@
 //   auto limit = plan::rank_memory_limit(local_ranks, "");   // env / host / given
 //   plan::check_plan_memory(plan, model, cluster, {}, limit);  // throws when it does not fit
 //
-// examples/common/plan_cli.h runs it for the examples (--no-memory-check,
-// --memory-limit); docs/planner.md lists its errors.
+// The Trainer runs it before the first step, all ranks deciding together
+// (TrainerOptions::memory_check, dtrain/trainer/memory_check.h);
+// docs/planner.md lists its errors.
 #pragma once
 
 #include <cstdint>

@@ -146,7 +146,10 @@ struct Parallelized {
   std::function<bool(const at::Tensor& p)> is_matrix;
   // The whole model (its layers under ModelParts::name), and its forward on
   // this rank alone (inputs moved to its device; no communication), valid
-  // on rank 0 while full_weights()'s scope lives.
+  // on rank 0 while full_weights()'s scope lives. Outside it, under a
+  // pipeline or tp, the parameters this rank does not train (other stages,
+  // tp's full copy) hold no storage (empty, their shapes restored by
+  // full_weights()): a rank's memory is its part's only.
   std::shared_ptr<torch::nn::Module> whole;
   std::function<at::Tensor(const at::Tensor& input)> forward_whole;
   // Collective over the run (every rank calls it): while the returned scope

@@ -44,6 +44,7 @@
 #include "dtrain/trainer/batch_source.h"
 #include "dtrain/trainer/fault_tolerance.h"
 #include "dtrain/trainer/lr_schedule.h"
+#include "dtrain/trainer/memory_check.h"
 #include "dtrain/trainer/strategy.h"
 
 namespace dtrain {
@@ -88,6 +89,13 @@ struct TrainerOptions {
   // per step, the gradients averaged over the live replica groups, live
   // recovery of a restarted one. Needs a StepStream and max_steps.
   std::optional<TrainerFaultTolerance> fault_tolerance;
+
+  // Before the first step, the plan's predicted peak memory per rank
+  // against what a rank may use (memory_check.h): a plan that does not fit
+  // stops on every rank with a ConfigError saying what does not fit, by how
+  // much and the nearest plan that fits. Collective: set it on every rank
+  // or on none. MemoryCheck::enabled false skips it (--no-memory-check).
+  std::optional<MemoryCheck> memory_check;
 };
 
 struct EvalResult {

@@ -14,6 +14,7 @@
 
 #include "dtrain/error.h"
 #include "dtrain/trainer/parallelize.h"
+#include "released_parameters.h"
 
 namespace dtrain {
 class ShardedDataParallel;
@@ -91,6 +92,9 @@ struct SplitModel {
   ModelLossFn loss;               // of trained's outputs
   // The rows of a [B, T] target that trained's outputs hold (cp); null: all.
   std::function<at::Tensor(const at::Tensor&)> targets;
+  // Under tp, `full`'s parameters (none shared with `trained`), released
+  // while training; rematerialised for full_weights() (released_parameters.h).
+  std::shared_ptr<ReleasedParameters> unshared;
 };
 // `mesh` (the plan's) must outlive the result's loss and targets.
 SplitModel split_model(const ApplyContext& c, dist::DeviceMesh& mesh);

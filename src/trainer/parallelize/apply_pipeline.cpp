@@ -10,6 +10,7 @@
 #include "dtrain/parallel/pipeline/schedule.h"
 #include "dtrain/parallel/pipeline/stage_sync.h"
 #include "dtrain/trainer/pipeline_strategy.h"
+#include "released_parameters.h"
 
 namespace dtrain::detail {
 
@@ -24,11 +25,22 @@ std::vector<pipeline::PipelineStage> planned_stages(const torch::nn::Sequential&
   return mine;
 }
 
+// What this rank's stages train or read: their modules' parameters and the
+// tied ones they borrow.
+std::vector<at::Tensor> stage_parameters(const std::vector<pipeline::PipelineStage>& stages) {
+  std::vector<at::Tensor> out;
+  for (const auto& stage : stages) {
+    for (const auto& p : stage.module->parameters()) out.push_back(p);
+    for (const auto& tied : stage.tied) out.push_back(tied.parameter);
+  }
+  return out;
+}
+
 // Brings every layer of `layers` on every rank up to date from the rank of
 // the first replica that trains it (collective over `world`, the ranks that
-// hold the same parts: all but tp; the layers of other stages were only
-// initialised here). Sharded stages must hold their full parameters
-// (PipelineStrategy::full_parameters).
+// hold the same parts: all but tp; the layers of other stages are zeros
+// here: their released parameters rematerialised). Sharded stages must hold
+// their full parameters (PipelineStrategy::full_parameters).
 void gather_layers(pipeline::Pipeline& pipe, const torch::nn::Sequential& layers, bool first_replica,
                    dist::ProcessGroup& world) {
   torch::NoGradGuard no_grad;
@@ -58,7 +70,8 @@ Parallelized apply_pipeline(const ApplyContext& c) {
   if (plan.tp > 1) joins.joins.push_back(same_parts);
   auto mesh = std::make_shared<dist::DeviceMesh>(c.group(), plan.mesh_dims(), joins);
   // Every layer on every rank, initialised alike, so that one rank can run
-  // the whole model after full_weights(); this rank trains its stages.
+  // the whole model after full_weights(); this rank trains its stages and
+  // holds only their weights (the others' released until full_weights()).
   SplitModel m = split_model(c, *mesh);
   torch::nn::Sequential layers = m.trained;
   const StageCut cut{.ranks = plan.pp,
@@ -66,6 +79,8 @@ Parallelized apply_pipeline(const ApplyContext& c) {
                      .rank = mesh->coordinate("pp"),
                      .stage_of_layer = plan.pipeline.stage_of_layer};
   auto stages = c.parts.pipeline_stages ? c.parts.pipeline_stages(layers, cut) : planned_stages(layers, cut);
+  const auto others = ReleasedParameters::release(*layers, identities(stage_parameters(stages)));
+  layers->to(first);
   pipeline::PipelineOptions options{.schedule = pipeline::parse_schedule_kind(plan.pipeline.schedule),
                                     .micro_batches = plan.pipeline.micro_batches};
   const bool on_mesh = plan.tp > 1 || plan.cp > 1;
@@ -97,10 +112,14 @@ Parallelized apply_pipeline(const ApplyContext& c) {
   if (const auto sharded = pipe->sharded_stages(); !sharded.empty()) r.is_matrix = shards_of_matrices(sharded);
   const bool first_replica = mesh->join(data_dims).rank() == 0;
   dist::ProcessGroup same = m.tensor_parallel ? mesh->join(same_parts) : c.group();
-  r.full_weights = [strategy, pipe, layers, first_replica, mesh, same, whole, tp = m.tensor_parallel]() mutable {
-    std::unique_ptr<Strategy::Scope> full = strategy->full_parameters();
+  r.full_weights = [strategy, pipe, layers, others, unshared = m.unshared, first_replica, mesh, same, whole,
+                    tp = m.tensor_parallel]() mutable {
+    std::unique_ptr<Strategy::Scope> full = others->rematerialize(strategy->full_parameters());
     gather_layers(*pipe, layers, first_replica, same);
-    if (tp) assemble_by_layouts(*layers, *mesh, *whole->layers);
+    if (tp) {
+      full = unshared->rematerialize(std::move(full));
+      assemble_by_layouts(*layers, *mesh, *whole->layers);
+    }
     return full;
   };
   return r;

@@ -6,6 +6,7 @@
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/trainer/tp_strategy.h"
 #include "dtrain/trainer/zero_strategy.h"
+#include "released_parameters.h"
 
 namespace dtrain::detail {
 
@@ -66,10 +67,12 @@ Parallelized apply_tp(const ApplyContext& c) {
     r.is_matrix = shards_of_matrices({sdp.get()});
     r.keep.push_back(sdp);
   }
-  r.full_weights = [strategy, layers = m.trained, mesh, whole]() mutable -> std::unique_ptr<Strategy::Scope> {
+  r.full_weights = [strategy, layers = m.trained, mesh, whole,
+                    unshared = m.unshared]() mutable -> std::unique_ptr<Strategy::Scope> {
+    std::unique_ptr<Strategy::Scope> scope = unshared->rematerialize();             // whole's storage, until it ends
     const std::unique_ptr<Strategy::Scope> gathered = strategy->full_parameters();  // ZeRO's shards
     assemble_by_layouts(*layers, *mesh, *whole->layers);                            // both under the Sequential's names
-    return nullptr;
+    return scope;
   };
   return r;
 }

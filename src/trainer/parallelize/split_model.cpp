@@ -22,9 +22,11 @@ SplitModel split_model(const ApplyContext& c, dist::DeviceMesh& mesh) {
     DTRAIN_CHECK(parts.tp.split && parts.tp.loss, ConfigError,
                  "the plan splits the model over tp " << c.plan.tp << ", but the model gives no tensor-parallel split.",
                  "set ModelParts::tp (split and loss), or plan tp 1");
-    // The full layers stay on the CPU, to assemble the trained weights into.
+    // The full layers stay on the CPU, released while training, to assemble
+    // the trained weights into.
     m.trained = parts.tp.split(m.full, mesh);
     m.trained->to(c.device());
+    m.unshared = ReleasedParameters::release(*m.full, identities(m.trained->parameters()));  // until full_weights()
     m.tensor_parallel = true;
     m.loss = parts.tp.loss(mesh);
     if (cp) {
