@@ -360,7 +360,8 @@ TEST(FtLighthouse, QuorumAskedAheadIsTheNextOne) {
 // Note [Lighthouse round trips]: the store round trips of one step, for 4
 // replica groups over a TCP store (as under dtrain run), per client and
 // for the lighthouse; printed, and held to budgets the protocol keeps
-// (before the cuts of 2026-11-25: ~19 per client, ~90 for the lighthouse).
+// (measured here before the cuts of 2026-11-25: 19 per client, 43-54 for
+// the lighthouse).
 TEST(FtLighthouse, RoundTripsPerStepStayWithinBudget) {
   auto hosted = host_lighthouse({.port = 0, .lighthouse = {.min_replicas = 1, .startup_replicas = 4}});
   constexpr int kReplicas = 4, kWarmup = 5, kSteps = 40;
@@ -398,7 +399,7 @@ TEST(FtLighthouse, RoundTripsPerStepStayWithinBudget) {
     EXPECT_LE(per_step, 9.0) << "replica " << r;
   }
   std::printf("lighthouse: %.2f store round trips per step (4 replicas)\n", lighthouse_per_step);
-  EXPECT_LE(lighthouse_per_step, 45.0);
+  EXPECT_LE(lighthouse_per_step, 36.0);
   hosted->lighthouse->check();
 }
 
