@@ -176,7 +176,9 @@ void Lighthouse::check() const {
 void Lighthouse::serve() {
   while (!stop_) {
     try {
-      store_.wait({"ev/" + std::to_string(events_seen_ + 1)}, options_.scan_interval);
+      // The first wake-up not read yet: one counted but not yet set (its
+      // client is between add(nev) and set) wakes us as soon as it is.
+      store_.wait({"ev/" + std::to_string(events_read_ + 1)}, options_.scan_interval);
       events_seen_ = store_.add("nev", 0);
     } catch (const TimeoutError&) {
       // a scan on the clock: heartbeats age, join timeouts pass
