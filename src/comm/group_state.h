@@ -38,6 +38,9 @@ struct StoreImpl {
   c10::intrusive_ptr<c10d::Store> store;
   int port = 0;
   std::string where;  // "host:port" or "in-memory store", for messages
+  // Round trips made through this connection and every prefixed view of it
+  // (dist::round_trips, store_keys.h).
+  std::shared_ptr<std::atomic<std::int64_t>> round_trips = std::make_shared<std::atomic<std::int64_t>>(0);
 };
 
 // Whether a group's eligible CPU collectives use shared memory; see Note

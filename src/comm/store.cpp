@@ -67,40 +67,76 @@ Store Store::with_prefix(const std::string& prefix) const {
   return Store(std::move(impl));
 }
 
+// Round trips are counted as a TCPStore client makes them: one per call,
+// two for get (it waits for the key, then reads it) and for a wait that
+// times out (it then cancels the wait).
 void Store::set(const std::string& key, const std::string& value) {
+  ++*impl_->round_trips;
   impl_->store->set(key, bytes(value));
 }
 
 std::string Store::get(const std::string& key) {
+  *impl_->round_trips += 2;
   const auto value = impl_->store->get(key);
   return {value.begin(), value.end()};
 }
 
 std::int64_t Store::add(const std::string& key, std::int64_t delta) {
+  ++*impl_->round_trips;
   return impl_->store->add(key, delta);
 }
 
 std::string Store::compare_set(const std::string& key, const std::string& expected, const std::string& desired) {
+  ++*impl_->round_trips;
   const auto out = impl_->store->compareSet(key, bytes(expected), bytes(desired));
   return {out.begin(), out.end()};
 }
 
 bool Store::check(const std::vector<std::string>& keys) {
+  ++*impl_->round_trips;
   return impl_->store->check(keys);
 }
 
 bool delete_key(Store& store, const std::string& key) {
+  ++*store.impl()->round_trips;
   return store.impl()->store->deleteKey(key);
 }
 
 std::int64_t num_keys(Store& store) {
+  ++*store.impl()->round_trips;
   return store.impl()->store->getNumKeys();
 }
 
+std::optional<std::string> get_if_present(Store& store, const std::string& key) {
+  // A compare-and-set that never matches a present value: it answers the
+  // value, or, when the key is absent, the (non-empty) expected value.
+  static const std::string kAbsent(1, '\0');
+  const std::string out = store.compare_set(key, kAbsent, kAbsent);
+  if (out == kAbsent) return std::nullopt;
+  return out;
+}
+
+void multi_set(Store& store, const std::vector<std::string>& keys, const std::vector<std::string>& values) {
+  DTRAIN_INTERNAL_ASSERT(keys.size() == values.size(),
+                         "multi_set: " << keys.size() << " keys, " << values.size() << " values");
+  if (keys.empty()) return;
+  std::vector<std::vector<uint8_t>> data;
+  data.reserve(values.size());
+  for (const auto& v : values) data.push_back(bytes(v));
+  ++*store.impl()->round_trips;
+  store.impl()->store->multiSet(keys, data);
+}
+
+std::int64_t round_trips(const Store& store) {
+  return store.impl()->round_trips->load();
+}
+
 void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  ++*impl_->round_trips;
   try {
     impl_->store->wait(keys, timeout);
   } catch (const c10::Error& e) {
+    ++*impl_->round_trips;
     std::string names;
     for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
     throw TimeoutError("keys [" + names + "] did not appear in " + impl_->where + " within " +

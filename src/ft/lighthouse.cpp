@@ -13,10 +13,13 @@
 //                        quorum, with the steps it has committed, and whether
 //                        its group failed (it asks for a fresh one).
 //   nev, ev/<m>          wake-ups: a client that writes a join also sets the
-//                        next ev/<m>, on which the lighthouse blocks (it scans
-//                        every scan_interval regardless, so a wake-up lost to a
-//                        client that died half-way costs latency, not progress).
-//                        The lighthouse deletes each ev/<m> once read (waiting
+//                        next ev/<m> to "<k> <its join>", on which the
+//                        lighthouse blocks; it takes the request from there
+//                        (one read per request, not one per replica), and
+//                        reads every join/<k> and hb/<k> once per
+//                        scan_interval regardless, so a wake-up lost to a
+//                        client that died half-way costs latency, not
+//                        progress. It deletes each ev/<m> once read (waiting
 //                        up to heartbeat_timeout for one counted, not yet set).
 //                        reg/, hb/ and join/ of an incarnation go when a
 //                        newer one of its replica id registers.
@@ -27,13 +30,15 @@
 //                        is never answered with the replica as a member
 //                        (the others would wait for it in their step), and a
 //                        claimed one is always answered.
-//   answer/<k>/<seq>     the quorum given to that request; the client
-//                        deletes it and its claim once read.
-//   commit/<round>/...   the commit vote (Note [Commit vote]); deleted once
-//                        every member of the round asked for a later quorum
-//                        (so it finished voting). Rounds of a member that
-//                        died keep theirs: the store grows by a few keys per
-//                        failure, not per step.
+//   answer/<k>/<seq>     the quorum given to that request. The lighthouse
+//                        deletes it and its claim once the replica asks again
+//                        (so it has read it), after the quorum of that next
+//                        request is answered: off the step's path.
+//   commit/<round>/...   the commit vote (Note [Commit vote]): two keys, votes
+//                        and decision, deleted once every member of the round
+//                        asked for a later quorum (so it finished voting).
+//                        Rounds of a member that died keep theirs: the store
+//                        grows by a few keys per failure, not per step.
 //   alive                the lighthouse's liveness counter (every
 //                        scan_interval); failed: the error that stopped it.
 //                        Clients waiting for a quorum watch both.
@@ -57,7 +62,8 @@
 // A quorum is formed when at least min_replicas live replicas have asked and
 // either every live replica has asked or join_timeout has passed since the
 // first of them did. Live: its heartbeat moved within heartbeat_timeout, so a
-// SIGKILLed replica stops being waited for a heartbeat timeout after it died.
+// SIGKILLed replica stops being waited for a heartbeat timeout after it died
+// (heartbeats are read every scan_interval: up to that much later).
 // Members are sorted by replica id; their index is their rank in the
 // quorum's group. The quorum id changes when the members (ids or
 // incarnations) differ from the last quorum's or a member asks for a fresh
@@ -71,6 +77,18 @@
 // the job waits (and its replicas' quorum calls time out): resume it from
 // a checkpoint. The lighthouse decides membership only; who is behind and who recovers
 // from whom each member computes alike from the quorum (quorum.h).
+//
+// Note [Lighthouse round trips]
+// Every store call is a round trip to the store's server, and the service
+// makes them one after another, while the replicas wait for its answer: the
+// step's cost grows with them (docs/fault_tolerance.md, "Store round trips
+// per step"). Per step it makes, for G replicas: on each wake-up the wait and
+// the read of nev, one read per request (its ev/<m>); to answer, G claims,
+// the round's add and one multi-set of the G answers; then, off the step's
+// path, the deletes (G wake-ups, the previous answers and claims, two vote
+// keys). Heartbeats, joins and registrations are read once per
+// scan_interval (and registrations when a request names an unknown
+// incarnation), not on every wake-up.
 #include <algorithm>
 #include <sstream>
 #include <string>
@@ -90,6 +108,9 @@ struct Lighthouse::Replica {
   std::int64_t beats = -1;
   Clock::time_point last_beat;
   std::int64_t answered_seq = 0;
+  // The answered request whose answer/ and claim/ keys are still there
+  // (0: none); deleted once the replica asks again.
+  std::int64_t answer_kept = 0;
   // Registered before this lighthouse started: live only once its heartbeat
   // moved since (the counter's first reading proves nothing).
   bool inherited = false;
@@ -106,7 +127,11 @@ Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
   DTRAIN_CHECK(options_.min_replicas >= 1, ConfigError,
                "lighthouse: min_replicas " << options_.min_replicas << " is below 1.", "pass 1 or more");
   // A predecessor's, when restarted on the same store (Note [Quorum protocol]).
+  trips_at_start_ = dist::round_trips(store_);
   inherited_registrations_ = store_.add("nreg", 0);
+  // Its wake-ups, read or not, are behind us: their requests are in join/<k>
+  // (read by the first full scan), and the next wake-up is the one to wait for.
+  events_seen_ = events_read_ = store_.add("nev", 0);
   round_ = store_.add("round", 0);
   quorum_id_ = store_.add("quorum_id", 0);
   thread_ = std::thread([this] {
@@ -130,6 +155,12 @@ Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
 Lighthouse::~Lighthouse() {
   stop_ = true;
   if (thread_.joinable()) thread_.join();
+  // Its cost, for docs/fault_tolerance.md's "Store round trips per step".
+  const std::int64_t trips = dist::round_trips(store_) - trips_at_start_;
+  DTRAIN_LOG(kInfo) << "lighthouse: " << history_.size() << " rounds, " << trips << " store round trips"
+                    << (history_.empty() ? std::string()
+                                         : " (" + std::to_string(trips / static_cast<std::int64_t>(history_.size())) +
+                                               " per round)");
 }
 
 std::vector<Quorum> Lighthouse::history() const {
@@ -145,34 +176,70 @@ void Lighthouse::check() const {
 void Lighthouse::serve() {
   while (!stop_) {
     try {
-      store_.wait({"ev/" + std::to_string(events_seen_ + 1)}, options_.scan_interval);
+      // The first wake-up not read yet: one counted but not yet set (its
+      // client is between add(nev) and set) wakes us as soon as it is.
+      store_.wait({"ev/" + std::to_string(events_read_ + 1)}, options_.scan_interval);
       events_seen_ = store_.add("nev", 0);
     } catch (const TimeoutError&) {
       // a scan on the clock: heartbeats age, join timeouts pass
     }
     const auto now = Clock::now();
-    delete_read_events(now);
-    if (now - last_alive_ >= options_.scan_interval) {
-      store_.add("alive", 1);
-      last_alive_ = now;
+    read_events(now);
+    // Heartbeats, joins and registrations once per scan_interval, not on
+    // every wake-up (Note [Lighthouse round trips]).
+    const bool full_scan = now - last_full_scan_ >= options_.scan_interval;
+    if (full_scan) {
+      scan(now);
+      last_full_scan_ = now;
     }
-    scan(now);
     form_quorum_if_ready(now);
+    // What is left is off the step's path: the replicas have their answers.
+    if (full_scan) store_.add("alive", 1);
+    delete_garbage();
   }
 }
 
-void Lighthouse::delete_read_events(Clock::time_point now) {
-  // Wake-ups counted are done with, in order; one counted but not yet set
-  // (its client is between add(nev) and set) is waited for, up to the
-  // heartbeat timeout (its client died in between), so none is left behind.
-  while (events_deleted_ < events_seen_) {
-    if (!dist::delete_key(store_, "ev/" + std::to_string(events_deleted_ + 1))) {
+void Lighthouse::read_events(Clock::time_point now) {
+  // Wake-ups counted, in order: each carries its request. One counted but
+  // not yet set (its client is between add(nev) and set) is waited for, up
+  // to the heartbeat timeout (its client died in between); its request, if
+  // its client lives, is read from join/<k> by the next full scan.
+  while (events_read_ < events_seen_) {
+    const std::string key = "ev/" + std::to_string(events_read_ + 1);
+    const auto text = dist::get_if_present(store_, key);
+    if (!text) {
       if (!event_gap_since_) event_gap_since_ = now;
       if (now - *event_gap_since_ < options_.heartbeat_timeout) return;
+      // Skipped: its client may still set it; the key is then left behind.
+    } else {
+      std::istringstream event(*text);
+      std::int64_t k = 0;
+      event >> k;
+      std::string join;
+      std::getline(event >> std::ws, join);
+      Replica* r = replica(k);
+      if (r == nullptr && k > registrations_seen_) {
+        read_registrations(now);  // a replica registered since the last full scan
+        r = replica(k);
+      }
+      if (r != nullptr) take_request(*r, join, now);  // none: superseded, or its registration not read yet
+      garbage_.push_back(key);
     }
     event_gap_since_.reset();
-    ++events_deleted_;
+    ++events_read_;
   }
+}
+
+Lighthouse::Replica* Lighthouse::replica(std::int64_t incarnation) {
+  for (auto& r : replicas_) {
+    if (r->incarnation == incarnation) return r.get();
+  }
+  return nullptr;
+}
+
+void Lighthouse::delete_garbage() {
+  for (const auto& key : garbage_) dist::delete_key(store_, key);
+  garbage_.clear();
 }
 
 void Lighthouse::read_registrations(Clock::time_point now) {
@@ -218,6 +285,7 @@ void Lighthouse::add_registration(std::int64_t k, Clock::time_point now) {
     // Superseded: its keys go (a process still running under it is gone for the quorum).
     const std::string old = std::to_string(r->incarnation);
     for (const char* prefix : {"reg/", "hb/", "join/"}) dist::delete_key(store_, prefix + old);
+    forget_answer(*r);
   }
   std::erase_if(replicas_, [id](const auto& r) { return r->id == id; });
   auto r = std::make_unique<Replica>();
@@ -237,8 +305,8 @@ void Lighthouse::member_asked_again(std::int64_t incarnation) {
       continue;
     }
     const std::string prefix = "commit/" + std::to_string(it->first) + "/";
-    dist::delete_key(store_, prefix + "decision");
-    for (const int id : it->second.ids) dist::delete_key(store_, prefix + "vote/" + std::to_string(id));
+    garbage_.push_back(prefix + "votes");
+    garbage_.push_back(prefix + "decision");
     it = open_rounds_.erase(it);
   }
 }
@@ -252,24 +320,37 @@ void Lighthouse::scan(Clock::time_point now) {
       if (r->beats >= 0 || !r->inherited) r->last_beat = now;
       r->beats = beats;
     }
-    if (!store_.check({"join/" + k})) continue;
-    std::istringstream join(store_.get("join/" + k));
-    std::int64_t seq = 0, step = 0;
-    int fresh = 0;
-    join >> seq >> step >> fresh;
-    // A newer request replaces a pending one (its client withdrew the old).
-    if (seq <= r->answered_seq || (r->pending && seq <= r->seq)) continue;
-    if (r->pending) {
-      dist::delete_key(store_, "claim/" + k + "/" + std::to_string(r->seq));  // withdrawn, never to be claimed now
-    } else {
-      member_asked_again(r->incarnation);
-    }
-    r->pending = true;
-    r->seq = seq;
-    r->step = step;
-    r->fresh = fresh != 0;
-    r->asked_at = now;
+    if (const auto join = dist::get_if_present(store_, "join/" + k)) take_request(*r, *join, now);
   }
+}
+
+void Lighthouse::take_request(Replica& r, const std::string& text, Clock::time_point now) {
+  std::istringstream join(text);
+  std::int64_t seq = 0, step = 0;
+  int fresh = 0;
+  join >> seq >> step >> fresh;
+  // A newer request replaces a pending one (its client withdrew the old).
+  if (seq <= r.answered_seq || (r.pending && seq <= r.seq)) return;
+  if (r.pending) {
+    // withdrawn, never to be claimed now
+    dist::delete_key(store_, "claim/" + std::to_string(r.incarnation) + "/" + std::to_string(r.seq));
+  } else {
+    member_asked_again(r.incarnation);
+    forget_answer(r);  // read: the replica asks again
+  }
+  r.pending = true;
+  r.seq = seq;
+  r.step = step;
+  r.fresh = fresh != 0;
+  r.asked_at = now;
+}
+
+void Lighthouse::forget_answer(Replica& r) {
+  if (r.answer_kept == 0) return;
+  const std::string id = std::to_string(r.incarnation) + "/" + std::to_string(r.answer_kept);
+  garbage_.push_back("answer/" + id);
+  garbage_.push_back("claim/" + id);
+  r.answer_kept = 0;
 }
 
 bool Lighthouse::claim_answers(const std::vector<Replica*>& asking) {
@@ -368,15 +449,15 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
     history_.push_back(q);
   }
   OpenRound& open = open_rounds_[q.round];
+  std::vector<std::string> keys;
   for (Replica* r : asking) {
-    open.ids.push_back(r->id);
     open.not_back_yet.push_back(r->incarnation);
-  }
-  for (Replica* r : asking) {
-    store_.set("answer/" + std::to_string(r->incarnation) + "/" + std::to_string(r->seq), text);
+    keys.push_back("answer/" + std::to_string(r->incarnation) + "/" + std::to_string(r->seq));
     r->answered_seq = r->seq;
+    r->answer_kept = r->seq;
     r->pending = false;
   }
+  dist::multi_set(store_, keys, std::vector<std::string>(keys.size(), text));
 }
 
 std::unique_ptr<HostedLighthouse> host_lighthouse(const HostedLighthouseOptions& options) {

@@ -5,14 +5,19 @@
 // A step commits only if every member of its quorum finished its gradient
 // all-reduce: a member that failed (or died) mid-step must not leave the
 // others with an update it never applied, nor apply half of one itself.
-// Each member sets commit/<round>/vote/<id> to 1 or 0, then proposes a
-// decision through compare_set on commit/<round>/decision, which keeps the
-// first proposal: "commit" when it read a 1 from every member, "abort" when
-// it voted 0, read a 0, or a member's vote did not come within
-// commit_timeout (a dead member never votes). Every member then acts on the
-// stored decision, so all commit or none do, even when one member timed out
-// on a vote that another saw arrive. A member that dies after voting is
-// simply behind at the next quorum and recovers from a peer.
+// Each member votes with one add on commit/<round>/votes: 1 for ok,
+// 1 + 2^32 for abort, so the sum it gets back counts the votes so far in
+// its low 32 bits and the aborts among them in its high bits. Then it
+// proposes a decision through compare_set on commit/<round>/decision, which
+// keeps the first proposal: "abort" when the sum shows an abort (its own or
+// an earlier voter's), "commit" when it is the last voter (the sum counts
+// every member) and none aborted; any other voter waits for the decision,
+// and proposes "abort" if none is there within commit_timeout (a dead
+// member never votes). Every member then acts on the stored decision, so
+// all commit or none do, even when a late voter finds every vote in after
+// the others timed out on it. A member that dies after voting is simply
+// behind at the next quorum and recovers from a peer. Two or three round
+// trips per member: the add, then the proposal, or the wait and the read.
 #include <algorithm>
 #include <sstream>
 
@@ -52,6 +57,12 @@ LighthouseClient::LighthouseClient(dist::Store store, dist::Store heartbeat_stor
 LighthouseClient::~LighthouseClient() {
   stop_ = true;
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (seq_ > 0) {
+    // Its cost, for docs/fault_tolerance.md's "Store round trips per step"
+    // (heartbeats, on their own connection, not included).
+    DTRAIN_LOG(kInfo) << "replica " << options_.replica_id << ": " << seq_ << " quorum requests, "
+                      << dist::round_trips(store_) << " store round trips on its connection";
+  }
 }
 
 void LighthouseClient::register_once() {
@@ -139,13 +150,31 @@ void LighthouseClient::withdraw_or_wait(const std::string& id) {
   }
 }
 
-Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
+void LighthouseClient::ask(std::int64_t step, bool fresh_group) {
   register_once();
   const std::string k = std::to_string(incarnation_);
-  const std::int64_t seq = ++seq_;
-  const std::string id = k + "/" + std::to_string(seq);
-  store_.set("join/" + k, std::to_string(seq) + " " + std::to_string(step) + " " + (fresh_group ? "1" : "0"));
-  store_.set("ev/" + std::to_string(store_.add("nev", 1)), "");
+  const std::string join = std::to_string(++seq_) + " " + std::to_string(step) + " " + (fresh_group ? "1" : "0");
+  store_.set("join/" + k, join);
+  // The wake-up carries the request (Note [Quorum protocol]).
+  store_.set("ev/" + std::to_string(store_.add("nev", 1)), k + " " + join);
+  asked_ = Asked{.step = step, .fresh_group = fresh_group};
+}
+
+void LighthouseClient::ask_ahead(std::int64_t step) {
+  DTRAIN_INTERNAL_ASSERT(!asked_, "replica " << options_.replica_id << " asked ahead twice");
+  ask(step, false);
+}
+
+Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
+  if (asked_) {
+    DTRAIN_INTERNAL_ASSERT(asked_->step == step && asked_->fresh_group == fresh_group,
+                           "replica " << options_.replica_id << " asked ahead at step " << asked_->step
+                                      << " and now asks at step " << step << (fresh_group ? " for a fresh group" : ""));
+  } else {
+    ask(step, fresh_group);
+  }
+  asked_.reset();
+  const std::string id = std::to_string(incarnation_) + "/" + std::to_string(seq_);
   const std::string answer = "answer/" + id;
   const auto start = std::chrono::steady_clock::now();
   std::int64_t alive = -1;
@@ -167,35 +196,35 @@ Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
     }
     check_lighthouse_alive(alive, alive_moved_at);
   }
-  const std::string text = store_.get(answer);
-  dist::delete_key(store_, answer);
-  dist::delete_key(store_, "claim/" + id);
-  return Quorum::from_text(text);
+  // There once waited for; the lighthouse deletes it (and its claim) when
+  // this replica asks again, off the step's path.
+  const auto text = dist::get_if_present(store_, answer);
+  if (!text) throw InternalError("replica " + std::to_string(options_.replica_id) + ": " + answer + " vanished");
+  return Quorum::from_text(*text);
+}
+
+CommitVote commit_vote(std::int64_t sum, std::int64_t members) {
+  const std::int64_t voted = sum & kVoteCountMask;
+  if ((sum >> kAbortShift) > 0) return CommitVote::kAbort;
+  return voted >= members ? CommitVote::kCommit : CommitVote::kWait;
 }
 
 bool LighthouseClient::agree_commit(const Quorum& q, bool ok) {
   const std::string prefix = "commit/" + std::to_string(q.round) + "/";
-  store_.set(prefix + "vote/" + std::to_string(options_.replica_id), ok ? "1" : "0");
-  std::string proposal = "abort";
-  if (ok) {
-    std::vector<std::string> votes;
-    for (const auto& m : q.members) votes.push_back(prefix + "vote/" + std::to_string(m.replica_id));
-    const auto deadline = std::chrono::steady_clock::now() + options_.commit_timeout;
-    for (;;) {
-      try {
-        // Short waits, so a decision already taken (an abort) is seen early.
-        store_.wait(votes, std::chrono::milliseconds(20));
-        proposal = "commit";
-        for (const auto& v : votes) {
-          if (store_.get(v) != "1") proposal = "abort";
-        }
-        break;
-      } catch (const TimeoutError&) {
-        if (store_.check({prefix + "decision"}) || std::chrono::steady_clock::now() >= deadline) break;
-      }
-    }
+  const std::string decision = prefix + "decision";
+  const std::int64_t sum = store_.add(prefix + "votes", ok ? 1 : 1 + (std::int64_t{1} << kAbortShift));
+  const auto propose = [&](const char* proposal) { return store_.compare_set(decision, "", proposal) == "commit"; };
+  switch (commit_vote(sum, static_cast<std::int64_t>(q.members.size()))) {
+    case CommitVote::kAbort: return propose("abort");
+    case CommitVote::kCommit: return propose("commit");
+    case CommitVote::kWait: break;
   }
-  return store_.compare_set(prefix + "decision", "", proposal) == "commit";
+  try {
+    store_.wait({decision}, options_.commit_timeout);
+  } catch (const TimeoutError&) {
+    return propose("abort");  // a member did not vote in time; or the decision came just now
+  }
+  return dist::get_if_present(store_, decision) == "commit";
 }
 
 }  // namespace dtrain::ft

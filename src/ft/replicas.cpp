@@ -210,15 +210,22 @@ void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensor
 
 bool FaultTolerantReplicas::should_commit() {
   bool commit = false;
+  // Whether every rank of the group is at this step (always, after a
+  // commit: see Note [Ranks at different steps]); the next quorum is asked
+  // ahead only then, since start_step() would otherwise ask with the lowest.
+  bool same_step = true;
   if (shared_by_ranks()) {
     // The replica group votes ok only if each of its ranks is; rank 0 votes
     // for it and shares the decision.
-    at::Tensor flags = at::empty({2}, at::kInt);
+    at::Tensor flags = at::empty({4}, at::kLong);
     flags[0].fill_(failed_ ? 0 : 1);
     flags[1].fill_(want_fresh_ ? 0 : 1);
+    flags[2].fill_(step_);
+    flags[3].fill_(-step_);
     options_.replica_group->all_reduce(flags, dist::ReduceOp::kMin).wait();
-    const bool ok = flags[0].item<int>() == 1;
-    want_fresh_ = flags[1].item<int>() == 0;
+    const bool ok = flags[0].item<std::int64_t>() == 1;
+    want_fresh_ = flags[1].item<std::int64_t>() == 0;
+    same_step = flags[2].item<std::int64_t>() == -flags[3].item<std::int64_t>();
     at::Tensor decision = at::zeros({1}, at::kInt);
     if (local_rank() == 0) decision.fill_(client_.agree_commit(quorum_, ok) ? 1 : 0);
     options_.replica_group->broadcast(decision, 0).wait();
@@ -228,6 +235,12 @@ bool FaultTolerantReplicas::should_commit() {
   }
   if (commit) {
     ++step_;
+    // The lighthouse forms the next step's quorum while the caller applies
+    // this one's update (Note [Commit vote]: every member commits, so each
+    // asks at the same step as it would in start_step()).
+    if (step_ < options_.max_steps && same_step && !want_fresh_ && local_rank() == 0) {
+      client_.ask_ahead(step_);
+    }
   } else if (!failed_) {
     DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": step " << step_ << " aborted (another member of "
                          << quorum_.describe() << " failed)";

@@ -57,7 +57,7 @@ namespace detail {
 
 FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strategy& strategy,
                                      torch::optim::Optimizer& optimizer, amp::GradScaler* scaler,
-                                     std::shared_ptr<ScheduledLR> schedule)
+                                     std::shared_ptr<ScheduledLR> schedule, std::int64_t max_steps)
     : options_(options),
       strategy_(strategy),
       endpoint_(options.lighthouse ? *options.lighthouse : ft::lighthouse_from_env()) {
@@ -70,7 +70,8 @@ FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strat
   if (group && group->size() == 1) group.reset();
   replicas_ = std::make_unique<ft::FaultTolerantReplicas>(
       *client_, strategy_.replica_state(optimizer, trainer_extra_state(scaler, std::move(schedule))),
-      ft::FaultTolerantOptions{.replica_group = group, .group_timeout = options_.group_timeout});
+      ft::FaultTolerantOptions{
+          .replica_group = group, .group_timeout = options_.group_timeout, .max_steps = max_steps});
 }
 
 FaultTolerantStep::~FaultTolerantStep() = default;

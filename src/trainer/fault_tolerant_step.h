@@ -25,9 +25,11 @@ class FaultTolerantStep {
  public:
   // Connects to the lighthouse (registration waits for the first step).
   // `scaler` and `schedule` (either may be null) travel in a recovery; they,
-  // the strategy and the optimizer must outlive this object.
+  // the strategy and the optimizer must outlive this object. `max_steps`:
+  // the Trainer's, so each committed step below it asks for the next quorum
+  // at once (FaultTolerantOptions::max_steps).
   FaultTolerantStep(const TrainerFaultTolerance& options, Strategy& strategy, torch::optim::Optimizer& optimizer,
-                    amp::GradScaler* scaler, std::shared_ptr<ScheduledLR> schedule);
+                    amp::GradScaler* scaler, std::shared_ptr<ScheduledLR> schedule, std::int64_t max_steps);
   ~FaultTolerantStep();
 
   // This rank's data position over every replica group's ranks.

@@ -310,7 +310,8 @@ struct Trainer::Run {
                  "TrainerOptions::fault_tolerance needs a StepStream and max_steps: a recovered replica group "
                  "finds its data position from the step.",
                  "train from a StepStream (batches a function of the step) with max_steps set");
-    ft = std::make_unique<detail::FaultTolerantStep>(*o.fault_tolerance, s, st.optimizer, scaler.get(), st.schedule);
+    ft = std::make_unique<detail::FaultTolerantStep>(*o.fault_tolerance, s, st.optimizer, scaler.get(), st.schedule,
+                                                     o.max_steps);
   }
 
   // Checkpoints hold, besides the strategy's model and optimizer, the scaler

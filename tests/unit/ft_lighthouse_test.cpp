@@ -8,6 +8,7 @@
 // restarted on the same store.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <future>
 #include <thread>
 
@@ -143,6 +144,78 @@ TEST(FtLighthouse, CommitIsAllOrNone) {
   EXPECT_EQ(vote({true, true}, q3, {a.get(), b.get()}), (std::vector<bool>{false, false}));
 }
 
+// Note [Commit vote]'s encoding: what each voter does with the sum its add
+// returned.
+TEST(FtCommitVote, SumTellsAbortCommitOrWait) {
+  const std::int64_t abort = 1 + (std::int64_t{1} << kAbortShift);
+  EXPECT_EQ(commit_vote(1, 3), CommitVote::kWait);
+  EXPECT_EQ(commit_vote(2, 3), CommitVote::kWait);
+  EXPECT_EQ(commit_vote(3, 3), CommitVote::kCommit);
+  EXPECT_EQ(commit_vote(1, 1), CommitVote::kCommit);
+  EXPECT_EQ(commit_vote(abort, 3), CommitVote::kAbort) << "the first voter aborts";
+  EXPECT_EQ(commit_vote(abort + 1, 3), CommitVote::kAbort) << "a later voter sees an earlier abort";
+  EXPECT_EQ(commit_vote(abort + 2, 3), CommitVote::kAbort) << "the last voter, one of three an abort";
+  EXPECT_EQ(commit_vote(3 * abort, 3), CommitVote::kAbort);
+}
+
+// Members of one quorum vote at once; their decisions in member order.
+std::vector<bool> vote_all(const std::vector<LighthouseClient*>& who, const std::vector<Quorum>& qs,
+                           const std::vector<bool>& ok) {
+  std::vector<std::future<bool>> out;
+  for (std::size_t i = 0; i < who.size(); ++i) {
+    out.push_back(std::async(std::launch::async, [&, i] { return who[i]->agree_commit(qs[i], ok[i]); }));
+  }
+  std::vector<bool> got;
+  for (auto& f : out) got.push_back(f.get());
+  return got;
+}
+
+// An abort among the votes decides, whether it comes first or last; the
+// members that voted ok before it do not wait out the commit timeout.
+TEST(FtCommitVote, AnAbortAmongTheVotesAbortsEveryMember) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(3));
+  auto a = ft_client(store, 0), b = ft_client(store, 1), c = ft_client(store, 2);
+  auto q = ask_all({a.get(), b.get(), c.get()}, {0, 0, 0});
+  // The abort last: a and b voted ok and wait; c's add counts every member.
+  const auto t0 = std::chrono::steady_clock::now();
+  auto va = std::async(std::launch::async, [&] { return a->agree_commit(q[0], true); });
+  auto vb = std::async(std::launch::async, [&] { return b->agree_commit(q[1], true); });
+  while (store.with_prefix("ft").add("commit/" + std::to_string(q[0].round) + "/votes", 0) < 2) {
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  EXPECT_FALSE(c->agree_commit(q[2], false));
+  EXPECT_FALSE(va.get());
+  EXPECT_FALSE(vb.get());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(450)) << "waited out the commit timeout (500 ms)";
+  // The abort first, the others after it.
+  q = ask_all({a.get(), b.get(), c.get()}, {0, 0, 0});
+  EXPECT_FALSE(b->agree_commit(q[1], false));
+  EXPECT_EQ(vote_all({a.get(), c.get()}, {q[0], q[2]}, {true, true}), (std::vector<bool>{false, false}));
+  // All ok, then: every member commits.
+  q = ask_all({a.get(), b.get(), c.get()}, {0, 0, 0});
+  EXPECT_EQ(vote_all({a.get(), b.get(), c.get()}, q, {true, true, true}), (std::vector<bool>{true, true, true}));
+  lighthouse.check();
+}
+
+// A member that does not vote within the commit timeout (dead, or late):
+// the others abort; one that votes ok after they gave up is the last voter
+// by the count, yet it must act on their decision, not propose its own.
+TEST(FtCommitVote, LateOrMissingVoterAbortsEveryMember) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(3));
+  auto a = ft_client(store, 0), b = ft_client(store, 1), c = ft_client(store, 2);
+  auto q = ask_all({a.get(), b.get(), c.get()}, {0, 0, 0});
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(vote_all({a.get(), b.get()}, {q[0], q[1]}, {true, true}), (std::vector<bool>{false, false}));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, milliseconds(450)) << "did not wait for the missing vote";
+  EXPECT_FALSE(c->agree_commit(q[2], true)) << "the late voter committed alone";
+  // The next round is its own: every member commits.
+  q = ask_all({a.get(), b.get(), c.get()}, {0, 0, 0});
+  EXPECT_EQ(vote_all({a.get(), b.get(), c.get()}, q, {true, true, true}), (std::vector<bool>{true, true, true}));
+  lighthouse.check();
+}
+
 TEST(FtLighthouse, NoQuorumWithoutTheNewestStep) {
   auto store = dist::Store::in_memory();
   Lighthouse lighthouse(store, fast_lighthouse(1));
@@ -252,13 +325,82 @@ TEST(FtLighthouse, StoreKeysDoNotGrowWithSteps) {
       EXPECT_TRUE(va.get());
     }
   };
+  // Keys done with are deleted once the quorum is answered: counted after
+  // the lighthouse had a few scans to do so.
+  const auto settled_keys = [&] {
+    std::this_thread::sleep_for(milliseconds(100));
+    return dist::num_keys(store);
+  };
   run_steps(5);
-  const std::int64_t before = dist::num_keys(store);
+  const std::int64_t before = settled_keys();
   run_steps(25);
   // The last round's vote keys stay until the next quorum; a wake-up key or
   // two may not be deleted yet. Before: ~8 keys more per step.
-  EXPECT_LE(dist::num_keys(store), before + 2) << "keys grow with steps";
+  EXPECT_LE(settled_keys(), before + 2) << "keys grow with steps";
   lighthouse.check();
+}
+
+// A quorum asked for ahead (after the commit, before the optimizer step) is
+// the one the next quorum() call returns.
+TEST(FtLighthouse, QuorumAskedAheadIsTheNextOne) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(2));
+  auto a = ft_client(store, 0), b = ft_client(store, 1);
+  const auto first = ask_all({a.get(), b.get()}, {0, 0});
+  a->ask_ahead(1);
+  const auto second = ask_all({a.get(), b.get()}, {1, 1});
+  EXPECT_EQ(second[0].to_text(), second[1].to_text());
+  EXPECT_EQ(second[0].round, first[0].round + 1);
+  EXPECT_EQ(second[0].max_step(), 1);
+  a->ask_ahead(2);
+  EXPECT_THROW(a->quorum(3), InternalError) << "asked ahead at step 2, then for step 3";
+  lighthouse.check();
+}
+
+// Note [Lighthouse round trips]: the store round trips of one step, for 4
+// replica groups over a TCP store (as under dtrain run), per client and
+// for the lighthouse; printed, and held to budgets the protocol keeps
+// (measured here before the cuts of 2026-11-25: 19 per client, 43-54 for
+// the lighthouse).
+TEST(FtLighthouse, RoundTripsPerStepStayWithinBudget) {
+  auto hosted = host_lighthouse({.port = 0, .lighthouse = {.min_replicas = 1, .startup_replicas = 4}});
+  constexpr int kReplicas = 4, kWarmup = 5, kSteps = 40;
+  std::vector<dist::Store> stores;
+  std::vector<std::unique_ptr<LighthouseClient>> clients;
+  for (int r = 0; r < kReplicas; ++r) {
+    stores.push_back(connect_lighthouse("127.0.0.1", hosted->port()));
+    clients.push_back(std::make_unique<LighthouseClient>(stores.back(), connect_lighthouse("127.0.0.1", hosted->port()),
+                                                         LighthouseClientOptions{.replica_id = r}));
+  }
+  std::vector<std::int64_t> client_trips(kReplicas);
+  std::int64_t lighthouse_start = 0, lighthouse_end = 0;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kReplicas; ++r) {
+    threads.emplace_back([&, r] {
+      std::int64_t start = 0;
+      for (int step = 0; step < kWarmup + kSteps; ++step) {
+        if (step == kWarmup) {
+          start = dist::round_trips(stores[r]);
+          if (r == 0) lighthouse_start = dist::round_trips(hosted->store);
+        }
+        const Quorum q = clients[r]->quorum(step);
+        EXPECT_EQ(q.members.size(), static_cast<std::size_t>(kReplicas));
+        EXPECT_TRUE(clients[r]->agree_commit(q, true));
+      }
+      client_trips[r] = dist::round_trips(stores[r]) - start;
+      if (r == 0) lighthouse_end = dist::round_trips(hosted->store);
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double lighthouse_per_step = static_cast<double>(lighthouse_end - lighthouse_start) / kSteps;
+  for (int r = 0; r < kReplicas; ++r) {
+    const double per_step = static_cast<double>(client_trips[r]) / kSteps;
+    std::printf("replica %d: %.2f store round trips per step\n", r, per_step);
+    EXPECT_LE(per_step, 9.0) << "replica " << r;
+  }
+  std::printf("lighthouse: %.2f store round trips per step (4 replicas)\n", lighthouse_per_step);
+  EXPECT_LE(lighthouse_per_step, 36.0);
+  hosted->lighthouse->check();
 }
 
 TEST(FtLighthouse, FailedLighthouseIsAnErrorOnTheReplicas) {

@@ -65,21 +65,29 @@ class Lighthouse {
   struct Replica;
   // A round whose commit keys stay until every member asked again.
   struct OpenRound {
-    std::vector<int> ids;                    // whose commit/<round>/vote/<id> to delete
     std::vector<std::int64_t> not_back_yet;  // incarnations
   };
   void serve();
+  // Every replica's heartbeat and join (once per scan_interval).
   void scan(std::chrono::steady_clock::time_point now);
+  void take_request(Replica& r, const std::string& join, std::chrono::steady_clock::time_point now);
+  Replica* replica(std::int64_t incarnation);
   void read_registrations(std::chrono::steady_clock::time_point now);
   void add_registration(std::int64_t k, std::chrono::steady_clock::time_point now);
-  void delete_read_events(std::chrono::steady_clock::time_point now);
+  // The requests the wake-ups carry.
+  void read_events(std::chrono::steady_clock::time_point now);
   void member_asked_again(std::int64_t incarnation);
+  // Its last answer and claim go to garbage_ (read, or never to be).
+  void forget_answer(Replica& r);
+  // Deletes garbage_'s keys, once the quorum (if any) is answered.
+  void delete_garbage();
   void form_quorum_if_ready(std::chrono::steady_clock::time_point now);
   bool claim_answers(const std::vector<Replica*>& asking);
 
   dist::Store store_;
   LighthouseOptions options_;
   std::vector<std::unique_ptr<Replica>> replicas_;  // by registration; the serving thread's
+  std::int64_t trips_at_start_ = 0;                 // the store connection's round trips before this service
   std::int64_t registrations_seen_ = 0;
   std::int64_t inherited_registrations_ = 0;  // counted before this lighthouse started
   // Since when reg/<registrations_seen_ + 1> is missing though counted (its
@@ -87,9 +95,10 @@ class Lighthouse {
   std::optional<std::chrono::steady_clock::time_point> registration_gap_since_;
   std::vector<std::int64_t> skipped_registrations_;  // re-read each scan
   std::int64_t events_seen_ = 0;
-  std::int64_t events_deleted_ = 0;
+  std::int64_t events_read_ = 0;
   std::optional<std::chrono::steady_clock::time_point> event_gap_since_;
-  std::chrono::steady_clock::time_point last_alive_{};
+  std::chrono::steady_clock::time_point last_full_scan_{};
+  std::vector<std::string> garbage_;  // keys done with, deleted off the step's path
   std::map<std::int64_t, OpenRound> open_rounds_;
   std::int64_t round_ = 0;         // the store's "round": the last one given out, by this lighthouse or its predecessor
   std::int64_t quorum_id_ = 0;     // the store's "quorum_id", likewise
@@ -135,6 +144,18 @@ struct LighthouseEndpoint {
 };
 LighthouseEndpoint lighthouse_from_env(const dist::EnvLookup& env = dist::process_env());
 
+// The commit vote's encoding (Note [Commit vote] in
+// src/ft/lighthouse_client.cpp): each member adds 1 to commit/<round>/votes,
+// or 1 + 2^kAbortShift to abort; what its add returns tells it what to do.
+inline constexpr int kAbortShift = 32;
+inline constexpr std::int64_t kVoteCountMask = (std::int64_t{1} << kAbortShift) - 1;
+enum class CommitVote {
+  kAbort,   // the sum shows an abort: propose "abort"
+  kCommit,  // the last of `members` votes, none an abort: propose "commit"
+  kWait,    // votes are missing: wait for the decision
+};
+CommitVote commit_vote(std::int64_t sum, std::int64_t members);
+
 struct LighthouseClientOptions {
   int replica_id = 0;  // this replica group's index along dp_replicate
   std::chrono::milliseconds heartbeat_interval{100};
@@ -166,6 +187,10 @@ class LighthouseClient {
   // request is then withdrawn: no later quorum counts this replica in for
   // it); CommunicationError when the lighthouse failed or stopped.
   Quorum quorum(std::int64_t step, bool fresh_group = false);
+  // Asks now for the quorum the next quorum(step) call returns (it must pass
+  // the same step, no fresh group), so the lighthouse forms it while this
+  // replica finishes its step: after a committed step, when another follows.
+  void ask_ahead(std::int64_t step);
   // The commit vote of a step run in quorum `q`: true when every member
   // voted ok; every member gets the same answer (Note [Commit vote]).
   bool agree_commit(const Quorum& q, bool ok);
@@ -177,6 +202,8 @@ class LighthouseClient {
  private:
   void register_once();
   void beat();
+  // Writes request seq_ + 1 (join/<k> and its wake-up).
+  void ask(std::int64_t step, bool fresh_group);
   // At the quorum timeout: withdraws request `id` ("<incarnation>/<seq>"),
   // throwing TimeoutError, or returns once its answer is there (the
   // lighthouse had claimed it).
@@ -190,6 +217,11 @@ class LighthouseClient {
   LighthouseClientOptions options_;
   std::int64_t incarnation_ = 0;
   std::int64_t seq_ = 0;
+  struct Asked {
+    std::int64_t step = 0;
+    bool fresh_group = false;
+  };
+  std::optional<Asked> asked_;  // request seq_, asked ahead, not yet answered
   std::atomic<bool> stop_{false};
   std::thread heartbeat_;
 };

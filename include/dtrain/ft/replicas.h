@@ -86,6 +86,13 @@ struct FaultTolerantOptions {
   // in member order on every rank (the tests' bitwise reference relies on
   // that); replicas on several hosts use Gloo.
   bool intra_host_shared_memory = true;
+  // The steps the caller trains (0: not known). Below it, should_commit()
+  // asks for the next step's quorum as soon as a step commits, so the
+  // lighthouse forms it while the caller applies the update; start_step()
+  // then only waits for the answer. A caller that stops before max_steps
+  // leaves its last request answered: its peers' next step fails at the
+  // group (group_timeout) and aborts, as if it had died mid-step.
+  std::int64_t max_steps = 0;
 };
 
 class FaultTolerantReplicas {
