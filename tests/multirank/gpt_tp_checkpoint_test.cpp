@@ -92,6 +92,19 @@ void train_whole(gpt::Gpt& model, torch::optim::Optimizer& opt,
   }
 }
 
+// One process's parameters (by the layer list's names) after SGD on every
+// batch from init seed 13: what every resumed run must end at.
+std::map<std::string, at::Tensor> uninterrupted_finals(const std::vector<std::pair<at::Tensor, at::Tensor>>& batches) {
+  const gpt::GptConfig config = checkpoint_config();
+  gpt::Gpt reference(config);
+  gpt::init_weights(*reference, config.n_layer, 13);
+  torch::optim::SGD opt(reference->parameters(), kCheckpointSgd);
+  train_whole(reference, opt, batches, 0, static_cast<int>(batches.size()));
+  std::map<std::string, at::Tensor> finals;
+  for (const auto& item : reference->layers->named_parameters()) finals[item.key()] = item.value().detach();
+  return finals;
+}
+
 // Each of `t`'s parts against its box of the whole tensors `finals` (the
 // module's own names), rtol 1e-5.
 void expect_parts_equal(TpTrainee& t, const std::map<std::string, at::Tensor>& finals, const std::string& what) {
@@ -112,17 +125,7 @@ void expect_parts_equal(TpTrainee& t, const std::map<std::string, at::Tensor>& f
 TEST(GptTpCheckpoint, SavedAtTp2ResumedAtTp1And2And4EqualsUninterrupted) {
   constexpr int kSteps = 4, kSaveAt = 2;
   const auto batches = checkpoint_batches(kSteps);
-  const gpt::GptConfig config = checkpoint_config();
-  gpt::Gpt reference(config);
-  gpt::init_weights(*reference, config.n_layer, 13);
-  torch::optim::SGD reference_opt(reference->parameters(), kCheckpointSgd);
-  for (const auto& [idx, targets] : batches) {
-    reference_opt.zero_grad();
-    gpt::lm_loss(reference(idx), targets).backward();
-    reference_opt.step();
-  }
-  std::map<std::string, at::Tensor> finals;
-  for (const auto& item : reference->layers->named_parameters()) finals[item.key()] = item.value().detach();
+  const std::map<std::string, at::Tensor> finals = uninterrupted_finals(batches);
 
   const auto dir = tp_checkpoint_dir("sgd");
   dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
@@ -212,12 +215,7 @@ TEST(GptTpCheckpoint, SavedAtTp2ResumesInOneProcessAndBack) {
   constexpr int kSteps = 4, kSaveAt = 2;
   const auto batches = checkpoint_batches(kSteps);
   const gpt::GptConfig config = checkpoint_config();
-  gpt::Gpt reference(config);
-  gpt::init_weights(*reference, config.n_layer, 13);
-  torch::optim::SGD reference_opt(reference->parameters(), kCheckpointSgd);
-  train_whole(reference, reference_opt, batches, 0, kSteps);
-  std::map<std::string, at::Tensor> finals;
-  for (const auto& item : reference->layers->named_parameters()) finals[item.key()] = item.value().detach();
+  const std::map<std::string, at::Tensor> finals = uninterrupted_finals(batches);
   const auto expect_whole_equal = [&](gpt::Gpt& model) {
     for (const auto& item : model->layers->named_parameters()) {
       const at::Tensor& expected = finals.at(item.key());

@@ -149,6 +149,24 @@ TEST(GptReshard, WorldFourThenThreeThenOne) {
   expect_resumes_as_reference(dir.path / "ckpt-zero2x3-6", 3, 6, kSingle, 9, reference9, dir.path, "zero2x3 -> single");
 }
 
+// `plan` (its ranks' checkpoint, with `rank_file` among its parts) saved at
+// step 3 resumes under each of `into` to step 6, and one process saved at step
+// 3 resumes under `back`: each ends where 6 uninterrupted steps do.
+void expect_round_trip(const std::string& name, const ReshardPlan& plan, const std::string& rank_file,
+                       const std::vector<const ReshardPlan*>& into, const ReshardPlan& back) {
+  ReshardDir dir(name);
+  const auto reference = reshard_reference(dir.path, 6);
+  ASSERT_FALSE(reference.empty());
+  const fs::path saved = dir.path / plan.name;
+  run_plan(plan, 3, saved);
+  ASSERT_TRUE(fs::exists(saved / "step_3" / rank_file / "laid_out.pt"));
+  for (const ReshardPlan* other : into)
+    expect_resumes_as_reference(saved, plan.ranks, 3, *other, 6, reference, dir.path, plan.name + " -> " + other->name);
+  const fs::path single = dir.path / "single";
+  run_plan(kSingle, 3, single);
+  expect_resumes_as_reference(single, 1, 3, back, 6, reference, dir.path, "single -> " + back.name);
+}
+
 // Pipelines with sharded stages save each rank's ZeRO pieces laid out
 // (flattened, the box of its chunk) under the whole model's names: ZeRO-3
 // stages (which could not be checkpointed before) saved at step 3 resume in
@@ -156,17 +174,7 @@ TEST(GptReshard, WorldFourThenThreeThenOne) {
 // at step 3 resumes as ZeRO-3 stages.
 TEST(GptReshard, ShardedPipelineStagesResumeInOneProcessAndBack) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  ReshardDir dir("sharded-stages");
-  const auto reference = reshard_reference(dir.path, 6);
-  ASSERT_FALSE(reference.empty());
-  const fs::path saved = dir.path / "pp2xzero3";
-  run_plan(kPipelineZero3, 3, saved);
-  ASSERT_TRUE(fs::exists(saved / "step_3" / "rank_3" / "laid_out.pt"));
-  for (const ReshardPlan* plan : {&kSingle, &kPipelineZero2})
-    expect_resumes_as_reference(saved, 4, 3, *plan, 6, reference, dir.path, "pp2xzero3 -> " + plan->name);
-  const fs::path single = dir.path / "single";
-  run_plan(kSingle, 3, single);
-  expect_resumes_as_reference(single, 1, 3, kPipelineZero3, 6, reference, dir.path, "single -> pp2xzero3");
+  expect_round_trip("sharded-stages", kPipelineZero3, "rank_3", {&kSingle, &kPipelineZero2}, kPipelineZero3);
 }
 
 // Tensor parallelism saves laid out under the whole model's names, its fused
@@ -175,17 +183,7 @@ TEST(GptReshard, ShardedPipelineStagesResumeInOneProcessAndBack) {
 // process; one process saved at step 3 resumes under tp 2.
 TEST(GptReshard, TensorParallelCheckpointResumesUnderZeroAndOneProcessAndBack) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  ReshardDir dir("tp");
-  const auto reference = reshard_reference(dir.path, 6);
-  ASSERT_FALSE(reference.empty());
-  const fs::path saved = dir.path / "tp2xdp2";
-  run_plan(kTp2xDp2, 3, saved);
-  ASSERT_TRUE(fs::exists(saved / "step_3" / "rank_1" / "laid_out.pt"));
-  for (const ReshardPlan* plan : {&kZero3On3, &kSingle})
-    expect_resumes_as_reference(saved, 4, 3, *plan, 6, reference, dir.path, "tp2xdp2 -> " + plan->name);
-  const fs::path single = dir.path / "single";
-  run_plan(kSingle, 3, single);
-  expect_resumes_as_reference(single, 1, 3, kTp2, 6, reference, dir.path, "single -> tp2");
+  expect_round_trip("tp", kTp2xDp2, "rank_1", {&kZero3On3, &kSingle}, kTp2);
 }
 
 }  // namespace
