@@ -208,11 +208,16 @@ TEST(PlannerSearch, RefusesWhatDoesNotFitWithTheFigureAndANearbyPlan) {
 }
 
 TEST(PlannerSearch, WellFormedIsApartFromRunnable) {
-  ParallelPlan p{.dp_shard = 2, .cp = 2, .zero_stage = 3, .recompute = Recompute::kFull, .global_batch = 4};
+  ParallelPlan p{.dp_shard = 2,
+                 .tp = 2,
+                 .zero_stage = 3,
+                 .sequence_parallel = true,
+                 .recompute = Recompute::kFull,
+                 .global_batch = 4};
   const PlanContext c{.world = 4};
   EXPECT_NO_THROW(p.check_well_formed(c));
-  EXPECT_THROW(p.validate(c), ConfigError);  // this build does not compose cp with ZeRO
-  p.cp = 3;
+  EXPECT_THROW(p.validate(c), ConfigError);  // this build does not compose sequence parallelism with ZeRO
+  p.tp = 3;
   EXPECT_THROW(p.check_well_formed(c), ConfigError);
 }
 
