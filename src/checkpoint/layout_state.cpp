@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/accumulate.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -11,7 +12,6 @@
 #include <algorithm>
 #include <functional>
 #include <map>
-#include <numeric>
 #include <set>
 #include <sstream>
 
@@ -155,16 +155,13 @@ LayoutState::Frame LayoutState::frame_of(const std::string& name, const LaidOutT
                                 << at::IntArrayRef(piece.global_shape) << ".",
                  "the checkpoint is damaged or mixes two runs; resume from another one");
   if (saved == model) return {.mine = mine, .shape = model};
-  const auto numel = [](const std::vector<std::int64_t>& s) {
-    return std::accumulate(s.begin(), s.end(), std::int64_t{1}, std::multiplies<>());
-  };
   const auto whole = [](const std::vector<std::int64_t>& s) {
     return dist::Box{.offsets = std::vector<std::int64_t>(s.size(), 0), .sizes = s};
   };
   const auto is_whole = [&](const dist::Box& b, const std::vector<std::int64_t>& s) {
     return b.sizes == s && b.offsets == whole(s).offsets;
   };
-  DTRAIN_CHECK(numel(saved) == numel(model), DataError,
+  DTRAIN_CHECK(c10::multiply_integers(saved) == c10::multiply_integers(model), DataError,
                "checkpoint: " << name << " was saved with the global shape " << at::IntArrayRef(saved)
                               << ", the model's is " << at::IntArrayRef(model) << ".",
                "resume with the model configuration that saved it");
@@ -383,18 +380,20 @@ std::shared_ptr<LayoutState> parameter_state(std::function<std::vector<LaidOutPa
     }
   };
   auto state = std::make_shared<ParameterLayoutState>(collect, after_load, loading, fields);
-  if (!model_names.empty()) {
-    std::set<std::string> known(model_names.begin(), model_names.end());
-    state->set_known([known = std::move(known)](const std::string& name) {
-      const bool model = name.rfind("model.", 0) == 0, opt = name.rfind("optimizer.", 0) == 0;
-      if (model) return known.count(name.substr(6)) > 0;
-      if (!opt) return false;
-      const std::string rest = name.substr(10);
-      const auto dot = rest.rfind('.');
-      return dot != std::string::npos && known.count(rest.substr(0, dot)) > 0;
-    });
-  }
+  if (!model_names.empty()) state->set_known(known_model_names(model_names));
   return state;
+}
+
+std::function<bool(const std::string&)> known_model_names(const std::vector<std::string>& model_names) {
+  std::set<std::string> known(model_names.begin(), model_names.end());
+  return [known = std::move(known)](const std::string& name) {
+    const bool model = name.rfind("model.", 0) == 0, opt = name.rfind("optimizer.", 0) == 0;
+    if (model) return known.count(name.substr(6)) > 0;
+    if (!opt) return false;
+    const std::string rest = name.substr(10);
+    const auto dot = rest.rfind('.');
+    return dot != std::string::npos && known.count(rest.substr(0, dot)) > 0;
+  };
 }
 
 std::shared_ptr<LayoutState> layout_state(torch::nn::Module& module, const dist::DeviceMesh& mesh,

@@ -2,11 +2,10 @@
 #include "dtrain/trainer/pipeline_strategy.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 
 #include <functional>
 #include <map>
-#include <numeric>
-#include <set>
 
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
@@ -150,6 +149,13 @@ void PipelineStrategy::name_parameters(const torch::nn::Module& whole, const std
   laid_out_.reset();
 }
 
+// A tensor's name in checkpoints: its whole-model name (name_parameters),
+// else `local`.
+std::string PipelineStrategy::global_name(const at::Tensor& t, const std::string& local) const {
+  const auto it = global_names_.find(t.unsafeGetTensorImpl());
+  return it != global_names_.end() ? it->second : local;
+}
+
 // The one place that reads the stages for checkpoints: each stage's own
 // parameters and buffers, written by the first replica of the stage (data
 // rank 0), and the borrowed tied copies, loaded (from their owner's name)
@@ -164,10 +170,6 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
   const std::vector<ShardedDataParallel*> sharded = pipe_->sharded_stages();
   DTRAIN_INTERNAL_ASSERT(sharded.empty() || sharded.size() == stages.size(),
                          "a pipeline rank has sharded and unsharded stages");
-  auto global_name = [&](const at::Tensor& t, const std::string& local) {
-    const auto it = global_names_.find(t.unsafeGetTensorImpl());
-    return it != global_names_.end() ? it->second : local;
-  };
   auto add = [&](const std::string& local, const at::Tensor& t, bool buffer, bool saved) {
     const std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
     out.push_back({.name = global_name(t, local),
@@ -188,7 +190,7 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
     } else {
       std::map<std::string, std::int64_t> numel;
       for (const ZeroParameterInfo& p : zero_parameters(*sharded[k])) {
-        numel[p.name] = std::accumulate(p.shape.begin(), p.shape.end(), std::int64_t{1}, std::multiplies<>());
+        numel[p.name] = c10::multiply_integers(p.shape);
         if (!p.trainable) add(stage + p.name, params[p.name], false, true);
       }
       for (const ParameterShard& piece : sharded[k]->parameter_shards()) {
@@ -232,23 +234,17 @@ std::shared_ptr<LayoutState> PipelineStrategy::sharded_reader(torch::optim::Opti
     for (std::size_t k = 0; k < stages.size(); ++k) {
       const std::string stage = "stage" + std::to_string(stages[k]) + ".";
       auto params = pipe_->stages()[k].module->named_parameters();
-      reader->stages.push_back(zero_whole_targets(*sharded[k], optimizer, [&](const std::string& name) {
-        const auto it = global_names_.find(params[name].unsafeGetTensorImpl());
-        return it != global_names_.end() ? it->second : stage + name;
-      }));
+      reader->stages.push_back(zero_whole_targets(
+          *sharded[k], optimizer, [&](const std::string& name) { return global_name(params[name], stage + name); }));
       const LaidOutTensors& mine = reader->stages.back().tensors;
       all.insert(all.end(), mine.begin(), mine.end());
-      for (const auto& item : pipe_->stages()[k].module->named_buffers()) {
-        const auto it = global_names_.find(item.value().unsafeGetTensorImpl());
-        all.emplace_back("model." + (it != global_names_.end() ? it->second : stage + item.key()),
-                         whole_tensor(item.value(), true));
-      }
+      for (const auto& item : pipe_->stages()[k].module->named_buffers())
+        all.emplace_back("model." + global_name(item.value(), stage + item.key()), whole_tensor(item.value(), true));
       const auto& ties = pipe_->stages()[k].tied;
       for (std::size_t j = 0; j < ties.size(); ++j) {
-        if (ties[j].owner) continue;
-        const auto it = global_names_.find(ties[j].parameter.unsafeGetTensorImpl());
-        all.emplace_back("model." + (it != global_names_.end() ? it->second : stage + "tied" + std::to_string(j)),
-                         whole_tensor(ties[j].parameter));
+        if (!ties[j].owner)
+          all.emplace_back("model." + global_name(ties[j].parameter, stage + "tied" + std::to_string(j)),
+                           whole_tensor(ties[j].parameter));
       }
     }
     return all;
@@ -259,16 +255,8 @@ std::shared_ptr<LayoutState> PipelineStrategy::sharded_reader(torch::optim::Opti
   };
   auto state = std::make_shared<LayoutState>(collect, after_load);
   reader->state = state.get();
-  if (whole_names_.empty()) return state;  // stage names ("stage<s>."): any may be saved
-  std::set<std::string> known;
-  for (const std::string& name : whole_names_) known.insert(name);
-  state->set_known([known](const std::string& name) {
-    if (name.rfind("model.", 0) == 0) return known.count(name.substr(6)) > 0;
-    if (name.rfind("optimizer.", 0) != 0) return false;
-    const std::string rest = name.substr(10);
-    const auto dot = rest.rfind('.');
-    return dot != std::string::npos && known.count(rest.substr(0, dot)) > 0;
-  });
+  // Without name_parameters the names are the stages' ("stage<s>."): any may be saved.
+  if (!whole_names_.empty()) state->set_known(known_model_names(whole_names_));
   return state;
 }
 

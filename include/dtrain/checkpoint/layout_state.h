@@ -146,6 +146,12 @@ std::shared_ptr<LayoutState> parameter_state(std::function<std::vector<LaidOutPa
                                              torch::optim::Optimizer* optimizer,
                                              std::vector<std::string> model_names = {});
 
+// Whether a saved name ("model.<n>", "optimizer.<n>.<field>") is of one of
+// `model_names` (every parameter and buffer of the whole model): the check
+// parameter_state makes with its `model_names`, for other states of the
+// same names (LayoutState::set_known).
+std::function<bool(const std::string&)> known_model_names(const std::vector<std::string>& model_names);
+
 // parameter_state over the parameters of `module` (layouts from
 // dist::named_layouts(module, mesh)), named `name_prefix` + their names in
 // `module` (the whole model's names when `module` holds a part of it under

@@ -93,6 +93,7 @@ class PipelineStrategy : public Strategy {
   std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
   std::shared_ptr<LayoutState> sharded_reader(torch::optim::Optimizer& optimizer);
   void check_checkpointable() const;
+  std::string global_name(const at::Tensor& t, const std::string& local) const;
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;
   int data_rank_ = 0, data_world_ = 1;
