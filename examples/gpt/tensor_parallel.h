@@ -31,8 +31,9 @@
 // batch [B, T] and keeps its rows (position embeddings of their global
 // positions), attention on this rank's heads runs nn::cp::causal_attention
 // over cp, and the logits are [B, T/c, V/t] (the loss: tp_lm_loss on
-// cp_targets, averaged over cp by nn::cp::mean_loss). Not with sequence
-// parallelism, dropout or recompute (validate_tp, validate_cp).
+// cp_targets, averaged over cp by nn::cp::mean_loss). With sequence
+// parallelism as well, the residual stream holds this tp rank's 1/t of those
+// rows ([B, T/(c t), C]). Not with dropout or recompute (validate_cp).
 //
 // Dropout (Note [TP dropout]) draws from TpOptions::rng, a
 // dtrain::nn::RngTracker: masks of regions every tp rank holds alike (the
@@ -99,10 +100,13 @@ inline void validate_tp(const GptConfig& c, std::int64_t tp, const TpOptions& op
                "GPT tensor parallelism: vocab_size " << c.vocab_size << " in pieces of " << chunk << " over tp " << tp
                                                      << " leaves the last rank no rows.",
                "use a smaller tp degree");
-  if (options.sequence_parallel) require(c.block_size, "block_size (sequence parallelism splits the sequence)");
-  DTRAIN_CHECK(!options.cp || !options.sequence_parallel, ConfigError,
-               "GPT tensor parallelism inside context parallelism does not run with sequence parallelism yet.",
-               "drop --sequence-parallel under --cp");
+  // Sequence parallelism splits the rows a rank holds: the whole sequence,
+  // or under cp its T/c zig-zag rows.
+  const std::int64_t cp = options.cp ? options.cp->size() : 1;
+  DTRAIN_CHECK(!options.sequence_parallel || c.block_size % (cp * tp) == 0, ConfigError,
+               "GPT sequence parallelism: block_size " << c.block_size << " does not split over cp " << cp << " x tp "
+                                                       << tp << " (each rank holds an equal part).",
+               "choose a block size that is a multiple of " << cp * tp);
   DTRAIN_CHECK(c.dropout == 0.0 || options.rng, ConfigError,
                "GPT tensor parallelism with dropout " << c.dropout
                                                       << " needs the dropout streams (TpOptions::rng) and has none.",
@@ -185,18 +189,25 @@ struct TpEmbedImpl : torch::nn::Module {
     wpe->weight.copy_(full.wpe->weight);
   }
   // idx [B, T] -> [B, T, C], or [B, T/t, C] (this rank's part) under SP, or
-  // [B, T/c, C] (this rank's zig-zag rows) under cp.
+  // [B, T/c, C] (this rank's zig-zag rows) under cp, [B, T/(c t), C] (this
+  // tp rank's part of them) under cp and SP.
   at::Tensor forward(const at::Tensor& idx) {
     const std::int64_t t = idx.size(1);
+    // The rows this rank's sequences hold (cp: its zig-zag rows) and their
+    // global positions.
+    at::Tensor rows = idx;
+    at::Tensor pos = at::arange(t, idx.options());
     if (cp) {
-      const at::Tensor mine = dtrain::nn::cp::zigzag_shard(idx, cp->size(), cp->rank(), 1);
-      return drop(wte(mine) + wpe(dtrain::nn::cp::zigzag_positions(t, cp->size(), cp->rank(), idx.options())),
-                  is_training());
+      rows = dtrain::nn::cp::zigzag_shard(idx, cp->size(), cp->rank(), 1);
+      pos = dtrain::nn::cp::zigzag_positions(t, cp->size(), cp->rank(), idx.options());
     }
-    if (!sp) return drop(wte(idx) + wpe(at::arange(t, idx.options())), is_training());
-    const std::int64_t part = t / tp.size();
-    const at::Tensor pos = at::arange(tp.rank() * part, (tp.rank() + 1) * part, idx.options());
-    return drop(wte(idx) + at::embedding(dtrain::nn::tp::copy_to_region(wpe->weight, tp), pos), is_training());
+    if (!sp) return drop(wte(rows) + wpe(pos), is_training());
+    // SP: wte reduce-scatters to this tp rank's part of the rows; wpe's
+    // gradient (from that part) is summed over tp.
+    const std::int64_t part = rows.size(1) / tp.size();
+    return drop(wte(rows) + at::embedding(dtrain::nn::tp::copy_to_region(wpe->weight, tp),
+                                          pos.narrow(0, tp.rank() * part, part)),
+                is_training());
   }
 
   GptConfig config;

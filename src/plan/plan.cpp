@@ -113,20 +113,11 @@ void validate_applied(const ParallelPlan& p) {
   // applier in this build casts to fp8.
   DTRAIN_CHECK(p.precision != "fp8", ConfigError, "precision fp8: this build plans fp8 but does not train in it.",
                "use bf16 (or fp16, fp32) to run the plan");
-  // dtrain::parallelize composes tensor and context parallelism with DDP
-  // (dp_replicate), ZeRO 1-3 over dp_shard (x cp), HSDP, pipelines of every
-  // schedule with DDP or ZeRO per stage, and each other (docs/tp.md,
-  // "Compositions"; tests/multirank/tp_*_test.cpp and
-  // tests/system/gpt_compose_test.cpp against one process). Not yet:
-  // sequence parallelism beside anything but dp_replicate.
-  if (p.tp > 1) {
-    DTRAIN_CHECK(!p.sequence_parallel || (p.dp_shard == 1 && p.pp == 1 && p.cp == 1), ConfigError,
-                 "sequence parallelism with " << degrees_of(p)
-                                              << ": this build runs sequence parallelism with tp and dp_replicate "
-                                                 "only (its compositions with ZeRO, pipelines and cp are not tested).",
-                 "set sequence_parallel false (tensor parallelism alone composes with dp_shard, pp and cp), or "
-                 "put the data-parallel ranks on dp_replicate with pp 1 and cp 1");
-  }
+  // dtrain::parallelize composes tensor (with or without sequence) and
+  // context parallelism with DDP (dp_replicate), ZeRO 1-3 over dp_shard
+  // (x cp), HSDP, pipelines of every schedule with DDP or ZeRO per stage, and
+  // each other (docs/tp.md, "Compositions"; tests/multirank/tp_*_test.cpp and
+  // tests/system/gpt_compose_test.cpp against one process).
   DTRAIN_CHECK(p.pp == 1 || p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,
                "dp_replicate " << p.dp_replicate << " x dp_shard " << p.dp_shard << " (HSDP) inside a pipeline (pp "
                                << p.pp << "): no applier in this build composes them yet.",
@@ -163,6 +154,11 @@ void ParallelPlan::check_well_formed(const PlanContext& c) const {
   DTRAIN_CHECK(c.model.seq == 0 || c.model.seq % (2 * cp) == 0 || cp == 1, ConfigError,
                "cp " << cp << " cannot split sequences of " << c.model.seq << " into " << 2 * cp << " balanced chunks.",
                "choose a cp with 2 x cp dividing " << c.model.seq);
+  DTRAIN_CHECK(c.model.seq == 0 || !sequence_parallel || c.model.seq % (cp * tp) == 0, ConfigError,
+               "sequence parallelism cannot split the "
+                   << c.model.seq / cp << " positions a cp rank holds (sequences of " << c.model.seq << " over cp "
+                   << cp << ") over tp " << tp << ".",
+               "choose tp and cp with cp x tp dividing " << c.model.seq);
   if (global_batch > 0) {
     const std::int64_t per = static_cast<std::int64_t>(data_parallel()) * accumulate;
     DTRAIN_CHECK(global_batch % per == 0, ConfigError,

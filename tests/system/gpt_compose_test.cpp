@@ -1,13 +1,13 @@
 // examples/gpt under tensor parallelism composed with the other axes through
 // its plan flags (`dtrain run`, dtrain::parallelize): tp 2 x dp_shard 2
 // (ZeRO-3), tp 2 x HSDP 2 x 2, tp 2 x pp 2 (1f1b and interleaved), tp 2 x
-// cp 2, dp_shard 2 x tp 2 x pp 2 (zb, ZeRO-2), cp 2 with ZeRO-3, HSDP and
-// pp 2, and the 4-D
-// plan dp_shard 2 x tp 2 x pp 2 x cp 2 on 16 processes, each against
-// --strategy single on the same global batches: the loss curve (every
-// step's val loss, and train loss where one data rank reads the whole
-// batch; rtol 1e-5), the final parameters
-// (gathered through the layouts; compare_params' bound) and the sample.
+// cp 2; sequence parallelism with ZeRO-3, with cp 2 and with dp_shard 2 x
+// pp 2; dp_shard 2 x tp 2 x pp 2 (zb, ZeRO-2); cp 2 with ZeRO-3, HSDP and
+// pp 2; and the 4-D plan dp_shard 2 x tp 2 x pp 2 x cp 2 on 16 processes,
+// each against --strategy single on the same global batches: the loss curve
+// (every step's val loss, and train loss where one data rank reads the whole
+// batch; rtol 1e-5), the final parameters (gathered through the layouts;
+// compare_params' bound) and the sample.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -121,6 +121,22 @@ TEST(GptCompose, TensorParallelWithZeroPipelinesAndCpMatchesSingle) {
       {"tp2-pp2-1f1b", "--tp 2 --pp 2 --micro-batches 2 --batch-size 4", 4},
       {"tp2-pp2-interleaved", "--tp 2 --pp 2 --pp-schedule interleaved --micro-batches 2 --batch-size 4", 4},
       {"tp2-cp2", "--tp 2 --cp 2 --batch-size 4", 4},
+  });
+}
+
+// Sequence parallelism beside ZeRO-3, cp, and ZeRO-2 in a pipeline: its
+// LayerNorm gains and wpe enter through copy_to_region (their gradients
+// summed over tp) before ZeRO, a stage's sync or cp's reduction sees them;
+// under cp it splits each rank's zig-zag rows (block 16: 8 rows, 4 per tp rank).
+TEST(GptCompose, SequenceParallelWithZeroPipelinesAndCpMatchesSingle) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  expect_composed_runs_match_single({
+      {"tp2-sp-zero3", "--tp 2 --sequence-parallel --dp-shard 2 --global-batch-size 4", 4, false},
+      {"tp2-sp-cp2", "--tp 2 --sequence-parallel --cp 2 --batch-size 4", 4},
+      {"dp2-tp2-sp-pp2-zb-zero2",
+       "--dp-shard 2 --zero-stage 2 --tp 2 --sequence-parallel --pp 2 --pp-schedule zb --micro-batches 2 "
+       "--global-batch-size 4",
+       8, false},
   });
 }
 

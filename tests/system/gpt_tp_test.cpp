@@ -1,8 +1,8 @@
 // examples/gpt under tensor parallelism (--tp, through `dtrain run`) ends
 // where --strategy single does on the same global batches: tp 2, tp 2 with
-// sequence parallelism, and tp 2 x dp_replicate 2 on 4 processes; plans tp
-// does not compose with yet are refused by name (its compositions with ZeRO,
-// pipelines and cp: gpt_compose_test.cpp). A checkpoint saved under
+// sequence parallelism, and tp 2 x dp_replicate 2 on 4 processes; a
+// sequence SP cannot split is refused by name (tp's compositions with ZeRO,
+// pipelines and cp, with and without SP: gpt_compose_test.cpp). A checkpoint saved under
 // tp 2 resumes under tp 4 and tp 2 where the uninterrupted run ends.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -108,13 +108,16 @@ TEST(GptTp, ClippedStepsMatchSingle) {
   fs::remove_all(dir);
 }
 
-TEST(GptTp, UnsupportedCompositionsAreRefused) {
+// Sequence parallelism needs the sequence (here 15 positions) to split over
+// tp: refused by the plan before any step, naming the sizes.
+TEST(GptTp, UnsplittableSequenceIsRefused) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const std::string common = kCommon + "0.5 --sample-tokens 0 --batch-size 2 ";
-  const auto zero =
-      dtrain::testing::run_example(kExample, common + "--tp 2 --sequence-parallel --dp-shard 2", launch(4));
-  EXPECT_NE(zero.exit_code, 0);
-  EXPECT_NE(zero.stderr_text.find("sequence parallelism with"), std::string::npos) << zero.stderr_text;
+  const auto r =
+      dtrain::testing::run_example(kExample, common + "--tp 2 --sequence-parallel --block-size 15", launch(2));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("sequence parallelism cannot split the 15 positions"), std::string::npos)
+      << r.stderr_text;
 }
 
 // --checkpoint-dir under tp 2: 3 AdamW steps saved, then resumed under tp 4

@@ -112,16 +112,18 @@ TEST(ParallelPlan, PlansThatCannotWorkSayWhatToChange) {
   EXPECT_NO_THROW(
       (ParallelPlan{.pp = 2, .dp_shard = 2, .tp = 2, .zero_stage = 3}.validate({.world = 8, .model = kGpt})));
   EXPECT_NO_THROW((ParallelPlan{.pp = 2, .dp_replicate = 2, .tp = 2}.validate({.world = 8, .model = kGpt})));
-  // ... and HSDP (tests/system/gpt_compose_test.cpp), but not yet with
-  // sequence parallelism beside ZeRO, pipelines or cp.
+  // ... and HSDP (tests/system/gpt_compose_test.cpp), with sequence
+  // parallelism too; under cp it splits the positions a cp rank holds.
   EXPECT_NO_THROW((ParallelPlan{.dp_replicate = 2, .dp_shard = 2, .tp = 2, .zero_stage = 2}.validate({.world = 8})));
   for (const ParallelPlan& sp : {ParallelPlan{.dp_shard = 2, .tp = 2, .zero_stage = 1, .sequence_parallel = true},
                                  ParallelPlan{.pp = 2, .tp = 2, .sequence_parallel = true},
                                  ParallelPlan{.cp = 2, .tp = 2, .sequence_parallel = true}}) {
-    const std::string error = invalid(sp, {.world = 4});
-    EXPECT_NE(error.find("sequence parallelism with"), std::string::npos) << error;
-    EXPECT_NE(error.find("set sequence_parallel false"), std::string::npos) << error;
+    EXPECT_NO_THROW(sp.validate({.world = 4, .model = kGpt}));
   }
+  const PlanContext::Model short_seq{.layers = 6, .heads = 4, .width = 128, .seq = 12};
+  const std::string split = invalid({.cp = 2, .tp = 4, .sequence_parallel = true}, {.world = 8, .model = short_seq});
+  EXPECT_NE(split.find("cannot split the 6 positions a cp rank holds"), std::string::npos) << split;
+  EXPECT_NE(split.find("cp x tp dividing 12"), std::string::npos) << split;
   // cp composes with tp, ZeRO and pipelines through dtrain::parallelize
   // (tests/system/gpt_compose_test.cpp), the 4-D plan and HSDP included.
   EXPECT_NO_THROW((ParallelPlan{.pp = 2, .cp = 2, .tp = 2}.validate({.world = 8, .model = kGpt})));

@@ -208,15 +208,11 @@ TEST(PlannerSearch, RefusesWhatDoesNotFitWithTheFigureAndANearbyPlan) {
 }
 
 TEST(PlannerSearch, WellFormedIsApartFromRunnable) {
-  ParallelPlan p{.dp_shard = 2,
-                 .tp = 2,
-                 .zero_stage = 3,
-                 .sequence_parallel = true,
-                 .recompute = Recompute::kFull,
-                 .global_batch = 4};
-  const PlanContext c{.world = 4};
+  ParallelPlan p{
+      .pp = 2, .dp_replicate = 2, .dp_shard = 2, .zero_stage = 3, .recompute = Recompute::kFull, .global_batch = 8};
+  const PlanContext c{.world = 8};
   EXPECT_NO_THROW(p.check_well_formed(c));
-  EXPECT_THROW(p.validate(c), ConfigError);  // this build does not compose sequence parallelism with ZeRO
+  EXPECT_THROW(p.validate(c), ConfigError);  // this build does not compose HSDP with pipelines
   p.tp = 3;
   EXPECT_THROW(p.check_well_formed(c), ConfigError);
 }
