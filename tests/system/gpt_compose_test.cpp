@@ -1,7 +1,7 @@
 // examples/gpt under tensor parallelism composed with the other axes through
 // its plan flags (`dtrain run`, dtrain::parallelize): tp 2 x dp_shard 2
 // (ZeRO-3), tp 2 x HSDP 2 x 2, tp 2 x pp 2 (1f1b and interleaved), tp 2 x
-// cp 2; sequence parallelism with ZeRO-3, with cp 2 and with dp_shard 2 x
+// cp 2, dp_replicate 2 x cp 2 x tp 2; sequence parallelism with ZeRO-3, with cp 2 and with dp_shard 2 x
 // pp 2; dp_shard 2 x tp 2 x pp 2 (zb, ZeRO-2); cp 2 with ZeRO-3, HSDP and
 // pp 2; and the 4-D plan dp_shard 2 x tp 2 x pp 2 x cp 2 on 16 processes,
 // each against --strategy single on the same global batches: the loss curve
@@ -121,6 +121,8 @@ TEST(GptCompose, TensorParallelWithZeroPipelinesAndCpMatchesSingle) {
       {"tp2-pp2-1f1b", "--tp 2 --pp 2 --micro-batches 2 --batch-size 4", 4},
       {"tp2-pp2-interleaved", "--tp 2 --pp 2 --pp-schedule interleaved --micro-batches 2 --batch-size 4", 4},
       {"tp2-cp2", "--tp 2 --cp 2 --batch-size 4", 4},
+      // DDP over dp_replicate x cp around the tp x cp split.
+      {"dp2-cp2-tp2", "--dp-replicate 2 --cp 2 --tp 2 --global-batch-size 4", 8, false},
   });
 }
 
