@@ -2,7 +2,9 @@
 // examples/fashion_mnist: a plan file (--plan FILE, dtrain::ParallelPlan's
 // JSON) or the degrees as flags (--dp-replicate, --dp-shard, --pp, --tp,
 // --sequence-parallel, --cp, --zero-stage, --recompute; the pipeline's schedule and micro-batches come
-// from pipeline_cli.h), and the global batch (--global-batch-size). The
+// from pipeline_cli.h), and the global batch (--global-batch-size, else a
+// plan file's global_batch: per-rank batch = global / (data-parallel ranks x
+// --accumulate)). The
 // plan is checked against the world and the model before anything is built
 // (ParallelPlan::validate), so a plan that cannot run fails with what to
 // change; resolve_run maps it onto the strategy that runs it.
@@ -186,13 +188,19 @@ inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, con
     r.recompute_every = plan.recompute_every;
     r.plan = plan;
   }
-  if (cli.global_batch > 0) {
+  // The global batch: --global-batch-size, else the plan file's
+  // global_batch (validate() has checked that it splits), else batch_size
+  // per rank stands.
+  const std::int64_t global = cli.global_batch > 0 ? cli.global_batch : r.plan ? r.plan->global_batch : 0;
+  if (global > 0) {
     const std::int64_t per = static_cast<std::int64_t>(data_parallel) * accumulate;
-    DTRAIN_CHECK(cli.global_batch % per == 0, ConfigError,
-                 "--global-batch-size " << cli.global_batch << " does not split over " << data_parallel
-                                        << " data-parallel ranks x --accumulate " << accumulate << ".",
+    DTRAIN_CHECK(global % per == 0, ConfigError,
+                 "a global batch of " << global << " sequences ("
+                                      << (cli.global_batch > 0 ? "--global-batch-size" : "the plan's global_batch")
+                                      << ") does not split over " << data_parallel
+                                      << " data-parallel ranks x --accumulate " << accumulate << ".",
                  "choose a multiple of " << per);
-    r.batch_size = cli.global_batch / per;
+    r.batch_size = global / per;
   }
   return r;
 }

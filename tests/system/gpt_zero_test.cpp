@@ -60,9 +60,11 @@ TEST(GptZero, EveryStageMatchesSingle) {
 }
 
 // Plans instead of --strategy: HSDP (dp_replicate 2 x dp_shard 2, ZeRO-3) on
-// 4 ranks and a plan file (ZeRO-2 over 2 ranks) with --global-batch-size end
-// where single does on the same global batches; a plan no applier runs is
-// refused before training, saying what to change.
+// 4 ranks and a plan file (ZeRO-2 over 2 ranks) with --global-batch-size or
+// with its own global_batch end where single does on the same global
+// batches; a plan no applier runs, and a plan's global batch that does not
+// split over its data-parallel ranks, are refused before training, saying
+// what to change.
 TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-plan-" + std::to_string(::getpid()));
@@ -73,6 +75,10 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
     std::ofstream plan(dir / "zero2.json");
     plan << R"({"dp_shard": 2, "zero_stage": 2})";
   }
+  {  // the global batch from the file alone (the default --batch-size is 12)
+    std::ofstream plan(dir / "zero2-batch4.json");
+    plan << R"({"dp_shard": 2, "zero_stage": 2, "global_batch": 4})";
+  }
   struct Case {
     std::string name, args, launcher;
   };
@@ -80,6 +86,7 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
       {"hsdp", "--dp-replicate 2 --dp-shard 2 --batch-size 1",
        std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 4"},
       {"plan-file", "--plan " + (dir / "zero2.json").string() + " --global-batch-size 4", kLaunch},
+      {"plan-file-global-batch", "--plan " + (dir / "zero2-batch4.json").string(), kLaunch},
   };
   for (const auto& c : cases) {
     const auto file = dir / (c.name + ".f32");
@@ -106,6 +113,16 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
                                    std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 8");
   EXPECT_NE(refused.exit_code, 0);
   EXPECT_NE(refused.stderr_text.find("(HSDP) inside a pipeline"), std::string::npos) << refused.stderr_text;
+  {
+    std::ofstream plan(dir / "zero2-batch3.json");
+    plan << R"({"dp_shard": 2, "zero_stage": 2, "global_batch": 3})";
+  }
+  const auto odd = dtrain::testing::run_example(
+      kExample, kCommon + "/dev/null --plan " + (dir / "zero2-batch3.json").string(), kLaunch);
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_NE(odd.stderr_text.find("a global batch of 3 sequences does not split over 2 data-parallel ranks"),
+            std::string::npos)
+      << odd.stderr_text;
   fs::remove_all(dir);
 }
 
