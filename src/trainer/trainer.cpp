@@ -350,10 +350,9 @@ struct Trainer::Run {
 
   void evaluate(std::int64_t epoch) {
     if (!st.eval_set && !st.eval_batch) return;
-    EvalReport report{.epoch = epoch,
-                      .step = position.step,
-                      .train_loss = eval_loss_steps > 0 ? eval_loss_sum / static_cast<double>(eval_loss_steps) : 0,
-                      .eval = trainer.evaluate()};
+    const double train_loss = eval_loss_steps > 0 ? eval_loss_sum / static_cast<double>(eval_loss_steps) : 0;
+    EvalReport report{
+        .epoch = epoch, .step = position.step, .train_loss = mean_over_ranks(train_loss), .eval = trainer.evaluate()};
     eval_loss_sum = 0;
     eval_loss_steps = 0;
     last_eval_step = position.step;
@@ -466,14 +465,22 @@ struct Trainer::Run {
     return loss.item<double>();
   }
 
+  // The mean of `value` over every rank (collective over the group): a step
+  // loss is its data-parallel replica's on each of the replica's ranks (tp
+  // and cp ranks hold the same value, a pipeline broadcasts it), and every
+  // replica has as many ranks, so this is the mean over the data-parallel
+  // ranks, the loss of the global batch.
+  double mean_over_ranks(double value) {
+    if (!group || world == 1) return value;
+    at::Tensor t = at::tensor({value}, at::kDouble).to(group->device());
+    group->all_reduce(t).wait();
+    return t.cpu().item<double>() / world;
+  }
+
   // Progress and metrics at the end of a window.
   void report(Window& window, Progress& progress, std::int64_t done_in_epoch) {
     double mean_loss = window.loss / static_cast<double>(window.steps);
-    if (want_metrics && group) {  // the mean over ranks (every rank takes part)
-      at::Tensor t = at::tensor({mean_loss}, at::kDouble).to(group->device());
-      group->all_reduce(t).wait();
-      mean_loss = t.cpu().item<double>() / world;
-    }
+    if (want_metrics) mean_loss = mean_over_ranks(mean_loss);
     summary.last_loss = mean_loss;
     char status[48];
     std::snprintf(status, sizeof status, "loss %.4f", mean_loss);

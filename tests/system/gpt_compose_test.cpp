@@ -1,13 +1,14 @@
 // examples/gpt under tensor parallelism composed with the other axes through
 // its plan flags (`dtrain run`, dtrain::parallelize): tp 2 x dp_shard 2
 // (ZeRO-3), tp 2 x HSDP 2 x 2, tp 2 x pp 2 (1f1b and interleaved), tp 2 x
-// cp 2, dp_replicate 2 x cp 2 x tp 2; sequence parallelism with ZeRO-3, with cp 2 and with dp_shard 2 x
-// pp 2; dp_shard 2 x tp 2 x pp 2 (zb, ZeRO-2); cp 2 with ZeRO-3, HSDP and
-// pp 2; and the 4-D plan dp_shard 2 x tp 2 x pp 2 x cp 2 on 16 processes,
-// each against --strategy single on the same global batches: the loss curve
-// (every step's val loss, and train loss where one data rank reads the whole
-// batch; rtol 1e-5), the final parameters (gathered through the layouts;
-// compare_params' bound) and the sample.
+// cp 2, dp_replicate 2 x cp 2 x tp 2; sequence parallelism with ZeRO-3, with
+// cp 2 and with dp_shard 2 x pp 2; dp_shard 2 x tp 2 x pp 2 (zb, ZeRO-2);
+// cp 2 with ZeRO-3, HSDP and pp 2; and the 4-D plan dp_shard 2 x tp 2 x
+// pp 2 x cp 2 on 16 processes, each against --strategy single on the same
+// global batches: the loss curve (every step's val loss and train loss, the
+// printed train loss being the mean over the data-parallel ranks, so the
+// global batch's; rtol 1e-5), the final parameters (gathered through the
+// layouts; compare_params' bound) and the sample.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -38,15 +39,11 @@ const std::string kComposeCommon =
 struct ComposeCase {
   std::string name, args;
   int ranks;
-  // The train loss printed is rank 0's own batch's (the Trainer does not
-  // average it over data-parallel ranks): compared only where one data rank
-  // reads the whole batch; the val loss (reduced over every rank) always.
-  bool one_data_rank = true;
 };
 
-// The val losses of every evaluation line (steps 0-4) and, with
-// `train`, the train losses (steps 1-4), in order.
-std::vector<double> loss_curve(const std::string& out, bool train = true) {
+// The val losses of every evaluation line (steps 0-4) and the train losses
+// (steps 1-4), in order.
+std::vector<double> loss_curve(const std::string& out) {
   std::vector<double> curve;
   std::size_t start = 0;
   while (start < out.size()) {
@@ -55,7 +52,7 @@ std::vector<double> loss_curve(const std::string& out, bool train = true) {
     const std::string line = out.substr(start, end - start);
     if (line.rfind("{\"event\":\"eval\"", 0) == 0) {
       const auto j = nlohmann::json::parse(line);
-      if (train && j.value("step", 0) > 0) curve.push_back(j.value("train_loss", 0.0));
+      if (j.value("step", 0) > 0) curve.push_back(j.value("train_loss", 0.0));
       curve.push_back(j.value("val_loss", 0.0));
     }
     start = end + 1;
@@ -89,8 +86,8 @@ void expect_composed_runs_match_single(const std::vector<ComposeCase>& cases) {
     ASSERT_EQ(r.exit_code, 0) << c.name << ": " << r.stderr_text;
     EXPECT_EQ(dtrain::testing::last_json_line(r.stdout_text).value("steps", 0), 4) << r.stdout_text;
     EXPECT_NE(r.stderr_text.find("parallelism plan"), std::string::npos) << c.name << r.stderr_text;
-    const std::vector<double> curve = loss_curve(single.stdout_text, c.one_data_rank);
-    const std::vector<double> mine = loss_curve(r.stdout_text, c.one_data_rank);
+    const std::vector<double> curve = loss_curve(single.stdout_text);
+    const std::vector<double> mine = loss_curve(r.stdout_text);
     ASSERT_EQ(mine.size(), curve.size()) << c.name << r.stdout_text;
     for (std::size_t i = 0; i < curve.size(); ++i) {
       EXPECT_NEAR(mine[i], curve[i], 1e-5 * curve[i]) << c.name << " loss " << i;
@@ -116,13 +113,13 @@ void expect_composed_runs_match_single(const std::vector<ComposeCase>& cases) {
 TEST(GptCompose, TensorParallelWithZeroPipelinesAndCpMatchesSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   expect_composed_runs_match_single({
-      {"tp2-zero3", "--tp 2 --dp-shard 2 --global-batch-size 4", 4, false},
-      {"tp2-hsdp", "--tp 2 --dp-replicate 2 --dp-shard 2 --global-batch-size 4", 8, false},
+      {"tp2-zero3", "--tp 2 --dp-shard 2 --global-batch-size 4", 4},
+      {"tp2-hsdp", "--tp 2 --dp-replicate 2 --dp-shard 2 --global-batch-size 4", 8},
       {"tp2-pp2-1f1b", "--tp 2 --pp 2 --micro-batches 2 --batch-size 4", 4},
       {"tp2-pp2-interleaved", "--tp 2 --pp 2 --pp-schedule interleaved --micro-batches 2 --batch-size 4", 4},
       {"tp2-cp2", "--tp 2 --cp 2 --batch-size 4", 4},
       // DDP over dp_replicate x cp around the tp x cp split.
-      {"dp2-cp2-tp2", "--dp-replicate 2 --cp 2 --tp 2 --global-batch-size 4", 8, false},
+      {"dp2-cp2-tp2", "--dp-replicate 2 --cp 2 --tp 2 --global-batch-size 4", 8},
   });
 }
 
@@ -133,12 +130,12 @@ TEST(GptCompose, TensorParallelWithZeroPipelinesAndCpMatchesSingle) {
 TEST(GptCompose, SequenceParallelWithZeroPipelinesAndCpMatchesSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   expect_composed_runs_match_single({
-      {"tp2-sp-zero3", "--tp 2 --sequence-parallel --dp-shard 2 --global-batch-size 4", 4, false},
+      {"tp2-sp-zero3", "--tp 2 --sequence-parallel --dp-shard 2 --global-batch-size 4", 4},
       {"tp2-sp-cp2", "--tp 2 --sequence-parallel --cp 2 --batch-size 4", 4},
       {"dp2-tp2-sp-pp2-zb-zero2",
        "--dp-shard 2 --zero-stage 2 --tp 2 --sequence-parallel --pp 2 --pp-schedule zb --micro-batches 2 "
        "--global-batch-size 4",
-       8, false},
+       8},
   });
 }
 
@@ -148,7 +145,7 @@ TEST(GptCompose, DataTimesTensorTimesPipelineMatchesSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   expect_composed_runs_match_single({
       {"dp2-tp2-pp2-zb-zero2",
-       "--dp-shard 2 --zero-stage 2 --tp 2 --pp 2 --pp-schedule zb --micro-batches 2 --global-batch-size 4", 8, false},
+       "--dp-shard 2 --zero-stage 2 --tp 2 --pp 2 --pp-schedule zb --micro-batches 2 --global-batch-size 4", 8},
   });
 }
 
@@ -157,8 +154,8 @@ TEST(GptCompose, DataTimesTensorTimesPipelineMatchesSingle) {
 TEST(GptCompose, ContextParallelWithZeroAndPipelinesMatchesSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   expect_composed_runs_match_single({
-      {"cp2-zero3", "--cp 2 --dp-shard 2 --global-batch-size 4", 4, false},
-      {"cp2-hsdp", "--cp 2 --dp-replicate 2 --dp-shard 2 --global-batch-size 4", 8, false},
+      {"cp2-zero3", "--cp 2 --dp-shard 2 --global-batch-size 4", 4},
+      {"cp2-hsdp", "--cp 2 --dp-replicate 2 --dp-shard 2 --global-batch-size 4", 8},
       {"cp2-pp2", "--cp 2 --pp 2 --micro-batches 2 --batch-size 4", 4},
   });
 }
@@ -173,7 +170,7 @@ TEST(GptCompose, FourDimensionalPlanMatchesSingle) {
     out << R"({"pp": 2, "dp_shard": 2, "cp": 2, "tp": 2, "zero_stage": 3,)"
         << R"( "pipeline": {"schedule": "1f1b", "micro_batches": 2}})";
   }
-  expect_composed_runs_match_single({{"4d", "--plan " + plan.string() + " --global-batch-size 4", 16, false}});
+  expect_composed_runs_match_single({{"4d", "--plan " + plan.string() + " --global-batch-size 4", 16}});
   fs::remove(plan);
 }
 

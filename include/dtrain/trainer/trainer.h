@@ -108,7 +108,7 @@ struct EvalResult {
 struct EvalReport {
   std::int64_t epoch = 0;  // 0-based
   std::int64_t step = 0;   // optimizer steps taken
-  double train_loss = 0;   // this rank's mean step loss since the previous evaluation
+  double train_loss = 0;   // the mean step loss since the previous evaluation, over every data-parallel rank
   EvalResult eval;
 };
 
