@@ -31,6 +31,8 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<pipeline::Pipeline> pipe, dis
   replica_ = data_rank_ * mesh.size("cp") + mesh.coordinate("cp");
   replicas_ = data_world_ * mesh.size("cp");
   tensor_parallel_ = mesh.size("tp") > 1;
+  tp_rank_ = mesh.coordinate("tp");
+  tp_size_ = mesh.size("tp");
   const pipeline::Schedule& schedule = pipe_->schedule();
   loss_rank_ = schedule.rank_of_stage(schedule.stage_count() - 1);
   // module(): this rank's stages (train/eval modes, per-rank checkpoints)
@@ -125,20 +127,48 @@ at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
   return pipe_->clip_grad_norm_(max_norm);
 }
 
-// The stages' tp parts would be saved as whole parameters.
+// ZeRO stages' chunks of tp parts are not laid out yet; tp parts unnamed
+// would be saved as whole parameters.
 void PipelineStrategy::check_checkpointable() const {
-  DTRAIN_CHECK(!tensor_parallel_, ConfigError, "checkpoints of pipeline stages split over tp are not supported yet.",
-               "train without a checkpoint directory, or with pp 1 beside tp");
+  DTRAIN_CHECK(!tensor_parallel_ || pipe_->sharded_stages().empty(), ConfigError,
+               "checkpoints of ZeRO pipeline stages split over tp are not supported yet.",
+               "train without a checkpoint directory, or with DDP per stage (dp_replicate) beside tp and pp");
+  DTRAIN_CHECK(!tensor_parallel_ || !tp_layouts_.empty(), ConfigError,
+               "checkpoints of pipeline stages split over tp need their layouts (PipelineStrategy::name_parameters).",
+               "name the stages' parameters with the tp split's layouts before saving or loading");
 }
 
-void PipelineStrategy::name_parameters(const torch::nn::Module& whole, const std::string& prefix) {
+void PipelineStrategy::name_parameters(const torch::nn::Module& whole, const std::string& prefix,
+                                       const dist::NamedLayouts* layouts) {
   global_names_.clear();
   whole_names_.clear();
+  tp_layouts_.clear();
+  std::map<std::string, const dist::Layout*> layout_of;
+  if (layouts != nullptr)
+    for (const auto& [name, layout] : *layouts) layout_of.emplace(name, &layout);
   for (const auto& item : whole.named_parameters()) {
     const std::string& name = item.key();
     const at::Tensor& p = item.value();
     global_names_.emplace(p.unsafeGetTensorImpl(), prefix + name);
     whole_names_.push_back(prefix + name);
+    const auto it = layout_of.find(name);
+    if (it == layout_of.end()) continue;
+    // This rank's tp part, replicated over the stage's copies (the first
+    // writes it); a layout sharded on another dimension is none of a
+    // pipeline's tp stages'.
+    const dist::Layout& full = *it->second;
+    dist::Placement on_tp = dist::Placement::replicate();
+    for (std::size_t d = 0; d < full.mesh.size(); ++d) {
+      if (full.mesh[d].name == "tp") {
+        on_tp = full.placements[d];
+      } else {
+        DTRAIN_INTERNAL_ASSERT(full.placements[d].kind == dist::Placement::Kind::kReplicate,
+                               "a pipeline stage's parameter " << name << " is laid out " << full.to_string());
+      }
+    }
+    tp_layouts_.emplace(p.unsafeGetTensorImpl(), dist::Layout{.mesh = {{"replicas", replicas_}, {"tp", tp_size_}},
+                                                              .placements = {dist::Placement::replicate(), on_tp},
+                                                              .global_shape = full.global_shape});
   }
   for (const auto& item : whole.named_buffers()) {
     const std::string& name = item.key();
@@ -172,6 +202,12 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
                          "a pipeline rank has sharded and unsharded stages");
   auto add = [&](const std::string& local, const at::Tensor& t, bool buffer, bool saved) {
     const std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
+    if (const auto tp = tp_layouts_.find(t.unsafeGetTensorImpl()); tp != tp_layouts_.end()) {
+      out.push_back({.name = global_name(t, local),
+                     .tensor = {.local = t, .layout = tp->second, .coordinates = {replica_, tp_rank_}, .saved = saved},
+                     .buffer = buffer});
+      return;
+    }
     out.push_back({.name = global_name(t, local),
                    .tensor = {.local = t,
                               .layout = {.mesh = {{"replicas", replicas_}},

@@ -26,8 +26,11 @@
 // (trainer/resharding.h), each stage's parameters and optimizer state under
 // the whole model's names (name_parameters), written by the first replica of
 // the stage, so a run resumes under any plan (another cut, pp or dp width,
-// one process, ZeRO, HSDP) and any plan's checkpoint resumes here; refused
-// for stages of tp parts (not written with their layouts yet). Sharded
+// one process, ZeRO, HSDP) and any plan's checkpoint resumes here. Stages
+// of tp parts write each tp rank's part with its tp placement (the layouts
+// given to name_parameters), so they reshard to other tp degrees and plans
+// as TensorParallelStrategy's do; refused for ZeRO stages of tp parts (their
+// flat chunks hold tp parts: not laid out yet). Sharded
 // (ZeRO 1-3) stages save each rank's pieces of their parameters and
 // optimizer state, laid out under the same names (every data rank writes
 // its own), and load through their whole state, so they reshard the same
@@ -42,6 +45,7 @@
 
 #include "dtrain/checkpoint/layout_state.h"
 #include "dtrain/comm/mesh.h"
+#include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/trainer/strategy.h"
 
 namespace dtrain {
@@ -85,8 +89,13 @@ class PipelineStrategy : public Strategy {
   // modules the stages share (`prefix` before each: "layers." for a model that
   // holds them as "layers"). Without it they are "stage<s>.<name in the
   // stage>", which resume only under the same cut. Call before the first
-  // save or load; `whole` is read here only.
-  void name_parameters(const torch::nn::Module& whole, const std::string& prefix = "");
+  // save or load; `whole` is read here only. Stages of tp parts: `whole` is
+  // the tp split whose layers the stages are, and `layouts` its
+  // dist::named_layouts (taken before other stages' parameters were
+  // released); each parameter is saved and loaded as its tp part of the
+  // global tensor.
+  void name_parameters(const torch::nn::Module& whole, const std::string& prefix = "",
+                       const dist::NamedLayouts* layouts = nullptr);
 
  private:
   std::vector<LaidOutParameter> laid_out_parameters();
@@ -98,8 +107,10 @@ class PipelineStrategy : public Strategy {
   dist::ProcessGroup world_, pipeline_group_;
   int data_rank_ = 0, data_world_ = 1;
   int replica_ = 0, replicas_ = 1;  // over dp_replicate x dp_shard x cp: the stages' copies
-  bool tensor_parallel_ = false;    // stages of tp parts (checkpoints refused)
-  int loss_rank_ = 0;               // the pipeline group's rank of the last stage
+  bool tensor_parallel_ = false;    // stages of tp parts
+  int tp_rank_ = 0, tp_size_ = 1;
+  std::map<const void*, dist::Layout> tp_layouts_;  // by TensorImpl, over {replicas, tp}: name_parameters
+  int loss_rank_ = 0;                               // the pipeline group's rank of the last stage
   std::shared_ptr<torch::nn::Module> holder_;
   std::map<const void*, std::string> global_names_;  // by TensorImpl, from name_parameters
   std::vector<std::string> whole_names_;

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "appliers.h"
+#include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/parallel/pipeline/schedule.h"
 #include "dtrain/parallel/pipeline/stage_sync.h"
 #include "dtrain/trainer/pipeline_strategy.h"
@@ -74,6 +75,9 @@ Parallelized apply_pipeline(const ApplyContext& c) {
   // holds only their weights (the others' released until full_weights()).
   SplitModel m = split_model(c, *mesh);
   torch::nn::Sequential layers = m.trained;
+  // The tp parts' layouts, read while every layer holds its parameters.
+  dist::NamedLayouts tp_layouts;
+  if (m.tensor_parallel) tp_layouts = dist::named_layouts(*layers, *mesh);
   const StageCut cut{.ranks = plan.pp,
                      .stages_per_rank = plan.pipeline.stages_per_rank,
                      .rank = mesh->coordinate("pp"),
@@ -100,9 +104,15 @@ Parallelized apply_pipeline(const ApplyContext& c) {
   auto strategy = std::make_shared<PipelineStrategy>(pipe, *mesh);
   if (m.targets) strategy->cut_targets(m.targets);
   // Checkpoints name the stages' parameters as the whole model does, so they
-  // resume under every other plan and load every other plan's (tp stages
-  // hold parts under the split's names: not saved yet, PipelineStrategy).
-  if (!m.tensor_parallel) strategy->name_parameters(*m.full, c.parts.name.empty() ? "" : c.parts.name + ".");
+  // resume under every other plan and load every other plan's; tp stages
+  // (the split has the whole model's names) write their parts with their
+  // layouts.
+  const std::string prefix = c.parts.name.empty() ? "" : c.parts.name + ".";
+  if (m.tensor_parallel) {
+    strategy->name_parameters(*layers, prefix, &tp_layouts);
+  } else {
+    strategy->name_parameters(*m.full, prefix);
+  }
   LayerStack whole = c.stack(m.full);
   Parallelized r = trained_module_is_whole(strategy, whole.ptr(),
                                            forward_on(whole, m.tensor_parallel ? c10::Device(c10::kCPU) : first));
