@@ -83,7 +83,7 @@ plan::MemoryLimit agreed_memory_limit(const MemoryCheck& check, const std::optio
   if (least == group->rank()) return mine;
   return {.bytes = bytes,
           .source = "rank " + std::to_string(least) + "'s limit, the least of the " + std::to_string(all.size()) +
-                    " ranks'; this rank's: " + plan::format_gib(static_cast<double>(mine.bytes)) + ", " + mine.source};
+                    " ranks'; this rank's: " + plan::format_bytes(static_cast<double>(mine.bytes)) + ", " + mine.source};
 }
 
 std::optional<plan::PlanEstimate> check_memory(const MemoryCheck& check,
@@ -108,8 +108,8 @@ std::optional<plan::PlanEstimate> check_memory(const MemoryCheck& check,
   }
   const plan::MemoryLimit limit = agreed_memory_limit(check, group);
   plan::PlanEstimate e = plan::check_plan_memory(check.plan, check.model, cluster, check.cost, limit);
-  DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << plan::format_gib(e.peak()) << " per rank of "
-                    << plan::format_gib(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";
+  DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << plan::format_bytes(e.peak()) << " per rank of "
+                    << plan::format_bytes(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";
   return e;
 }
 
