@@ -62,8 +62,8 @@ PlanEstimate check_plan_memory(const ParallelPlan& plan, const ModelSpec& model,
   const auto& m = e.memory;
   std::ostringstream hint;
   if (auto change = cheapest_fitting_change(plan, model, limited, options)) {
-    hint << "the nearest plan that fits: " << describe_change(plan, change->plan) << " (" << format_bytes(change->peak())
-         << " per rank); or more memory per rank, or --no-memory-check to run anyway";
+    hint << "the nearest plan that fits: " << describe_change(plan, change->plan) << " ("
+         << format_bytes(change->peak()) << " per rank); or more memory per rank, or --no-memory-check to run anyway";
   } else {
     hint << "no plan of " << cluster.gpus << " ranks fits: use more ranks or memory, a smaller model or batch, or "
          << "--no-memory-check to run anyway";

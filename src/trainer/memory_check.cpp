@@ -83,7 +83,8 @@ plan::MemoryLimit agreed_memory_limit(const MemoryCheck& check, const std::optio
   if (least == group->rank()) return mine;
   return {.bytes = bytes,
           .source = "rank " + std::to_string(least) + "'s limit, the least of the " + std::to_string(all.size()) +
-                    " ranks'; this rank's: " + plan::format_bytes(static_cast<double>(mine.bytes)) + ", " + mine.source};
+                    " ranks'; this rank's: " + plan::format_bytes(static_cast<double>(mine.bytes)) + ", " +
+                    mine.source};
 }
 
 std::optional<plan::PlanEstimate> check_memory(const MemoryCheck& check,
