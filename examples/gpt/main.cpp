@@ -114,7 +114,7 @@ struct Options {
   bool sequence_parallel = false;                // under tp (from a plan)
   std::string cp_exchange = "ring";              // ring | allgather (context_parallel.h)
   std::optional<dtrain::ParallelPlan> run_plan;  // what runs, for the memory pre-flight (plan_cli.h)
-  std::optional<dtrain::MemoryCheck> memory_check;  // the Trainer's pre-flight (CPU ranks with a plan)
+  std::optional<dtrain::MemoryCheck> memory_check;  // the Trainer's pre-flight (ranks with a plan)
 };
 
 // nanoGPT's get_lr: linear warm-up, cosine decay to min_lr, then min_lr.
@@ -471,7 +471,7 @@ int run(Options opt) {
                opt.init_from_hf << " has a vocabulary of " << hf_vocab << ", the corpus " << opt.model.vocab_size
                                 << " characters.",
                "give a GPT-2 folder made for this corpus (vocab_size " << opt.model.vocab_size << ")");
-  if (opt.run_plan && where.devices.front().is_cpu()) {
+  if (opt.run_plan) {  // on an accelerator the Trainer asks the device (MemoryCheck::runs_on)
     const auto& m = opt.model;
     const auto spec = dtrain::plan::ModelSpec::parse(
         "gpt:layers=" + std::to_string(m.n_layer) + ",hidden=" + std::to_string(m.n_embd) + ",heads=" +

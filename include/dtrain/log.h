@@ -4,6 +4,9 @@
 // set_rank for hand-made setups); log lines and dtrain::Error messages start
 // with "[rank R/W]" once it is set. Identity is per thread so that tests which
 // run several ranks as threads of one process still tag each line correctly.
+// A thread with none takes the process's (set_process_rank: a launched
+// worker's rank, from dist::read_env_contract()), so a program's errors
+// before its process group exists, and its helper threads, name the rank too.
 //
 //   DTRAIN_LOG(kInfo) << "epoch " << e << " done";
 //
@@ -22,7 +25,11 @@ enum class Level { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 
 // Sets the calling thread's rank identity; world_size 0 clears it.
 void set_rank(int rank, int world_size);
-// "[rank R/W]", or "" when the calling thread has no rank identity.
+// Sets the identity of every thread that has none of its own (see above);
+// world_size 0 clears it.
+void set_process_rank(int rank, int world_size);
+// "[rank R/W]", or "" when the calling thread has no rank identity (its own
+// or the process's).
 std::string rank_tag();
 
 // A thread's rank identity, to hand to the helper threads it starts (loader

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
+#include <utility>
 
 #include "dtrain/comm/cluster_env.h"
 #include "dtrain/comm/flight_recorder.h"
@@ -103,9 +105,9 @@ EnvContract read_torchrun_contract(const EnvLookup& env) {
   if (const auto role = env("ROLE_NAME")) c.role = *role;
   return c;
 }
-}  // namespace
 
-EnvContract read_env_contract(const EnvLookup& env) {
+// The contract and the variables it came from, validated; logs nothing.
+std::pair<EnvContract, std::string> read_contract(const EnvLookup& env) {
   EnvContract c;
   std::string origin;
   if (env("RANK") || env("WORLD_SIZE")) {
@@ -126,10 +128,29 @@ EnvContract read_env_contract(const EnvLookup& env) {
     if (c.source == EnvSource::kTorchrun) throw;
     throw ConfigError("from " + to_string(c.source) + "'s variables (" + origin + "): " + e.message(), e.hint());
   }
+  return {c, origin};
+}
+
+void log_contract(const EnvContract& c, const std::string& origin) {
   const log::ScopedIdentity identity({.rank = c.rank, .world_size = c.world_size});
   DTRAIN_LOG(kInfo) << "environment: " << to_string(c.source) << " (" << origin << "): rank " << c.rank << " of "
                     << c.world_size << ", local rank " << c.local_rank << " of " << c.local_world_size << ", master "
                     << c.master_addr << ":" << c.master_port;
+}
+}  // namespace
+
+EnvContract read_env_contract(const EnvLookup& env) {
+  const auto [c, origin] = read_contract(env);
+  log_contract(c, origin);
+  return c;
+}
+
+EnvContract read_env_contract() {
+  const auto [c, origin] = read_contract(process_env());
+  log::set_process_rank(c.rank, c.world_size);
+  // One line per process: programs read their contract where they need it.
+  static std::once_flag logged;
+  std::call_once(logged, [&] { log_contract(c, origin); });
   return c;
 }
 

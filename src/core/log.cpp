@@ -1,6 +1,8 @@
 // Rank-tagged, line-atomic logging to stderr.
 #include "dtrain/log.h"
 
+#include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -11,6 +13,9 @@ namespace dtrain::log {
 namespace {
 thread_local int tls_rank = -1;
 thread_local int tls_world = 0;
+// The process's identity as one word (rank in the high half, world size in
+// the low), so a reader never pairs one writer's rank with another's size.
+std::atomic<std::uint64_t> process_identity{0};
 
 Level threshold_from_env() {
   const char* raw = std::getenv("DTRAIN_LOG_LEVEL");
@@ -38,11 +43,23 @@ void set_rank(int rank, int world_size) {
   tls_world = world_size;
 }
 
-Identity identity() {
-  return {.rank = tls_rank, .world_size = tls_world};
+void set_process_rank(int rank, int world_size) {
+  const auto word = world_size > 0 ? (static_cast<std::uint64_t>(static_cast<std::uint32_t>(rank)) << 32) |
+                                         static_cast<std::uint32_t>(world_size)
+                                   : std::uint64_t{0};
+  process_identity.store(word, std::memory_order_relaxed);
 }
 
-ScopedIdentity::ScopedIdentity(Identity identity) : previous_(log::identity()) {
+Identity identity() {
+  if (tls_world > 0) return {.rank = tls_rank, .world_size = tls_world};
+  const std::uint64_t word = process_identity.load(std::memory_order_relaxed);
+  if (word == 0) return {};
+  return {.rank = static_cast<int>(word >> 32), .world_size = static_cast<int>(word & 0xffffffffU)};
+}
+
+// Saves the thread's own identity, not the process's it may be showing, so
+// that ending the scope gives the thread back to the process's.
+ScopedIdentity::ScopedIdentity(Identity identity) : previous_{.rank = tls_rank, .world_size = tls_world} {
   set_rank(identity.rank, identity.world_size);
 }
 ScopedIdentity::~ScopedIdentity() {
@@ -50,8 +67,9 @@ ScopedIdentity::~ScopedIdentity() {
 }
 
 std::string rank_tag() {
-  if (tls_world <= 0) return {};
-  return "[rank " + std::to_string(tls_rank) + "/" + std::to_string(tls_world) + "]";
+  const Identity id = identity();
+  if (id.world_size <= 0) return {};
+  return "[rank " + std::to_string(id.rank) + "/" + std::to_string(id.world_size) + "]";
 }
 
 std::string format_seconds(std::chrono::milliseconds duration) {

@@ -2,6 +2,7 @@
 #include "dtrain/plan/cost_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -14,9 +15,18 @@
 
 namespace dtrain::plan {
 
-std::string format_gib(double bytes) {
+std::string format_bytes(double bytes) {
+  // GiB from 1 GiB up, else MiB, else KiB: a small model's "0.0 GiB" told a
+  // user nothing (the exact byte count is beside it where it matters).
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB"};
+  int unit = 0;
+  double value = bytes / 1024.0;
+  while (unit < 2 && std::abs(value) >= 1024.0) {
+    value /= 1024.0;
+    ++unit;
+  }
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  std::snprintf(buf, sizeof buf, "%.1f %s", value, kUnits[unit]);
   return buf;
 }
 

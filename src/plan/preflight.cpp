@@ -44,7 +44,7 @@ MemoryLimit rank_memory_limit(int local_ranks, const std::string& given) {
   DTRAIN_CHECK(available > 0, ConfigError, "cannot read this host's available memory from /proc/meminfo.",
                "state the limit per rank with --memory-limit or DTRAIN_MEMORY_LIMIT, or pass --no-memory-check");
   const int ranks = local_ranks > 0 ? local_ranks : 1;
-  return {available / ranks, "this host's available memory (" + format_gib(static_cast<double>(available)) + ") / " +
+  return {available / ranks, "this host's available memory (" + format_bytes(static_cast<double>(available)) + ") / " +
                                  std::to_string(ranks) + " local rank" + (ranks > 1 ? "s" : "")};
 }
 
@@ -62,23 +62,23 @@ PlanEstimate check_plan_memory(const ParallelPlan& plan, const ModelSpec& model,
   const auto& m = e.memory;
   std::ostringstream hint;
   if (auto change = cheapest_fitting_change(plan, model, limited, options)) {
-    hint << "the nearest plan that fits: " << describe_change(plan, change->plan) << " (" << format_gib(change->peak())
-         << " per rank); or more memory per rank, or --no-memory-check to run anyway";
+    hint << "the nearest plan that fits: " << describe_change(plan, change->plan) << " ("
+         << format_bytes(change->peak()) << " per rank); or more memory per rank, or --no-memory-check to run anyway";
   } else {
     hint << "no plan of " << cluster.gpus << " ranks fits: use more ranks or memory, a smaller model or batch, or "
          << "--no-memory-check to run anyway";
   }
   DTRAIN_CHECK(false, ConfigError,
-               "the plan needs " << format_gib(e.peak()) << " (" << static_cast<std::int64_t>(e.peak())
-                                 << " bytes) per rank at its peak: parameters " << format_gib(m.params)
-                                 << ", gradients " << format_gib(m.grads) << ", optimizer state "
-                                 << format_gib(m.optimizer) << ", activations " << format_gib(m.activations)
-                                 << ", logits " << format_gib(m.logits) << ", captured gradients "
-                                 << format_gib(m.captured) << ", buffers " << format_gib(m.buffers)
-                                 << ", backward working memory " << format_gib(m.backward) << "; that is "
-                                 << format_gib(e.peak() - static_cast<double>(limit.bytes)) << " ("
+               "the plan needs " << format_bytes(e.peak()) << " (" << static_cast<std::int64_t>(e.peak())
+                                 << " bytes) per rank at its peak: parameters " << format_bytes(m.params)
+                                 << ", gradients " << format_bytes(m.grads) << ", optimizer state "
+                                 << format_bytes(m.optimizer) << ", activations " << format_bytes(m.activations)
+                                 << ", logits " << format_bytes(m.logits) << ", captured gradients "
+                                 << format_bytes(m.captured) << ", buffers " << format_bytes(m.buffers)
+                                 << ", backward working memory " << format_bytes(m.backward) << "; that is "
+                                 << format_bytes(e.peak() - static_cast<double>(limit.bytes)) << " ("
                                  << static_cast<std::int64_t>(e.peak()) - limit.bytes << " bytes) more than the "
-                                 << format_gib(static_cast<double>(limit.bytes)) << " (" << limit.bytes
+                                 << format_bytes(static_cast<double>(limit.bytes)) << " (" << limit.bytes
                                  << " bytes) a rank may use (" << limit.source << ").",
                hint.str());
 }

@@ -2,6 +2,7 @@
 #include "dtrain/trainer/memory_check.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/CachingDeviceAllocator.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -23,11 +24,39 @@ int local_ranks_of(const MemoryCheck& check) {
   return n > 0 ? n : 1;
 }
 
-// This rank's own limit: the stated one, else a CPU host's available memory
-// over its ranks (plan::rank_memory_limit), else the device table's memory.
+// An accelerator's free memory plus what this process's allocator holds
+// (reserved: in use by tensors or cached for reuse, both this process's to
+// spend); nullopt when its allocator cannot tell.
+std::optional<plan::MemoryLimit> accelerator_limit(c10::Device device) {
+  try {
+    c10::DeviceAllocator* allocator = c10::getDeviceAllocator(device.type());
+    const auto [free, total] = allocator->getMemoryInfo(device.index());
+    const std::int64_t held = allocator->getDeviceStats(device.index())
+                                  .reserved_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+                                  .current;
+    const auto bytes = static_cast<std::int64_t>(free) + held;
+    return plan::MemoryLimit{.bytes = bytes,
+                             .source = device.str() + "'s free memory (" +
+                                       plan::format_bytes(static_cast<double>(free)) + " of " +
+                                       plan::format_bytes(static_cast<double>(total)) + ") and this process's " +
+                                       plan::format_bytes(static_cast<double>(held)) + " already on it"};
+  } catch (const c10::Error& e) {
+    DTRAIN_LOG(kWarning) << "memory pre-flight: " << device.str()
+                         << "'s allocator cannot tell its free memory; using the device table's ("
+                         << e.what_without_backtrace() << ")";
+    return std::nullopt;
+  }
+}
+
+// This rank's own limit: the stated one, else an accelerator's own figure,
+// else a CPU host's available memory over its ranks
+// (plan::rank_memory_limit), else the device table's memory.
 plan::MemoryLimit own_limit(const MemoryCheck& check, const plan::DeviceSpec& device) {
   const char* env = std::getenv("DTRAIN_MEMORY_LIMIT");
   const bool stated = !check.limit.empty() || (env != nullptr && *env != '\0');
+  if (!stated && check.runs_on && !check.runs_on->is_cpu()) {
+    if (auto limit = accelerator_limit(*check.runs_on)) return *limit;
+  }
   if (stated || device.compute_units > 0) return plan::rank_memory_limit(local_ranks_of(check), check.limit);
   return {device.memory_bytes, "the device table's " + device.name};
 }
@@ -83,7 +112,8 @@ plan::MemoryLimit agreed_memory_limit(const MemoryCheck& check, const std::optio
   if (least == group->rank()) return mine;
   return {.bytes = bytes,
           .source = "rank " + std::to_string(least) + "'s limit, the least of the " + std::to_string(all.size()) +
-                    " ranks'; this rank's: " + plan::format_gib(static_cast<double>(mine.bytes)) + ", " + mine.source};
+                    " ranks'; this rank's: " + plan::format_bytes(static_cast<double>(mine.bytes)) + ", " +
+                    mine.source};
 }
 
 std::optional<plan::PlanEstimate> check_memory(const MemoryCheck& check,
@@ -108,8 +138,8 @@ std::optional<plan::PlanEstimate> check_memory(const MemoryCheck& check,
   }
   const plan::MemoryLimit limit = agreed_memory_limit(check, group);
   plan::PlanEstimate e = plan::check_plan_memory(check.plan, check.model, cluster, check.cost, limit);
-  DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << plan::format_gib(e.peak()) << " per rank of "
-                    << plan::format_gib(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";
+  DTRAIN_LOG(kInfo) << "memory pre-flight: the plan needs " << plan::format_bytes(e.peak()) << " per rank of "
+                    << plan::format_bytes(static_cast<double>(limit.bytes)) << " (" << limit.source << ")";
   return e;
 }
 

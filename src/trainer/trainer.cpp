@@ -267,7 +267,11 @@ struct Trainer::Run {
   void setup() {
     // Before anything else that talks to the other ranks or allocates for
     // training: every rank refuses together (Note [One pre-flight decision]).
-    if (o.memory_check) check_memory(*o.memory_check, group);
+    if (o.memory_check) {
+      MemoryCheck check = *o.memory_check;
+      if (!check.runs_on) check.runs_on = s.output_device();
+      check_memory(check, group);
+    }
     scaler = std::make_unique<amp::GradScaler>(amp::GradScalerOptions{
         .enabled = o.grad_scaler.value_or(o.amp_dtype == at::kHalf), .found_inf_group = s.found_inf_group()});
     if (o.fault_tolerance) setup_fault_tolerance();

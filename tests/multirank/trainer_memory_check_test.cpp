@@ -4,12 +4,15 @@
 // other in a collective: the test's timeout), each with the planner's
 // figure, rank 0 naming rank 1's limit; turned off, the same run trains; with
 // room on both, it trains and check_memory's estimate is the planner's.
+#include <c10/core/CachingDeviceAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "appliers_model.h"
 #include "dtrain/comm/process_group.h"
@@ -64,6 +67,30 @@ std::int64_t memcheck_needed() {
   return static_cast<std::int64_t>(e.peak());
 }
 
+// An accelerator as c10 sees one: an allocator for PrivateUse1 that tells
+// its free and total memory (or, `tells` false, does not, as c10's default).
+struct FakeAccelerator final : c10::DeviceAllocator {
+  std::size_t free = 0, total = 0;
+  std::int64_t held = 0;
+  bool tells = true;
+  c10::DataPtr allocate(std::size_t /*n*/) override { TORCH_CHECK(false, "the fake accelerator allocates nothing"); }
+  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {}
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t /*mempool_id*/) override {}
+  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex /*device*/) override {
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    stats.reserved_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current = held;
+    return stats;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex /*device*/) override {}
+  void resetPeakStats(c10::DeviceIndex /*device*/) override {}
+  std::pair<std::size_t, std::size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    if (!tells) return c10::DeviceAllocator::getMemoryInfo(device);
+    return {free, total};
+  }
+};
+
 }  // namespace
 
 TEST(TrainerMemoryCheck, EveryRankRefusesWhenOneRankLacksMemoryAndTheOptOutTrains) {
@@ -96,4 +123,46 @@ TEST(TrainerMemoryCheck, EveryRankRefusesWhenOneRankLacksMemoryAndTheOptOutTrain
         EXPECT_EQ(static_cast<std::int64_t>(e->peak()), needed);
       },
       {.timeout = std::chrono::seconds(120)});
+}
+
+// On an accelerator the limit is the device's own figure: its free memory
+// plus what this process already holds there, not the device table's or the
+// host's; a plan above it is refused naming the device, one under it runs;
+// an allocator that cannot tell falls back to the device table's device
+// (here the host's memory), with a warning.
+TEST(TrainerMemoryCheck, AnAcceleratorsOwnFreeMemoryIsTheLimit) {
+  static FakeAccelerator accelerator;
+  c10::SetAllocator(c10::DeviceType::PrivateUse1, &accelerator, /*priority=*/255);
+  const c10::Device device(c10::DeviceType::PrivateUse1, 0);
+  dtrain::MemoryCheck check{.plan = {.precision = "fp32", .global_batch = 6},
+                            .model = dtrain::plan::ModelSpec::parse("gpt:layers=2,hidden=32,heads=2,seq=16,vocab=65"),
+                            .runs_on = device,
+                            .local_ranks = 1};
+  namespace plan = dtrain::plan;
+  const auto needed = static_cast<std::int64_t>(
+      plan::check_plan_memory(check.plan, check.model, {.device = plan::find_device("cpu-here"), .gpus = 1}, check.cost,
+                              {.bytes = 1LL << 40, .source = "test"})
+          .peak());
+  accelerator.total = 8 * static_cast<std::size_t>(needed);
+  accelerator.held = needed / 4;
+  accelerator.free = static_cast<std::size_t>(needed / 2);  // free + held: 3/4 of the need
+
+  const auto limit = dtrain::agreed_memory_limit(check, std::nullopt);
+  EXPECT_EQ(limit.bytes, needed / 2 + needed / 4);
+  EXPECT_NE(limit.source.find(device.str() + "'s free memory"), std::string::npos) << limit.source;
+  try {
+    dtrain::check_memory(check, std::nullopt);
+    ADD_FAILURE() << "a plan needing " << needed << " bytes ran with " << limit.bytes;
+  } catch (const dtrain::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(device.str()), std::string::npos) << e.what();
+  }
+
+  accelerator.free = static_cast<std::size_t>(needed);  // free + held: 5/4 of the need
+  const auto fits = dtrain::check_memory(check, std::nullopt);
+  ASSERT_TRUE(fits.has_value());
+  EXPECT_EQ(static_cast<std::int64_t>(fits->peak()), needed);
+
+  accelerator.tells = false;
+  EXPECT_NE(dtrain::agreed_memory_limit(check, std::nullopt).source.find("this host's available memory"),
+            std::string::npos);
 }

@@ -1,8 +1,10 @@
 // Error formatting (rank tag, hint) and rank-tagged log lines.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <thread>
 
+#include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 
@@ -66,6 +68,44 @@ TEST(Log, LinesCarryRankTagPerThread) {
   EXPECT_NE(out.find("dtrain I [rank 0/2] hello from a\n"), std::string::npos) << out;
   EXPECT_NE(out.find("dtrain W [rank 1/2] hello from b\n"), std::string::npos) << out;
   EXPECT_NE(out.find("dtrain I no rank\n"), std::string::npos) << out;
+}
+
+// A launched worker's rank tags its errors before any process group exists
+// (an example's flag check) and its helper threads, once it has read its
+// contract; a thread's own identity still wins; the contract's line is
+// logged once however often the program reads it.
+TEST(Log, ThreadsWithoutTheirOwnRankTakeTheProcesssFromItsContract) {
+  for (const auto& [name, value] : {std::pair{"RANK", "3"}, std::pair{"WORLD_SIZE", "4"},
+                                    std::pair{"MASTER_ADDR", "127.0.0.1"}, std::pair{"MASTER_PORT", "29500"}}) {
+    ::setenv(name, value, 1);
+  }
+  EXPECT_EQ(dtrain::log::rank_tag(), "");
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(dtrain::dist::read_env_contract().rank, 3);
+  EXPECT_EQ(dtrain::dist::read_env_contract().world_size, 4);
+  const std::string out = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(out.find("environment:"), out.rfind("environment:")) << out;
+  EXPECT_NE(out.find("dtrain I [rank 3/4] environment:"), std::string::npos) << out;
+  EXPECT_EQ(dtrain::log::rank_tag(), "[rank 3/4]");
+  std::string in_thread, own;
+  std::thread plain([&] {
+    try {
+      DTRAIN_CHECK(false, ConfigError, "bad flag.", "fix it");
+    } catch (const dtrain::Error& e) {
+      in_thread = e.what();
+    }
+  });
+  plain.join();
+  std::thread scoped([&] {
+    RankScope s(1, 2);
+    own = dtrain::log::rank_tag();
+  });
+  scoped.join();
+  EXPECT_EQ(in_thread, "[rank 3/4] bad flag. Hint: fix it");
+  EXPECT_EQ(own, "[rank 1/2]");
+  dtrain::log::set_process_rank(-1, 0);
+  EXPECT_EQ(dtrain::log::rank_tag(), "");
+  for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
 }
 
 TEST(Log, DebugIsOffByDefault) {

@@ -76,7 +76,7 @@ const Row kRows[] = {
 
 TEST(PlannerPublished, ThroughputAndMemoryAgainstPublishedRuns) {
   std::vector<double> errors;
-  std::printf("%-30s %12s %12s %8s %10s %10s %8s  plan\n", "row", "predicted", "published", "error", "mem GiB",
+  std::printf("%-30s %12s %12s %8s %10s %10s %8s  plan\n", "row", "predicted", "published", "error", "memory",
               "published", "error");
   for (const Row& row : kRows) {
     const auto model = ModelSpec::parse(row.model);
@@ -85,7 +85,7 @@ TEST(PlannerPublished, ThroughputAndMemoryAgainstPublishedRuns) {
         search(model, cluster,
                {.global_batch = row.global_batch, .fixed = FixedFields::parse(row.fixed), .cost = cost_of(row)});
     ASSERT_FALSE(r.fitting.empty()) << row.source << ": no plan fits; smallest needs "
-                                    << (r.smallest ? format_gib(r.smallest->peak()) : "?");
+                                    << (r.smallest ? format_bytes(r.smallest->peak()) : "?");
     const auto& best = r.fitting.front();
     const bool tflops = std::string(row.metric) == "tflops";
     const double predicted = tflops ? best.tflops_per_gpu : best.tokens_per_second_per_gpu;

@@ -49,6 +49,18 @@ TEST(PlannerModel, ParseRefusesTyposAndMissingFields) {
 }
 
 // Korthikanti et al. 2022, Table 2: activation bytes per layer.
+// Messages give a size in the largest unit under which it is at least 1: a
+// small model's pre-flight said "0.0 GiB" before.
+TEST(PlannerMemory, SizesReadInTheirOwnUnit) {
+  EXPECT_EQ(format_bytes(512.0), "0.5 KiB");
+  EXPECT_EQ(format_bytes(3.5 * 1024), "3.5 KiB");
+  EXPECT_EQ(format_bytes(40.4 * 1024 * 1024), "40.4 MiB");
+  EXPECT_EQ(format_bytes(1023.0 * 1024 * 1024), "1023.0 MiB");
+  EXPECT_EQ(format_bytes(80.0 * 1024 * 1024 * 1024), "80.0 GiB");
+  EXPECT_EQ(format_bytes(4096.0 * 1024 * 1024 * 1024), "4096.0 GiB");
+  EXPECT_EQ(format_bytes(-2.0 * 1024 * 1024), "-2.0 MiB");
+}
+
 TEST(PlannerMemory, ActivationsMatchKorthikanti) {
   const auto m = gpt145();
   const double s = 2048, b = 1, h = 12288, a = 96, t = 8;

@@ -88,11 +88,11 @@ const char* kHeader =
 void breakdown(const plan::PlanEstimate& e, std::ostream& out) {
   const auto& m = e.memory;
   const auto& t = e.time;
-  out << "memory (worst rank): params " << plan::format_gib(m.params) << ", grads " << plan::format_gib(m.grads)
-      << ", optimizer " << plan::format_gib(m.optimizer) << ", activations " << plan::format_gib(m.activations)
-      << ", logits " << plan::format_gib(m.logits) << ", captured gradients " << plan::format_gib(m.captured)
-      << ", buffers " << plan::format_gib(m.buffers) << ", backward working memory " << plan::format_gib(m.backward)
-      << " of " << plan::format_gib(static_cast<double>(e.device_memory_bytes)) << "\n";
+  out << "memory (worst rank): params " << plan::format_bytes(m.params) << ", grads " << plan::format_bytes(m.grads)
+      << ", optimizer " << plan::format_bytes(m.optimizer) << ", activations " << plan::format_bytes(m.activations)
+      << ", logits " << plan::format_bytes(m.logits) << ", captured gradients " << plan::format_bytes(m.captured)
+      << ", buffers " << plan::format_bytes(m.buffers) << ", backward working memory " << plan::format_bytes(m.backward)
+      << " of " << plan::format_bytes(static_cast<double>(e.device_memory_bytes)) << "\n";
   out << std::fixed << std::setprecision(3) << "time (critical rank, s): compute " << t.compute << ", recompute "
       << t.recompute << ", tp " << t.tp_comm << ", cp " << t.cp_comm << ", zero3 " << t.zero3_comm << ", pipeline idle "
       << t.pipeline_idle << ", grad sync " << t.grad_sync << ", optimizer " << t.optimizer << "\n";
@@ -197,7 +197,7 @@ int plan_command(const PlanCommandOptions& o, std::ostream& out, std::ostream& e
   if (o.calibrate) return calibrate(o, out, err);
   if (o.list_devices) {
     for (const auto& d : plan::device_table())
-      out << std::left << std::setw(11) << d.name << " " << plan::format_gib(static_cast<double>(d.memory_bytes))
+      out << std::left << std::setw(11) << d.name << " " << plan::format_bytes(static_cast<double>(d.memory_bytes))
           << ", " << d.bf16_flops / 1e12 << " TFLOP/s bf16, " << d.description << "\n";
     return 0;
   }
@@ -223,15 +223,15 @@ int plan_command(const PlanCommandOptions& o, std::ostream& out, std::ostream& e
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   err << "dtrain plan: " << result.considered << " plans costed in " << std::fixed << std::setprecision(2) << seconds
       << " s; " << result.fitting.size() << " fit " << cluster.device.name << " ("
-      << plan::format_gib(static_cast<double>(cluster.device.memory_bytes)) << "), " << result.too_big << " do not\n";
+      << plan::format_bytes(static_cast<double>(cluster.device.memory_bytes)) << "), " << result.too_big << " do not\n";
   if (result.fitting.empty()) {
     DTRAIN_CHECK(result.smallest.has_value(), ConfigError,
                  "no well-formed plan for " << o.gpus << " GPUs and a global batch of " << o.global_batch
                                             << " with --fixed '" << o.fixed << "'.",
                  "the degrees must multiply to --gpus and the data-parallel degree divide the batch");
     const auto& s = *result.smallest;
-    err << "dtrain plan: nothing fits. The smallest plan needs " << plan::format_gib(s.peak()) << " per GPU, "
-        << plan::format_gib(s.peak() - static_cast<double>(s.device_memory_bytes)) << " more than "
+    err << "dtrain plan: nothing fits. The smallest plan needs " << plan::format_bytes(s.peak()) << " per GPU, "
+        << plan::format_bytes(s.peak() - static_cast<double>(s.device_memory_bytes)) << " more than "
         << cluster.device.name << " has.\n";
     if (o.json)
       out << s.to_json() << "\n";
@@ -242,7 +242,7 @@ int plan_command(const PlanCommandOptions& o, std::ostream& out, std::ostream& e
     if (!o.fixed.empty()) {
       if (auto change = plan::cheapest_fitting_change(s.plan, model, cluster, cost))
         err << "  the nearest plan that fits: " << plan::describe_change(s.plan, change->plan) << " ("
-            << plan::format_gib(change->peak()) << ", " << std::setprecision(3) << change->step_seconds
+            << plan::format_bytes(change->peak()) << ", " << std::setprecision(3) << change->step_seconds
             << " s per step)\n";
       else
         err << "  no plan of any shape fits: use more GPUs, a device with more memory or a smaller model\n";

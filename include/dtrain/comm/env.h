@@ -69,7 +69,11 @@ EnvLookup process_env();
 // source. Throws ConfigError naming the variable for a missing or malformed
 // value (also when no launcher's variables are set at all), RANK >=
 // WORLD_SIZE, LOCAL_RANK >= LOCAL_WORLD_SIZE, or a port outside 1..65535.
-EnvContract read_env_contract(const EnvLookup& env = process_env());
+EnvContract read_env_contract(const EnvLookup& env);
+// The same from this process's environment; the rank becomes the process's
+// log and error tag (log::set_process_rank), and the line naming the source
+// is logged once per process, however often a program reads it.
+EnvContract read_env_contract();
 
 // Checks an explicitly built contract the same way read_env_contract does.
 void validate(const EnvContract& contract);

@@ -120,7 +120,8 @@ double layer_activation_bytes(const ModelSpec& model, const ActivationShape& sha
 // (Note [Captured gradients]).
 double layer_captured_gradient_bytes(const ModelSpec& model, const ActivationShape& shape);
 
-// "12.3 GiB", for tables and messages.
-std::string format_gib(double bytes);
+// "12.3 GiB", "512.0 MiB" or "3.5 KiB" (the largest unit under which the
+// value is at least 1), for tables and messages.
+std::string format_bytes(double bytes);
 
 }  // namespace dtrain::plan

@@ -15,6 +15,8 @@
 // check_memory() is the same decision for loops without the Trainer.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <optional>
 #include <string>
 
@@ -33,9 +35,16 @@ struct MemoryCheck {
   ParallelPlan plan;
   plan::ModelSpec model;  // the model as the planner sees it
   // The device the ranks run on (plan::find_device): its memory per rank is
-  // the limit unless one is stated; a CPU host's ("cpu-here") is its
-  // available memory divided by the host's ranks.
+  // the limit unless one is stated or `runs_on` is an accelerator; a CPU
+  // host's ("cpu-here") is its available memory divided by the host's ranks.
   std::string device = "cpu-here";
+  // The device this rank trains on (the Trainer sets it from its strategy
+  // when unset). An accelerator's own figure is then the limit: its free
+  // memory plus what this process's caching allocator already holds (the
+  // model is on it by the pre-flight), read through c10's device-generic
+  // allocator (c10::getDeviceAllocator(...)->getMemoryInfo: CUDA, XPU, ...);
+  // where the allocator cannot tell, the device table's `device`.
+  std::optional<c10::Device> runs_on;
   // Bytes per rank ("300M", "2G"); empty: $DTRAIN_MEMORY_LIMIT, else the
   // device's.
   std::string limit;
