@@ -114,6 +114,10 @@ bool attention_uses_onednn(const at::Tensor& q, const at::Tensor& k, const at::T
          !at::autocast::is_autocast_enabled(at::kCPU);
 }
 
+bool attention_materializes_scores(std::int64_t seq_len) {
+  return onednn_linear_enabled() && seq_len >= 1 && seq_len <= kMaxOneDnnAttentionLength;
+}
+
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p) {
   if (!attention_uses_onednn(q, k, v, dropout_p)) {
     return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_p, /*is_causal=*/true);

@@ -159,4 +159,7 @@ TEST(CausalAttention, IsAtenAttentionWhereOneDnnDoesNotApply) {
 TEST(CausalAttention, FollowsTheLinearKernelSwitch) {
   const at::Tensor q = at::randn({1, 2, 5, 4});
   EXPECT_EQ(dtrain::nn::attention_uses_onednn(q, q, q), dtrain::nn::onednn_linear_enabled());
+  // What a memory planner is told (examples/gpt/main.cpp) agrees with the path.
+  EXPECT_EQ(dtrain::nn::attention_materializes_scores(5), dtrain::nn::attention_uses_onednn(q, q, q));
+  EXPECT_FALSE(dtrain::nn::attention_materializes_scores(dtrain::nn::kMaxOneDnnAttentionLength + 1));
 }

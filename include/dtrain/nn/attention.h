@@ -42,4 +42,10 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // 1 <= T <= kMaxOneDnnAttentionLength, no dropout, CPU autocast off.
 bool attention_uses_onednn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p = 0.0);
 
+// Whether causal_attention() of fp32 CPU sequences of this length, without
+// dropout or autocast, takes the oneDNN path and so keeps the [B, H, T, T]
+// probabilities for backward (a memory planner's "materialized" attention)
+// rather than flash's log-sum-exp.
+bool attention_materializes_scores(std::int64_t seq_len);
+
 }  // namespace dtrain::nn
