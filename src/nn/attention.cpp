@@ -60,47 +60,47 @@ at::Tensor probabilities(const at::Tensor& q, const at::Tensor& k, double scale,
 
 // Note [oneDNN attention]
 // Forward: S = scale q k^T, P = softmax(S + causal mask), O = P v, on batched
-// [B * H, T, *] copies of q, k, v (their [B, H, T, D] views out of the fused
-// qkv product have no single batch stride), saving q, k, v and P (the
-// copies are made again in backward: 3 x B T C floats, cheap beside P).
+// [B * H, T, *] operands (causal_attention() copies q, k, v so, outside
+// this Function: their [B, H, T, D] views out of the fused qkv product have no
+// single batch stride; autograd carries the gradients back through the copy,
+// and the copies, saved here, replace the qkv product's output, which nothing
+// else keeps). Saves q, k, v and P.
 // Backward (the softmax's Jacobian applied row by row):
 //   dV = P^T dO,  dP = dO v^T,  dS = P * (dP - rowsum(dP * P)),
 //   dQ = scale dS k,  dK = scale dS^T q.
 // Masked entries have P = 0, so dS is 0 there with no mask of its own.
 struct OneDnnCausalAttention : torch::autograd::Function<OneDnnCausalAttention> {
+  // q, k, v: contiguous [B * H, T, D] -> [B * H, T, D].
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     // A custom Function's forward is no op of its own: named for profilers.
     RECORD_FUNCTION("dtrain::nn::causal_attention", std::vector<c10::IValue>());
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-    const at::Tensor bq = batched(q), bk = batched(k), bv = batched(v);
-    const at::Tensor p = probabilities(bq, bk, scale, /*on_onednn=*/true);
-    ctx->save_for_backward({q, k, v, p});  // the batched copies are made again in backward
+    const at::Tensor p = probabilities(q, k, scale, /*on_onednn=*/true);
+    ctx->save_for_backward({q, k, v, p});
     ctx->saved_data["scale"] = scale;
-    return onednn_bmm(p, bv).view(q.sizes());
+    return onednn_bmm(p, v);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
     const double scale = ctx->saved_data["scale"].toDouble();
-    const at::Tensor dout = batched(grads[0]);
-    const at::Tensor bq = batched(q), bk = batched(k), bv = batched(v);
+    const at::Tensor dout = grads[0].contiguous();
     if (at::GradMode::is_enabled()) {
       // create_graph: the same gradients from ops autograd can differentiate,
       // P recomputed from the saved inputs so that it carries their graph.
-      const at::Tensor p = probabilities(bq, bk, scale, /*on_onednn=*/false);
-      const at::Tensor dp = at::bmm(dout, bv.transpose(1, 2));
+      const at::Tensor p = probabilities(q, k, scale, /*on_onednn=*/false);
+      const at::Tensor dp = at::bmm(dout, v.transpose(1, 2));
       const at::Tensor ds = p * (dp - (dp * p).sum(-1, /*keepdim=*/true));
-      return {(at::bmm(ds, bk) * scale).view(q.sizes()), (at::bmm(ds.transpose(1, 2), bq) * scale).view(k.sizes()),
-              at::bmm(p.transpose(1, 2), dout).view(v.sizes())};
+      return {at::bmm(ds, k) * scale, at::bmm(ds.transpose(1, 2), q) * scale, at::bmm(p.transpose(1, 2), dout)};
     }
     const at::Tensor& p = saved[3];
-    const at::Tensor dp = onednn_bmm(dout, bv.transpose(1, 2));
+    const at::Tensor dp = onednn_bmm(dout, v.transpose(1, 2));
     const at::Tensor ds = at::_softmax_backward_data(dp, p, -1, at::kFloat);
     at::Tensor dq, dk, dv;
-    if (ctx->needs_input_grad(0)) dq = onednn_bmm(ds, bk, static_cast<float>(scale)).view(q.sizes());
-    if (ctx->needs_input_grad(1)) dk = onednn_bmm(ds.transpose(1, 2), bq, static_cast<float>(scale)).view(k.sizes());
-    if (ctx->needs_input_grad(2)) dv = onednn_bmm(p.transpose(1, 2), dout).view(v.sizes());
+    if (ctx->needs_input_grad(0)) dq = onednn_bmm(ds, k, static_cast<float>(scale));
+    if (ctx->needs_input_grad(1)) dk = onednn_bmm(ds.transpose(1, 2), q, static_cast<float>(scale));
+    if (ctx->needs_input_grad(2)) dv = onednn_bmm(p.transpose(1, 2), dout);
     return {dq, dk, dv};
   }
 };
@@ -122,7 +122,7 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (!attention_uses_onednn(q, k, v, dropout_p)) {
     return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, dropout_p, /*is_causal=*/true);
   }
-  return OneDnnCausalAttention::apply(q, k, v);
+  return OneDnnCausalAttention::apply(batched(q), batched(k), batched(v)).view(q.sizes());
 }
 
 }  // namespace dtrain::nn
