@@ -6,6 +6,9 @@
 // (time inside the op minus the ops it calls) and calls per step, then a total:
 //   {"op": "aten::gelu", "self_us_per_step": ..., "calls_per_step": ..., "share": ...}
 // Self times make the non-matmul share of a step visible (issue 29, item 3).
+// Last, one layer's attention alone, ATen's kernel against dtrain's (medians
+// of 200 runs):
+//   {"op": "causal_attention", "impl": "aten" | "dtrain", "forward_us": ..., "forward_backward_us": ...}
 // The profiler adds ~1 us per op: compare figures of this tool with each
 // other, and step times with bench/gpt's.
 #include <ATen/ATen.h>
@@ -13,13 +16,16 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "dtrain/nn/attention.h"
 #include "fused_adamw.h"
 #include "model.h"
 
@@ -63,6 +69,56 @@ std::map<std::string, OpTime> self_times(const std::vector<prof::KinetoEvent>& e
   }
   close(0, 0, true);
   return out;
+}
+
+// Median microseconds of f over 200 runs after 20 warm-up runs: the
+// attention micro timing, steadier than a whole step on a shared machine.
+template <typename F>
+double median_us(F&& f) {
+  for (int i = 0; i < 20; ++i) f();
+  std::vector<double> us;
+  for (int i = 0; i < 200; ++i) {
+    const auto t = std::chrono::steady_clock::now();
+    f();
+    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t).count());
+  }
+  std::nth_element(us.begin(), us.begin() + 100, us.end());
+  return us[100];
+}
+
+// One layer's causal attention at the model's shape (q, k, v views of one
+// [B, T, 3C] product, as the GPT makes them), forward and forward + backward:
+// ATen's kernel (at::scaled_dot_product_attention) and dtrain::nn::causal_attention.
+void print_attention_timing(const gpt::GptConfig& c, std::int64_t batch) {
+  const std::int64_t t = c.block_size, h = c.n_head, d = c.n_embd / c.n_head;
+  const at::Tensor qkv = at::randn({batch, t, 3 * c.n_embd}).requires_grad_();
+  const at::Tensor dy = at::randn({batch, h, t, d});
+  auto views = [&] {
+    auto parts = qkv.split(c.n_embd, 2);
+    for (auto& m : parts) m = m.view({batch, t, h, d}).transpose(1, 2);
+    return parts;
+  };
+  auto aten = [&] {
+    const auto v = views();
+    return at::scaled_dot_product_attention(v[0], v[1], v[2], {}, 0.0, /*is_causal=*/true);
+  };
+  auto ours = [&] {
+    const auto v = views();
+    return dtrain::nn::causal_attention(v[0], v[1], v[2]);
+  };
+  for (const auto& [name, f] : {std::pair<const char*, std::function<at::Tensor()>>{"aten", aten}, {"dtrain", ours}}) {
+    const double fwd = median_us([&] {
+      at::NoGradGuard no_grad;
+      (void)f();
+    });
+    const double both = median_us([&] {
+      f().backward(dy);
+      qkv.mutable_grad().reset();
+    });
+    std::printf(
+        "{\"op\": \"causal_attention\", \"impl\": \"%s\", \"forward_us\": %.1f, \"forward_backward_us\": %.1f}\n", name,
+        fwd, both);
+  }
 }
 
 }  // namespace
@@ -110,5 +166,6 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"op\": \"total\", \"profiled_ms_per_step\": %.2f, \"step_ms_unprofiled\": %.2f, \"linear_kernel\": \"%s\"}\n",
       total / 1e6 / steps, plain_ms, dtrain::nn::linear_kernel_name());
+  print_attention_timing(config, 12);
   return 0;
 }
