@@ -15,10 +15,9 @@
 //                                  agent store outlives a round
 // and dtrain's own:
 //   DTRAIN_TIMEOUT_SECONDS   overrides the default timeout of blocking calls.
-//   DTRAIN_LINEAR_KERNEL     "aten": dtrain::nn::linear runs at::linear and
-//                            nn::causal_attention ATen's attention
+//   DTRAIN_LINEAR_KERNEL     "aten": dtrain::nn::linear runs at::linear
 //                            (benchmarks' like-for-like runs); "auto" or
-//                            unset: their oneDNN products where they run.
+//                            unset: its own kernel where it is faster.
 // Without RANK and WORLD_SIZE, the contract comes from the job scheduler's or
 // MPI launcher's own variables: Slurm's, then Open MPI's, then MPICH/PMI's
 // (cluster_env.h). One log line per read says which was used.
@@ -85,8 +84,7 @@ bool launched_by_launcher(const EnvLookup& env = process_env());
 std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallback = std::chrono::minutes(30),
                                           const EnvLookup& env = process_env());
 
-// Which products dtrain::nn::linear and nn::causal_attention run (nn/linear.h,
-// nn/attention.h).
+// Which products dtrain::nn::linear runs (nn/linear.h).
 enum class LinearKernel {
   kAuto,  // oneDNN's matmul where it runs (fp32 CPU), at::linear elsewhere
   kAten,  // always at::linear: what a PyTorch program runs, for like-for-like comparisons
