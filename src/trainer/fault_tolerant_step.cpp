@@ -47,10 +47,14 @@ ft::ReplicaState trainer_extra_state(amp::GradScaler* scaler, std::shared_ptr<Sc
               }};
 }
 
-// The strategy's gradients the cross-replica mean runs on (ZeRO: its shards').
+// The gradients the cross-replica mean runs on: those of every tensor the
+// optimizer steps (Strategy::parameters(): ZeRO's shards; a pipeline's stage
+// parameters and the borrowed copies of tied weights, which gradients()
+// leaves out since the norm counts each tie once, but which are stepped, so
+// a copy not averaged over the quorum would drift from its owner).
 std::vector<at::Tensor> defined_gradients(Strategy& strategy) {
   std::vector<at::Tensor> grads;
-  for (const auto& p : strategy.gradients().parameters) {
+  for (const auto& p : strategy.parameters()) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
   return grads;

@@ -195,5 +195,17 @@ TEST(GptFaultTolerance, KilledZero2ReplicaGroupOfFourRecoversLiveAndMatchesRepla
   run_gpt_ft_kill({.replicas = 4, .ranks = 2, .strategy = {"--strategy", "zero2"}, .data_ranks = 2});
 }
 
+// A pipeline inside each replica group (2 stages, 1F1B over 2 micro-batches):
+// the killed group's stages recover rank to rank (the default replica_state:
+// each stage's own parameters and optimizer state from the same stage of a
+// live group). Two groups of two ranks.
+TEST(GptFaultTolerance, KilledPipelineReplicaGroupRecoversLiveAndMatchesReplay) {
+  if (!have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  run_gpt_ft_kill({.replicas = 2,
+                   .ranks = 2,
+                   .strategy = {"--strategy", "pipeline", "--pp-schedule", "1f1b", "--micro-batches", "2"},
+                   .data_ranks = 1});
+}
+
 }  // namespace
 }  // namespace dtrain::testing
