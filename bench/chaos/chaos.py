@@ -27,7 +27,9 @@ waits until all three nodes train together again.
   kill_during_reform  a worker killed, then a node killed while the group re-forms
 
 and lets every fault fire without waiting for the last one's recovery.
---seeds A..B runs the soak once per seed and prints the totals per kind
+--ft runs the fault-tolerant mode instead (chaos_ft.py: one node, `dtrain run
+--ft-replicas`, worker kills and stops, two groups at once, a kill during a
+recovery). --seeds A..B runs the soak once per seed and prints the totals per kind
 (injected, survived, median and worst time lost) and each seed's audit.
 
 At the end it checks that training finished, that the final checkpoint loads
@@ -52,6 +54,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import chaos_ft  # noqa: E402
 
 KINDS = ["worker_kill", "worker_stop", "node_kill", "store_host_kill", "link_cut", "disk_full"]
 OVERLAP_KINDS = ["cut_then_host_kill", "host_kill_twice", "kill_during_reform"]
@@ -476,7 +481,12 @@ def main():
     p.add_argument("--overlap", action="store_true",
                    help="add the overlapping kinds, and let faults fire without waiting for recovery")
     p.add_argument("--seeds", default="", help="A..B: one soak per seed, with totals per kind")
+    p.add_argument("--ft", action="store_true",
+                   help="fault-tolerant mode (chaos_ft.py): one node, --ft-replicas groups of the GPT")
+    chaos_ft.add_arguments(p)
     a = p.parse_args()
+    if a.ft:
+        sys.exit(0 if chaos_ft.soak_ft(a) else 1)
     if a.overlap and a.kinds == ",".join(KINDS):
         a.kinds = ",".join(ALL_KINDS)
     seeds = [a.seed]

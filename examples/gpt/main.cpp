@@ -12,6 +12,7 @@
 //       [--lr 1e-3] [--min-lr 1e-4] [--warmup-iters 100] [--weight-decay 0.1]
 //       [--grad-clip 1] [--accumulate 1] [--amp none|bf16] [--seed 1337]
 //       [--checkpoint-dir D] [--data-dir ~/.cache/dtrain/shakespeare_char]
+//       [--sample-log FILE] [--ft-replay FILE]
 //
 // Defaults are nanoGPT's CPU run of shakespeare_char (README: 4 layers, 4
 // heads, width 128, context 64, batch 12, 2000 iterations, dropout 0). AdamW
@@ -42,6 +43,16 @@
 // schedule, and its flags; the loop, clipping, evaluation, checkpoints and
 // the progress bar are the Trainer's, the full weights for the sample and
 // exports parallelize's (Parallelized::full_weights).
+//
+// Started by `dtrain run --ft-replicas N`, it trains as one fault-tolerant
+// replica group (docs/fault_tolerance.md): the Trainer's
+// TrainerOptions::fault_tolerance, the plan inside the group (e.g. --strategy
+// zero2 over the group's ranks), each group's rank 0 printing and writing
+// --save-params FILE.replica<g>. --ft-replay FILE replays such a job's
+// recorded membership ({"replicas": G, "members": [[0, 1, ...], ...]}, one
+// list per step) as its reference run (TrainerFtReplay). --sample-log FILE:
+// the Trainer's record of what each step trained on (per data rank; under
+// fault tolerance with the step's replica groups).
 //
 // Progress goes to stderr; stdout gets a JSON line per evaluation, the sample,
 // and last {"event":"done","val_loss":...,"tokens_per_second":...,...} with
@@ -101,6 +112,8 @@ struct Options {
   std::uint64_t seed = 1337;
   std::string data_dir = gpt::default_data_dir();
   std::string checkpoint_dir;
+  std::string sample_log;  // TrainerOptions::sample_log
+  std::string ft_replay;   // a fault-tolerant job's membership to replay (TrainerFtReplay)
   std::int64_t sample_tokens = 500;
   double temperature = 0.8;
   std::int64_t top_k = 200;
@@ -287,6 +300,22 @@ std::function<void(std::int64_t)> kill_switch(const dtrain::Parallelized& run) {
   };
 }
 
+// Under `dtrain run --ft-replicas N`, one fault-tolerant replica group; with
+// --ft-replay, the reference run of such a job's recorded membership.
+std::optional<dtrain::TrainerFaultTolerance> fault_tolerance(const Options& opt) {
+  if (!opt.ft_replay.empty()) {
+    std::ifstream in(opt.ft_replay);
+    DTRAIN_CHECK(in.good(), ConfigError, "cannot read --ft-replay " << opt.ft_replay << ".",
+                 "give a JSON file {\"replicas\": G, \"members\": [[0, 1], ...]}");
+    const auto j = nlohmann::json::parse(in);
+    return dtrain::TrainerFaultTolerance{
+        .replay = dtrain::TrainerFtReplay{.replicas = j.at("replicas").get<int>(),
+                                          .members = j.at("members").get<std::vector<std::vector<int>>>()}};
+  }
+  if (dtrain::ft::launched_fault_tolerant()) return dtrain::TrainerFaultTolerance{};
+  return std::nullopt;
+}
+
 int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
   const dtrain::Parallelized run = dtrain::parallelize(gpt_parts(opt), opt.parallel, where.group,
                                                        examples::parallelize_options(opt.resolved, where.devices));
@@ -326,6 +355,8 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
        .checkpoint_every = opt.eval_interval,
        .progress = lead,
        .log_every = 1,
+       .sample_log = opt.sample_log,
+       .fault_tolerance = fault_tolerance(opt),
        .memory_check = opt.memory_check});
   trainer.set_loss(run.loss);
   trainer.set_schedule(schedule);
@@ -363,10 +394,15 @@ int train(const Options& opt, Placement& where, const gpt::Corpus& corpus) {
   // takes part, then rank 0 reads the whole model alone.
   if (!opt.save_params.empty()) {
     auto full = run.full_weights();
+    // Every replica group's rank 0 writes its own.
+    const std::string file =
+        dtrain::ft::launched_fault_tolerant()
+            ? opt.save_params + ".replica" + std::to_string(dtrain::ft::lighthouse_from_env().replica_id)
+            : opt.save_params;
     if (run.pipeline && run.mesh->size("tp") == 1) {  // tp stages hold parts: the assembled whole below
-      write_stage_params(*run.pipeline, *run.mesh, opt.save_params);
+      write_stage_params(*run.pipeline, *run.mesh, file);
     } else if (lead) {
-      write_params(opt.save_params, *run.whole);
+      write_params(file, *run.whole);
     }
   }
   if (!opt.export_hf.empty()) {
@@ -556,6 +592,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--checkpoint-dir", opt.checkpoint_dir,
                  "Save checkpoints here every --eval-interval and resume from the newest");
+  app.add_option("--sample-log", opt.sample_log,
+                 "Append what each step trained on to FILE (one file per data rank, JSON lines)");
+  app.add_option("--ft-replay", opt.ft_replay,
+                 "Replay a fault-tolerant job's per-step membership from this JSON file (its reference run)");
   app.add_option("--sample-tokens", opt.sample_tokens, "Characters to generate at the end (0: none)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();

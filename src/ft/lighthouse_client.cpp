@@ -48,6 +48,11 @@ LighthouseEndpoint lighthouse_from_env(const dist::EnvLookup& env) {
   return e;
 }
 
+bool launched_fault_tolerant(const dist::EnvLookup& env) {
+  const auto value = env("DTRAIN_FT_LIGHTHOUSE");
+  return value.has_value() && !value->empty();
+}
+
 LighthouseClient::LighthouseClient(dist::Store store, dist::Store heartbeat_store, LighthouseClientOptions options)
     : store_(store.with_prefix("ft")), heartbeat_store_(heartbeat_store.with_prefix("ft")), options_(options) {
   DTRAIN_CHECK(options_.replica_id >= 0, ConfigError, "replica id " << options_.replica_id << " is negative.",

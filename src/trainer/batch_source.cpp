@@ -1,6 +1,8 @@
 // The Trainer's batch sources (include/dtrain/trainer/batch_source.h).
 #include "dtrain/trainer/batch_source.h"
 
+#include <numeric>
+
 #include "dtrain/data/loader.h"
 #include "dtrain/error.h"
 
@@ -66,12 +68,20 @@ StepStream::StepStream(Fn fn) : fn_(std::move(fn)) {
 StepStream::~StepStream() = default;
 
 data::TensorBatch StepStream::next(std::int64_t step, int micro) {
+  last_first_ = ((step * context_.accumulate + micro) * context_.data_world + context_.data_rank) * context_.batch_size;
   return fn_({.step = step,
               .micro = micro,
               .accumulate = context_.accumulate,
               .data_rank = context_.data_rank,
               .data_world = context_.data_world,
               .batch_size = context_.batch_size});
+}
+
+std::vector<std::int64_t> StepStream::last_indices() const {
+  if (last_first_ < 0) return {};
+  std::vector<std::int64_t> indices(static_cast<std::size_t>(context_.batch_size));
+  std::iota(indices.begin(), indices.end(), last_first_);
+  return indices;
 }
 
 }  // namespace dtrain

@@ -47,6 +47,19 @@ ft::ReplicaState trainer_extra_state(amp::GradScaler* scaler, std::shared_ptr<Sc
               }};
 }
 
+// The gradients the cross-replica mean runs on: those of every tensor the
+// optimizer steps (Strategy::parameters(): ZeRO's shards; a pipeline's stage
+// parameters and the borrowed copies of tied weights, which gradients()
+// leaves out since the norm counts each tie once, but which are stepped, so
+// a copy not averaged over the quorum would drift from its owner).
+std::vector<at::Tensor> defined_gradients(Strategy& strategy) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : strategy.parameters()) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  return grads;
+}
+
 }  // namespace
 
 ft::ReplicaState Strategy::replica_state(torch::optim::Optimizer& optimizer, ft::ReplicaState extra) {
@@ -54,6 +67,49 @@ ft::ReplicaState Strategy::replica_state(torch::optim::Optimizer& optimizer, ft:
 }
 
 namespace detail {
+
+void check_replay(const TrainerFtReplay& replay, std::int64_t max_steps) {
+  DTRAIN_CHECK(
+      static_cast<std::int64_t>(replay.members.size()) >= max_steps, ConfigError,
+      "the fault-tolerance replay records " << replay.members.size() << " steps, the Trainer runs " << max_steps << ".",
+      "give the membership of every step, or lower max_steps");
+  for (std::size_t s = 0; s < replay.members.size(); ++s) {
+    DTRAIN_CHECK(!replay.members[s].empty(), ConfigError, "the replay's step " << s << " has no members.",
+                 "every committed step has at least one replica group");
+    for (const int m : replay.members[s]) {
+      DTRAIN_CHECK(m >= 0 && m < replay.replicas, ConfigError,
+                   "the replay's step " << s << " names replica group " << m << " of " << replay.replicas << ".",
+                   "set TrainerFtReplay::replicas to the job's --ft-replicas");
+    }
+  }
+}
+
+at::Tensor replay_gradients(const TrainerFtReplay& replay, std::int64_t step, Strategy& strategy,
+                            torch::optim::Optimizer& optimizer,
+                            const std::function<at::Tensor(int data_rank)>& compute) {
+  const auto& members = replay.members.at(static_cast<std::size_t>(step));
+  std::vector<at::Tensor> sum;
+  at::Tensor loss;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    if (i > 0) strategy.zero_grad(optimizer);
+    loss = compute(members[i] * strategy.data_world() + strategy.data_rank());
+    const auto grads = defined_gradients(strategy);
+    if (i == 0) {
+      for (const auto& g : grads) sum.push_back(g.clone());
+      continue;
+    }
+    DTRAIN_INTERNAL_ASSERT(grads.size() == sum.size(), "replica group " << members[i] << " has " << grads.size()
+                                                                        << " gradients at step " << step << ", "
+                                                                        << members[0] << " " << sum.size());
+    for (std::size_t j = 0; j < sum.size(); ++j) sum[j].add_(grads[j]);
+  }
+  const auto grads = defined_gradients(strategy);
+  for (std::size_t j = 0; j < sum.size(); ++j) {
+    if (members.size() > 1) sum[j].div_(static_cast<std::int64_t>(members.size()));
+    grads[j].copy_(sum[j]);
+  }
+  return loss;
+}
 
 FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strategy& strategy,
                                      torch::optim::Optimizer& optimizer, amp::GradScaler* scaler,
@@ -94,14 +150,17 @@ std::int64_t FaultTolerantStep::begin(std::int64_t committed) {
 }
 
 bool FaultTolerantStep::commit(std::int64_t step) {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : strategy_.gradients().parameters) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
+  auto grads = defined_gradients(strategy_);
   replicas_->all_reduce_gradients(grads);
   if (!replicas_->should_commit()) return false;
   if (options_.on_commit) options_.on_commit(step, replicas_->quorum());
   return true;
+}
+
+std::vector<int> FaultTolerantStep::members() const {
+  std::vector<int> ids;
+  for (const auto& m : replicas_->quorum().members) ids.push_back(m.replica_id);
+  return ids;
 }
 
 bool FaultTolerantStep::writes_checkpoints() const {

@@ -7,7 +7,9 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include "dtrain/ft/replicas.h"
 #include "dtrain/trainer/fault_tolerance.h"
@@ -20,6 +22,17 @@ class GradScaler;
 }
 
 namespace detail {
+
+// TrainerFaultTolerance::replay: fills the strategy's gradients for step
+// `step` as the recorded quorum's all-reduce made them. `compute(data_rank)`
+// runs the step's forward and backward on one member group's data (after
+// zero_grad) and returns its loss; the members' gradients are summed in the
+// recorded order and divided by their count. Returns the last member's loss.
+at::Tensor replay_gradients(const TrainerFtReplay& replay, std::int64_t step, Strategy& strategy,
+                            torch::optim::Optimizer& optimizer,
+                            const std::function<at::Tensor(int data_rank)>& compute);
+// ConfigError unless `replay` covers `max_steps` steps with members in range.
+void check_replay(const TrainerFtReplay& replay, std::int64_t max_steps);
 
 class FaultTolerantStep {
  public:
@@ -50,6 +63,10 @@ class FaultTolerantStep {
   // checkpoints, as the lowest replica id of the step's quorum. One member
   // of each quorum, the same on every rank of its group.
   bool writes_checkpoints() const;
+  // The replica ids of the last quorum, in its order (the committed step's
+  // membership after commit() returned true).
+  std::vector<int> members() const;
+  int replica_id() const { return endpoint_.replica_id; }
 
  private:
   TrainerFaultTolerance options_;

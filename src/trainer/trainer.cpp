@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -233,6 +234,8 @@ struct Trainer::Run {
   BatchSource& source;
   std::unique_ptr<amp::GradScaler> scaler;
   std::unique_ptr<detail::FaultTolerantStep> ft;  // TrainerOptions::fault_tolerance
+  const TrainerFtReplay* replay = nullptr;        // or its replay
+  std::vector<int> step_members;                  // the replica groups of the last committed step
   std::optional<Checkpointer> checkpoints;
   std::unique_ptr<Tracer> tracer;
   std::ofstream sample_log;
@@ -275,11 +278,7 @@ struct Trainer::Run {
     scaler = std::make_unique<amp::GradScaler>(amp::GradScalerOptions{
         .enabled = o.grad_scaler.value_or(o.amp_dtype == at::kHalf), .found_inf_group = s.found_inf_group()});
     if (o.fault_tolerance) setup_fault_tolerance();
-    source.setup({.data_rank = ft ? ft->data_rank() : s.data_rank(),
-                  .data_world = ft ? ft->data_world() : s.data_world(),
-                  .batch_size = o.batch_size,
-                  .accumulate = o.accumulate,
-                  .whole_batches = s.needs_whole_batches()});
+    source.setup(source_context(ft ? ft->data_rank() : s.data_rank()));
     DTRAIN_CHECK(o.max_steps > 0 || source.epoch_examples() > 0, ConfigError,
                  "the Trainer's batch source is endless (a StepStream), but TrainerOptions::max_steps is 0.",
                  "set max_steps to the number of optimizer steps to train");
@@ -288,8 +287,10 @@ struct Trainer::Run {
     st.step = position.step;
     if (!o.sample_log.empty()) {
       const auto& f = o.sample_log;
-      // Under fault tolerance every replica group has a rank 0: the data rank tells them apart.
-      const int file_rank = ft ? ft->data_rank() : rank;
+      // Under fault tolerance every replica group has a rank 0: rank r of
+      // group g writes file g * W + r (W the group's ranks; the data rank
+      // under DDP and ZeRO, and one file per stage under a pipeline).
+      const int file_rank = ft ? ft->replica_id() * world + rank : rank;
       const auto path =
           f.parent_path() / (f.stem().string() + ".rank" + std::to_string(file_rank) + f.extension().string());
       sample_log.open(path, std::ios::app);
@@ -309,11 +310,28 @@ struct Trainer::Run {
                        << (o.amp_dtype ? std::string(", autocast ") + c10::toString(*o.amp_dtype) : std::string());
   }
 
+  // The batch source's view of this rank: under fault tolerance (or its
+  // replay) data rank g * W + r of every replica group's ranks.
+  BatchSource::Context source_context(int data_rank) const {
+    return {.data_rank = data_rank,
+            .data_world = ft       ? ft->data_world()
+                          : replay ? replay->replicas * s.data_world()
+                                   : s.data_world(),
+            .batch_size = o.batch_size,
+            .accumulate = o.accumulate,
+            .whole_batches = s.needs_whole_batches()};
+  }
+
   void setup_fault_tolerance() {
     DTRAIN_CHECK(source.epoch_examples() == 0 && o.max_steps > 0, ConfigError,
                  "TrainerOptions::fault_tolerance needs a StepStream and max_steps: a recovered replica group "
                  "finds its data position from the step.",
                  "train from a StepStream (batches a function of the step) with max_steps set");
+    if (o.fault_tolerance->replay) {
+      replay = &*o.fault_tolerance->replay;
+      detail::check_replay(*replay, o.max_steps);
+      return;
+    }
     ft = std::make_unique<detail::FaultTolerantStep>(*o.fault_tolerance, s, st.optimizer, scaler.get(), st.schedule,
                                                      o.max_steps);
   }
@@ -412,16 +430,19 @@ struct Trainer::Run {
     const auto t =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
             .count();
-    sample_log << nlohmann::json{{"round", round != nullptr ? std::atoi(round) : -1},
-                                 {"rank", rank},
-                                 {"world", world},
-                                 {"epoch", source.state().epoch},
-                                 {"step", position.step},
-                                 {"t_ns", t},
-                                 {"indices", step_indices}}
-                      .dump()
-               << '\n'
-               << std::flush;
+    nlohmann::json line{{"round", round != nullptr ? std::atoi(round) : -1},
+                        {"rank", rank},
+                        {"world", world},
+                        {"epoch", source.state().epoch},
+                        {"step", position.step},
+                        {"t_ns", t},
+                        {"indices", step_indices}};
+    if (ft) {
+      line["replica"] = ft->replica_id();
+      line["pid"] = static_cast<std::int64_t>(::getpid());
+    }
+    if (ft || replay) line["members"] = step_members;
+    sample_log << line.dump() << '\n' << std::flush;
     step_indices.clear();
   }
 
@@ -444,14 +465,28 @@ struct Trainer::Run {
     {
       auto step_span = Tracer::span(tracer.get(), "step", "step");
       s.zero_grad(st.optimizer);
-      for (int m = 0; m < o.accumulate; ++m) {
-        const at::Tensor part = micro_step(m, window);
-        loss = loss.defined() ? loss + part : part;
+      const auto micro_steps = [&] {
+        at::Tensor sum;
+        for (int m = 0; m < o.accumulate; ++m) {
+          const at::Tensor part = micro_step(m, window);
+          sum = sum.defined() ? sum + part : part;
+        }
+        return sum;
+      };
+      if (replay) {
+        loss = detail::replay_gradients(*replay, position.step, s, st.optimizer, [&](int data_rank) {
+          source.setup(source_context(data_rank));
+          return micro_steps();
+        });
+        step_members = replay->members[static_cast<std::size_t>(position.step)];
+      } else {
+        loss = micro_steps();
       }
       if (ft && !ft->commit(position.step)) {
         step_indices.clear();
         return std::nullopt;
       }
+      if (ft) step_members = ft->members();
       auto span = Tracer::span(tracer.get(), "optimizer", "compute");
       const auto optimizer_start = Clock::now();
       if (o.clip_norm > 0 || (want_metrics && log_now)) {

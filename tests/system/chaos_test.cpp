@@ -14,6 +14,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "example_run.h"
+
 namespace {
 std::string run_and_capture(const std::string& command, int* status) {
   std::string out;
@@ -92,4 +94,35 @@ TEST(Chaos, OverlappingFaultsAreSurvivedWithoutLosingOrRepeatingExamples) {
     EXPECT_EQ(r["injected"].value(kind, 0), 1) << kind << "\n" << out;
     EXPECT_EQ(r["survived"].value(kind, 0), 1) << kind;
   }
+}
+
+// --ft (issue 27): one `dtrain run --ft-replicas 4` of the GPT (ZeRO-2 in
+// each group of 2 ranks), one fault of each fault-tolerant kind -- a worker
+// SIGKILLed, a worker SIGSTOPped for 2 s, two groups killed at once, a group
+// killed while another restarts and recovers. The job never restarts as a
+// whole and finishes; every step commits, no sample is trained twice, the
+// groups agree on each step's members (bench/chaos/chaos_ft.py's audit).
+TEST(Chaos, FaultTolerantGroupsSurviveEachFaultWithoutRestartingTheJob) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  int status = 0;
+  const std::string out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR +
+                                              "/bench/chaos/chaos.py --ft --build " + DTRAIN_BINARY_DIR +
+                                              " --faults 4 --steps 500 --gap-min 1 --gap-max 2 --timeout 90 "
+                                              "--seed 2 2>&1",
+                                          &status);
+  const auto at = out.rfind("{\"bench\": \"chaos_ft\"");
+  ASSERT_NE(at, std::string::npos) << out;
+  const auto r = nlohmann::json::parse(out.substr(at, out.find('\n', at) - at));
+  EXPECT_TRUE(r["finished"].get<bool>()) << out;
+  EXPECT_EQ(r["whole_restarts"].get<int>(), 0) << out;
+  EXPECT_EQ(r["group_restarts"].get<int>(), 5) << out;  // 1 + 2 + 2 groups killed
+  EXPECT_TRUE(r["samples_ok"].get<bool>()) << out;
+  EXPECT_EQ(r["skipped_steps"].get<int>(), 0) << out;
+  EXPECT_EQ(r["duplicates"].get<int>(), 0) << out;
+  EXPECT_TRUE(r["not_fired"].empty()) << out;
+  for (const char* kind : {"worker_kill", "worker_stop", "two_replicas_kill", "kill_during_recovery"}) {
+    EXPECT_EQ(r["injected"].value(kind, 0), 1) << kind << "\n" << out;
+    EXPECT_EQ(r["survived"].value(kind, 0), 1) << kind << "\n" << out;
+  }
+  EXPECT_EQ(status, 0) << out;
 }

@@ -15,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "ft_audit.h"
 #include "ft_model.h"
 #include "launch_helpers.h"
 
@@ -25,22 +26,9 @@ const std::string kFtWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_ft
 // The same replica group trained by dtrain::Trainer (TrainerOptions::fault_tolerance).
 const std::string kFtTrainerWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_ft_trainer_worker";
 
-struct FtStepLine {
-  std::int64_t step = 0;
-  std::int64_t quorum = 0;
-  std::vector<int> members;
-  std::int64_t first_sample = 0;
-  std::int64_t incarnation = 0;
-  int pid = 0;
-};
-
-struct FtReplicaLog {
-  std::vector<FtStepLine> steps;
-  std::vector<std::pair<std::int64_t, int>> recovered;  // (step, pid) of each recovery
-};
-
 FtReplicaLog read_ft_log(const fs::path& path) {
   FtReplicaLog log;
+  log.recovered.emplace();
   std::istringstream in(slurp(path));
   std::string line;
   while (std::getline(in, line)) {
@@ -52,7 +40,7 @@ FtReplicaLog read_ft_log(const fs::path& path) {
       int pid = 0;
       std::string w;
       words >> s >> w >> pid;
-      log.recovered.emplace_back(s, pid);
+      log.recovered->emplace_back(s, pid);
       continue;
     }
     FtStepLine l;
@@ -103,66 +91,13 @@ void run_ft_kill_scenario(const int kReplicas, const int k, const std::string& w
 
   std::map<int, FtReplicaLog> logs;
   for (int r = 0; r < kReplicas; ++r) logs[r] = read_ft_log(dir / ("replica_" + std::to_string(r) + ".log"));
-
-  // The survivors: one process throughout, every step once, in order.
-  for (int r = 0; r < kReplicas; ++r) {
-    if (r == kVictim) continue;
-    const auto& steps = logs[r].steps;
-    ASSERT_EQ(steps.size(), static_cast<std::size_t>(kSteps)) << "replica " << r;
-    for (int s = 0; s < kSteps; ++s) {
-      EXPECT_EQ(steps[s].step, s) << "replica " << r;
-      EXPECT_EQ(steps[s].pid, steps.front().pid) << "replica " << r << " was restarted";
-    }
-    EXPECT_TRUE(logs[r].recovered.empty()) << "replica " << r;
-  }
-  // The victim: two incarnations; the second recovered live, past the
-  // steps the first committed, and went on from there.
-  const auto& victim = logs[kVictim];
-  std::set<int> pids;
-  for (const auto& l : victim.steps) pids.insert(l.pid);
-  EXPECT_EQ(pids.size(), 2u);
-  ASSERT_EQ(victim.recovered.size(), 1u);
-  EXPECT_NE(victim.recovered[0].second, victim_pid);
-  std::int64_t last_before_kill = -1;
-  for (const auto& l : victim.steps) {
-    if (l.pid == victim_pid) last_before_kill = l.step;
-  }
-  EXPECT_GT(victim.recovered[0].first, last_before_kill) << "the restarted group did not start where the others were";
-  for (std::size_t i = 1; i < victim.steps.size(); ++i) {
-    EXPECT_GT(victim.steps[i].step, victim.steps[i - 1].step) << "a step repeated";
-    if (victim.steps[i].pid == victim.steps[i - 1].pid) {
-      EXPECT_EQ(victim.steps[i].step, victim.steps[i - 1].step + 1);
-    }
-  }
-  EXPECT_EQ(victim.steps.back().step, kSteps - 1);
-
-  // One membership per step, agreed by every replica that logged it; a
-  // member that did not log a step is the victim at the step it died in.
-  std::vector<std::vector<int>> membership(kSteps);
-  std::set<std::int64_t> samples;
-  bool shrank = false;
-  for (int s = 0; s < kSteps; ++s) {
-    membership[s] = logs[0].steps[s].members;
-    // The groups start together (the first quorum waits for all of them).
-    if (s == 0) {
-      EXPECT_EQ(membership[s].size(), static_cast<std::size_t>(kReplicas));
-    }
-    shrank = shrank || membership[s].size() < static_cast<std::size_t>(kReplicas);
-    for (const int m : membership[s]) {
-      const auto& ls = logs[m].steps;
-      const auto it = std::find_if(ls.begin(), ls.end(), [s](const FtStepLine& l) { return l.step == s; });
-      if (it == ls.end()) {
-        EXPECT_EQ(m, kVictim) << "step " << s;
-        continue;
-      }
-      EXPECT_EQ(it->members, membership[s]) << "replicas disagree on step " << s << "'s members";
-      // The sample audit: each (step, replica) batch consumed once.
-      EXPECT_TRUE(samples.insert(it->first_sample).second) << "samples of step " << s << " consumed twice";
-      EXPECT_EQ(it->first_sample, ft_problem::first_sample(s, m * k));
-    }
-  }
-  EXPECT_TRUE(shrank) << "no step ran without the killed replica group: the kill did not take it out";
-  EXPECT_EQ(membership.back().size(), static_cast<std::size_t>(kReplicas)) << "the victim did not rejoin";
+  const auto membership =
+      audit_ft_kill(logs, {.replicas = kReplicas,
+                           .victim = kVictim,
+                           .victim_pid = victim_pid,
+                           .steps = kSteps,
+                           .first_sample = [k](std::int64_t s, int m) { return ft_problem::first_sample(s, m * k); }});
+  ASSERT_EQ(membership.size(), static_cast<std::size_t>(kSteps));
 
   // The replay: the same membership per step, gradients summed in replica
   // order and divided by the members (as the group's all-reduce does).

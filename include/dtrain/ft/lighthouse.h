@@ -143,6 +143,10 @@ struct LighthouseEndpoint {
   int replicas = 1;
 };
 LighthouseEndpoint lighthouse_from_env(const dist::EnvLookup& env = dist::process_env());
+// Whether `dtrain run --ft-replicas N` started this worker (DTRAIN_FT_LIGHTHOUSE
+// is set): a program then trains as one replica group, e.g. with
+// TrainerOptions::fault_tolerance, which reads the rest with lighthouse_from_env.
+bool launched_fault_tolerant(const dist::EnvLookup& env = dist::process_env());
 
 // The commit vote's encoding (Note [Commit vote] in
 // src/ft/lighthouse_client.cpp): each member adds 1 to commit/<round>/votes,

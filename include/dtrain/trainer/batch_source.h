@@ -98,6 +98,10 @@ class EpochSource : public BatchSource {
 };
 
 // An endless stream: the batch of (step, micro-batch, data rank) from a function.
+// Its examples are numbered by their place in the stream (last_indices, for
+// the Trainer's sample log): example i of micro-batch m of data rank r at
+// step s is ((s * accumulate + m) * data_world + r) * batch_size + i, so
+// every (step, micro-batch, data rank) has its own numbers.
 class StepStream : public BatchSource {
  public:
   struct Request {
@@ -115,10 +119,12 @@ class StepStream : public BatchSource {
   void setup(const Context& context) override { context_ = context; }
   std::optional<std::int64_t> start_epoch(std::int64_t /*epoch*/) override { return std::nullopt; }
   data::TensorBatch next(std::int64_t step, int micro) override;
+  std::vector<std::int64_t> last_indices() const override;
 
  private:
   Fn fn_;
   Context context_;
+  std::int64_t last_first_ = -1;  // the stream position of the last batch's first example
 };
 
 }  // namespace dtrain

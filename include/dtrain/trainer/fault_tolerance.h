@@ -26,11 +26,25 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <vector>
 
 #include "dtrain/ft/lighthouse.h"
 #include "dtrain/ft/quorum.h"
 
 namespace dtrain {
+
+// The reference run of a fault-tolerant job (tests, audits): no lighthouse;
+// step s averages the gradients of the replica groups members[s], each
+// computed by this run's ranks on that group's data (rank r: data rank
+// g * W + r of replicas * W), summed in the order given and divided by their
+// count, as the quorum's all-reduce does. Run with the same strategy over
+// the same number of ranks as one replica group of the job, and the
+// membership the job recorded (the sample log's "members"), it ends, bit for
+// bit, where every replica group of the job ended.
+struct TrainerFtReplay {
+  int replicas = 1;                       // replica groups of the job
+  std::vector<std::vector<int>> members;  // per step, from 0: at least max_steps entries
+};
 
 struct TrainerFaultTolerance {
   // Where the lighthouse is and which replica group this is; nullopt: from
@@ -47,6 +61,9 @@ struct TrainerFaultTolerance {
   // Called on every rank when this replica group loaded a live peer's state;
   // `step` is the step it goes on from.
   std::function<void(std::int64_t step)> on_recover;
+  // Set: replay a recorded membership instead (no lighthouse, nothing above
+  // applies).
+  std::optional<TrainerFtReplay> replay;
 };
 
 }  // namespace dtrain
