@@ -66,6 +66,7 @@
 #include "context_parallel.h"
 #include "corpus.h"
 #include "dtrain/dtrain.h"
+#include "dtrain/nn/attention.h"
 #include "dtrain/trainer/parallelize.h"
 #include "fused_adamw.h"
 #include "hf_export.h"
@@ -473,10 +474,15 @@ int run(Options opt) {
                "give a GPT-2 folder made for this corpus (vocab_size " << opt.model.vocab_size << ")");
   if (opt.run_plan) {  // on an accelerator the Trainer asks the device (MemoryCheck::runs_on)
     const auto& m = opt.model;
+    // dtrain::nn::causal_attention materialises the scores where it runs on
+    // oneDNN; --tp and --cp keep their flash kernels.
+    const bool materialized = dtrain::nn::attention_materializes_scores(m.block_size) && m.dropout == 0 &&
+                              opt.amp != "bf16" && opt.run_plan->tp == 1 && opt.run_plan->cp == 1;
     const auto spec = dtrain::plan::ModelSpec::parse(
-        "gpt:layers=" + std::to_string(m.n_layer) + ",hidden=" + std::to_string(m.n_embd) + ",heads=" +
-        std::to_string(m.n_head) + ",seq=" + std::to_string(m.block_size) + ",vocab=" + std::to_string(m.vocab_size) +
-        ",attention=flash,kernels=eager,dropout=" + (m.dropout > 0 ? "1" : "0") + ",bias=" + (m.bias ? "1" : "0"));
+        "gpt:layers=" + std::to_string(m.n_layer) + ",hidden=" + std::to_string(m.n_embd) +
+        ",heads=" + std::to_string(m.n_head) + ",seq=" + std::to_string(m.block_size) +
+        ",vocab=" + std::to_string(m.vocab_size) + ",attention=" + (materialized ? "materialized" : "flash") +
+        ",kernels=eager,dropout=" + (m.dropout > 0 ? "1" : "0") + ",bias=" + (m.bias ? "1" : "0"));
     opt.memory_check = examples::memory_check(opt.plan, *opt.run_plan, spec, opt.batch_size, opt.amp == "bf16");
   }
   if (gpt::RunStats::requested()) gpt::RunStats{}.start();  // counts from the model's construction on

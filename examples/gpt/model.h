@@ -3,7 +3,8 @@
 //
 //   embed    token + position embeddings (+ dropout)
 //   block i  x + attn(ln_1(x)), then x + mlp(ln_2(x)): pre-LayerNorm causal
-//            self-attention (at::scaled_dot_product_attention, is_causal) and
+//            self-attention (dtrain::nn::causal_attention: oneDNN's products
+//            for short sequences, at::scaled_dot_product_attention else) and
 //            a GELU MLP of width 4 x n_embd
 //   head     final LayerNorm and logits = x @ wte^T (the output projection is
 //            the token embedding: one parameter, trained by both ends)
@@ -29,6 +30,7 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include "dtrain/nn/attention.h"
 #include "dtrain/nn/checkpoint.h"
 #include "dtrain/nn/linear.h"
 #include "dtrain/plan/plan.h"
@@ -120,7 +122,7 @@ struct CausalSelfAttentionImpl : torch::nn::Cloneable<CausalSelfAttentionImpl> {
     auto heads = [&](const at::Tensor& m) { return m.view({b, t, h, c / h}).transpose(1, 2); };
     const double dropout = is_training() ? config.dropout : 0.0;
     auto core = [dropout](const std::vector<at::Tensor>& in) {
-      return at::scaled_dot_product_attention(in[0], in[1], in[2], /*attn_mask=*/{}, dropout, /*is_causal=*/true);
+      return dtrain::nn::causal_attention(in[0], in[1], in[2], dropout);
     };
     const std::vector<at::Tensor> qkv_heads{heads(qkv[0]), heads(qkv[1]), heads(qkv[2])};
     at::Tensor y =
