@@ -202,6 +202,19 @@ inline Resolved resolve_run(const PlanCli& cli, const std::string& strategy, con
                  "choose a multiple of " << per);
     r.batch_size = global / per;
   }
+  // A --strategy that says otherwise than the plan would be dropped silently.
+  DTRAIN_CHECK(!cli.given() || strategy == "single" || strategy == r.strategy, ConfigError,
+               "--strategy " << strategy
+                             << " and the plan given (--plan or the degree flags) disagree: the plan runs as "
+                             << r.strategy << ".",
+               "give one of them (the degree flags describe any strategy: e.g. --dp-shard N --zero-stage K for zeroK)");
+  // Before any step: the schedule would find this out at the first batch.
+  DTRAIN_CHECK(r.strategy != "pipeline" || r.pipeline.micro_batches < 1 || r.batch_size % r.pipeline.micro_batches == 0,
+               ConfigError,
+               r.pipeline.micro_batches << " micro-batches do not divide a pipeline's batch of " << r.batch_size
+                                        << " sequences per step.",
+               "choose --micro-batches dividing " << r.batch_size << ", or a batch size that is a multiple of "
+                                                  << r.pipeline.micro_batches);
   return r;
 }
 

@@ -185,3 +185,29 @@ TEST(GptExample, MissingCorpusFailsClearly) {
   EXPECT_NE(r.stderr_text.find("no Shakespeare corpus"), std::string::npos) << r.stderr_text;
   EXPECT_NE(r.stderr_text.find("scripts/setup.sh"), std::string::npos) << r.stderr_text;
 }
+
+// Flags that cannot run together stop every rank before any step, each
+// error naming its rank: a --strategy the degree flags contradict (it used
+// to be dropped silently), micro-batches that do not divide the batch (the
+// schedule used to find it at step 0, after an evaluation), degrees that do
+// not divide the world (before any process group exists).
+TEST(GptExample, ContradictoryFlagsStopBeforeTrainingNamingTheRank) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const std::string tiny = " --n-layer 1 --n-head 2 --n-embd 16 --block-size 8 --max-iters 2 --sample-tokens 0";
+  const struct {
+    std::string flags, says;
+  } cases[] = {
+      {"--strategy zero2 --tp 2", "--strategy zero2 and the plan given (--plan or the degree flags) disagree"},
+      {"--pp 2 --micro-batches 5", "5 micro-batches do not divide a pipeline's batch of 12"},
+      {"--tp 3", "the degrees given make 3 ranks"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.flags);
+    const auto r = run_gpt(c.flags + tiny, kGptLaunch);
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_NE(r.stderr_text.find(c.says), std::string::npos) << r.stderr_text;
+    EXPECT_NE(r.stderr_text.find("gpt: error: [rank 0/2]"), std::string::npos) << r.stderr_text;
+    EXPECT_NE(r.stderr_text.find("gpt: error: [rank 1/2]"), std::string::npos) << r.stderr_text;
+    EXPECT_EQ(r.stderr_text.find("\"event\":\"eval\""), std::string::npos) << r.stderr_text;
+  }
+}
