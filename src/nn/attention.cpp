@@ -9,25 +9,15 @@
 #include <limits>
 
 #include "dtrain/nn/linear.h"
-
-// See linear.cpp: LibTorch's exported oneDNN matrix product,
-// result = beta * result + alpha * (mat1 @ mat2), 2-D or batched 3-D operands
-// whose matrices are row- or column-major.
-namespace at::native {
-TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta,
-                             float alpha);
-}  // namespace at::native
+#include "onednn_matmul.h"
 
 namespace dtrain::nn {
 
 namespace {
 
+using detail::is_dense_cpu_float;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-bool is_dense_cpu_float(const at::Tensor& t) {
-  return t.device().is_cpu() && t.layout() == at::kStrided && t.scalar_type() == at::kFloat;
-}
 
 // [B, H, T, D] -> contiguous [B * H, T, D].
 at::Tensor batched(const at::Tensor& t) {

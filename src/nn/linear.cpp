@@ -7,28 +7,15 @@
 
 #include "dtrain/comm/env.h"
 #include "dtrain/error.h"
-
-// LibTorch exports its oneDNN matrix product (TORCH_API in
-// ATen/native/mkldnn/Matmul.h, a header the wheel does not ship):
-// result = beta * result + alpha * (mat1 @ mat2), for 2-D or batched 3-D
-// operands in row- or column-major layout. With beta = 0 `result` is only
-// written.
-namespace at::native {
-TORCH_API void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta,
-                             float alpha);
-}  // namespace at::native
+#include "onednn_matmul.h"
 
 namespace dtrain::nn {
 
 namespace {
 
+using detail::is_dense_cpu_float;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-bool is_dense_cpu_float(const at::Tensor& t) {
-  return t.device().is_cpu() && t.layout() == at::kStrided &&
-         t.scalar_type() == at::kFloat;  // oneDNN-layout tensors are kMkldnn
-}
 
 // oneDNN reads a matrix whose rows or columns are contiguous.
 at::Tensor matrix_operand(const at::Tensor& t) {
