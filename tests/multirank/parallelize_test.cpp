@@ -44,6 +44,17 @@ dtrain::data::TensorBatch parallelize_batch(std::int64_t step) {
   return {x, at::randint(0, kIn, {kParallelizeBatch}, gen)};
 }
 
+// The Trainer's source: each rank's rows of step s's union batch, by data
+// rank and micro-step.
+std::shared_ptr<dtrain::StepStream> parallelize_source() {
+  return std::make_shared<dtrain::StepStream>([](const dtrain::StepStream::Request& r) {
+    const auto b = parallelize_batch(r.step);
+    const std::int64_t first = (r.micro * r.data_world + r.data_rank) * r.batch_size;
+    return dtrain::data::TensorBatch{b.data.slice(0, first, first + r.batch_size),
+                                     b.target.slice(0, first, first + r.batch_size)};
+  });
+}
+
 // AdamW decaying `is_matrix` parameters only.
 std::unique_ptr<torch::optim::AdamW> parallelize_adamw(const std::vector<at::Tensor>& params,
                                                        const std::function<bool(const at::Tensor&)>& is_matrix) {
@@ -175,12 +186,7 @@ TEST(Parallelize, EveryDataAndPipelinePlanEqualsOneProcess) {
           c.plan.validate({.world = 4, .model = {.layers = 4}});
           dtrain::Parallelized run = dtrain::parallelize(parallelize_parts(), c.plan, world);
           auto opt = parallelize_adamw(run.strategy->parameters(), run.is_matrix);
-          auto source = std::make_shared<dtrain::StepStream>([](const dtrain::StepStream::Request& r) {
-            const auto b = parallelize_batch(r.step);
-            const std::int64_t first = (r.micro * r.data_world + r.data_rank) * r.batch_size;
-            return dtrain::data::TensorBatch{b.data.slice(0, first, first + r.batch_size),
-                                             b.target.slice(0, first, first + r.batch_size)};
-          });
+          auto source = parallelize_source();
           const std::int64_t per_rank = kParallelizeBatch / c.plan.data_parallel();
           dtrain::Trainer trainer(run.strategy, *opt, source,
                                   {.max_steps = kParallelizeSteps,
@@ -238,12 +244,7 @@ TEST(Parallelize, PipelineAndTpRanksHoldOnlyTheWeightsTheyTrain) {
               << "rank " << rank << " holds weights it does not train";
           EXPECT_LT(mine, whole_bytes) << "rank " << rank << " trains the whole model";
           auto opt = parallelize_adamw(run.strategy->parameters(), run.is_matrix);
-          auto source = std::make_shared<dtrain::StepStream>([](const dtrain::StepStream::Request& r) {
-            const auto b = parallelize_batch(r.step);
-            const std::int64_t first = (r.micro * r.data_world + r.data_rank) * r.batch_size;
-            return dtrain::data::TensorBatch{b.data.slice(0, first, first + r.batch_size),
-                                             b.target.slice(0, first, first + r.batch_size)};
-          });
+          auto source = parallelize_source();
           dtrain::Trainer trainer(run.strategy, *opt, source,
                                   {.max_steps = kParallelizeSteps,
                                    .batch_size = kParallelizeBatch,
