@@ -296,7 +296,8 @@ inline dtrain::ParallelizeOptions parallelize_options(const Resolved& r, std::ve
 // turn it off. `batch_size` is per data-parallel rank and micro-step of
 // accumulation; a pipeline splits it into its micro-batches (the planner's
 // micro-batch is batch_size / micro_batches), so they do not multiply it.
-// CPU ranks only: on accelerators the device's kind is not known here.
+// On an accelerator the Trainer reads the device's own free memory
+// (MemoryCheck::runs_on).
 inline dtrain::MemoryCheck memory_check(const PlanCli& cli, dtrain::ParallelPlan plan,
                                         const dtrain::plan::ModelSpec& model, std::int64_t batch_size, bool bf16) {
   plan.global_batch = batch_size * plan.data_parallel() * plan.accumulate;

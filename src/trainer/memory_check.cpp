@@ -9,6 +9,7 @@
 #include <exception>
 #include <vector>
 
+#include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "dtrain/plan/device_table.h"
@@ -17,11 +18,11 @@ namespace dtrain {
 
 namespace {
 
+// The ranks sharing this host: stated, else the launcher's contract (the one
+// reader of it: torchrun's LOCAL_WORLD_SIZE, Slurm's, MPI's), else 1.
 int local_ranks_of(const MemoryCheck& check) {
   if (check.local_ranks > 0) return check.local_ranks;
-  const char* v = std::getenv("LOCAL_WORLD_SIZE");
-  const int n = v != nullptr ? std::atoi(v) : 0;
-  return n > 0 ? n : 1;
+  return dist::launched_by_launcher() ? dist::read_env_contract().local_world_size : 1;
 }
 
 // An accelerator's free memory plus what this process's allocator holds
@@ -42,7 +43,7 @@ std::optional<plan::MemoryLimit> accelerator_limit(c10::Device device) {
                                        plan::format_bytes(static_cast<double>(held)) + " already on it"};
   } catch (const c10::Error& e) {
     DTRAIN_LOG(kWarning) << "memory pre-flight: " << device.str()
-                         << "'s allocator cannot tell its free memory; using the device table's ("
+                         << "'s allocator cannot tell its free memory; falling back to MemoryCheck::device ("
                          << e.what_without_backtrace() << ")";
     return std::nullopt;
   }

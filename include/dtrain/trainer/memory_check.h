@@ -48,7 +48,7 @@ struct MemoryCheck {
   // Bytes per rank ("300M", "2G"); empty: $DTRAIN_MEMORY_LIMIT, else the
   // device's.
   std::string limit;
-  int local_ranks = 0;  // ranks sharing this host; 0: LOCAL_WORLD_SIZE, else 1
+  int local_ranks = 0;  // ranks sharing this host; 0: the launcher's contract (local world size), else 1
   // dtrain's engines: fp32 master weights, DDP buckets copying gradients,
   // gradients set to none by zero_grad (Note [Gradient lifetimes]).
   plan::CostOptions cost{.weights = plan::WeightLayout::kFp32Master, .ddp_buckets_copy_gradients = true};
