@@ -29,10 +29,15 @@ std::int64_t parse_bytes(const std::string& text) {
   return static_cast<std::int64_t>(value * scale);
 }
 
-MemoryLimit rank_memory_limit(int local_ranks, const std::string& given) {
-  if (!given.empty()) return {parse_bytes(given), "--memory-limit " + given};
+std::optional<MemoryLimit> stated_memory_limit(const std::string& given) {
+  if (!given.empty()) return MemoryLimit{parse_bytes(given), "--memory-limit " + given};
   if (const char* env = std::getenv("DTRAIN_MEMORY_LIMIT"); env != nullptr && *env != '\0')
-    return {parse_bytes(env), std::string("DTRAIN_MEMORY_LIMIT=") + env};
+    return MemoryLimit{parse_bytes(env), std::string("DTRAIN_MEMORY_LIMIT=") + env};
+  return std::nullopt;
+}
+
+MemoryLimit rank_memory_limit(int local_ranks, const std::string& given) {
+  if (auto stated = stated_memory_limit(given)) return *stated;
   std::ifstream meminfo("/proc/meminfo");
   std::int64_t available = 0;
   for (std::string line; std::getline(meminfo, line);) {

@@ -5,7 +5,6 @@
 #include <c10/core/CachingDeviceAllocator.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <exception>
 #include <vector>
 
@@ -53,12 +52,11 @@ std::optional<plan::MemoryLimit> accelerator_limit(c10::Device device) {
 // else a CPU host's available memory over its ranks
 // (plan::rank_memory_limit), else the device table's memory.
 plan::MemoryLimit own_limit(const MemoryCheck& check, const plan::DeviceSpec& device) {
-  const char* env = std::getenv("DTRAIN_MEMORY_LIMIT");
-  const bool stated = !check.limit.empty() || (env != nullptr && *env != '\0');
-  if (!stated && check.runs_on && !check.runs_on->is_cpu()) {
+  if (auto stated = plan::stated_memory_limit(check.limit)) return *stated;
+  if (check.runs_on && !check.runs_on->is_cpu()) {
     if (auto limit = accelerator_limit(*check.runs_on)) return *limit;
   }
-  if (stated || device.compute_units > 0) return plan::rank_memory_limit(local_ranks_of(check), check.limit);
+  if (device.compute_units > 0) return plan::rank_memory_limit(local_ranks_of(check));
   return {device.memory_bytes, "the device table's " + device.name};
 }
 

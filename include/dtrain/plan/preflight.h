@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "dtrain/plan/cost_model.h"
@@ -27,9 +28,13 @@ struct MemoryLimit {
 // "4096", "512K", "300M", "2G" (binary units); ConfigError otherwise.
 std::int64_t parse_bytes(const std::string& text);
 
-// `given` (e.g. --memory-limit) when not empty, else $DTRAIN_MEMORY_LIMIT
-// when set (tests state a small limit this way), else this host's available
-// memory (MemAvailable) divided by the ranks on it.
+// A limit the user stated: `given` (e.g. --memory-limit) when not empty,
+// else $DTRAIN_MEMORY_LIMIT when set (tests state a small limit this way);
+// nullopt when neither is. The one reader of DTRAIN_MEMORY_LIMIT.
+std::optional<MemoryLimit> stated_memory_limit(const std::string& given = "");
+
+// The stated limit (stated_memory_limit), else this host's available memory
+// (MemAvailable) divided by the ranks on it.
 MemoryLimit rank_memory_limit(int local_ranks, const std::string& given = "");
 
 // The plan's estimate; ConfigError when its peak per rank exceeds
