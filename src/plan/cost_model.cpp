@@ -280,6 +280,8 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
                "choose a tp dividing all three");
   // A CPU host's ranks share its cores: more ranks than cores divide them.
   DeviceSpec dev = cluster.device;
+  // ... and its last-level cache, whatever their number.
+  if (dev.compute_units > 0) dev.cache_bytes /= std::min(cluster.gpus_per_node, cluster.gpus);
   if (dev.compute_units > 0 && cluster.gpus_per_node > dev.compute_units) {
     const double share = static_cast<double>(dev.compute_units) / std::min(cluster.gpus_per_node, cluster.gpus);
     if (share < 1) {
@@ -287,6 +289,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       dev.fp32_flops *= share;
       dev.fp8_flops *= share;
       dev.memory_bandwidth *= share;
+      dev.cache_bandwidth *= share;
       dev.kernel_overhead /= share;  // a CPU's launches are its cores' work too
     }
   }
@@ -555,6 +558,8 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     exposed = std::max(bucket, sync - window);
   }
   const double sharded_params = params / (plan.zero_stage >= 1 ? shard : 1);
+  // From memory, not the cache: the step touches each parameter's state once,
+  // after forward and backward have streamed everything else through it.
   const double optimizer = 28 * sharded_params / dev.memory_bandwidth;
 
   TimeBreakdown& t = est.time;

@@ -123,6 +123,24 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The size of this host's last-level cache (Linux's sysfs; the highest
+// level cpu0 lists), 0 when it cannot be read: then no cache is modelled.
+std::int64_t last_level_cache_bytes() {
+  std::int64_t bytes = 0;
+  int best_level = 0;
+  for (int i = 0; i < 8; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    std::string size;
+    if (!(level_file >> level) || !(size_file >> size) || level <= best_level) continue;
+    const std::int64_t unit = size.back() == 'K' ? 1024 : size.back() == 'M' ? 1024 * 1024 : 1;
+    best_level = level;
+    bytes = std::stoll(size) * unit;
+  }
+  return bytes;
+}
+
 // Note [Calibration]
 // The compute rates are per rank while every rank of the run computes at
 // once (as in training): from the runs with no more ranks than cores, so
@@ -144,7 +162,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   const auto scratch = std::filesystem::temp_directory_path() / ("dtrain-calibrate-" + std::to_string(::getpid()));
   std::filesystem::create_directories(scratch);
   std::vector<plan::CollectiveSample> shm, gloo;
-  std::vector<double> fp32, bf16, bandwidth, overhead;
+  std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth;
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -156,6 +174,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
       bf16.push_back(r.at("bf16_flops"));
       bandwidth.push_back(r.at("memory_bandwidth"));
       overhead.push_back(r.at("kernel_overhead"));
+      cache_bandwidth.push_back(r.at("cache_bandwidth"));
     }
     err << "dtrain plan --calibrate: " << n << " processes done\n";
   }
@@ -167,6 +186,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   d.bf16_flops = median(bf16);
   d.memory_bandwidth = median(bandwidth);
   d.kernel_overhead = median(overhead);
+  d.cache_bandwidth = median(cache_bandwidth);
+  d.cache_bytes = last_level_cache_bytes();
   d.gemm_efficiency = d.attention_efficiency = d.memory_efficiency = 1.0;
   d.intra_node = plan::fit_ring_link(shm);
   d.inter_node = plan::fit_ring_link(gloo);

@@ -5,7 +5,8 @@
 // overhead); then all_reduce and all_gather of 16 KiB .. 4 MiB over the
 // world, by shared memory and by Gloo over loopback. Rank 0 writes one JSON
 // object to --out: {"world", "fp32_flops", "bf16_flops", "memory_bandwidth",
-// "kernel_overhead", "samples": [{transport, op, ranks, bytes, seconds}]},
+// "cache_bandwidth", "kernel_overhead", "samples": [{transport, op, ranks,
+// bytes, seconds}]},
 // each figure the median of its repeats.
 //
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "dtrain/dtrain.h"
+#include "dtrain/nn/linear.h"
 
 namespace {
 
@@ -51,17 +53,53 @@ double median_seconds(int repeats, const std::function<void()>& once) {
   return s[s.size() / 2];
 }
 
-// FLOP/s of (m x k) . (k x n) products in `dtype`: the GPT example's
-// attention and MLP shapes (batch 12 x 64 tokens, width 128).
+// FLOP/s of the products a linear layer (x W^T) of the GPT example's
+// shapes (batch 12 x 64 tokens, width 128: the QKV, MLP up and MLP down
+// projections) runs in forward and backward, on the kernel
+// dtrain::nn::linear runs: y = x W^T, dx = dy W, dW = dy^T x, with the
+// operands' layouts as they are in training. fp32 on a CPU where the oneDNN
+// path is on (dtrain::nn::onednn_linear_enabled) is oneDNN; at::mm there
+// (MKL's sgemm) reaches about half of oneDNN's rate at these shapes on Zen 5
+// (113 vs ~210 GFLOP/s), so timing at::mm made every step 2x too slow.
 double matmul_rate(at::ScalarType dtype) {
-  const std::int64_t shapes[][3] = {{768, 128, 384}, {768, 128, 512}, {768, 512, 128}};
+  const std::int64_t shapes[][3] = {{768, 128, 384}, {768, 128, 512}, {768, 512, 128}};  // rows, in, out
+  const bool onednn = dtype == at::kFloat && dtrain::nn::onednn_linear_enabled();
+  auto product = [&](const at::Tensor& a, const at::Tensor& b) {
+    return onednn ? dtrain::nn::onednn_mm(a, b) : at::mm(a, b);
+  };
+  // In training a product's operands were written by other kernels since
+  // it last ran: they come from the last-level cache, not from the core's
+  // own L2 as in a loop over one set. So each timing passes over kSets
+  // operand sets (~13 MiB together: past a Zen 5 core's 1 MiB L2, within
+  // its L3); timed on one set, the rate came out ~15 % above training's.
+  constexpr int kSets = 8;
   double flops = 0, seconds = 0;
   for (const auto& s : shapes) {
-    at::Tensor a = at::randn({s[0], s[1]}).to(dtype), b = at::randn({s[1], s[2]}).to(dtype);
-    seconds += median_seconds(9, [&] { at::mm(a, b); });
-    flops += 2.0 * static_cast<double>(s[0] * s[1] * s[2]);
+    std::vector<at::Tensor> x, w, dy;
+    for (int i = 0; i < kSets; ++i) {
+      x.push_back(at::randn({s[0], s[1]}).to(dtype));
+      w.push_back(at::randn({s[2], s[1]}).to(dtype));
+      dy.push_back(at::randn({s[0], s[2]}).to(dtype));
+    }
+    auto over_sets = [&](const std::function<at::Tensor(int)>& one) {
+      return [&, one] {
+        for (int i = 0; i < kSets; ++i) one(i);
+      };
+    };
+    seconds += median_seconds(9, over_sets([&](int i) { return product(x[i], w[i].t()); }));
+    seconds += median_seconds(9, over_sets([&](int i) { return product(dy[i], w[i]); }));
+    seconds += median_seconds(9, over_sets([&](int i) { return product(dy[i].t(), x[i]); }));
+    flops += kSets * 3 * 2.0 * static_cast<double>(s[0] * s[1] * s[2]);
   }
   return flops / seconds;
+}
+
+// Bytes/s of a streaming add c = a + b whose three operands take `bytes`.
+double add_bandwidth(std::int64_t bytes) {
+  const std::int64_t n = bytes / 12;
+  at::Tensor a = at::ones({n}), b = at::ones({n}), c = at::empty({n});
+  const double s = median_seconds(15, [&] { at::add_out(c, a, b); });
+  return 12.0 * static_cast<double>(n) / s;
 }
 
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
@@ -126,9 +164,12 @@ int main(int argc, char** argv) {
     result["fp32_flops"] = matmul_rate(at::kFloat);
     result["bf16_flops"] = matmul_rate(at::kBFloat16);
     {
-      at::Tensor a = at::ones({1 << 22}), b = at::ones({1 << 22}), c = at::empty({1 << 22});
-      const double s = median_seconds(9, [&] { at::add_out(c, a, b); });
-      result["memory_bandwidth"] = 3.0 * static_cast<double>(a.nbytes()) / s;
+      // Memory: operands of 3 x 64 MiB, past any last-level cache (every
+      // rank streams at once). Cache: 3 x 1 MiB, one of the GPT example's
+      // activation-sized element-wise kernels, in the cache while the other
+      // ranks stream theirs.
+      result["memory_bandwidth"] = add_bandwidth(192LL << 20);
+      result["cache_bandwidth"] = add_bandwidth(3LL << 20);
       at::Tensor x = at::ones({4}), y = at::ones({4});
       result["kernel_overhead"] = median_seconds(201, [&] { at::add(x, y); });
     }

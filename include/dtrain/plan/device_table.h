@@ -42,6 +42,14 @@ struct DeviceSpec {
   // When a node holds more ranks than this, each rank's FLOP/s and memory
   // bandwidth are the device's x compute_units / ranks on the node.
   int compute_units = 0;
+  // A CPU host's last-level cache (0: none modelled, as for the GPUs, whose
+  // activations stream from HBM): an element-wise kernel whose operands fit
+  // in a rank's share of `cache_bytes` streams at `cache_bandwidth`, not at
+  // memory_bandwidth (Note [Layer time]). The GPT example's activations on
+  // this CPU (0.4-3 MiB per tensor) fit in its 32 MiB L3, where an add
+  // streams ~3x faster than from DRAM; `dtrain plan --calibrate` measures both.
+  std::int64_t cache_bytes = 0;
+  double cache_bandwidth = 0;  // bytes/s per rank
 };
 
 // The built-in table: a100-40gb, a100-80gb, h100-80gb, h100-96gb, h200,
