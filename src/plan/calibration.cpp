@@ -75,6 +75,7 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"gpus_per_node", d.gpus_per_node},
                    {"kernel_overhead", d.kernel_overhead},
                    {"compute_units", d.compute_units},
+                   {"gemm_overhead", d.gemm_overhead},
                    {"cache_bytes", d.cache_bytes},
                    {"cache_bandwidth", d.cache_bandwidth}};
   return j.dump(2);
@@ -98,6 +99,7 @@ DeviceSpec device_from_json(const std::string& text) {
   d.gpus_per_node = j.at("gpus_per_node").get<int>();
   d.kernel_overhead = j.value("kernel_overhead", d.kernel_overhead);
   d.compute_units = j.value("compute_units", 0);
+  d.gemm_overhead = j.value("gemm_overhead", 0.0);
   d.cache_bytes = j.value("cache_bytes", std::int64_t{0});  // older files: no cache modelled
   d.cache_bandwidth = j.value("cache_bandwidth", 0.0);
   return d;

@@ -291,6 +291,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       dev.memory_bandwidth *= share;
       dev.cache_bandwidth *= share;
       dev.kernel_overhead /= share;  // a CPU's launches are its cores' work too
+      dev.gemm_overhead /= share;
     }
   }
   const bool pipelined = plan.pp > 1;

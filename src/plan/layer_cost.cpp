@@ -25,7 +25,10 @@ double p2p_seconds(double bytes, const Link& link) {
 // A layer's forward is its GEMMs, its attention core and its element-wise
 // kernels, each costed on its own device roofline:
 //  - GEMM (m x k) . (k x n): max(2mkn / (peak x gemm_efficiency),
-//    bytes moved / (memory bandwidth x memory_efficiency)) + one launch. Input-gradient and
+//    bytes moved / (memory bandwidth x memory_efficiency)) + one call's fixed
+//    cost (a launch; on a CPU oneDNN's per-call work, DeviceSpec::
+//    gemm_overhead, which is what makes a small micro-batch cost more per
+//    token there). Input-gradient and
 //    weight-gradient GEMMs have the same FLOPs and bytes as the forward one.
 //  - Attention, materialised (Megatron 2021): two batched GEMMs with the head
 //    dimension as k (the roofline makes them slower per FLOP) plus the
@@ -54,7 +57,8 @@ struct Roofline {
   double gemm(double m, double k, double n, double batch = 1) const {
     const double flops = 2 * m * k * n * batch;
     const double bytes = bytes_per_element * (m * k + k * n + m * n) * batch;
-    return std::max(flops / (peak * device.gemm_efficiency), traffic(bytes, bytes)) + device.kernel_overhead;
+    const double call = device.gemm_overhead > 0 ? device.gemm_overhead : device.kernel_overhead;
+    return std::max(flops / (peak * device.gemm_efficiency), traffic(bytes, bytes)) + call;
   }
   // `bytes` moved by kernels whose largest one touches `working_set` bytes:
   // from the cache when that fits in it (its producer, the kernel before,

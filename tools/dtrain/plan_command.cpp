@@ -162,7 +162,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   const auto scratch = std::filesystem::temp_directory_path() / ("dtrain-calibrate-" + std::to_string(::getpid()));
   std::filesystem::create_directories(scratch);
   std::vector<plan::CollectiveSample> shm, gloo;
-  std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth;
+  std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth, gemm_overhead, attention;
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -175,6 +175,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
       bandwidth.push_back(r.at("memory_bandwidth"));
       overhead.push_back(r.at("kernel_overhead"));
       cache_bandwidth.push_back(r.at("cache_bandwidth"));
+      gemm_overhead.push_back(r.at("gemm_overhead"));
+      attention.push_back(r.at("attention_flops"));
     }
     err << "dtrain plan --calibrate: " << n << " processes done\n";
   }
@@ -187,8 +189,12 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   d.memory_bandwidth = median(bandwidth);
   d.kernel_overhead = median(overhead);
   d.cache_bandwidth = median(cache_bandwidth);
+  d.gemm_overhead = median(gemm_overhead);
   d.cache_bytes = last_level_cache_bytes();
-  d.gemm_efficiency = d.attention_efficiency = d.memory_efficiency = 1.0;
+  d.gemm_efficiency = d.memory_efficiency = 1.0;
+  // Flash attention's achieved rate as a fraction of the products' (the
+  // cost model applies it to the peak at the plan's precision).
+  d.attention_efficiency = median(attention) / d.fp32_flops;
   d.intra_node = plan::fit_ring_link(shm);
   d.inter_node = plan::fit_ring_link(gloo);
   std::ostringstream what;

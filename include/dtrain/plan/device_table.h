@@ -38,6 +38,10 @@ struct DeviceSpec {
   Link inter_node;  // InfiniBand / RoCE / TCP, per GPU
   int gpus_per_node = 8;
   double kernel_overhead = 5e-6;  // seconds per kernel launch a layer pays
+  // Seconds a GEMM call pays beyond its FLOPs (0: kernel_overhead). A CPU's
+  // oneDNN product costs ~10 us per call (its primitive lookup and operand
+  // setup), ten times an element-wise op; `dtrain plan --calibrate` fits it.
+  double gemm_overhead = 0;
   // Cores a node's ranks share (CPU hosts); 0: each rank has its own device.
   // When a node holds more ranks than this, each rank's FLOP/s and memory
   // bandwidth are the device's x compute_units / ranks on the node.
