@@ -131,8 +131,8 @@ def main():
     p.add_argument("--calibrate", action="store_true", help="calibrate into the device file even if it exists")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if not args.device_file and not args.memory_only:  # memory does not depend on the rates
-        args.device_file = os.path.join(args.build, "plan-cpu-here.json")
+    if not args.memory_only:  # memory does not depend on the rates
+        args.device_file = args.device_file or os.path.join(args.build, "plan-cpu-here.json")
         if args.calibrate or not os.path.exists(args.device_file):
             subprocess.run([os.path.join(args.build, "tools", "dtrain"), "plan", "--calibrate", "--device-file",
                             args.device_file], check=True, stdout=subprocess.DEVNULL)
