@@ -77,7 +77,6 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
   const double tokens = static_cast<double>(sh.micro_batch) * s / cp;  // on this rank
   const Roofline roof{dev, sh.peak_flops, e};
   const double attention_peak = sh.attention_flops > 0 ? sh.attention_flops : sh.peak_flops;
-  const Roofline attention_roof{dev, attention_peak, e};
   const bool eager = m.kernels == Kernels::kEager;
 
   // GEMMs of the layer.
@@ -93,7 +92,10 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
     attn_bwd = 2.5 * attn_fwd;
   } else {
     const double batch = static_cast<double>(sh.micro_batch) * a / t;
-    const double core = attention_roof.gemm(s / cp, d, s, batch) + attention_roof.gemm(s / cp, s, d, batch);
+    DeviceSpec core_device = dev;  // its own rate where one is known (a CPU's small-k products)
+    if (dev.materialized_attention_efficiency > 0) core_device.gemm_efficiency = dev.materialized_attention_efficiency;
+    const Roofline core_roof{core_device, attention_peak, e};
+    const double core = core_roof.gemm(s / cp, d, s, batch) + core_roof.gemm(s / cp, s, d, batch);
     const double per_score = (4 + (m.dropout ? 5 : 0)) * e / 2;
     const double score_set = 2 * score_elements * e;  // softmax: scores in, probabilities out
     attn_fwd = core + roof.traffic(score_elements * per_score, score_set);

@@ -60,6 +60,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.fp32_flops = 31.5e9;
   d.intra_node = {.bandwidth = 2.5e9, .latency = 33e-6};
   d.gemm_overhead = 9.5e-6;
+  d.materialized_attention_efficiency = 0.35;
   d.cache_bytes = 32LL << 20;
   d.cache_bandwidth = 95e9;
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
@@ -71,6 +72,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.intra_node.latency, d.intra_node.latency);
   EXPECT_EQ(back.compute_units, d.compute_units);
   EXPECT_EQ(back.gemm_overhead, d.gemm_overhead);
+  EXPECT_EQ(back.materialized_attention_efficiency, d.materialized_attention_efficiency);
   EXPECT_EQ(back.cache_bytes, d.cache_bytes);
   EXPECT_EQ(back.cache_bandwidth, d.cache_bandwidth);
   std::remove(path.c_str());

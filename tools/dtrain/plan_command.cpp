@@ -162,7 +162,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   const auto scratch = std::filesystem::temp_directory_path() / ("dtrain-calibrate-" + std::to_string(::getpid()));
   std::filesystem::create_directories(scratch);
   std::vector<plan::CollectiveSample> shm, gloo;
-  std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth, gemm_overhead, attention;
+  std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth, gemm_overhead, attention, materialized;
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -177,6 +177,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
       cache_bandwidth.push_back(r.at("cache_bandwidth"));
       gemm_overhead.push_back(r.at("gemm_overhead"));
       attention.push_back(r.at("attention_flops"));
+      materialized.push_back(r.at("materialized_attention_flops"));
     }
     err << "dtrain plan --calibrate: " << n << " processes done\n";
   }
@@ -195,6 +196,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // Flash attention's achieved rate as a fraction of the products' (the
   // cost model applies it to the peak at the plan's precision).
   d.attention_efficiency = median(attention) / d.fp32_flops;
+  d.materialized_attention_efficiency = median(materialized) / d.fp32_flops;
   d.intra_node = plan::fit_ring_link(shm);
   d.inter_node = plan::fit_ring_link(gloo);
   std::ostringstream what;

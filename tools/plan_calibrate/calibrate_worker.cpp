@@ -5,7 +5,8 @@
 // bandwidth) and a chain of tiny differentiable ops (per-kernel overhead); then all_reduce and all_gather of 16 KiB .. 4 MiB over the
 // world, by shared memory and by Gloo over loopback. Rank 0 writes one JSON
 // object to --out: {"world", "fp32_flops", "bf16_flops", "memory_bandwidth",
-// "gemm_overhead", "attention_flops", "cache_bandwidth", "kernel_overhead",
+// "gemm_overhead", "attention_flops", "materialized_attention_flops",
+// "cache_bandwidth", "kernel_overhead",
 // "backward_kernel_overhead", "samples": [{transport, op, ranks,
 // bytes, seconds}]},
 // each figure the median of its repeats.
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "dtrain/dtrain.h"
+#include "dtrain/nn/attention.h"
 #include "dtrain/nn/linear.h"
 
 namespace {
@@ -138,6 +140,22 @@ double flash_attention_rate() {
   return 0.5 * 4 * static_cast<double>(b * s * s * heads * d) / seconds;
 }
 
+// FLOP/s of the materialised causal attention dtrain::nn::causal_attention
+// runs on oneDNN (the GPT's plans without tp or cp), forward, at the same
+// shape, counted as the cost model counts its core: two batched products of
+// 2 s^2 d per head and sequence (the softmax inside the timed call, which
+// the model also costs as traffic: ~10 % of this term counted twice). Its
+// products have k = 32 or 64: ~35 % of the wide products' rate here. 0 where
+// that path does not run (no oneDNN): the model then uses the wide rate.
+double materialized_attention_rate() {
+  const std::int64_t b = 12, heads = 4, s = 64, d = 32;
+  const at::Tensor q = at::randn({b, heads, s, d}), k = at::randn({b, heads, s, d}), v = at::randn({b, heads, s, d});
+  if (!dtrain::nn::attention_uses_onednn(q, k, v)) return 0;
+  at::NoGradGuard no_grad;
+  const double seconds = median_seconds(21, [&] { dtrain::nn::causal_attention(q, k, v); });
+  return 2 * 2.0 * static_cast<double>(b * heads * s * s * d) / seconds;
+}
+
 // Bytes/s of a streaming add c = a + b whose three operands take `bytes`.
 double add_bandwidth(std::int64_t bytes) {
   const std::int64_t n = bytes / 12;
@@ -211,6 +229,7 @@ int main(int argc, char** argv) {
     const auto [bf16_seconds, bf16_flops] = linear_products(at::kBFloat16, 768);
     result["bf16_flops"] = bf16_flops / bf16_seconds;
     result["attention_flops"] = flash_attention_rate();
+    result["materialized_attention_flops"] = materialized_attention_rate();
     {
       // Memory: operands of 3 x 64 MiB, past any last-level cache (every
       // rank streams at once). Cache: 3 x 1 MiB, one of the GPT example's

@@ -32,6 +32,11 @@ struct DeviceSpec {
   // Achievable fraction of the peak on large GEMMs, and on attention kernels.
   double gemm_efficiency = 0.75;
   double attention_efficiency = 0.5;
+  // The materialised attention core's products (k = head dim or sequence,
+  // batched over heads) as a fraction of the peak; 0: gemm_efficiency. On a
+  // CPU they reach ~35 % of the wide products' rate (measured by
+  // `dtrain plan --calibrate`); a GPU's table entry leaves it 0.
+  double materialized_attention_efficiency = 0;
   // Achievable fraction of the memory bandwidth for streaming kernels.
   double memory_efficiency = 0.8;
   Link intra_node;  // NVLink / shared memory
