@@ -146,7 +146,11 @@ std::int64_t last_level_cache_bytes() {
 // once (as in training): from the runs with no more ranks than cores, so
 // that the entry is one rank's own core; the cost model divides the cores
 // when a plan puts more ranks on the host (DeviceSpec::compute_units). The
-// measured rates are achieved rates, so the efficiencies are 1. The
+// measured rates are achieved rates, so the GEMM and memory efficiencies are
+// 1; the attention kernels' are their measured rates over the products'.
+// Each is the rate of the kernel dtrain runs in training (oneDNN's products,
+// not at::mm's; see calibrate_worker.cpp), with operands where training
+// finds them (the last-level cache). The
 // collectives' alpha and beta are one fit per transport over all process
 // counts and sizes: shared memory is the node's link (dtrain's CPU
 // collectives and pipeline sends between ranks of one host), Gloo over

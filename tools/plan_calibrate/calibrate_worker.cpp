@@ -1,15 +1,15 @@
 // The worker `dtrain plan --calibrate` launches (plan_command.cpp), one
 // process per rank under `dtrain run`: every rank times, at once as in
 // training, one thread's fp32 and bf16 matrix products at the GPT example's
-// shapes (fp32: rate and per-call cost), streaming adds (memory and cache
-// bandwidth) and a chain of tiny differentiable ops (per-kernel overhead); then all_reduce and all_gather of 16 KiB .. 4 MiB over the
-// world, by shared memory and by Gloo over loopback. Rank 0 writes one JSON
-// object to --out: {"world", "fp32_flops", "bf16_flops", "memory_bandwidth",
-// "gemm_overhead", "attention_flops", "materialized_attention_flops",
-// "cache_bandwidth", "kernel_overhead",
-// "backward_kernel_overhead", "samples": [{transport, op, ranks,
-// bytes, seconds}]},
-// each figure the median of its repeats.
+// shapes (fp32: rate and per-call cost), its two attention kernels,
+// streaming adds (memory and cache bandwidth) and a chain of tiny
+// differentiable ops (per-kernel overhead); then all_reduce and all_gather
+// of 16 KiB .. 4 MiB over the world, by shared memory and by Gloo over
+// loopback. Rank 0 writes one JSON object to --out: {"world", "fp32_flops",
+// "gemm_overhead", "bf16_flops", "attention_flops",
+// "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
+// "kernel_overhead", "backward_kernel_overhead", "samples": [{transport, op,
+// ranks, bytes, seconds}]}, each figure the median of its repeats.
 //
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
 #include <ATen/ATen.h>
@@ -22,9 +22,9 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
-#include <utility>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/dtrain.h"
