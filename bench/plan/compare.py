@@ -19,6 +19,7 @@ for time figures that mean something; memory does not depend on the load.
   bench/plan/compare.py [--build build] [--runs 3] [--steps 12] [--plans ddp2,zero3_2]
                         [--device-file F]   # default: calibrate into build/plan-cpu-here.json
   bench/plan/compare.py --memory-only --steps 3 --check-memory 0.10   # the suite's test (every plan)
+  bench/plan/compare.py --calibrate --plans single,ddp2 --check-time 0.15   # the suite's time test
 """
 import argparse
 import json
@@ -123,11 +124,16 @@ def main():
     p.add_argument("--memory-only", action="store_true", help="one run per plan; no time columns")
     p.add_argument("--check-memory", type=float, default=0,
                    help="exit 1 unless every predicted peak is within this fraction of the measured")
+    p.add_argument("--check-time", type=float, default=0,
+                   help="exit 1 unless every predicted step is within this fraction of the measured one (the CPU "
+                        "column: the busiest rank's CPU time per step, which other work on a shared host inflates "
+                        "much less than the wall time)")
+    p.add_argument("--calibrate", action="store_true", help="calibrate into the device file even if it exists")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if not args.device_file and not args.memory_only:  # memory does not depend on the rates
-        args.device_file = os.path.join(args.build, "plan-cpu-here.json")
-        if not os.path.exists(args.device_file):
+    if not args.memory_only:  # memory does not depend on the rates
+        args.device_file = args.device_file or os.path.join(args.build, "plan-cpu-here.json")
+        if args.calibrate or not os.path.exists(args.device_file):
             subprocess.run([os.path.join(args.build, "tools", "dtrain"), "plan", "--calibrate", "--device-file",
                             args.device_file], check=True, stdout=subprocess.DEVNULL)
     if args.vocab == 0:
@@ -182,6 +188,12 @@ def main():
         for r in bad:
             print(f"memory of {r['plan']}: predicted {r['peak_pred']:.0f} B, measured {r['peak_meas']:.0f} B "
                   f"({100 * r['memory_error']:+.1f} %, bound {100 * args.check_memory:.0f} %)", file=sys.stderr)
+        return 1 if bad else 0
+    if args.check_time > 0:
+        bad = [r for r in rows if abs(r["time_error_cpu"]) > args.check_time]
+        for r in bad:
+            print(f"step time of {r['plan']}: predicted {r['step_pred_ms']:.1f} ms, measured {r['step_cpu_wall_ms']:.1f} "
+                  f"ms of CPU ({100 * r['time_error_cpu']:+.1f} %, bound {100 * args.check_time:.0f} %)", file=sys.stderr)
         return 1 if bad else 0
     return 0
 

@@ -74,7 +74,11 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"inter_node", link_json(d.inter_node)},
                    {"gpus_per_node", d.gpus_per_node},
                    {"kernel_overhead", d.kernel_overhead},
-                   {"compute_units", d.compute_units}};
+                   {"compute_units", d.compute_units},
+                   {"gemm_overhead", d.gemm_overhead},
+                   {"materialized_attention_efficiency", d.materialized_attention_efficiency},
+                   {"cache_bytes", d.cache_bytes},
+                   {"cache_bandwidth", d.cache_bandwidth}};
   return j.dump(2);
 }
 
@@ -96,6 +100,10 @@ DeviceSpec device_from_json(const std::string& text) {
   d.gpus_per_node = j.at("gpus_per_node").get<int>();
   d.kernel_overhead = j.value("kernel_overhead", d.kernel_overhead);
   d.compute_units = j.value("compute_units", 0);
+  d.gemm_overhead = j.value("gemm_overhead", 0.0);
+  d.materialized_attention_efficiency = j.value("materialized_attention_efficiency", 0.0);
+  d.cache_bytes = j.value("cache_bytes", std::int64_t{0});  // older files: no cache modelled
+  d.cache_bandwidth = j.value("cache_bandwidth", 0.0);
   return d;
 }
 

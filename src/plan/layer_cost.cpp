@@ -25,7 +25,10 @@ double p2p_seconds(double bytes, const Link& link) {
 // A layer's forward is its GEMMs, its attention core and its element-wise
 // kernels, each costed on its own device roofline:
 //  - GEMM (m x k) . (k x n): max(2mkn / (peak x gemm_efficiency),
-//    bytes moved / (memory bandwidth x memory_efficiency)) + one launch. Input-gradient and
+//    bytes moved / (memory bandwidth x memory_efficiency)) + one call's fixed
+//    cost (a launch; on a CPU oneDNN's per-call work, DeviceSpec::
+//    gemm_overhead, which is what makes a small micro-batch cost more per
+//    token there). Input-gradient and
 //    weight-gradient GEMMs have the same FLOPs and bytes as the forward one.
 //  - Attention, materialised (Megatron 2021): two batched GEMMs with the head
 //    dimension as k (the roofline makes them slower per FLOP) plus the
@@ -35,7 +38,11 @@ double p2p_seconds(double bytes, const Link& link) {
 //  - Element-wise: bytes per token moved by norms, residual adds, activation
 //    functions, rotary embeddings and dropout, fused (Megatron's kernels) or
 //    eager (one kernel per PyTorch op), over the memory bandwidth; backward
-//    moves twice as much.
+//    moves twice as much. On a device with a modelled cache (a CPU host:
+//    DeviceSpec::cache_bytes) traffic whose largest kernel's operands fit in
+//    a rank's share of it streams at the cache's bandwidth: the GPT
+//    example's activations (0.4-3 MiB) never leave this CPU's L3, and costed
+//    at DRAM's rate its element-wise work came out 2.7x the profiled time.
 // Tensor parallelism divides the GEMMs' parallel dimension and the heads;
 // the norms and residual work divide only with sequence parallelism; context
 // parallelism divides the tokens.
@@ -50,9 +57,16 @@ struct Roofline {
   double gemm(double m, double k, double n, double batch = 1) const {
     const double flops = 2 * m * k * n * batch;
     const double bytes = bytes_per_element * (m * k + k * n + m * n) * batch;
-    return std::max(flops / (peak * device.gemm_efficiency), bytes / device.memory_bandwidth) + device.kernel_overhead;
+    const double call = device.gemm_overhead > 0 ? device.gemm_overhead : device.kernel_overhead;
+    return std::max(flops / (peak * device.gemm_efficiency), traffic(bytes, bytes)) + call;
   }
-  double traffic(double bytes) const { return bytes / device.memory_bandwidth; }
+  // `bytes` moved by kernels whose largest one touches `working_set` bytes:
+  // from the cache when that fits in it (its producer, the kernel before,
+  // just wrote it there), else from memory.
+  double traffic(double bytes, double working_set) const {
+    const bool cached = device.cache_bytes > 0 && working_set <= static_cast<double>(device.cache_bytes);
+    return bytes / (cached ? device.cache_bandwidth : device.memory_bandwidth);
+  }
 };
 
 }  // namespace
@@ -63,7 +77,6 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
   const double tokens = static_cast<double>(sh.micro_batch) * s / cp;  // on this rank
   const Roofline roof{dev, sh.peak_flops, e};
   const double attention_peak = sh.attention_flops > 0 ? sh.attention_flops : sh.peak_flops;
-  const Roofline attention_roof{dev, attention_peak, e};
   const bool eager = m.kernels == Kernels::kEager;
 
   // GEMMs of the layer.
@@ -79,10 +92,14 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
     attn_bwd = 2.5 * attn_fwd;
   } else {
     const double batch = static_cast<double>(sh.micro_batch) * a / t;
-    const double core = attention_roof.gemm(s / cp, d, s, batch) + attention_roof.gemm(s / cp, s, d, batch);
+    DeviceSpec core_device = dev;  // its own rate where one is known (a CPU's small-k products)
+    if (dev.materialized_attention_efficiency > 0) core_device.gemm_efficiency = dev.materialized_attention_efficiency;
+    const Roofline core_roof{core_device, attention_peak, e};
+    const double core = core_roof.gemm(s / cp, d, s, batch) + core_roof.gemm(s / cp, s, d, batch);
     const double per_score = (4 + (m.dropout ? 5 : 0)) * e / 2;
-    attn_fwd = core + roof.traffic(score_elements * per_score);
-    attn_bwd = 2 * core + roof.traffic(score_elements * per_score * 1.5);
+    const double score_set = 2 * score_elements * e;  // softmax: scores in, probabilities out
+    attn_fwd = core + roof.traffic(score_elements * per_score, score_set);
+    attn_bwd = 2 * core + roof.traffic(score_elements * per_score * 1.5, score_set);
   }
   // Element-wise traffic per token, in bytes at 2 bytes per element.
   const double replicated = eager ? 80 * h : (m.dropout ? 22 : 20) * h;
@@ -91,7 +108,11 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
   const double replicated_tokens = sh.sequence_parallel ? tokens / t : tokens;
   const double ew_bytes = (replicated * replicated_tokens + split * tokens / t) * e / 2;
   const double kernels = (eager ? 45 : 15) * dev.kernel_overhead;
-  const double ew_fwd = roof.traffic(ew_bytes) + kernels;
+  // The largest element-wise kernel: a residual add (two inputs, one output
+  // of tokens x h) or the MLP's activation function (tokens x ffn in and
+  // out; gated, two halves in).
+  const double ew_set = std::max(3 * replicated_tokens * h, (m.gated_mlp ? 3 : 2) * tokens * f / t) * e;
+  const double ew_fwd = roof.traffic(ew_bytes, ew_set) + kernels;
 
   PhaseTimes r;
   r.forward = gemms + attn_fwd + ew_fwd;
@@ -137,8 +158,10 @@ PhaseTimes output_times(const ModelSpec& m, const LayerShape& sh, const DeviceSp
   // reads them and keeps an fp32 softmax; eager casts to fp32, log-softmaxes
   // and casts the gradient back.
   const double logits = tokens * v / t;
-  const double ce_fwd = roof.traffic(logits * (eager ? 14 : 6)), ce_bwd = roof.traffic(logits * (eager ? 14 : 6));
-  const double norm = roof.traffic(tokens * h * (eager ? 34 : 4) * e / 2);
+  const double ce_set = 2 * logits * 4;  // fp32 logits in, (log-)softmax out
+  const double ce_fwd = roof.traffic(logits * (eager ? 14 : 6), ce_set);
+  const double ce_bwd = ce_fwd;
+  const double norm = roof.traffic(tokens * h * (eager ? 34 : 4) * e / 2, 3 * tokens * h * e);
   PhaseTimes r;
   r.forward = gemm + ce_fwd + norm;
   r.backward_input = gemm + ce_bwd + 2 * norm;
@@ -153,9 +176,11 @@ PhaseTimes output_times(const ModelSpec& m, const LayerShape& sh, const DeviceSp
 PhaseTimes embedding_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpec& dev) {
   const double e = sh.bytes_per_element, h = m.hidden;
   const double tokens = static_cast<double>(sh.micro_batch) * m.seq / sh.cp;
+  const Roofline roof{dev, sh.peak_flops, e};
+  const double set = 3 * tokens * h * e;
   PhaseTimes r;
-  r.forward = tokens * h * 3 * e / dev.memory_bandwidth + 2 * dev.kernel_overhead;
-  r.backward_weight = tokens * h * (e + 8) / dev.memory_bandwidth + 2 * dev.kernel_overhead;
+  r.forward = roof.traffic(tokens * h * 3 * e, set) + 2 * dev.kernel_overhead;
+  r.backward_weight = roof.traffic(tokens * h * (e + 8), set) + 2 * dev.kernel_overhead;
   r.tp_forward = all_reduce_seconds(tokens * h * e, sh.tp, sh.tp_link);
   return r;
 }

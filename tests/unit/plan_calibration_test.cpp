@@ -59,6 +59,10 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   DeviceSpec d = find_device("cpu-here");
   d.fp32_flops = 31.5e9;
   d.intra_node = {.bandwidth = 2.5e9, .latency = 33e-6};
+  d.gemm_overhead = 9.5e-6;
+  d.materialized_attention_efficiency = 0.35;
+  d.cache_bytes = 32LL << 20;
+  d.cache_bandwidth = 95e9;
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -67,6 +71,10 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.fp32_flops, d.fp32_flops);
   EXPECT_EQ(back.intra_node.latency, d.intra_node.latency);
   EXPECT_EQ(back.compute_units, d.compute_units);
+  EXPECT_EQ(back.gemm_overhead, d.gemm_overhead);
+  EXPECT_EQ(back.materialized_attention_efficiency, d.materialized_attention_efficiency);
+  EXPECT_EQ(back.cache_bytes, d.cache_bytes);
+  EXPECT_EQ(back.cache_bandwidth, d.cache_bandwidth);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
 }
@@ -85,6 +93,43 @@ TEST(PlanCalibration, HostRanksShareItsCoresAndMemory) {
   EXPECT_NEAR(four.time.compute / two.time.compute, 2.0, 1e-9);
   EXPECT_EQ(two.device_memory_bytes, 4LL << 30);
   EXPECT_EQ(four.device_memory_bytes, 2LL << 30);
+}
+
+// A CPU host's two calibrated terms (Note [Layer time]), each against what
+// it stands for in the GPT example's step (bench_gpt_ops profiles 17
+// dtrain::nn::linear calls and 4 attention cores per step: 4 blocks of 4
+// Linears and the head; each Linear runs 3 products, each materialised
+// attention core 2 in forward and 4 in backward):
+//  - a GEMM's per-call cost is paid once per product whatever the tokens:
+//    raising it by dt adds 75 dt to a step of 1 or of 24 sequences alike;
+//  - element-wise traffic streams from the cache while a kernel's operands
+//    fit in a rank's share of it: a cache as fast as memory changes
+//    nothing, a faster one shortens only models whose activations fit.
+TEST(PlanCalibration, CpuCallCostAndCacheAreTheGptExamplesTerms) {
+  DeviceSpec d = find_device("cpu-here");
+  d.compute_units = 2;
+  d.memory_bandwidth = 30e9;
+  const auto gpt = ModelSpec::parse(
+      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=materialized,kernels=eager,dropout=0,bias=0");
+  auto step = [&](const ModelSpec& model, const DeviceSpec& dev, std::int64_t sequences) {
+    const ParallelPlan p{.precision = "fp32", .global_batch = sequences};
+    return estimate(p, model, {.device = dev, .gpus = 1, .gpus_per_node = dev.gpus_per_node}).time.compute;
+  };
+  DeviceSpec slower = d;
+  d.gemm_overhead = 5e-6;
+  slower.gemm_overhead = 15e-6;
+  for (const std::int64_t sequences : {1, 24}) {
+    EXPECT_NEAR((step(gpt, slower, sequences) - step(gpt, d, sequences)) / 10e-6, 75, 1e-6) << sequences;
+  }
+  DeviceSpec cached = d, same = d;
+  cached.cache_bytes = same.cache_bytes = 32LL << 20;
+  cached.cache_bandwidth = 3 * d.memory_bandwidth;
+  same.cache_bandwidth = d.memory_bandwidth;
+  EXPECT_NEAR(step(gpt, same, 24), step(gpt, d, 24), 1e-12);
+  EXPECT_LT(step(gpt, cached, 24), step(gpt, d, 24));
+  // Width 4096, 8 sequences of 2048: a residual add's operands are 384 MiB.
+  const auto large = ModelSpec::parse("gpt:layers=2,hidden=4096,heads=32,seq=2048,vocab=50304");
+  EXPECT_NEAR(step(large, cached, 8), step(large, d, 8), 1e-12);
 }
 
 TEST(PlanCalibration, Fp8PlansRunTheirGemmsAtTheFp8Rate) {

@@ -123,12 +123,34 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The size of this host's last-level cache (Linux's sysfs; the highest
+// level cpu0 lists), 0 when it cannot be read: then no cache is modelled.
+std::int64_t last_level_cache_bytes() {
+  std::int64_t bytes = 0;
+  int best_level = 0;
+  for (int i = 0; i < 8; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    std::string size;
+    if (!(level_file >> level) || !(size_file >> size) || level <= best_level) continue;
+    const std::int64_t unit = size.back() == 'K' ? 1024 : size.back() == 'M' ? 1024 * 1024 : 1;
+    best_level = level;
+    bytes = std::stoll(size) * unit;
+  }
+  return bytes;
+}
+
 // Note [Calibration]
 // The compute rates are per rank while every rank of the run computes at
 // once (as in training): from the runs with no more ranks than cores, so
 // that the entry is one rank's own core; the cost model divides the cores
 // when a plan puts more ranks on the host (DeviceSpec::compute_units). The
-// measured rates are achieved rates, so the efficiencies are 1. The
+// measured rates are achieved rates, so the GEMM and memory efficiencies are
+// 1; the attention kernels' are their measured rates over the products'.
+// Each is the rate of the kernel dtrain runs in training (oneDNN's products,
+// not at::mm's; see calibrate_worker.cpp), with operands where training
+// finds them (the last-level cache). The
 // collectives' alpha and beta are one fit per transport over all process
 // counts and sizes: shared memory is the node's link (dtrain's CPU
 // collectives and pipeline sends between ranks of one host), Gloo over
@@ -144,7 +166,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   const auto scratch = std::filesystem::temp_directory_path() / ("dtrain-calibrate-" + std::to_string(::getpid()));
   std::filesystem::create_directories(scratch);
   std::vector<plan::CollectiveSample> shm, gloo;
-  std::vector<double> fp32, bf16, bandwidth, overhead;
+  std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth, gemm_overhead, attention, materialized;
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -156,6 +178,10 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
       bf16.push_back(r.at("bf16_flops"));
       bandwidth.push_back(r.at("memory_bandwidth"));
       overhead.push_back(r.at("kernel_overhead"));
+      cache_bandwidth.push_back(r.at("cache_bandwidth"));
+      gemm_overhead.push_back(r.at("gemm_overhead"));
+      attention.push_back(r.at("attention_flops"));
+      materialized.push_back(r.at("materialized_attention_flops"));
     }
     err << "dtrain plan --calibrate: " << n << " processes done\n";
   }
@@ -167,7 +193,14 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   d.bf16_flops = median(bf16);
   d.memory_bandwidth = median(bandwidth);
   d.kernel_overhead = median(overhead);
-  d.gemm_efficiency = d.attention_efficiency = d.memory_efficiency = 1.0;
+  d.cache_bandwidth = median(cache_bandwidth);
+  d.gemm_overhead = median(gemm_overhead);
+  d.cache_bytes = last_level_cache_bytes();
+  d.gemm_efficiency = d.memory_efficiency = 1.0;
+  // Flash attention's achieved rate as a fraction of the products' (the
+  // cost model applies it to the peak at the plan's precision).
+  d.attention_efficiency = median(attention) / d.fp32_flops;
+  d.materialized_attention_efficiency = median(materialized) / d.fp32_flops;
   d.intra_node = plan::fit_ring_link(shm);
   d.inter_node = plan::fit_ring_link(gloo);
   std::ostringstream what;

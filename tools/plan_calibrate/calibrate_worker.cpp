@@ -1,12 +1,15 @@
 // The worker `dtrain plan --calibrate` launches (plan_command.cpp), one
 // process per rank under `dtrain run`: every rank times, at once as in
 // training, one thread's fp32 and bf16 matrix products at the GPT example's
-// shapes, a streaming add (memory bandwidth) and a tiny op (per-kernel
-// overhead); then all_reduce and all_gather of 16 KiB .. 4 MiB over the
-// world, by shared memory and by Gloo over loopback. Rank 0 writes one JSON
-// object to --out: {"world", "fp32_flops", "bf16_flops", "memory_bandwidth",
-// "kernel_overhead", "samples": [{transport, op, ranks, bytes, seconds}]},
-// each figure the median of its repeats.
+// shapes (fp32: rate and per-call cost), its two attention kernels,
+// streaming adds (memory and cache bandwidth) and a chain of tiny
+// differentiable ops (per-kernel overhead); then all_reduce and all_gather
+// of 16 KiB .. 4 MiB over the world, by shared memory and by Gloo over
+// loopback. Rank 0 writes one JSON object to --out: {"world", "fp32_flops",
+// "gemm_overhead", "bf16_flops", "attention_flops",
+// "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
+// "kernel_overhead", "backward_kernel_overhead", "samples": [{transport, op,
+// ranks, bytes, seconds}]}, each figure the median of its repeats.
 //
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
 #include <ATen/ATen.h>
@@ -21,9 +24,12 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/dtrain.h"
+#include "dtrain/nn/attention.h"
+#include "dtrain/nn/linear.h"
 
 namespace {
 
@@ -51,17 +57,111 @@ double median_seconds(int repeats, const std::function<void()>& once) {
   return s[s.size() / 2];
 }
 
-// FLOP/s of (m x k) . (k x n) products in `dtype`: the GPT example's
-// attention and MLP shapes (batch 12 x 64 tokens, width 128).
-double matmul_rate(at::ScalarType dtype) {
-  const std::int64_t shapes[][3] = {{768, 128, 384}, {768, 128, 512}, {768, 512, 128}};
+// The products a linear layer (x W^T) of the GPT example's widths (128 in,
+// the QKV, MLP up and MLP down projections) runs in forward and backward,
+// on the kernel dtrain::nn::linear runs: y = x W^T, dx = dy W, dW = dy^T x,
+// with the operands' layouts as they are in training. fp32 on a CPU where
+// the oneDNN path is on (dtrain::nn::onednn_linear_enabled) is oneDNN; at::mm
+// there (MKL's sgemm) reaches about half of oneDNN's rate at these shapes on
+// Zen 5 (113 vs ~210 GFLOP/s), so timing at::mm made every step 2x too slow.
+// Returns the seconds of one pass over the 9 products with `rows` rows, and
+// their FLOPs.
+std::pair<double, double> linear_products(at::ScalarType dtype, std::int64_t rows) {
+  const std::int64_t shapes[][2] = {{128, 384}, {128, 512}, {512, 128}};  // in, out
+  const bool onednn = dtype == at::kFloat && dtrain::nn::onednn_linear_enabled();
+  auto product = [&](const at::Tensor& a, const at::Tensor& b) {
+    return onednn ? dtrain::nn::onednn_mm(a, b) : at::mm(a, b);
+  };
+  // In training a product's operands were written by other kernels since
+  // it last ran: they come from the last-level cache, not from the core's
+  // own L2 as in a loop over one set. So each timing passes over kSets
+  // operand sets (past a Zen 5 core's 1 MiB L2, within its L3); timed on
+  // one set, the rate came out ~15 % above training's.
+  constexpr int kSets = 8;
   double flops = 0, seconds = 0;
   for (const auto& s : shapes) {
-    at::Tensor a = at::randn({s[0], s[1]}).to(dtype), b = at::randn({s[1], s[2]}).to(dtype);
-    seconds += median_seconds(9, [&] { at::mm(a, b); });
-    flops += 2.0 * static_cast<double>(s[0] * s[1] * s[2]);
+    std::vector<at::Tensor> x, w, dy;
+    for (int i = 0; i < kSets; ++i) {
+      x.push_back(at::randn({rows, s[0]}).to(dtype));
+      w.push_back(at::randn({s[1], s[0]}).to(dtype));
+      dy.push_back(at::randn({rows, s[1]}).to(dtype));
+    }
+    auto over_sets = [&](const std::function<at::Tensor(int)>& one) {
+      return [&, one] {
+        for (int i = 0; i < kSets; ++i) one(i);
+      };
+    };
+    seconds += median_seconds(9, over_sets([&](int i) { return product(x[i], w[i].t()); })) / kSets;
+    seconds += median_seconds(9, over_sets([&](int i) { return product(dy[i], w[i]); })) / kSets;
+    seconds += median_seconds(9, over_sets([&](int i) { return product(dy[i].t(), x[i]); })) / kSets;
+    flops += 3 * 2.0 * static_cast<double>(rows * s[0] * s[1]);
   }
-  return flops / seconds;
+  return {seconds, flops};
+}
+
+// A product's time as a fixed cost per call plus FLOPs / rate: one fit
+// (weighted by 1 / t, as fit_ring_link) over passes of 64 .. 3072 rows
+// (one sequence to 48 of the GPT example's 64 tokens). The fixed part is
+// oneDNN's per-call work (primitive lookup, memory descriptors, a fresh
+// output): ~10 us here, ten times a small element-wise op's, and what made
+// the GPT's small micro-batches cost more per token than its large ones.
+struct GemmFit {
+  double flops = 0, overhead = 0;
+};
+GemmFit fit_linear_products(at::ScalarType dtype) {
+  constexpr double kCalls = 9;  // products per pass
+  double cc = 0, cf = 0, ff = 0, ct = 0, ft = 0;
+  for (const std::int64_t rows : {64, 192, 768, 3072}) {
+    const auto [t, flops] = linear_products(dtype, rows);
+    const double w = 1 / t, c = kCalls * w, f = flops * w, one = t * w;
+    cc += c * c;
+    cf += c * f;
+    ff += f * f;
+    ct += c * one;
+    ft += f * one;
+  }
+  const double det = cc * ff - cf * cf;
+  const double overhead = (ct * ff - ft * cf) / det, inv_rate = (cc * ft - cf * ct) / det;
+  return {.flops = 1 / inv_rate, .overhead = std::max(0.0, overhead)};
+}
+
+// FLOP/s of ATen's fused causal attention (the flash kernel
+// scaled_dot_product_attention runs on a CPU), forward, at the GPT example's
+// shape (12 sequences of 64 tokens, 4 heads of 32), counted as the cost
+// model counts flash attention: the causal half of 4 s^2 h per sequence.
+// The GPT's tp plans run it (its one-rank plans materialise the scores on
+// oneDNN's products instead). It reaches ~15 % of the products' rate here.
+double flash_attention_rate() {
+  const std::int64_t b = 12, heads = 4, s = 64, d = 32;
+  const at::Tensor q = at::randn({b, heads, s, d}), k = at::randn({b, heads, s, d}), v = at::randn({b, heads, s, d});
+  at::NoGradGuard no_grad;
+  const double seconds =
+      median_seconds(21, [&] { at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true); });
+  return 0.5 * 4 * static_cast<double>(b * s * s * heads * d) / seconds;
+}
+
+// FLOP/s of the materialised causal attention dtrain::nn::causal_attention
+// runs on oneDNN (the GPT's plans without tp or cp), forward, at the same
+// shape, counted as the cost model counts its core: two batched products of
+// 2 s^2 d per head and sequence (the softmax inside the timed call, which
+// the model also costs as traffic: ~10 % of this term counted twice). Its
+// products have k = 32 or 64: ~35 % of the wide products' rate here. 0 where
+// that path does not run (no oneDNN): the model then uses the wide rate.
+double materialized_attention_rate() {
+  const std::int64_t b = 12, heads = 4, s = 64, d = 32;
+  const at::Tensor q = at::randn({b, heads, s, d}), k = at::randn({b, heads, s, d}), v = at::randn({b, heads, s, d});
+  if (!dtrain::nn::attention_uses_onednn(q, k, v)) return 0;
+  at::NoGradGuard no_grad;
+  const double seconds = median_seconds(21, [&] { dtrain::nn::causal_attention(q, k, v); });
+  return 2 * 2.0 * static_cast<double>(b * heads * s * s * d) / seconds;
+}
+
+// Bytes/s of a streaming add c = a + b whose three operands take `bytes`.
+double add_bandwidth(std::int64_t bytes) {
+  const std::int64_t n = bytes / 12;
+  at::Tensor a = at::ones({n}), b = at::ones({n}), c = at::empty({n});
+  const double s = median_seconds(15, [&] { at::add_out(c, a, b); });
+  return 12.0 * static_cast<double>(n) / s;
 }
 
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
@@ -123,14 +223,36 @@ int main(int argc, char** argv) {
         {.timeout = timeout, .gloo_host = "127.0.0.1", .name = "gloo", .intra_host_shared_memory = false});
     nlohmann::json result{{"world", shm.size()}};
     shm.barrier();
-    result["fp32_flops"] = matmul_rate(at::kFloat);
-    result["bf16_flops"] = matmul_rate(at::kBFloat16);
+    const GemmFit fp32 = fit_linear_products(at::kFloat);
+    result["fp32_flops"] = fp32.flops;
+    result["gemm_overhead"] = fp32.overhead;
+    const auto [bf16_seconds, bf16_flops] = linear_products(at::kBFloat16, 768);
+    result["bf16_flops"] = bf16_flops / bf16_seconds;
+    result["attention_flops"] = flash_attention_rate();
+    result["materialized_attention_flops"] = materialized_attention_rate();
     {
-      at::Tensor a = at::ones({1 << 22}), b = at::ones({1 << 22}), c = at::empty({1 << 22});
-      const double s = median_seconds(9, [&] { at::add_out(c, a, b); });
-      result["memory_bandwidth"] = 3.0 * static_cast<double>(a.nbytes()) / s;
-      at::Tensor x = at::ones({4}), y = at::ones({4});
-      result["kernel_overhead"] = median_seconds(201, [&] { at::add(x, y); });
+      // Memory: operands of 3 x 64 MiB, past any last-level cache (every
+      // rank streams at once). Cache: 3 x 1 MiB, one of the GPT example's
+      // activation-sized element-wise kernels, in the cache while the other
+      // ranks stream theirs.
+      result["memory_bandwidth"] = add_bandwidth(192LL << 20);
+      result["cache_bandwidth"] = add_bandwidth(3LL << 20);
+      // Per-kernel overhead as training pays it: one eager op of a
+      // differentiable chain (dispatch, a fresh output, autograd's node and
+      // saved tensors), forward; and per op of its backward (the engine's
+      // node, its kernels, the gradient buffers). A bare at::add of 4
+      // elements outside autograd costs ~1 us here; in training an op costs
+      // ~3x that, the GPT example's fixed ~2 ms per step.
+      constexpr int kOps = 64;
+      const at::Tensor x = at::ones({4}).requires_grad_(), c = at::ones({4});
+      auto chain = [&] {
+        at::Tensor y = x;
+        for (int i = 0; i < kOps / 2; ++i) y = y * c + c;
+        return y.sum();
+      };
+      result["kernel_overhead"] = median_seconds(51, [&] { chain(); }) / kOps;
+      const double both = median_seconds(51, [&] { chain().backward(); });
+      result["backward_kernel_overhead"] = both / kOps - result["kernel_overhead"].get<double>();
     }
     nlohmann::json samples = time_collectives(shm, "shared_memory");
     for (auto& s : time_collectives(gloo, "gloo")) samples.push_back(s);

@@ -32,16 +32,33 @@ struct DeviceSpec {
   // Achievable fraction of the peak on large GEMMs, and on attention kernels.
   double gemm_efficiency = 0.75;
   double attention_efficiency = 0.5;
+  // The materialised attention core's products (k = head dim or sequence,
+  // batched over heads) as a fraction of the peak; 0: gemm_efficiency. On a
+  // CPU they reach ~35 % of the wide products' rate (measured by
+  // `dtrain plan --calibrate`); a GPU's table entry leaves it 0.
+  double materialized_attention_efficiency = 0;
   // Achievable fraction of the memory bandwidth for streaming kernels.
   double memory_efficiency = 0.8;
   Link intra_node;  // NVLink / shared memory
   Link inter_node;  // InfiniBand / RoCE / TCP, per GPU
   int gpus_per_node = 8;
   double kernel_overhead = 5e-6;  // seconds per kernel launch a layer pays
+  // Seconds a GEMM call pays beyond its FLOPs (0: kernel_overhead). A CPU's
+  // oneDNN product costs ~10 us per call (its primitive lookup and operand
+  // setup), ten times an element-wise op; `dtrain plan --calibrate` fits it.
+  double gemm_overhead = 0;
   // Cores a node's ranks share (CPU hosts); 0: each rank has its own device.
   // When a node holds more ranks than this, each rank's FLOP/s and memory
   // bandwidth are the device's x compute_units / ranks on the node.
   int compute_units = 0;
+  // A CPU host's last-level cache (0: none modelled, as for the GPUs, whose
+  // activations stream from HBM): an element-wise kernel whose operands fit
+  // in a rank's share of `cache_bytes` streams at `cache_bandwidth`, not at
+  // memory_bandwidth (Note [Layer time]). The GPT example's activations on
+  // this CPU (0.4-3 MiB per tensor) fit in its 32 MiB L3, where an add
+  // streams ~3x faster than from DRAM; `dtrain plan --calibrate` measures both.
+  std::int64_t cache_bytes = 0;
+  double cache_bandwidth = 0;  // bytes/s per rank
 };
 
 // The built-in table: a100-40gb, a100-80gb, h100-80gb, h100-96gb, h200,
