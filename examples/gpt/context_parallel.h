@@ -22,7 +22,14 @@
 // are the single-process model's: a run saved under cp resumes under any
 // other cp degree or in one process.
 //
-// Not yet: dropout and activation recompute under cp (refused by validate_cp).
+// Activation recompute (GptConfig::recompute, per block as in gpt_layers):
+// selective recomputes the ring attention in backward (its K/V passed round
+// again, then its own ring backward), full the whole block; each rank's
+// recompute runs the same collectives in the same order as its peers'
+// (every cp rank runs the same blocks' backward in the same order), so the
+// gradients equal the cp run without recompute bit for bit.
+//
+// Not yet: dropout under cp (refused by validate_cp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,6 +37,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
@@ -43,8 +51,9 @@ struct CpOptions {
 };
 
 // ConfigError naming the size when 2 x cp does not divide the block size, or
-// when dropout or recompute is asked for.
-inline void validate_cp(const GptConfig& c, std::int64_t cp) {
+// when dropout is asked for (or recompute with tp: `tensor_parallel`, whose
+// blocks have no recompute).
+inline void validate_cp(const GptConfig& c, std::int64_t cp, bool tensor_parallel = false) {
   DTRAIN_CHECK(c.block_size % (2 * cp) == 0, ConfigError,
                "GPT context parallelism: block_size " << c.block_size << " does not split into " << 2 * cp
                                                       << " zig-zag chunks (2 x cp " << cp << ").",
@@ -52,9 +61,9 @@ inline void validate_cp(const GptConfig& c, std::int64_t cp) {
   DTRAIN_CHECK(c.dropout == 0.0, ConfigError,
                "GPT context parallelism does not support dropout yet (dropout " << c.dropout << ").",
                "train with --dropout 0 under cp");
-  DTRAIN_CHECK(c.recompute == dtrain::Recompute::kNone, ConfigError,
-               "GPT context parallelism does not support activation recompute yet.",
-               "train with --recompute none under cp");
+  DTRAIN_CHECK(!tensor_parallel || c.recompute == dtrain::Recompute::kNone, ConfigError,
+               "GPT tensor x context parallelism does not support activation recompute yet.",
+               "train with --recompute none under tp x cp (cp alone recomputes)");
 }
 
 struct CpEmbedImpl : torch::nn::Module {
@@ -75,7 +84,10 @@ TORCH_MODULE(CpEmbed);
 
 struct CpAttentionImpl : torch::nn::Module {
   CpAttentionImpl(const CausalSelfAttention& full, dtrain::dist::ProcessGroup group, const CpOptions& options)
-      : n_head(full->config.n_head), cp(std::move(group)), exchange(options.exchange) {
+      : n_head(full->config.n_head),
+        recompute(full->config.recompute),
+        cp(std::move(group)),
+        exchange(options.exchange) {
     c_attn = register_module("c_attn", full->c_attn);
     c_proj = register_module("c_proj", full->c_proj);
   }
@@ -84,12 +96,17 @@ struct CpAttentionImpl : torch::nn::Module {
     const auto b = x.size(0), t = x.size(1), c = x.size(2);
     auto qkv = apply_linear(c_attn, x).split(c, 2);
     auto heads = [&](const at::Tensor& m) { return m.view({b, t, n_head, c / n_head}).transpose(1, 2); };
+    auto core = [this](const std::vector<at::Tensor>& in) {
+      return dtrain::nn::cp::causal_attention(in[0], in[1], in[2], cp, {.exchange = exchange});
+    };
+    const std::vector<at::Tensor> qkv_heads{heads(qkv[0]), heads(qkv[1]), heads(qkv[2])};
     const at::Tensor y =
-        dtrain::nn::cp::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), cp, {.exchange = exchange});
+        recompute == dtrain::Recompute::kSelective ? dtrain::nn::checkpoint(core, qkv_heads) : core(qkv_heads);
     return apply_linear(c_proj, y.transpose(1, 2).contiguous().view({b, t, c}));
   }
 
   std::int64_t n_head;
+  dtrain::Recompute recompute;
   dtrain::dist::ProcessGroup cp;
   dtrain::nn::cp::KvExchange exchange;
   torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
@@ -97,17 +114,23 @@ struct CpAttentionImpl : torch::nn::Module {
 TORCH_MODULE(CpAttention);
 
 struct CpBlockImpl : torch::nn::Module {
-  CpBlockImpl(const Block& full, dtrain::dist::ProcessGroup group, const CpOptions& options) {
+  CpBlockImpl(const Block& full, dtrain::dist::ProcessGroup group, const CpOptions& options)
+      : recompute(full->config.recompute) {
     ln_1 = register_module("ln_1", full->ln_1);
     attn = register_module("attn", CpAttention(full->attn, std::move(group), options));
     ln_2 = register_module("ln_2", full->ln_2);
     mlp = register_module("mlp", full->mlp);
   }
-  at::Tensor forward(at::Tensor x) {
+  at::Tensor forward(const at::Tensor& x) {
+    if (recompute != dtrain::Recompute::kFull) return body(x);
+    return dtrain::nn::checkpoint([this](const std::vector<at::Tensor>& in) { return body(in[0]); }, {x}, parameters());
+  }
+  at::Tensor body(at::Tensor x) {
     x = x + attn(ln_1(x));
     return x + mlp(ln_2(x));
   }
 
+  dtrain::Recompute recompute;
   LayerNorm ln_1{nullptr}, ln_2{nullptr};
   CpAttention attn{nullptr};
   Mlp mlp{nullptr};

@@ -222,6 +222,7 @@ const ReshardPlan kZero3On2{"zero3x2", "--strategy zero3 --batch-size 6", 2};
 const ReshardPlan kTp2Zero3{"tp2xzero3", "--tp 2 --dp-shard 2 --zero-stage 3 --batch-size 6", 4};
 const ReshardPlan kTp2Zero2{"tp2xzero2", "--tp 2 --dp-shard 2 --zero-stage 2 --batch-size 6", 4};
 const ReshardPlan kTp2Zero1{"tp2xzero1", "--tp 2 --dp-shard 2 --zero-stage 1 --batch-size 6", 4};
+const ReshardPlan kTp2Hsdp{"tp2xhsdp2x2", "--tp 2 --dp-replicate 2 --dp-shard 2 --zero-stage 3 --batch-size 3", 8};
 const ReshardPlan kTp2Pp2Zero2{
     "dp2xtp2xpp2zero2", "--dp-shard 2 --zero-stage 2 --tp 2 --pp 2 --micro-batches 2 --pp-schedule 1f1b --batch-size 6",
     8};
@@ -232,14 +233,14 @@ const ReshardPlan kTp2Pp2Zero3{
 // ZeRO over tp parts saves each rank's pieces of its tp parts as flat ranges
 // of them (Note [ZeRO pieces of tp parts]) under the whole model's names:
 // dp_shard 2 x tp 2 under ZeRO-3 saved at step 3 resumes in one process,
-// under tp 2 without ZeRO, under ZeRO-3 on 2 ranks without tp and under
-// ZeRO-1 over tp; one process saved at step 3 resumes as dp_shard 2 x tp 2
-// under ZeRO-3. Each ends where 6 uninterrupted steps of one process do
+// under tp 2 without ZeRO, under ZeRO-3 on 2 ranks without tp, under ZeRO-1
+// over tp and under tp 2 x HSDP 2 x 2 (8 processes); one process saved at
+// step 3 resumes as dp_shard 2 x tp 2 under ZeRO-3. Each ends where 6 uninterrupted steps of one process do
 // (rtol 1e-5: the plans sum gradients in other orders); resumed under
 // itself, bit for bit where 6 uninterrupted steps of it end.
 TEST(GptReshard, TensorParallelZeroCheckpointResumesInOneProcessUnderTpAndZeroAndBack) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  expect_round_trip("tp-zero3", kTp2Zero3, "rank_3", {&kSingle, &kTp2, &kZero3On2, &kTp2Zero1}, kTp2Zero3);
+  expect_round_trip("tp-zero3", kTp2Zero3, "rank_3", {&kSingle, &kTp2, &kZero3On2, &kTp2Zero1, &kTp2Hsdp}, kTp2Zero3);
   expect_resumes_bitwise("tp-zero3-bitwise", kTp2Zero3);
 }
 
