@@ -1,7 +1,8 @@
 // examples/gpt under context parallelism (--cp, through `dtrain run`) ends
 // where --strategy single does on the same global batches: cp 2 (K/V ring and
-// all-gather) and cp 2 x dp_replicate 2 on 4 processes; a checkpoint saved
-// under cp 2 resumes in one process; what cp does not run yet (dropout) and
+// all-gather), cp 2 with activation recompute (selective, full) and cp 2 x
+// dp_replicate 2 on 4 processes; a checkpoint saved under cp 2 resumes in
+// one process; what cp does not run yet (dropout; recompute under tp x cp) and
 // sequences it cannot split are refused by name (its compositions with tp,
 // SP, ZeRO and pipelines: gpt_compose_test.cpp).
 #include <gtest/gtest.h>
@@ -54,9 +55,12 @@ TEST(GptCp, EveryCompositionMatchesSingle) {
     return at == std::string::npos ? std::string() : out.substr(at, out.find("--- end of sample") - at);
   };
   ASSERT_FALSE(sample_of(single.stdout_text).empty()) << single.stdout_text;
-  const std::vector<CpCase> cases{{"cp2", "--cp 2 --batch-size 4", 2},
-                                  {"cp2-allgather", "--cp 2 --cp-exchange allgather --batch-size 4", 2},
-                                  {"cp2-dp2", "--cp 2 --dp-replicate 2 --global-batch-size 4", 4}};
+  const std::vector<CpCase> cases{
+      {"cp2", "--cp 2 --batch-size 4", 2},
+      {"cp2-allgather", "--cp 2 --cp-exchange allgather --batch-size 4", 2},
+      {"cp2-recompute-selective", "--cp 2 --recompute selective --batch-size 4", 2},
+      {"cp2-recompute-full-allgather", "--cp 2 --recompute full --cp-exchange allgather --batch-size 4", 2},
+      {"cp2-dp2", "--cp 2 --dp-replicate 2 --global-batch-size 4", 4}};
   for (const auto& c : cases) {
     const auto file = dir / (c.name + ".f32");
     const auto r =
@@ -111,6 +115,12 @@ TEST(GptCp, UnsupportedCompositionsAreRefused) {
   const auto dropout = dtrain::testing::run_example(kCpExample, common + "--cp 2 --dropout 0.1", cp_launch(2));
   EXPECT_NE(dropout.exit_code, 0);
   EXPECT_NE(dropout.stderr_text.find("does not support dropout yet"), std::string::npos) << dropout.stderr_text;
+  const auto recompute =
+      dtrain::testing::run_example(kCpExample, common + "--cp 2 --tp 2 --recompute selective", cp_launch(4));
+  EXPECT_NE(recompute.exit_code, 0);
+  EXPECT_NE(recompute.stderr_text.find("tensor x context parallelism does not support activation recompute yet"),
+            std::string::npos)
+      << recompute.stderr_text;
   const auto odd = dtrain::testing::run_example(kCpExample, common + "--cp 2 --block-size 10", cp_launch(2));
   EXPECT_NE(odd.exit_code, 0);
   EXPECT_NE(odd.stderr_text.find("into 4 balanced chunks"), std::string::npos) << odd.stderr_text;
