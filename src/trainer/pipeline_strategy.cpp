@@ -31,6 +31,8 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<pipeline::Pipeline> pipe, dis
   replica_ = data_rank_ * mesh.size("cp") + mesh.coordinate("cp");
   replicas_ = data_world_ * mesh.size("cp");
   tensor_parallel_ = mesh.size("tp") > 1;
+  hsdp_rank_ = mesh.coordinate("dp_replicate");
+  hsdp_size_ = mesh.size("dp_replicate");
   tp_rank_ = mesh.coordinate("tp");
   tp_size_ = mesh.size("tp");
   const pipeline::Schedule& schedule = pipe_->schedule();
@@ -238,10 +240,10 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
         }
         out.push_back({.name = global_name(params[piece.name], stage + piece.name),
                        .tensor = {.local = piece.shard,
-                                  .layout = {.mesh = {{"whole", 1}},
+                                  .layout = {.mesh = {{"dp_replicate", hsdp_size_}},
                                              .placements = {dist::Placement::replicate()},
                                              .global_shape = {numel.at(piece.name)}},
-                                  .coordinates = {0},
+                                  .coordinates = {hsdp_rank_},
                                   .box = dist::Box{.offsets = {piece.offset}, .sizes = {piece.shard.numel()}}}});
       }
     }
@@ -256,13 +258,16 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
 // This tp rank's part of `parameter` over {tp} (its placement there, or
 // Replicate for a parameter tp does not split), holding `local`.
 LaidOutTensor PipelineStrategy::tp_part(const at::Tensor& parameter, at::Tensor local) const {
-  LaidOutTensor t{.local = std::move(local), .coordinates = {tp_rank_}};
+  // Over {dp_replicate, tp}: HSDP's replicas hold the same pieces (the first writes).
+  LaidOutTensor t{.local = std::move(local), .coordinates = {hsdp_rank_, tp_rank_}};
+  const std::vector<dist::MeshDim> dims{{"dp_replicate", hsdp_size_}, {"tp", tp_size_}};
   if (const auto it = tp_layouts_.find(parameter.unsafeGetTensorImpl()); it != tp_layouts_.end()) {
-    t.layout = {
-        .mesh = {{"tp", tp_size_}}, .placements = {it->second.placements[1]}, .global_shape = it->second.global_shape};
+    t.layout = {.mesh = dims,
+                .placements = {dist::Placement::replicate(), it->second.placements[1]},
+                .global_shape = it->second.global_shape};
   } else {
-    t.layout = {.mesh = {{"tp", tp_size_}},
-                .placements = {dist::Placement::replicate()},
+    t.layout = {.mesh = dims,
+                .placements = {dist::Placement::replicate(), dist::Placement::replicate()},
                 .global_shape = std::vector<std::int64_t>(parameter.sizes().begin(), parameter.sizes().end())};
   }
   return t;

@@ -256,6 +256,21 @@ TEST(GptReshard, TensorParallelZero2AndZero1CheckpointsReshard) {
   expect_resumes_bitwise("tp-zero1-bitwise", kTp2Zero1);
 }
 
+// HSDP inside a pipeline: pp 2 x dp_replicate 2 x dp_shard 2 with ZeRO-3
+// stages (8 processes), its shards averaged over dp_replicate, saved at step
+// 3, resumes in one process and as pp 2 x ZeRO-2 stages on 4; one process
+// saved at step 3 resumes as HSDP stages. Each ends where 6 uninterrupted
+// steps of one process do (so the HSDP stages' 3 steps of training equal one
+// process's too); resumed under itself, bit for bit.
+const ReshardPlan kPipelineHsdp{
+    "pp2xhsdp2x2",
+    "--pp 2 --dp-replicate 2 --dp-shard 2 --zero-stage 3 --micro-batches 3 --pp-schedule 1f1b --batch-size 3", 8, true};
+TEST(GptReshard, HsdpPipelineStagesTrainAsOneProcessAndReshard) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  expect_round_trip("hsdp-stages", kPipelineHsdp, "rank_7", {&kSingle, &kPipelineZero2}, kPipelineHsdp);
+  expect_resumes_bitwise("hsdp-stages-bitwise", kPipelineHsdp);
+}
+
 // dp_shard 2 x tp 2 x pp 2 (8 processes) with ZeRO-2 stages saved at step 3
 // resumes in one process, under tp 2, under tp 2 x pp 2 (no ZeRO) and under
 // ZeRO-3 over tp; one process saved at step 3 resumes as dp_shard 2 x tp 2 x

@@ -108,8 +108,9 @@ class PipelineStrategy : public Strategy {
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;
   int data_rank_ = 0, data_world_ = 1;
-  int replica_ = 0, replicas_ = 1;  // over dp_replicate x dp_shard x cp: the stages' copies
-  bool tensor_parallel_ = false;    // stages of tp parts
+  int replica_ = 0, replicas_ = 1;     // over dp_replicate x dp_shard x cp: the stages' copies
+  bool tensor_parallel_ = false;       // stages of tp parts
+  int hsdp_rank_ = 0, hsdp_size_ = 1;  // dp_replicate: HSDP stages' replicas of the same pieces
   int tp_rank_ = 0, tp_size_ = 1;
   std::map<const void*, dist::Layout> tp_layouts_;  // by TensorImpl, over {replicas, tp}: name_parameters
   int loss_rank_ = 0;                               // the pipeline group's rank of the last stage
