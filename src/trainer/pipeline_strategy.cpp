@@ -31,8 +31,6 @@ PipelineStrategy::PipelineStrategy(std::shared_ptr<pipeline::Pipeline> pipe, dis
   replica_ = data_rank_ * mesh.size("cp") + mesh.coordinate("cp");
   replicas_ = data_world_ * mesh.size("cp");
   tensor_parallel_ = mesh.size("tp") > 1;
-  hsdp_rank_ = mesh.coordinate("dp_replicate");
-  hsdp_size_ = mesh.size("dp_replicate");
   tp_rank_ = mesh.coordinate("tp");
   tp_size_ = mesh.size("tp");
   const pipeline::Schedule& schedule = pipe_->schedule();
@@ -231,19 +229,23 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
         numel[p.name] = c10::multiply_integers(p.shape);
         if (!p.trainable) add(stage + p.name, params[p.name], false, true);
       }
+      // HSDP's replicas of the stage (ZeroOptions::replicate_group) hold the
+      // same pieces: the first writes them.
+      const auto& replicas = sharded[k]->options().replicate_group;
+      const int copy = replicas ? replicas->rank() : 0, copies = replicas ? replicas->size() : 1;
       for (const ParameterShard& piece : sharded[k]->parameter_shards()) {
         if (tensor_parallel_) {
           out.push_back({.name = global_name(params[piece.name], stage + piece.name),
-                         .tensor = tp_part(params[piece.name], piece.shard)});
+                         .tensor = tp_part(params[piece.name], piece.shard, copy, copies)});
           out.back().tensor.flat_range = LaidOutTensor::FlatRange{.begin = piece.offset, .size = piece.shard.numel()};
           continue;
         }
         out.push_back({.name = global_name(params[piece.name], stage + piece.name),
                        .tensor = {.local = piece.shard,
-                                  .layout = {.mesh = {{"dp_replicate", hsdp_size_}},
+                                  .layout = {.mesh = {{"copies", copies}},
                                              .placements = {dist::Placement::replicate()},
                                              .global_shape = {numel.at(piece.name)}},
-                                  .coordinates = {hsdp_rank_},
+                                  .coordinates = {copy},
                                   .box = dist::Box{.offsets = {piece.offset}, .sizes = {piece.shard.numel()}}}});
       }
     }
@@ -257,10 +259,11 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
 
 // This tp rank's part of `parameter` over {tp} (its placement there, or
 // Replicate for a parameter tp does not split), holding `local`.
-LaidOutTensor PipelineStrategy::tp_part(const at::Tensor& parameter, at::Tensor local) const {
-  // Over {dp_replicate, tp}: HSDP's replicas hold the same pieces (the first writes).
-  LaidOutTensor t{.local = std::move(local), .coordinates = {hsdp_rank_, tp_rank_}};
-  const std::vector<dist::MeshDim> dims{{"dp_replicate", hsdp_size_}, {"tp", tp_size_}};
+LaidOutTensor PipelineStrategy::tp_part(const at::Tensor& parameter, at::Tensor local, int copy, int copies) const {
+  // Over {copies, tp}: the `copies` ranks holding the same piece (HSDP's
+  // replicas) write it once, from the first.
+  LaidOutTensor t{.local = std::move(local), .coordinates = {copy, tp_rank_}};
+  const std::vector<dist::MeshDim> dims{{"copies", copies}, {"tp", tp_size_}};
   if (const auto it = tp_layouts_.find(parameter.unsafeGetTensorImpl()); it != tp_layouts_.end()) {
     t.layout = {.mesh = dims,
                 .placements = {dist::Placement::replicate(), it->second.placements[1]},

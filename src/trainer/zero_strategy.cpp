@@ -122,12 +122,15 @@ bool ZeroStrategy::tensor_parallel() const {
   return sdp_->options().mesh && sdp_->options().mesh->size("tp") > 1;
 }
 
-// Each parameter's tp placement over {dp_replicate, tp} (Replicate on
-// dp_replicate: HSDP's replicas hold the same pieces, the first writes
-// them), from the module's declared layouts; ZeRO's own dimensions (dp_shard,
-// cp) hold disjoint pieces, cut by the flat range instead.
+// Each parameter's tp placement over {copies, tp} (Replicate on copies:
+// HSDP's replicas, ZeroOptions::replicate_group, hold the same pieces, the
+// first writes them), from the module's declared layouts; ZeRO's own
+// dimensions (dp_shard, cp) hold disjoint pieces, cut by the flat range
+// instead.
 std::map<std::string, LaidOutTensor> ZeroStrategy::tp_parts() const {
   const dist::DeviceMesh& mesh = *sdp_->options().mesh;
+  const auto& replicas = sdp_->options().replicate_group;
+  const int copy = replicas ? replicas->rank() : 0, copies = replicas ? replicas->size() : 1;
   std::map<std::string, LaidOutTensor> out;
   for (const auto& [name, layout] : dist::named_layouts(sdp_->module(), mesh)) {
     dist::Placement on_tp = dist::Placement::replicate();
@@ -139,11 +142,10 @@ std::map<std::string, LaidOutTensor> ZeroStrategy::tp_parts() const {
                                "a ZeRO parameter " << name << " is laid out " << layout.to_string());
       }
     }
-    out.emplace(name,
-                LaidOutTensor{.layout = {.mesh = {{"dp_replicate", mesh.size("dp_replicate")}, {"tp", mesh.size("tp")}},
-                                         .placements = {dist::Placement::replicate(), on_tp},
-                                         .global_shape = layout.global_shape},
-                              .coordinates = {mesh.coordinate("dp_replicate"), mesh.coordinate("tp")}});
+    out.emplace(name, LaidOutTensor{.layout = {.mesh = {{"copies", copies}, {"tp", mesh.size("tp")}},
+                                               .placements = {dist::Placement::replicate(), on_tp},
+                                               .global_shape = layout.global_shape},
+                                    .coordinates = {copy, mesh.coordinate("tp")}});
   }
   return out;
 }

@@ -103,14 +103,16 @@ class PipelineStrategy : public Strategy {
   std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
   std::shared_ptr<LayoutState> sharded_reader(torch::optim::Optimizer& optimizer);
   void check_checkpointable() const;
-  LaidOutTensor tp_part(const at::Tensor& parameter, at::Tensor local) const;
+  // This tp rank's part of `parameter` holding `local`, over {copies, tp}
+  // (its tp placement, Replicate for what tp does not split; rank `copy` of
+  // the `copies` ranks holding the same piece).
+  LaidOutTensor tp_part(const at::Tensor& parameter, at::Tensor local, int copy = 0, int copies = 1) const;
   std::string global_name(const at::Tensor& t, const std::string& local) const;
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;
   int data_rank_ = 0, data_world_ = 1;
-  int replica_ = 0, replicas_ = 1;     // over dp_replicate x dp_shard x cp: the stages' copies
-  bool tensor_parallel_ = false;       // stages of tp parts
-  int hsdp_rank_ = 0, hsdp_size_ = 1;  // dp_replicate: HSDP stages' replicas of the same pieces
+  int replica_ = 0, replicas_ = 1;  // over dp_replicate x dp_shard x cp: the stages' copies
+  bool tensor_parallel_ = false;    // stages of tp parts
   int tp_rank_ = 0, tp_size_ = 1;
   std::map<const void*, dist::Layout> tp_layouts_;  // by TensorImpl, over {replicas, tp}: name_parameters
   int loss_rank_ = 0;                               // the pipeline group's rank of the last stage
