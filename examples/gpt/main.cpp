@@ -59,6 +59,7 @@
 // the mean step-time breakdown (forward, backward, optimizer; a pipeline's
 // fused forward and backward count as forward).
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/utils.h>
 
 #include <CLI/CLI.hpp>
@@ -250,8 +251,15 @@ dtrain::ModelParts gpt_parts(const Options& opt) {
       return gpt::tp_lm_loss(logits, target, tp, vocab);
     };
   };
-  parts.cp.split = [exchange](const torch::nn::Sequential& full, dtrain::dist::DeviceMesh& mesh) {
-    return gpt::apply_cp(full, mesh["cp"], {.exchange = exchange});
+  parts.cp.split = [&opt, exchange](const torch::nn::Sequential& full, dtrain::dist::DeviceMesh& mesh) {
+    // Dropout (Note [CP dropout]): one generator per data-parallel replica,
+    // seeded alike on its cp ranks (as tp's replicated stream), each keeping
+    // its rows of the whole sequence's masks.
+    const int replica = mesh.join({"dp_replicate", "dp_shard"}).rank();
+    const std::uint64_t dropout_seed = opt.seed + 7919 * static_cast<std::uint64_t>(replica);
+    return gpt::apply_cp(
+        full, mesh["cp"],
+        {.exchange = exchange, .dropout_generator = at::make_generator<at::CPUGeneratorImpl>(dropout_seed)});
   };
   parts.cp.targets = [](const at::Tensor& target, dtrain::dist::DeviceMesh& mesh) {
     return gpt::cp_targets(target, mesh["cp"]);

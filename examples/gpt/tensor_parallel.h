@@ -348,7 +348,7 @@ inline torch::nn::Sequential apply_tp(const torch::nn::Sequential& layers, dtrai
                                       const TpOptions& options = {}) {
   const auto& embed = *layers->ptr<EmbedImpl>(0);
   validate_tp(embed.config, mesh.size("tp"), options);
-  if (options.cp) validate_cp(embed.config, options.cp->size());
+  if (options.cp) validate_cp(embed.config, options.cp->size(), /*tensor_parallel=*/true);
   torch::nn::Sequential out;
   TpEmbed tp_embed(embed, mesh, options);
   out->push_back("embed", tp_embed);

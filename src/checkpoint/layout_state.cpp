@@ -51,18 +51,98 @@ std::vector<std::int64_t> to_vector(const at::Tensor& t) {
   return {c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel()};
 }
 
-// One saved part's index: name -> its position in the part.
-std::map<std::string, std::size_t> names_in(torch::serialize::InputArchive& archive) {
+// One saved part's index: each entry's name and position in the part (a
+// name appears once per box it was written as: flat ranges).
+std::vector<std::pair<std::string, std::size_t>> names_in(torch::serialize::InputArchive& archive) {
   c10::IValue names;
   archive.read("laid_out.names", names);
-  std::map<std::string, std::size_t> out;
+  std::vector<std::pair<std::string, std::size_t>> out;
   std::stringstream in(names.toStringRef());
   std::size_t i = 0;
-  for (std::string name; std::getline(in, name);) out.emplace(name, i++);
+  for (std::string name; std::getline(in, name);) out.emplace_back(name, i++);
+  return out;
+}
+
+// Elements [begin, end) (row-major) of a box of sizes `sizes`, from
+// dimension `d` on, inside the run `at` (offsets of the dimensions before
+// `d` fixed, the rest 0): appends the boxes, relative to the box's origin.
+void append_runs(const std::vector<std::int64_t>& sizes, std::size_t d, std::vector<std::int64_t> at,
+                 std::int64_t begin, std::int64_t end, std::vector<dist::Box>& out) {
+  if (begin >= end) return;
+  std::int64_t inner = 1;
+  for (std::size_t k = d + 1; k < sizes.size(); ++k) inner *= sizes[k];
+  // One box of whole rows [first, last) of dimension d, of full later dimensions.
+  const auto rows = [&](std::int64_t first, std::int64_t last) {
+    dist::Box b{.offsets = at, .sizes = std::vector<std::int64_t>(sizes.size(), 1)};
+    b.offsets[d] = first;
+    b.sizes[d] = last - first;
+    for (std::size_t k = d + 1; k < sizes.size(); ++k) b.sizes[k] = sizes[k];
+    out.push_back(std::move(b));
+  };
+  std::int64_t first = begin / inner;
+  const std::int64_t last = end / inner, head = begin % inner, tail = end % inner;
+  if (first == last) {  // inside one row
+    at[d] = first;
+    append_runs(sizes, d + 1, at, head, tail, out);
+    return;
+  }
+  if (head != 0) {
+    at[d] = first;
+    append_runs(sizes, d + 1, at, head, inner, out);
+    ++first;
+  }
+  if (last > first) rows(first, last);
+  if (tail != 0) {
+    at[d] = last;
+    append_runs(sizes, d + 1, at, 0, tail, out);
+  }
+}
+
+// The tensors with flat ranges replaced by one tensor per box of the range:
+// a view of `local`'s elements of that box (so a load fills `local`).
+LaidOutTensors expand_flat_ranges(LaidOutTensors tensors) {
+  LaidOutTensors out;
+  out.reserve(tensors.size());
+  for (auto& [name, t] : tensors) {
+    if (!t.flat_range) {
+      out.emplace_back(name, std::move(t));
+      continue;
+    }
+    const LaidOutTensor::FlatRange range = *t.flat_range;
+    DTRAIN_CHECK(t.local.numel() == range.size && t.local.is_contiguous(), ConfigError,
+                 "checkpoint: " << name << " holds " << t.local.numel()
+                                << (t.local.is_contiguous() ? "" : " non-contiguous") << " elements, its flat range "
+                                << range.size,
+                 "give flat ranges as contiguous tensors of the range's size");
+    const dist::Box whole = t.box ? *t.box : t.layout.local_box(t.coordinates);
+    const at::Tensor flat = t.local.view({-1});
+    std::int64_t at_element = 0;
+    for (dist::Box& b : flat_range_boxes(whole, range.begin, range.size)) {
+      LaidOutTensor piece = t;
+      piece.flat_range.reset();
+      piece.local = flat.narrow(0, at_element, b.numel());
+      at_element += b.numel();
+      piece.box = std::move(b);
+      out.emplace_back(name, std::move(piece));
+    }
+  }
   return out;
 }
 
 }  // namespace
+
+std::vector<dist::Box> flat_range_boxes(const dist::Box& box, std::int64_t begin, std::int64_t size) {
+  DTRAIN_CHECK(begin >= 0 && size >= 0 && begin + size <= box.numel(), ConfigError,
+               "flat range [" << begin << ", " << begin + size << ") outside a box of " << box.numel() << " elements",
+               "give a range inside the tensor's box");
+  std::vector<dist::Box> out;
+  if (size == 0) return out;
+  if (box.sizes.empty()) return {box};  // a scalar
+  append_runs(box.sizes, 0, std::vector<std::int64_t>(box.sizes.size(), 0), begin, begin + size, out);
+  for (dist::Box& b : out)
+    for (std::size_t d = 0; d < b.offsets.size(); ++d) b.offsets[d] += box.offsets[d];
+  return out;
+}
 
 LayoutState::LayoutState(std::function<LaidOutTensors()> collect, std::function<void()> after_load)
     : collect_(std::move(collect)), after_load_(std::move(after_load)) {}
@@ -70,7 +150,7 @@ LayoutState::LayoutState(std::function<LaidOutTensors()> collect, std::function<
 void LayoutState::save_state(torch::serialize::OutputArchive& archive) const {
   std::string names;
   std::size_t i = 0;
-  for (const auto& [name, t] : collect_()) {
+  for (const auto& [name, t] : expand_flat_ranges(collect_())) {
     if (!t.saved || !writes(name, t)) continue;
     DTRAIN_CHECK(name.find('\n') == std::string::npos, ConfigError, "checkpoint: tensor name with a line break",
                  "name tensors without line breaks");
@@ -197,7 +277,7 @@ void LayoutState::load_pieces(const std::function<const std::vector<Piece>*(cons
     const bool* ok;
     ~End() { self->end_load(*ok); }
   } end{this, &ok};
-  LaidOutTensors targets = collect_();
+  LaidOutTensors targets = expand_flat_ranges(collect_());
   std::vector<std::string> found;
   for (const auto& [name, t] : targets) {
     const std::vector<Piece>* saved_pieces = find(name);
@@ -288,14 +368,15 @@ struct OptimizerFields {
     // The step is the same on every rank holding a piece: replicated over
     // the parameter's mesh, written once (by the rank at its origin).
     std::vector<dist::Placement> replicate(like.layout.mesh.size(), dist::Placement::replicate());
-    out.emplace_back(
-        "optimizer." + name + ".step",
-        LaidOutTensor{.local = step,
-                      .layout = {.mesh = like.layout.mesh, .placements = replicate, .global_shape = {1}},
-                      .coordinates = like.coordinates,
-                      .optional = true,
-                      .saved = like.saved && (!like.box || like.box->offsets == std::vector<std::int64_t>(
-                                                                                    like.box->offsets.size(), 0))});
+    out.emplace_back("optimizer." + name + ".step",
+                     LaidOutTensor{.local = step,
+                                   .layout = {.mesh = like.layout.mesh, .placements = replicate, .global_shape = {1}},
+                                   .coordinates = like.coordinates,
+                                   .optional = true,
+                                   .saved = like.saved &&
+                                            (!like.box || like.box->offsets ==
+                                                              std::vector<std::int64_t>(like.box->offsets.size(), 0)) &&
+                                            (!like.flat_range || like.flat_range->begin == 0)});
   }
 
   void add(const std::string& name, const at::Tensor& p, const LaidOutTensor& like, bool create, LaidOutTensors& out) {

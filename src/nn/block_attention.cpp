@@ -57,7 +57,8 @@ at::Tensor masked_scores(const at::Tensor& q, const at::Tensor& k, bool causal, 
 }  // namespace
 
 BlockResult block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                          BlockKernel kernel) {
+                          BlockKernel kernel, const at::Tensor& dropout) {
+  if (dropout.defined()) kernel = BlockKernel::kMath;
   if (use_flash(q, kernel)) {
     auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
     return {out, lse.to(at::kFloat)};
@@ -69,14 +70,17 @@ BlockResult block_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
   }
   const at::Tensor s = masked_scores(q, k, causal, scale);
   at::Tensor lse = at::logsumexp(s, -1);
-  const at::Tensor p = (s - lse.unsqueeze(-1)).exp_();
+  at::Tensor p = (s - lse.unsqueeze(-1)).exp_();
+  if (dropout.defined()) p.mul_(dropout.to(at::kFloat));
   return {at::matmul(p, v.to(at::kFloat)).to(q.scalar_type()), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& dout, const at::Tensor& q,
                                                               const at::Tensor& k, const at::Tensor& v,
                                                               const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                                              double scale, BlockKernel kernel) {
+                                                              double scale, BlockKernel kernel,
+                                                              const at::Tensor& dropout) {
+  if (dropout.defined()) kernel = BlockKernel::kMath;
   if (use_flash(q, kernel)) {
     return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout.contiguous(), q, k, v, out.contiguous(),
                                                                     lse.contiguous(), 0.0, causal, std::nullopt, scale);
@@ -94,8 +98,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
   }
   const at::Tensor p = (masked_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp_();  // this block's probabilities
   const at::Tensor dout32 = dout.to(at::kFloat);
-  const at::Tensor dv = at::matmul(p.transpose(-2, -1), dout32);
-  const at::Tensor dp = at::matmul(dout32, v.to(at::kFloat).transpose(-2, -1));
+  const at::Tensor z = dropout.defined() ? dropout.to(at::kFloat) : at::Tensor();
+  const at::Tensor dv = at::matmul((z.defined() ? p * z : p).transpose(-2, -1), dout32);
+  at::Tensor dp = at::matmul(dout32, v.to(at::kFloat).transpose(-2, -1));
+  if (z.defined()) dp.mul_(z);
   const at::Tensor row = (dout32 * out.to(at::kFloat)).sum(-1, /*keepdim=*/true);  // rowsum(dO * O) of the whole row
   const at::Tensor ds = p.mul_(dp - row).mul_(scale);
   const at::Tensor dq = at::matmul(ds, k.to(at::kFloat));

@@ -69,6 +69,17 @@ at::Tensor rows(const at::Tensor& x, std::int64_t begin, std::int64_t length) {
   return x.narrow(2, begin, length);
 }
 
+// Task `t`'s block of the attention dropout `z` ([B, H, L, T]: this rank's
+// rows against every key in sequence order): its query rows, and the
+// columns of the keys it attends, rows [k_begin, k_begin + k_length) of
+// rank `source`'s zig-zag part. Undefined without dropout.
+at::Tensor dropout_block(const at::Tensor& z, const Task& t, int cp, int source, std::int64_t local) {
+  if (!z.defined()) return {};
+  const at::Tensor keys =
+      zigzag_positions(local * cp, cp, source, z.options().dtype(at::kLong)).narrow(0, t.k_begin, t.k_length);
+  return rows(z, t.q_begin, t.q_length).index_select(3, keys);
+}
+
 // One ring step: `block` to the next rank, the previous rank's into a new tensor.
 class RingShift {
  public:
@@ -127,14 +138,16 @@ class Merged {
 };
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     dist::ProcessGroup& group, const Config& config) {
+                                                     const at::Tensor& dropout, dist::ProcessGroup& group,
+                                                     const Config& config) {
   const int c = group.size(), r = group.rank();
   const std::int64_t local = q.size(2);
   Merged merged;
   auto attend = [&](int source, const at::Tensor& kv) {
     const Task t = task_for(r, source, local);
     merged.add(t, detail::block_forward(rows(q, t.q_begin, t.q_length), rows(kv[0], t.k_begin, t.k_length),
-                                        rows(kv[1], t.k_begin, t.k_length), t.causal, config.scale, config.kernel));
+                                        rows(kv[1], t.k_begin, t.k_length), t.causal, config.scale, config.kernel,
+                                        dropout_block(dropout, t, c, source, local)));
   };
   const at::Tensor kv = at::stack({k, v});
   if (config.exchange == KvExchange::kAllGather && c > 1) {
@@ -155,7 +168,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& dout, const at::Tensor& q,
                                                                   const at::Tensor& k, const at::Tensor& v,
                                                                   const at::Tensor& out, const at::Tensor& lse,
-                                                                  dist::ProcessGroup& group, const Config& config) {
+                                                                  const at::Tensor& dropout, dist::ProcessGroup& group,
+                                                                  const Config& config) {
   const int c = group.size(), r = group.rank();
   const std::int64_t local = q.size(2);
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
@@ -165,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
     auto [dq_b, dk_b, dv_b] = detail::block_backward(
         rows(dout, t.q_begin, t.q_length), rows(q, t.q_begin, t.q_length), rows(kv[0], t.k_begin, t.k_length),
         rows(kv[1], t.k_begin, t.k_length), rows(out, t.q_begin, t.q_length), lse.narrow(2, t.q_begin, t.q_length),
-        t.causal, config.scale, config.kernel);
+        t.causal, config.scale, config.kernel, dropout_block(dropout, t, c, source, local));
     rows(dq, t.q_begin, t.q_length).add_(dq_b);
     rows(dkv[0], t.k_begin, t.k_length).add_(dk_b);
     rows(dkv[1], t.k_begin, t.k_length).add_(dv_b);
@@ -201,12 +215,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
 
 struct ContextParallelAttention : torch::autograd::Function<ContextParallelAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::IValue& group_capsule, std::int64_t exchange, std::int64_t kernel,
-                            double scale) {
+                            const c10::IValue& dropout_scale, const c10::IValue& group_capsule, std::int64_t exchange,
+                            std::int64_t kernel, double scale) {
     dist::ProcessGroup group = nn::detail::group_in(group_capsule);
     const Config config{static_cast<KvExchange>(exchange), static_cast<BlockKernel>(kernel), scale};
-    auto [out, lse] = attention_forward(q, k, v, group, config);
+    // The dropout (None without it) is no input autograd tracks: a detached
+    // tensor kept in saved_data.
+    const at::Tensor dropout = dropout_scale.isTensor() ? dropout_scale.toTensor() : at::Tensor();
+    auto [out, lse] = attention_forward(q, k, v, dropout, group, config);
     ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["dropout"] = dropout_scale;
     ctx->saved_data["group"] = group_capsule;
     ctx->saved_data["exchange"] = exchange;
     ctx->saved_data["kernel"] = kernel;
@@ -223,8 +241,11 @@ struct ContextParallelAttention : torch::autograd::Function<ContextParallelAtten
     // Every rank passes the ring in backward even with no gradient here, so
     // the others are not left waiting.
     const at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(saved[3]);
-    auto [dq, dk, dv] = attention_backward(dout, saved[0], saved[1], saved[2], saved[3], saved[4], group, config);
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const c10::IValue& dropout_scale = ctx->saved_data["dropout"];
+    const at::Tensor dropout = dropout_scale.isTensor() ? dropout_scale.toTensor() : at::Tensor();
+    auto [dq, dk, dv] =
+        attention_backward(dout, saved[0], saved[1], saved[2], saved[3], saved[4], dropout, group, config);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -246,9 +267,19 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
                                                                                    << " rows, which is not two equal "
                                                                                       "zig-zag chunks.",
                "make the sequence length a multiple of 2 x cp (" << 2 * group.size() << ")");
+  if (const at::Tensor& z = options.dropout_scale; z.defined()) {
+    const std::vector<std::int64_t> want{q.size(0), q.size(1), q.size(2), q.size(2) * group.size()};
+    DTRAIN_CHECK(z.sizes() == at::IntArrayRef(want), ConfigError,
+                 "context-parallel attention: dropout_scale has shape " << z.sizes() << ", this rank's rows against "
+                                                                        << "the whole sequence are "
+                                                                        << at::IntArrayRef(want) << ".",
+                 "pass this rank's zig-zag rows of the whole sequence's [B, H, T, T] dropout (zigzag_shard on dim 2)");
+  }
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(3))));
   const c10::IValue capsule = nn::detail::capsule_of(std::move(group));
-  return ContextParallelAttention::apply(q, k, v, capsule, static_cast<std::int64_t>(options.exchange),
+  const c10::IValue dropout =
+      options.dropout_scale.defined() ? c10::IValue(options.dropout_scale.detach()) : c10::IValue();
+  return ContextParallelAttention::apply(q, k, v, dropout, capsule, static_cast<std::int64_t>(options.exchange),
                                          static_cast<std::int64_t>(options.kernel), scale);
 }
 

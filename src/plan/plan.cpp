@@ -115,13 +115,10 @@ void validate_applied(const ParallelPlan& p) {
                "use bf16 (or fp16, fp32) to run the plan");
   // dtrain::parallelize composes tensor (with or without sequence) and
   // context parallelism with DDP (dp_replicate), ZeRO 1-3 over dp_shard
-  // (x cp), HSDP, pipelines of every schedule with DDP or ZeRO per stage, and
-  // each other (docs/tp.md, "Compositions"; tests/multirank/tp_*_test.cpp and
-  // tests/system/gpt_compose_test.cpp against one process).
-  DTRAIN_CHECK(p.pp == 1 || p.dp_replicate == 1 || p.dp_shard == 1, ConfigError,
-               "dp_replicate " << p.dp_replicate << " x dp_shard " << p.dp_shard << " (HSDP) inside a pipeline (pp "
-                               << p.pp << "): no applier in this build composes them yet.",
-               "put each stage's data-parallel ranks on one of dp_replicate or dp_shard");
+  // (x cp), HSDP, pipelines of every schedule with DDP, ZeRO or HSDP per
+  // stage, and each other (docs/tp.md, "Compositions";
+  // tests/multirank/tp_*_test.cpp and tests/system/gpt_compose_test.cpp
+  // against one process).
 }
 
 }  // namespace

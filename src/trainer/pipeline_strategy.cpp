@@ -127,12 +127,8 @@ at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
   return pipe_->clip_grad_norm_(max_norm);
 }
 
-// ZeRO stages' chunks of tp parts are not laid out yet; tp parts unnamed
-// would be saved as whole parameters.
+// tp parts unnamed would be saved as whole parameters.
 void PipelineStrategy::check_checkpointable() const {
-  DTRAIN_CHECK(!tensor_parallel_ || pipe_->sharded_stages().empty(), ConfigError,
-               "checkpoints of ZeRO pipeline stages split over tp are not supported yet.",
-               "train without a checkpoint directory, or with DDP per stage (dp_replicate) beside tp and pp");
   DTRAIN_CHECK(!tensor_parallel_ || !tp_layouts_.empty(), ConfigError,
                "checkpoints of pipeline stages split over tp need their layouts (PipelineStrategy::name_parameters).",
                "name the stages' parameters with the tp split's layouts before saving or loading");
@@ -194,6 +190,10 @@ std::string PipelineStrategy::global_name(const at::Tensor& t, const std::string
 // its chunk: every data rank writes its own; a load of another shape reads
 // them whole, Note [Another shape of the same tensor]) with the optimizer
 // state of the pieces, and its frozen ones whole (inside full_parameters()).
+// Stages of tp parts write each piece as the flat range of this tp rank's
+// part that it is (Note [ZeRO pieces of tp parts] in zero_strategy.cpp):
+// the part's tp placement, Replicate on tp for the parameters tp does not
+// split (the first tp rank writes those).
 std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
   std::vector<LaidOutParameter> out;
   const auto stages = pipe_->schedule().stages_of_rank(pipe_->group().rank());
@@ -229,13 +229,23 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
         numel[p.name] = c10::multiply_integers(p.shape);
         if (!p.trainable) add(stage + p.name, params[p.name], false, true);
       }
+      // HSDP's replicas of the stage (ZeroOptions::replicate_group) hold the
+      // same pieces: the first writes them.
+      const auto& replicas = sharded[k]->options().replicate_group;
+      const int copy = replicas ? replicas->rank() : 0, copies = replicas ? replicas->size() : 1;
       for (const ParameterShard& piece : sharded[k]->parameter_shards()) {
+        if (tensor_parallel_) {
+          out.push_back({.name = global_name(params[piece.name], stage + piece.name),
+                         .tensor = tp_part(params[piece.name], piece.shard, copy, copies)});
+          out.back().tensor.flat_range = LaidOutTensor::FlatRange{.begin = piece.offset, .size = piece.shard.numel()};
+          continue;
+        }
         out.push_back({.name = global_name(params[piece.name], stage + piece.name),
                        .tensor = {.local = piece.shard,
-                                  .layout = {.mesh = {{"whole", 1}},
+                                  .layout = {.mesh = {{"copies", copies}},
                                              .placements = {dist::Placement::replicate()},
                                              .global_shape = {numel.at(piece.name)}},
-                                  .coordinates = {0},
+                                  .coordinates = {copy},
                                   .box = dist::Box{.offsets = {piece.offset}, .sizes = {piece.shard.numel()}}}});
       }
     }
@@ -245,6 +255,25 @@ std::vector<LaidOutParameter> PipelineStrategy::laid_out_parameters() {
       if (!ties[j].owner) add(stage + "tied" + std::to_string(j), ties[j].parameter, false, false);
   }
   return out;
+}
+
+// This tp rank's part of `parameter` over {tp} (its placement there, or
+// Replicate for a parameter tp does not split), holding `local`.
+LaidOutTensor PipelineStrategy::tp_part(const at::Tensor& parameter, at::Tensor local, int copy, int copies) const {
+  // Over {copies, tp}: the `copies` ranks holding the same piece (HSDP's
+  // replicas) write it once, from the first.
+  LaidOutTensor t{.local = std::move(local), .coordinates = {copy, tp_rank_}};
+  const std::vector<dist::MeshDim> dims{{"copies", copies}, {"tp", tp_size_}};
+  if (const auto it = tp_layouts_.find(parameter.unsafeGetTensorImpl()); it != tp_layouts_.end()) {
+    t.layout = {.mesh = dims,
+                .placements = {dist::Placement::replicate(), it->second.placements[1]},
+                .global_shape = it->second.global_shape};
+  } else {
+    t.layout = {.mesh = dims,
+                .placements = {dist::Placement::replicate(), dist::Placement::replicate()},
+                .global_shape = std::vector<std::int64_t>(parameter.sizes().begin(), parameter.sizes().end())};
+  }
+  return t;
 }
 
 std::shared_ptr<LayoutState> PipelineStrategy::laid_out_state(torch::optim::Optimizer& optimizer) {
@@ -270,8 +299,13 @@ std::shared_ptr<LayoutState> PipelineStrategy::sharded_reader(torch::optim::Opti
     for (std::size_t k = 0; k < stages.size(); ++k) {
       const std::string stage = "stage" + std::to_string(stages[k]) + ".";
       auto params = pipe_->stages()[k].module->named_parameters();
+      // Stages of tp parts: each target is this tp rank's part.
+      PartOf part_of;
+      if (tensor_parallel_)
+        part_of = [&](const std::string& name, at::Tensor local) { return tp_part(params[name], std::move(local)); };
       reader->stages.push_back(zero_whole_targets(
-          *sharded[k], optimizer, [&](const std::string& name) { return global_name(params[name], stage + name); }));
+          *sharded[k], optimizer, [&](const std::string& name) { return global_name(params[name], stage + name); },
+          part_of));
       const LaidOutTensors& mine = reader->stages.back().tensors;
       all.insert(all.end(), mine.begin(), mine.end());
       for (const auto& item : pipe_->stages()[k].module->named_buffers())
@@ -279,8 +313,9 @@ std::shared_ptr<LayoutState> PipelineStrategy::sharded_reader(torch::optim::Opti
       const auto& ties = pipe_->stages()[k].tied;
       for (std::size_t j = 0; j < ties.size(); ++j) {
         if (!ties[j].owner)
-          all.emplace_back("model." + global_name(ties[j].parameter, stage + "tied" + std::to_string(j)),
-                           whole_tensor(ties[j].parameter));
+          all.emplace_back(
+              "model." + global_name(ties[j].parameter, stage + "tied" + std::to_string(j)),
+              tensor_parallel_ ? tp_part(ties[j].parameter, ties[j].parameter) : whole_tensor(ties[j].parameter));
       }
     }
     return all;

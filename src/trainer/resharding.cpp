@@ -114,8 +114,16 @@ LaidOutTensor whole_tensor(at::Tensor t, bool optional) {
 }
 
 ZeroWholeTargets zero_whole_targets(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
-                                    const std::function<std::string(const std::string&)>& name_of) {
+                                    const std::function<std::string(const std::string&)>& name_of,
+                                    const PartOf& part_of) {
   ZeroWholeTargets out;
+  const auto target = [&](const ZeroParameterInfo& p, bool optional) {
+    at::Tensor zeros = at::zeros(p.shape, at::kFloat);
+    if (!part_of) return whole_tensor(std::move(zeros), optional);
+    LaidOutTensor t = part_of(p.name, std::move(zeros));
+    t.optional = optional;
+    return t;
+  };
   const std::vector<ZeroParameterInfo> params = zero_parameters(sdp);
   const std::string kind = zero_optimizer_kind(optimizer);
   std::vector<std::string> fields;
@@ -123,11 +131,11 @@ ZeroWholeTargets zero_whole_targets(ShardedDataParallel& sdp, torch::optim::Opti
   if (kind == "sgd") fields = {"momentum_buffer"};
   for (const ZeroParameterInfo& p : params) {
     const std::string name = name_of(p.name);
-    out.tensors.emplace_back("model." + name, whole_tensor(at::zeros(p.shape, at::kFloat)));
+    out.tensors.emplace_back("model." + name, target(p, false));
     out.known.insert("model." + name);
     if (!p.trainable) continue;
     for (const std::string& f : fields) {
-      out.tensors.emplace_back("optimizer." + name + "." + f, whole_tensor(at::zeros(p.shape, at::kFloat), true));
+      out.tensors.emplace_back("optimizer." + name + "." + f, target(p, true));
       out.known.insert("optimizer." + name + "." + f);
     }
     out.tensors.emplace_back("optimizer." + name + ".step", whole_tensor(at::zeros({1}, at::kLong), true));
@@ -156,6 +164,34 @@ ZeroWholeTargets zero_whole_targets(ShardedDataParallel& sdp, torch::optim::Opti
     load_zero_full_state(sdp, optimizer, full);
   };
   return out;
+}
+
+std::shared_ptr<LayoutState> zero_parts_reader(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
+                                               PartOf part_of) {
+  struct Reader {
+    ZeroWholeTargets targets;
+    LayoutState* state = nullptr;
+  };
+  auto reader = std::make_shared<Reader>();
+  auto collect = [reader, &sdp, &optimizer, part_of = std::move(part_of)] {
+    reader->targets = zero_whole_targets(
+        sdp, optimizer, [](const std::string& name) { return name; }, part_of);
+    LaidOutTensors all = reader->targets.tensors;
+    // Buffers are not sharded: filled in place where the checkpoint has them.
+    for (const auto& item : sdp.module().named_buffers())
+      all.emplace_back("model." + item.key(), whole_tensor(item.value(), true));
+    return all;
+  };
+  auto after_load = [reader] {
+    reader->targets.finish([&](const std::string& name) { return reader->state->loaded(name); });
+  };
+  auto state = std::make_shared<LayoutState>(collect, after_load);
+  reader->state = state.get();
+  std::vector<std::string> names;
+  for (const ZeroParameterInfo& p : zero_parameters(sdp)) names.push_back(p.name);
+  for (const auto& item : sdp.module().named_buffers()) names.push_back(item.key());
+  state->set_known(known_model_names(names));
+  return state;
 }
 
 std::shared_ptr<ShardedStateful> zero_reader(std::shared_ptr<LayoutState> laid_out) {

@@ -3,7 +3,12 @@
 
 #include <torch/serialize/archive.h>
 
+#include <map>
+
+#include "dtrain/checkpoint/layout_state.h"
+#include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
+#include "dtrain/parallel/zero/full_state.h"
 #include "dtrain/parallel/zero/sharded_checkpoint.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "dtrain/trainer/resharding.h"
@@ -105,25 +110,125 @@ void ZeroStrategy::add_to(Checkpointer& checkpointer, torch::optim::Optimizer& o
   if (added_to_ == &checkpointer) return;
   DTRAIN_CHECK(added_to_ == nullptr, ConfigError, "ZeroStrategy is used with a second Checkpointer.",
                "use one Trainer (one checkpoint directory) per strategy");
-  // Chunks of tp parts would be saved as chunks of whole parameters.
-  DTRAIN_CHECK(!sdp_->options().mesh || sdp_->options().mesh->size("tp") == 1, ConfigError,
-               "checkpoints of ZeRO over tensor-parallel layers (mesh " << sdp_->options().mesh->describe()
-                                                                        << ") are not supported yet.",
-               "train without a checkpoint directory, or put the data-parallel ranks on dp_replicate beside tp");
-  state_ = zero_state(*sdp_, optimizer);
+  if (tensor_parallel()) {
+    state_ = laid_out_pieces(optimizer);
+  } else {
+    state_ = zero_state(*sdp_, optimizer);
+  }
   added_to_ = &checkpointer;
+}
+
+bool ZeroStrategy::tensor_parallel() const {
+  return sdp_->options().mesh && sdp_->options().mesh->size("tp") > 1;
+}
+
+// Each parameter's tp placement over {copies, tp} (Replicate on copies:
+// HSDP's replicas, ZeroOptions::replicate_group, hold the same pieces, the
+// first writes them), from the module's declared layouts; ZeRO's own
+// dimensions (dp_shard, cp) hold disjoint pieces, cut by the flat range
+// instead.
+std::map<std::string, LaidOutTensor> ZeroStrategy::tp_parts() const {
+  const dist::DeviceMesh& mesh = *sdp_->options().mesh;
+  const auto& replicas = sdp_->options().replicate_group;
+  const int copy = replicas ? replicas->rank() : 0, copies = replicas ? replicas->size() : 1;
+  std::map<std::string, LaidOutTensor> out;
+  for (const auto& [name, layout] : dist::named_layouts(sdp_->module(), mesh)) {
+    dist::Placement on_tp = dist::Placement::replicate();
+    for (std::size_t d = 0; d < layout.mesh.size(); ++d) {
+      if (layout.mesh[d].name == "tp") {
+        on_tp = layout.placements[d];
+      } else {
+        DTRAIN_INTERNAL_ASSERT(layout.placements[d].kind == dist::Placement::Kind::kReplicate,
+                               "a ZeRO parameter " << name << " is laid out " << layout.to_string());
+      }
+    }
+    out.emplace(name, LaidOutTensor{.layout = {.mesh = {{"copies", copies}, {"tp", mesh.size("tp")}},
+                                               .placements = {dist::Placement::replicate(), on_tp},
+                                               .global_shape = layout.global_shape},
+                                    .coordinates = {copy, mesh.coordinate("tp")}});
+  }
+  return out;
+}
+
+// Note [ZeRO pieces of tp parts]: ZeRO flattens each tp rank's part of a
+// parameter and cuts the flat units into chunks, so a rank's piece is a
+// contiguous range of its part's elements in row-major order. Written as
+// that flat range of the part's box (LaidOutTensor::flat_range: the few
+// boxes of the global tensor it is made of) under the whole model's name,
+// with the pieces' optimizer state alike, it is an ordinary laid-out state:
+// every other plan (one process, tp with DDP, ZeRO of any world, pipelines)
+// reads it by boxes or through its whole state, and this plan reads theirs
+// into its parts' whole state (zero_parts_reader), which each rank then cuts
+// into its chunks. Frozen parameters are written as whole parts (gathered
+// by the save's full_parameters()), buffers by the first rank.
+std::shared_ptr<LayoutState> ZeroStrategy::laid_out_pieces(torch::optim::Optimizer& optimizer) {
+  // Buffers are written by the first rank of the mesh (all_: its group).
+  const int rank = all_->rank(), ranks = all_->size();
+  std::vector<std::string> names;
+  for (const ZeroParameterInfo& p : zero_parameters(*sdp_)) names.push_back(p.name);
+  for (const auto& item : sdp_->module().named_buffers()) names.push_back(item.key());
+  return parameter_state(
+      [this, rank, ranks] {
+        const std::map<std::string, LaidOutTensor> parts = tp_parts();
+        std::vector<LaidOutParameter> out;
+        const auto params = sdp_->module().named_parameters();
+        for (const ZeroParameterInfo& p : zero_parameters(*sdp_)) {
+          if (p.trainable) continue;
+          LaidOutTensor t = parts.at(p.name);
+          t.local = params[p.name];
+          out.push_back({.name = p.name, .tensor = std::move(t)});
+        }
+        for (const ParameterShard& piece : sdp_->parameter_shards()) {
+          LaidOutTensor t = parts.at(piece.name);
+          t.local = piece.shard;
+          t.flat_range = LaidOutTensor::FlatRange{.begin = piece.offset, .size = piece.shard.numel()};
+          out.push_back({.name = piece.name, .tensor = std::move(t)});
+        }
+        for (const auto& item : sdp_->module().named_buffers()) {
+          const std::vector<std::int64_t> shape(item.value().sizes().begin(), item.value().sizes().end());
+          out.push_back({.name = item.key(),
+                         .tensor = {.local = item.value(),
+                                    .layout = {.mesh = {{"ranks", ranks}},
+                                               .placements = {dist::Placement::replicate()},
+                                               .global_shape = shape},
+                                    .coordinates = {rank}},
+                         .buffer = true});
+        }
+        return out;
+      },
+      &optimizer, names);
 }
 
 void ZeroStrategy::save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) {
   add_to(checkpointer, optimizer);
-  register_saved_state(checkpointer, kZeroState, state_);
+  if (!tensor_parallel()) {
+    register_saved_state(checkpointer, kZeroState, state_);
+    checkpointer.save(state);
+    return;
+  }
+  // Frozen parameters are written whole (their tp parts): gathered for the save.
+  bool frozen = false;
+  for (const ZeroParameterInfo& p : zero_parameters(*sdp_)) frozen = frozen || !p.trainable;
+  std::unique_ptr<Scope> full = frozen ? full_parameters() : nullptr;
+  register_saved_state(checkpointer, kLaidOutState, state_);
   checkpointer.save(state);
 }
 
 // ZeRO chunks of any world (and HSDP), or any laid-out plan (single, DDP,
-// pipelines) through the whole state.
+// pipelines) through the whole state. Over tp parts: either through the
+// parts' whole state (Note [ZeRO pieces of tp parts]).
 std::optional<TrainingState> ZeroStrategy::load(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer) {
   add_to(checkpointer, optimizer);
+  if (tensor_parallel()) {
+    std::map<std::string, LaidOutTensor> parts = tp_parts();
+    std::shared_ptr<LayoutState> reader =
+        zero_parts_reader(*sdp_, optimizer, [parts = std::move(parts)](const std::string& name, at::Tensor local) {
+          LaidOutTensor t = parts.at(name);
+          t.local = std::move(local);
+          return t;
+        });
+    return load_any_plan(checkpointer, {.laid_out = reader, .zero = zero_reader(reader)}, name());
+  }
   return load_any_plan(checkpointer, {.laid_out = laid_out_reader(*sdp_, optimizer), .zero = state_}, name());
 }
 

@@ -355,3 +355,109 @@ TEST(LayoutState, LoadWholeNamesATensorThisModelDoesNotHave) {
   state->load_whole(find, {"model.a"});
   EXPECT_TRUE(m.params[0].second.eq(1.0F).all().item<bool>());
 }
+
+// flat_range_boxes: every range of a 3-D box (offsets [1, 0, 2] in a larger
+// tensor) is tiled, in order and exactly, by the boxes it returns: the
+// elements they hold, read in turn, are the range of the box's flattening.
+TEST(LayoutState, FlatRangeBoxesTileEveryRangeInOrder) {
+  const at::Tensor global = at::arange(4 * 4 * 9, at::kFloat).view({4, 4, 9});
+  const dtrain::dist::Box box{.offsets = {1, 0, 2}, .sizes = {3, 4, 5}};
+  const at::Tensor flat = global.narrow(0, 1, 3).narrow(2, 2, 5).reshape({-1});
+  for (std::int64_t begin = 0; begin <= 60; ++begin) {
+    for (std::int64_t size = 0; begin + size <= 60; ++size) {
+      const auto boxes = dtrain::flat_range_boxes(box, begin, size);
+      EXPECT_LE(boxes.size(), 5u) << begin << " + " << size;
+      std::vector<at::Tensor> read;
+      for (const auto& b : boxes) {
+        at::Tensor t = global;
+        for (std::size_t d = 0; d < 3; ++d) t = t.narrow(static_cast<std::int64_t>(d), b.offsets[d], b.sizes[d]);
+        read.push_back(t.reshape({-1}));
+      }
+      const at::Tensor got = read.empty() ? at::empty({0}) : at::cat(read);
+      ASSERT_TRUE(at::equal(got, flat.narrow(0, begin, size))) << begin << " + " << size;
+    }
+  }
+}
+
+namespace {
+
+// "w" [5, 8] split over tp 2 by columns ([5, 4] parts), each part cut into
+// two flat ranges at `cut` (as ZeRO cuts the flattened part into chunks),
+// held as 1-D tensors; the values are w's (filled) or -1.
+struct FlatRangeRank {
+  Layout layout;
+  std::vector<int> coordinates;
+  std::vector<std::pair<std::int64_t, at::Tensor>> pieces;  // (begin, values)
+  dtrain::LaidOutTensors tensors() const {
+    dtrain::LaidOutTensors out;
+    for (const auto& [begin, t] : pieces)
+      out.emplace_back("w", dtrain::LaidOutTensor{
+                                .local = t,
+                                .layout = layout,
+                                .coordinates = coordinates,
+                                .flat_range = dtrain::LaidOutTensor::FlatRange{.begin = begin, .size = t.numel()}});
+    return out;
+  }
+};
+
+at::Tensor global_w8() {
+  return at::arange(40, at::kFloat).view({5, 8});
+}
+
+FlatRangeRank flat_range_rank(const dtrain::dist::DeviceMesh& mesh, std::int64_t cut, bool filled) {
+  FlatRangeRank r{.layout = {.mesh = mesh.dims(), .placements = {Placement::shard(1)}, .global_shape = {5, 8}},
+                  .coordinates = mesh.coordinates()};
+  const at::Tensor part = dtrain::dist::local_part(global_w8(), r.layout, r.coordinates).reshape({-1});
+  for (const auto& [begin, end] : {std::pair<std::int64_t, std::int64_t>{0, cut}, {cut, 20}}) {
+    r.pieces.emplace_back(begin, filled ? part.narrow(0, begin, end - begin).clone() : at::full({end - begin}, -1.0F));
+  }
+  return r;
+}
+
+}  // namespace
+
+// Flat ranges of tp parts (ZeRO's pieces of them) saved by 2 ranks load
+// into one rank holding w whole, into 2 ranks holding rows, and into flat
+// ranges cut elsewhere: each exactly its elements of w.
+TEST(LayoutState, FlatRangesOfPartsLoadUnderAnyLayout) {
+  const auto dir = layout_state_dir("flat-ranges");
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(30)});
+    dtrain::dist::DeviceMesh mesh(group, {{"tp", 2}});
+    FlatRangeRank r = flat_range_rank(mesh, 7, true);
+    dtrain::Checkpointer checkpointer({.dir = dir}, group);
+    checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&r] { return r.tensors(); }),
+                           dtrain::StateScope::kSharded);
+    checkpointer.save({.step = 1});
+  });
+  for (int world : {1, 2}) {
+    dtrain::testing::run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
+      auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(30)});
+      dtrain::dist::DeviceMesh mesh(group, {{"dp_shard", world}});
+      const Layout rows{.mesh = mesh.dims(), .placements = {Placement::shard(0)}, .global_shape = {5, 8}};
+      at::Tensor w = at::full(rows.local_box(mesh.coordinates()).sizes, -1.0F);
+      dtrain::Checkpointer checkpointer({.dir = dir}, group);
+      checkpointer.add_state(
+          "laid_out", std::make_shared<dtrain::LayoutState>([&] {
+            return dtrain::LaidOutTensors{{"w", {.local = w, .layout = rows, .coordinates = mesh.coordinates()}}};
+          }),
+          dtrain::StateScope::kSharded);
+      ASSERT_TRUE(checkpointer.load_latest().has_value());
+      EXPECT_TRUE(at::equal(w, dtrain::dist::local_part(global_w8(), rows, mesh.coordinates())))
+          << "world " << world << " rank " << rank << ": " << w;
+    });
+  }
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(30)});
+    dtrain::dist::DeviceMesh mesh(group, {{"tp", 2}});
+    FlatRangeRank r = flat_range_rank(mesh, 13, false);
+    dtrain::Checkpointer checkpointer({.dir = dir}, group);
+    checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&r] { return r.tensors(); }),
+                           dtrain::StateScope::kSharded);
+    ASSERT_TRUE(checkpointer.load_latest().has_value());
+    const FlatRangeRank expected = flat_range_rank(mesh, 13, true);
+    for (std::size_t i = 0; i < 2; ++i)
+      EXPECT_TRUE(at::equal(r.pieces[i].second, expected.pieces[i].second)) << "rank " << rank << " piece " << i;
+  });
+  std::filesystem::remove_all(dir);
+}

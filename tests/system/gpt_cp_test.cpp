@@ -1,9 +1,11 @@
 // examples/gpt under context parallelism (--cp, through `dtrain run`) ends
 // where --strategy single does on the same global batches: cp 2 (K/V ring and
-// all-gather) and cp 2 x dp_replicate 2 on 4 processes; a checkpoint saved
-// under cp 2 resumes in one process; what cp does not run yet (dropout) and
-// sequences it cannot split are refused by name (its compositions with tp,
-// SP, ZeRO and pipelines: gpt_compose_test.cpp).
+// all-gather), cp 2 with activation recompute (selective, full) and cp 2 x
+// dp_replicate 2 on 4 processes; with dropout, the ring and the all-gather
+// exchange draw the same masks; a checkpoint saved under cp 2 resumes in one
+// process; what cp does not run yet (dropout and recompute under tp x cp)
+// and sequences it cannot split are refused by name (its compositions with
+// tp, SP, ZeRO and pipelines: gpt_compose_test.cpp).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -54,9 +56,12 @@ TEST(GptCp, EveryCompositionMatchesSingle) {
     return at == std::string::npos ? std::string() : out.substr(at, out.find("--- end of sample") - at);
   };
   ASSERT_FALSE(sample_of(single.stdout_text).empty()) << single.stdout_text;
-  const std::vector<CpCase> cases{{"cp2", "--cp 2 --batch-size 4", 2},
-                                  {"cp2-allgather", "--cp 2 --cp-exchange allgather --batch-size 4", 2},
-                                  {"cp2-dp2", "--cp 2 --dp-replicate 2 --global-batch-size 4", 4}};
+  const std::vector<CpCase> cases{
+      {"cp2", "--cp 2 --batch-size 4", 2},
+      {"cp2-allgather", "--cp 2 --cp-exchange allgather --batch-size 4", 2},
+      {"cp2-recompute-selective", "--cp 2 --recompute selective --batch-size 4", 2},
+      {"cp2-recompute-full-allgather", "--cp 2 --recompute full --cp-exchange allgather --batch-size 4", 2},
+      {"cp2-dp2", "--cp 2 --dp-replicate 2 --global-batch-size 4", 4}};
   for (const auto& c : cases) {
     const auto file = dir / (c.name + ".f32");
     const auto r =
@@ -105,12 +110,45 @@ TEST(GptCp, CheckpointResumesInOneProcess) {
   fs::remove_all(dir);
 }
 
+// Dropout under cp through the example (Note [CP dropout]): the masks come
+// from a generator seeded per data-parallel replica, not from --strategy
+// single's default generator, so the reference is cp itself: the ring and
+// the all-gather exchange draw the same masks and end equal (within the
+// bound), and both end away from the run without dropout.
+TEST(GptCp, DropoutRingAndAllGatherDrawTheSameMasks) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  const auto dir = fs::temp_directory_path() / ("dtrain-gpt-cp-dropout-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::vector<std::vector<float>> params;
+  for (const std::string& args : {std::string("--dropout 0.2"), std::string("--dropout 0.2 --cp-exchange allgather"),
+                                  std::string("--dropout 0")}) {
+    const auto file = dir / ("run" + std::to_string(params.size()) + ".f32");
+    const auto r = dtrain::testing::run_example(
+        kCpExample, kCpCommon + file.string() + " --cp 2 --batch-size 4 " + args, cp_launch(2));
+    ASSERT_EQ(r.exit_code, 0) << args << ": " << r.stderr_text;
+    params.push_back(read_floats(file));
+    ASSERT_GT(params.back().size(), 20000u) << args;
+  }
+  const auto same = dtrain::testing::compare_params(params[1], params[0]);
+  EXPECT_EQ(same.outside, 0u);
+  EXPECT_LT(same.relative_l2, 1e-5);
+  const auto other = dtrain::testing::compare_params(params[2], params[0]);
+  EXPECT_GT(other.relative_l2, 1e-4) << "dropout changed nothing";
+  fs::remove_all(dir);
+}
+
 TEST(GptCp, UnsupportedCompositionsAreRefused) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const std::string common = kCpCommon + "/dev/null --sample-tokens 0 --batch-size 2 ";
-  const auto dropout = dtrain::testing::run_example(kCpExample, common + "--cp 2 --dropout 0.1", cp_launch(2));
+  const auto dropout = dtrain::testing::run_example(kCpExample, common + "--cp 2 --tp 2 --dropout 0.1", cp_launch(4));
   EXPECT_NE(dropout.exit_code, 0);
   EXPECT_NE(dropout.stderr_text.find("does not support dropout yet"), std::string::npos) << dropout.stderr_text;
+  const auto recompute =
+      dtrain::testing::run_example(kCpExample, common + "--cp 2 --tp 2 --recompute selective", cp_launch(4));
+  EXPECT_NE(recompute.exit_code, 0);
+  EXPECT_NE(recompute.stderr_text.find("tensor x context parallelism does not support activation recompute yet"),
+            std::string::npos)
+      << recompute.stderr_text;
   const auto odd = dtrain::testing::run_example(kCpExample, common + "--cp 2 --block-size 10", cp_launch(2));
   EXPECT_NE(odd.exit_code, 0);
   EXPECT_NE(odd.stderr_text.find("into 4 balanced chunks"), std::string::npos) << odd.stderr_text;

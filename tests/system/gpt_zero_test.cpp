@@ -62,7 +62,7 @@ TEST(GptZero, EveryStageMatchesSingle) {
 // Plans instead of --strategy: HSDP (dp_replicate 2 x dp_shard 2, ZeRO-3) on
 // 4 ranks and a plan file (ZeRO-2 over 2 ranks) with --global-batch-size or
 // with its own global_batch end where single does on the same global
-// batches; a plan no applier runs, and a plan's global batch that does not
+// batches; a plan no applier runs (fp8), and a plan's global batch that does not
 // split over its data-parallel ranks, are refused before training, saying
 // what to change.
 TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
@@ -105,14 +105,14 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
     EXPECT_LT(diff.relative_l2, 1e-5) << c.name;
   }
   {
-    std::ofstream plan(dir / "cp.json");
-    plan << R"({"pp": 2, "dp_shard": 2, "dp_replicate": 2, "zero_stage": 3})";
+    std::ofstream plan(dir / "fp8.json");
+    plan << R"({"dp_shard": 2, "zero_stage": 2, "precision": "fp8"})";
   }
   const auto refused =
-      dtrain::testing::run_example(kExample, kCommon + "/dev/null --plan " + (dir / "cp.json").string(),
-                                   std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 8");
+      dtrain::testing::run_example(kExample, kCommon + "/dev/null --plan " + (dir / "fp8.json").string(), kLaunch);
   EXPECT_NE(refused.exit_code, 0);
-  EXPECT_NE(refused.stderr_text.find("(HSDP) inside a pipeline"), std::string::npos) << refused.stderr_text;
+  EXPECT_NE(refused.stderr_text.find("precision fp8: this build plans fp8 but does not train in it"), std::string::npos)
+      << refused.stderr_text;
   {
     std::ofstream plan(dir / "zero2-batch3.json");
     plan << R"({"dp_shard": 2, "zero_stage": 2, "global_batch": 3})";

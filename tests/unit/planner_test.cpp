@@ -224,7 +224,11 @@ TEST(PlannerSearch, WellFormedIsApartFromRunnable) {
       .pp = 2, .dp_replicate = 2, .dp_shard = 2, .zero_stage = 3, .recompute = Recompute::kFull, .global_batch = 8};
   const PlanContext c{.world = 8};
   EXPECT_NO_THROW(p.check_well_formed(c));
-  EXPECT_THROW(p.validate(c), ConfigError);  // this build does not compose HSDP with pipelines
+  EXPECT_NO_THROW(p.validate(c));  // HSDP inside a pipeline runs
+  p.precision = "fp8";
+  EXPECT_NO_THROW(p.check_well_formed(c));
+  EXPECT_THROW(p.validate(c), ConfigError);  // this build plans fp8 but does not train in it
+  p.precision = "fp32";
   p.tp = 3;
   EXPECT_THROW(p.check_well_formed(c), ConfigError);
 }

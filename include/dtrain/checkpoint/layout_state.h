@@ -23,6 +23,10 @@
 //    [3C, C], and back); `local` may have any shape with its box's number of
 //    elements (a fused QKV weight [3C/t, C] under the layout [3, C, C]), and
 //    is read and written through a view of the box;
+//  - a tensor may hold a contiguous range of its box's elements in row-major
+//    order (LaidOutTensor::flat_range: a ZeRO piece of a tensor-parallel
+//    part); it is saved and loaded as the few boxes that range is made of
+//    (flat_range_boxes), one entry each under the same name;
 //  - a load checks everything (every name present, every global shape, every
 //    element covered, no saved name the model does not know) before it
 //    writes into any tensor: a checkpoint that does not fit changes nothing.
@@ -62,8 +66,21 @@ struct LaidOutTensor {
   // Whether this rank writes the tensor (false: a copy that another rank
   // writes, such as a pipeline's borrowed tied weight); it is still loaded.
   bool saved = true;
+  // Set: `local` (contiguous, `size` elements) holds only elements [begin,
+  // begin + size) of the box above (`box`, else the layout's at
+  // `coordinates`) in the box's row-major order, as ZeRO's flat chunk of a
+  // tp part does. Written and read as flat_range_boxes' boxes.
+  struct FlatRange {
+    std::int64_t begin = 0, size = 0;
+  };
+  std::optional<FlatRange> flat_range;
 };
 using LaidOutTensors = std::vector<std::pair<std::string, LaidOutTensor>>;
+
+// The boxes that elements [begin, begin + size) of `box` (row-major) are
+// made of, in that order: at most 2 x dims - 1, each a contiguous run of the
+// range (none for an empty range).
+std::vector<dist::Box> flat_range_boxes(const dist::Box& box, std::int64_t begin, std::int64_t size);
 
 class LayoutState : public ShardedStateful {
  public:

@@ -24,8 +24,13 @@
 //    attention's. Other ranks' K/V blocks are not kept; backward passes them
 //    round again. Transient: two K/V blocks in flight (ring) or all c of them
 //    (all-gather), plus fp32 gradient accumulators of the same size in backward;
-//  - no dropout and no attention mask besides the causal one; the scale is
-//    1/sqrt(D) unless given.
+//  - no attention mask besides the causal one; the scale is 1/sqrt(D)
+//    unless given;
+//  - attention dropout (AttentionOptions::dropout_scale): this rank's rows
+//    of the mask one process applies to the probabilities, against every key
+//    of the sequence; the blocks then take the math path (the per-block
+//    kernels take no mask), and the mask is kept for backward
+//    (B x H x T/c x T floats).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -64,6 +69,12 @@ struct AttentionOptions {
   KvExchange exchange = KvExchange::kRing;
   BlockKernel kernel = BlockKernel::kAuto;
   std::optional<double> scale;  // unset: 1/sqrt(D)
+  // Attention dropout: what the probabilities of this rank's query rows are
+  // multiplied by, [B, H, T/c, T] (keys in sequence order), as at::dropout
+  // multiplies (its kept-and-scaled noise, bernoulli(1 - p) / (1 - p)): the
+  // zig-zag rows of one process's mask give one process's dropout exactly.
+  // Undefined: no dropout. Not differentiated.
+  at::Tensor dropout_scale;
 };
 
 // Causal attention of this rank's zig-zag part of q, k, v (see above).

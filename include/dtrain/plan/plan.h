@@ -15,12 +15,10 @@
 // optimizer state, 2: + gradients, 3: + parameters); both together are HSDP.
 // check_well_formed() accepts every plan that makes sense (the planner costs
 // them all); validate() also refuses what no applier in this build
-// implements yet (HSDP in a pipeline), saying so, rather than failing
-// mid-run. Tensor (with or without sequence) and context parallelism compose
-// with dp_replicate, dp_shard (ZeRO 1-3), HSDP, pp and each other, up to the
-// 4-D plan (docs/tp.md, "Compositions"). Recompute is applied by the program's model
-// (dtrain::nn::checkpoint; examples/gpt per block); a program whose model
-// has none refuses it.
+// implements yet (fp8 training), saying so, rather than failing mid-run. Tensor (with or without sequence) and context
+// parallelism compose with dp_replicate, dp_shard (ZeRO 1-3), HSDP, pp and each other, up to the 4-D plan (docs/tp.md,
+// "Compositions"). Recompute is applied by the program's model (dtrain::nn::checkpoint; examples/gpt per block); a
+// program whose model has none refuses it.
 #pragma once
 
 #include <cstdint>

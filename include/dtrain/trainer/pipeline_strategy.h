@@ -29,8 +29,9 @@
 // one process, ZeRO, HSDP) and any plan's checkpoint resumes here. Stages
 // of tp parts write each tp rank's part with its tp placement (the layouts
 // given to name_parameters), so they reshard to other tp degrees and plans
-// as TensorParallelStrategy's do; refused for ZeRO stages of tp parts (their
-// flat chunks hold tp parts: not laid out yet). Sharded
+// as TensorParallelStrategy's do; ZeRO stages of tp parts write each
+// piece as the flat range of its tp part (Note [ZeRO pieces of tp parts]).
+// Sharded
 // (ZeRO 1-3) stages save each rank's pieces of their parameters and
 // optimizer state, laid out under the same names (every data rank writes
 // its own), and load through their whole state, so they reshard the same
@@ -102,6 +103,10 @@ class PipelineStrategy : public Strategy {
   std::shared_ptr<LayoutState> laid_out_state(torch::optim::Optimizer& optimizer);
   std::shared_ptr<LayoutState> sharded_reader(torch::optim::Optimizer& optimizer);
   void check_checkpointable() const;
+  // This tp rank's part of `parameter` holding `local`, over {copies, tp}
+  // (its tp placement, Replicate for what tp does not split; rank `copy` of
+  // the `copies` ranks holding the same piece).
+  LaidOutTensor tp_part(const at::Tensor& parameter, at::Tensor local, int copy = 0, int copies = 1) const;
   std::string global_name(const at::Tensor& t, const std::string& local) const;
   std::shared_ptr<pipeline::Pipeline> pipe_;
   dist::ProcessGroup world_, pipeline_group_;

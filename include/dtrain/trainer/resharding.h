@@ -60,13 +60,26 @@ LaidOutTensor whole_tensor(at::Tensor t, bool optional = false);
 // LayoutState has loaded them (load_zero_full_state; `loaded` tells which
 // optional tensors the checkpoint had). Each rank holds its whole state
 // once, during the load.
+// `part_of`, when given, lays out a parameter's target (and its optimizer
+// fields'): `sdp`'s parameters are then this rank's parts of the model's
+// (tensor-parallel parts: their tp placement), and the load fills each from
+// the saved pieces its box meets; unset, every target is whole.
 struct ZeroWholeTargets {
   LaidOutTensors tensors;
   std::set<std::string> known;
   std::function<void(const std::function<bool(const std::string&)>& loaded)> finish;
 };
+using PartOf = std::function<LaidOutTensor(const std::string& name, at::Tensor local)>;
 ZeroWholeTargets zero_whole_targets(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
-                                    const std::function<std::string(const std::string&)>& name_of);
+                                    const std::function<std::string(const std::string&)>& name_of,
+                                    const PartOf& part_of = {});
+
+// A laid-out state that loads `sdp`'s chunks and optimizer state through
+// zero_whole_targets (with `part_of`) and its module's buffers in place:
+// what a ZeRO plan over tp parts reads either format with (as a laid-out
+// state, and through zero_reader for ZeRO chunks). Load only.
+std::shared_ptr<LayoutState> zero_parts_reader(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
+                                               PartOf part_of);
 
 // Readers of the other format, for load_any_plan: a laid-out state filled
 // from ZeRO chunks; ZeRO shards filled from laid-out pieces.

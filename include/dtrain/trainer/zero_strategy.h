@@ -17,7 +17,11 @@
 // loads the laid-out checkpoints of the other plans (trainer/resharding.h).
 #pragma once
 
+#include <map>
 #include <memory>
+#include <string>
+
+#include "dtrain/checkpoint/layout_state.h"
 
 #include "dtrain/trainer/strategy.h"
 
@@ -34,8 +38,9 @@ class ZeroStrategy : public Strategy {
   // or cp ranks in the sharding group) the mesh says all that: the data
   // index is its dp_replicate x dp_shard one, norms come from the layouts,
   // found-inf and metrics reduce over the whole mesh, and `world` is unused;
-  // checkpoints are refused under tp (chunks of tp parts are not written
-  // with their layouts yet).
+  // under tp, checkpoints are laid out: each rank's pieces of its tp parts
+  // with their tp placement and flat range under the module's names (Note
+  // [ZeRO pieces of tp parts]), so they reshard to and from every plan.
   ZeroStrategy(std::shared_ptr<ShardedDataParallel> sdp, c10::Device device,
                std::optional<dist::ProcessGroup> world = std::nullopt);
   ~ZeroStrategy() override;
@@ -67,6 +72,9 @@ class ZeroStrategy : public Strategy {
 
  private:
   void add_to(Checkpointer& checkpointer, torch::optim::Optimizer& optimizer);
+  bool tensor_parallel() const;  // over a mesh with tp > 1: laid-out checkpoints
+  std::map<std::string, LaidOutTensor> tp_parts() const;
+  std::shared_ptr<LayoutState> laid_out_pieces(torch::optim::Optimizer& optimizer);
   std::shared_ptr<ShardedDataParallel> sdp_;
   c10::Device device_;
   int rank_ = 0;
@@ -74,7 +82,7 @@ class ZeroStrategy : public Strategy {
   std::optional<dist::ProcessGroup> all_;   // HSDP or a mesh: every rank
   bool over_mesh_ = false;                  // ZeroOptions::mesh: norms from the layouts
   const Checkpointer* added_to_ = nullptr;  // the checkpointer holding our state
-  std::shared_ptr<ShardedStateful> state_;  // zero_state(), saved as "zero"
+  std::shared_ptr<ShardedStateful> state_;  // zero_state(), saved as "zero"; under tp laid_out_pieces()
 };
 
 }  // namespace dtrain

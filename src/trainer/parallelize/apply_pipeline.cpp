@@ -1,8 +1,9 @@
 // The pipeline on pp: the model's layers (or its tp/cp split: split_model)
 // cut into stages (the model's cut and ties, or the placement planner's),
 // each stage's replicas averaged over the data-parallel dimensions by ZeRO
-// (dp_shard, with cp ranks: dp_shard x cp; the plan's stage) or DDP
-// (dp_replicate, x cp), or the options' stage sync. Stages split over tp or
+// (dp_shard, with cp ranks: dp_shard x cp; the plan's stage; HSDP with
+// dp_replicate as well) or DDP (dp_replicate, x cp), or the options' stage
+// sync. Stages split over tp or
 // cp run on the mesh (PipelineOptions::mesh: norms from the layouts).
 #include <algorithm>
 
@@ -87,7 +88,11 @@ Parallelized apply_pipeline(const ApplyContext& c) {
   layers->to(first);
   pipeline::PipelineOptions options{.schedule = pipeline::parse_schedule_kind(plan.pipeline.schedule),
                                     .micro_batches = plan.pipeline.micro_batches};
-  const bool on_mesh = plan.tp > 1 || plan.cp > 1;
+  // HSDP per stage (dp_replicate x dp_shard): ZeRO over dp_shard (x cp),
+  // its shards averaged over dp_replicate (ZeroOptions::replicate_group), on
+  // the mesh so that norms count a shard once over its replicas.
+  const bool hsdp = plan.dp_replicate > 1 && plan.dp_shard > 1;
+  const bool on_mesh = plan.tp > 1 || plan.cp > 1 || hsdp;
   if (on_mesh) options.mesh = *mesh;
   if (auto& data = mesh->join(data_dims); data.size() > 1) {
     ZeroOptions zero{.stage = plan.zero_stage};
@@ -99,6 +104,14 @@ Parallelized apply_pipeline(const ApplyContext& c) {
     options.stage_sync = c.options.stage_sync ? c.options.stage_sync
                          : plan.dp_shard > 1  ? pipeline::zero_stage_sync(zero)
                                               : pipeline::ddp_stage_sync();
+    if (hsdp && !c.options.stage_sync) {
+      // The stage's ZeRO shards over dp_shard (x cp), not the whole data group.
+      zero.replicate_group = (*mesh)["dp_replicate"];
+      options.stage_sync = [sync = pipeline::zero_stage_sync(zero), shards = mesh->join(zero.shard_dims)](
+                               torch::nn::Sequential module, const std::optional<dist::ProcessGroup>& /*data*/) {
+        return sync(std::move(module), shards);
+      };
+    }
   }
   auto pipe = std::make_shared<pipeline::Pipeline>(std::move(stages), (*mesh)["pp"], options, m.loss);
   auto strategy = std::make_shared<PipelineStrategy>(pipe, *mesh);

@@ -43,9 +43,9 @@ Parallelized apply_tp(const ApplyContext& c) {
   std::shared_ptr<ShardedDataParallel> sdp;
   // Trained under the Sequential's own names ("embed.wte.weight") and, beside
   // DDP, checkpointed under the whole model's (parts.name + "."), so tp
-  // checkpoints reshard to and from every other plan. ZeRO (no tp
-  // checkpoints yet) holds it under parts.name, where ModelParts::zero_unit
-  // names units.
+  // checkpoints reshard to and from every other plan. ZeRO holds it under
+  // parts.name, where ModelParts::zero_unit names units and its checkpoints
+  // name the parameters as the whole model does.
   LayerStack split(m.trained, "", c.parts.retie);
   if (c.plan.dp_shard > 1) {
     split = c.stack(m.trained);
