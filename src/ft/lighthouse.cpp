@@ -73,10 +73,35 @@
 // of training on from an old step, and a member of the last quorum, so
 // quorums form a chain: no two disjoint ones ever run the same step (a
 // replica dropped while its request was pending is not answered alone
-// while the others step on). If every member of the last quorum is lost,
-// the job waits (and its replicas' quorum calls time out): resume it from
-// a checkpoint. The lighthouse decides membership only; who is behind and who recovers
-// from whom each member computes alike from the quorum (quorum.h).
+// while the others step on). What ends requests that can never be served
+// is Note [End of training]. The lighthouse decides membership only; who is
+// behind and who recovers from whom each member computes alike from the
+// quorum (quorum.h).
+//
+// Note [End of training]
+// A request behind the newest step (a restarted group, at step 0 or its
+// checkpoint's) needs an up-to-date member to recover from. When none asks,
+// the lighthouse looks at why, and answers such requests with a text in
+// place of a quorum, which the client throws:
+//   finished             "step replica": written by a client when its
+//                        training reached its last step
+//                        (LighthouseClient::finish). If it is there, the
+//                        training is over: "finished S" (S that last
+//                        step) -> TrainingFinishedError. The launcher
+//                        then does not restart that group: the job ends with
+//                        the finished groups' state (exit 0).
+//   the holders gone     every member of the last quorum at the newest step
+//                        (up_to_date_) is superseded (its replica id
+//                        registered again: that process is gone) or has not
+//                        beaten for heartbeat_timeout + join_timeout (a
+//                        stopped or cut-off process given the join timeout to
+//                        come back): the newest state is lost. "lost S ids"
+//                        -> ReplicaStateLostError on every request behind,
+//                        now and later, and check() throws it, so `dtrain
+//                        run` restarts the whole job from its checkpoint
+//                        (as for any whole-job failure).
+// While a holder may still come back (live, or silent for less than that),
+// the requests wait, as before.
 //
 // Note [Lighthouse round trips]
 // Every store call is a round trip to the store's server, and the service
@@ -134,6 +159,9 @@ Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
   events_seen_ = events_read_ = store_.add("nev", 0);
   round_ = store_.add("round", 0);
   quorum_id_ = store_.add("quorum_id", 0);
+  // Clients judge a peer that never comes to a group by the same timeout
+  // (Note [Members that never come] in lighthouse_client.cpp).
+  store_.set("heartbeat_timeout_ms", std::to_string(options_.heartbeat_timeout.count()));
   thread_ = std::thread([this] {
     try {
       serve();
@@ -171,6 +199,10 @@ std::vector<Quorum> Lighthouse::history() const {
 void Lighthouse::check() const {
   std::lock_guard lock(mutex_);
   if (error_) std::rethrow_exception(error_);
+  if (!lost_.empty()) {
+    throw ReplicaStateLostError("lighthouse: " + lost_,
+                                "restart the job as a whole: every group resumes from the newest checkpoint");
+  }
 }
 
 void Lighthouse::serve() {
@@ -402,6 +434,10 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
   std::int64_t newest = 0;
   for (const Replica* r : asking) newest = std::max(newest, r->step);
   if (newest < highest_step_) {
+    if (const std::string end = end_of_training(now); !end.empty()) {
+      answer_without_quorum(asking, end);
+      return;
+    }
     if (!warned_stale_) {
       DTRAIN_LOG(kWarning) << "lighthouse: no replica asking for a quorum has step " << highest_step_
                            << " (the newest reported); waiting for one that has";
@@ -423,7 +459,11 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
   highest_step_ = newest;
   warned_stale_ = false;
   last_quorum_.clear();
-  for (const Replica* r : asking) last_quorum_.push_back(r->incarnation);
+  up_to_date_.clear();
+  for (const Replica* r : asking) {
+    last_quorum_.push_back(r->incarnation);
+    if (r->step == newest) up_to_date_.emplace_back(r->incarnation, r->id);
+  }
   std::sort(asking.begin(), asking.end(), [](const Replica* a, const Replica* b) { return a->id < b->id; });
   Quorum q;
   std::string members;
@@ -458,6 +498,49 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
     r->pending = false;
   }
   dist::multi_set(store_, keys, std::vector<std::string>(keys.size(), text));
+}
+
+std::string Lighthouse::end_of_training(Clock::time_point now) {
+  if (!end_.empty()) return end_;
+  // Any group that finished: the training is over (Note [End of training]).
+  if (const auto finished = dist::get_if_present(store_, "finished"); finished) {
+    std::istringstream in(*finished);
+    std::int64_t step = 0;
+    int who = 0;
+    in >> step >> who;
+    end_ = "finished " + std::to_string(step);
+    DTRAIN_LOG(kInfo) << "lighthouse: the training finished at step " << step << " (replica " << who
+                      << " reached it); requests behind it are told so";
+    return end_;
+  }
+  if (up_to_date_.empty()) return {};
+  std::string ids;
+  for (const auto& [incarnation, id] : up_to_date_) {
+    const Replica* r = replica(incarnation);
+    if (r != nullptr && now - r->last_beat < options_.heartbeat_timeout + options_.join_timeout) return {};
+    ids += (ids.empty() ? "" : " ") + std::to_string(id);
+  }
+  end_ = "lost " + std::to_string(highest_step_) + " " + ids;
+  {
+    std::lock_guard lock(mutex_);
+    lost_ = "every replica group that held the newest step, " + std::to_string(highest_step_) + " (replica" +
+            (up_to_date_.size() == 1 ? " " : "s ") + ids + "), is gone; the groups left are behind it";
+    DTRAIN_LOG(kError) << "lighthouse: " << lost_;
+  }
+  return end_;
+}
+
+void Lighthouse::answer_without_quorum(const std::vector<Replica*>& asking, const std::string& text) {
+  std::vector<std::string> keys;
+  for (Replica* r : asking) {
+    const std::string id = std::to_string(r->incarnation) + "/" + std::to_string(r->seq);
+    if (store_.compare_set("claim/" + id, "", "lighthouse") == "lighthouse") keys.push_back("answer/" + id);
+    // else withdrawn: its client gave up on it
+    r->answered_seq = r->seq;
+    r->answer_kept = r->seq;
+    r->pending = false;
+  }
+  if (!keys.empty()) dist::multi_set(store_, keys, std::vector<std::string>(keys.size(), text));
 }
 
 std::unique_ptr<HostedLighthouse> host_lighthouse(const HostedLighthouseOptions& options) {

@@ -205,7 +205,100 @@ Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
   // this replica asks again, off the step's path.
   const auto text = dist::get_if_present(store_, answer);
   if (!text) throw InternalError("replica " + std::to_string(options_.replica_id) + ": " + answer + " vanished");
+  throw_if_end_of_training(*text, step);
   return Quorum::from_text(*text);
+}
+
+void LighthouseClient::throw_if_end_of_training(const std::string& text, std::int64_t step) const {
+  // Note [End of training] in src/ft/lighthouse.cpp: answers that are not a quorum.
+  std::istringstream in(text);
+  std::string word;
+  std::int64_t newest = 0;
+  in >> word >> newest;
+  const std::string who = "replica " + std::to_string(options_.replica_id);
+  if (word == "finished") {
+    throw TrainingFinishedError(
+        who + ": the training finished at step " + std::to_string(newest) +
+            " (the other replica groups reached their last step and left) while this group, at step " +
+            std::to_string(step) +
+            ", waited to join; it has no peer to recover from, and its state is not the final "
+            "one.",
+        "nothing to do: the finished groups hold the final state (dtrain run does not restart this group)");
+  }
+  if (word == "lost") {
+    std::string ids;
+    std::getline(in >> std::ws, ids);
+    throw ReplicaStateLostError(who + ": no up-to-date replica group is left: every one that held step " +
+                                    std::to_string(newest) + " (replicas " + ids +
+                                    ") is gone, and this group is at step " + std::to_string(step) + ".",
+                                "restart the job as a whole from its newest checkpoint (dtrain run does, with "
+                                "--max-restarts left)");
+  }
+}
+
+void LighthouseClient::finish(std::int64_t step) {
+  store_.set("finished", std::to_string(step) + " " + std::to_string(options_.replica_id));
+  DTRAIN_LOG(kInfo) << "replica " << options_.replica_id << ": finished at step " << step;
+}
+
+// Note [Members that never come]
+// A quorum counts in every replica whose request was there, and one may die
+// right after asking (a quorum asked ahead during its optimizer step). When
+// the quorum id is new, the members make its group, and a rendezvous waits
+// for every member up to the group's timeout (10 s): one kill during a
+// recovery once held every group for 10.1 s that way (the chaos soak's --ft
+// mode). So each member first marks itself under the group's prefix and
+// waits for the others' marks in short slices, reading between them the
+// heartbeat counters of the members still missing: one whose counter has not
+// moved for the lighthouse's heartbeat timeout is dead (or stopped), and the
+// step fails now, naming it; the members vote abort and ask again, and the
+// lighthouse, by then past the same timeout, leaves it out.
+void LighthouseClient::await_members(const Quorum& q, const std::string& prefix, std::chrono::milliseconds timeout) {
+  if (peer_heartbeat_timeout_.count() == 0) {
+    const auto given = dist::get_if_present(store_, "heartbeat_timeout_ms");
+    peer_heartbeat_timeout_ = std::chrono::milliseconds(given ? std::stoll(*given) : 2000);
+  }
+  dist::Store group = store_.with_prefix(prefix);
+  const int me = q.index_of(options_.replica_id);
+  group.set("here/" + std::to_string(me), "1");
+  struct Watch {
+    std::int64_t beats = -1;
+    std::chrono::steady_clock::time_point moved_at;
+  };
+  std::vector<Watch> watch(q.members.size());
+  std::vector<std::string> keys;
+  for (std::size_t i = 0; i < q.members.size(); ++i) keys.push_back("here/" + std::to_string(i));
+  const auto start = std::chrono::steady_clock::now();
+  const auto slice =
+      std::clamp(peer_heartbeat_timeout_ / 8, std::chrono::milliseconds(5), std::chrono::milliseconds(100));
+  for (;;) {
+    try {
+      group.wait(keys, slice);
+      return;
+    } catch (const TimeoutError&) {
+    }
+    const auto now = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < q.members.size(); ++i) {
+      if (group.check({keys[i]})) continue;
+      const std::int64_t beats = store_.add("hb/" + std::to_string(q.members[i].incarnation), 0);
+      if (beats != watch[i].beats) {
+        watch[i] = {.beats = beats, .moved_at = now};
+      } else if (now - watch[i].moved_at >= peer_heartbeat_timeout_) {
+        throw CommunicationError(
+            "replica " + std::to_string(options_.replica_id) + ": member replica " +
+                std::to_string(q.members[i].replica_id) + " of " + q.describe() +
+                " never came to make its group, and its heartbeat stopped " +
+                log::format_seconds(std::chrono::duration_cast<std::chrono::milliseconds>(now - watch[i].moved_at)) +
+                " ago (it died or stopped after asking); the step aborts without it.",
+            "nothing to do: the next quorum leaves it out");
+      }
+    }
+    if (now - start >= timeout) {
+      throw TimeoutError("replica " + std::to_string(options_.replica_id) + ": the members of " + q.describe() +
+                             " did not all come to make its group within " + log::format_seconds(timeout) + ".",
+                         "a member is alive but stuck before its step: check its log");
+    }
+  }
 }
 
 CommitVote commit_vote(std::int64_t sum, std::int64_t members) {
