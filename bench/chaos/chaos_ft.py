@@ -206,6 +206,11 @@ class FtSoak:
         kinds = a.ft_kinds.split(",")
         plan = [kinds[i % len(kinds)] for i in range(a.faults)]
         self.rng.shuffle(plan)
+        # Node kills first: a node down and started again takes seconds to
+        # come back (launcher, workers, recovery); late in the run the others
+        # would finish first, and node 0 stops serving the lighthouse soon
+        # after (docs/fault_tolerance.md, "Several nodes": a late node).
+        plan.sort(key=lambda k: k != "node_kill")
         last_fault = time.time()
         due = time.time() + self.rng.uniform(a.gap_min, a.gap_max)
         while all(n.poll() is None for n in self.nodes) and time.time() - start < a.timeout:
