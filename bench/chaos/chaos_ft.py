@@ -21,12 +21,15 @@ it from its checkpoints); a link cut needs network namespaces (root) and
 behaves as a node kill for the groups behind it (their heartbeats stop);
 a full disk needs checkpoints, which the fault-tolerant job does not need
 (recovery is live).
+
 Faults come one at a time: the next waits until the groups the last one hit
 commit steps of the full quorum again (the overlapping kinds overlap within
 themselves; overlapping more, every group could be lost at once, and with it
-the training state: the groups left would wait for a peer at the newest
-step, docs/fault_tolerance.md). None is injected in the last 40% of the steps (a group restarted after its peers finished
-would wait for a quorum: docs/fault_tolerance.md, Limits).
+the training state: the job then restarts as a whole from its checkpoints,
+docs/fault_tolerance.md, which this mode counts as a failure). None is
+injected in the last 40% of the steps: a group restarted after its peers
+finished is told so and ends without training (docs/fault_tolerance.md,
+Quorum), so it would not reach the last step this audit asks of every group.
 
 At the end it checks, from the Trainer's sample logs (one per rank): the job
 finished (exit 0, every group at the last step), it never restarted as a

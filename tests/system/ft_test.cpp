@@ -266,6 +266,56 @@ TEST(FaultTolerance, TrainerZero2CheckpointOfOneReplicaGroupResumesWholeJobAsUni
   run_ft_checkpoint_resume(/*replicas=*/2, /*ranks_per_replica=*/2, /*zero_stage=*/2);
 }
 
+// The chaos soak's finding (c) end to end: both replica groups, the only
+// holders of the newest step, are SIGKILLed 0.3 s apart; their restarts
+// (held back 1 s) resume from the newest checkpoint, behind that step, so
+// no live recovery can serve them. The lighthouse says the newest state is
+// lost, and `dtrain run` restarts the whole job from the checkpoint instead
+// of leaving the groups waiting: the job finishes (exit 0), both groups at
+// the last step with equal parameters, having logged steps after the
+// checkpoint twice (that work is lost, as for any whole-job restart).
+TEST(FaultTolerance, LosingEveryUpToDateGroupRestartsTheWholeJobFromItsCheckpoint) {
+  constexpr int kSteps = 120;
+  Scratch scratch;
+  const fs::path dir = scratch.path();
+  ::setenv("FT_ZERO_STAGE", "0", 1);
+  ::setenv("FT_DIR", dir.c_str(), 1);
+  ::setenv("FT_STEPS", std::to_string(kSteps).c_str(), 1);
+  ::setenv("FT_STEP_MS", "15", 1);
+  ::setenv("FT_RESTART_DELAY_MS", "1000", 1);
+  ::setenv("FT_CKPT_DIR", (dir / "ckpt").c_str(), 1);
+  ::setenv("FT_CKPT_EVERY", "10", 1);
+  Launch launch({"--nproc-per-node", "2", "--ft-replicas", "2", "--max-restarts", "3", "--ft-heartbeat-timeout", "0.5",
+                 "--log-dir", (dir / "logs").string(), kFtTrainerWorker},
+                scratch);
+  const fs::path log0 = dir / "replica_0.log", log1 = dir / "replica_1.log";
+  const bool ready = wait_for([&] { return ft_steps_logged(log0) >= 25; }, std::chrono::seconds(60));
+  ::unsetenv("FT_CKPT_DIR");
+  ::unsetenv("FT_CKPT_EVERY");
+  ASSERT_TRUE(ready) << launch.err();
+  ASSERT_EQ(::kill(read_ft_log(log1).steps.back().pid, SIGKILL), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(::kill(read_ft_log(log0).steps.back().pid, SIGKILL), 0);
+  ASSERT_EQ(launch.wait(std::chrono::seconds(120)), 0) << launch.err();
+  EXPECT_NE(launch.err().find("held the newest step"), std::string::npos) << launch.err();
+  EXPECT_NE(launch.err().find("restarting the whole job"), std::string::npos) << launch.err();
+  std::vector<std::vector<at::Tensor>> finals(2);
+  for (int r = 0; r < 2; ++r) {
+    const auto log = read_ft_log(dir / ("replica_" + std::to_string(r) + ".log"));
+    ASSERT_FALSE(log.steps.empty());
+    EXPECT_EQ(log.steps.back().step, kSteps - 1) << "replica " << r;
+    std::set<std::int64_t> seen;
+    bool again = false;
+    for (const auto& l : log.steps) again = again || !seen.insert(l.step).second;
+    EXPECT_TRUE(again) << "replica " << r << ": no step trained again after the restart from the checkpoint";
+    torch::load(finals[r], (dir / ("final_" + std::to_string(r) + "_0.pt")).string());
+  }
+  ASSERT_EQ(finals[0].size(), finals[1].size());
+  for (std::size_t i = 0; i < finals[0].size(); ++i) {
+    EXPECT_TRUE(at::equal(finals[0][i], finals[1][i])) << "parameter " << i;
+  }
+}
+
 // Replica groups on several nodes (issue 27 item 3), two launchers on
 // loopback: node 0 runs groups 0-1 and hosts the lighthouse, node 1 runs
 // groups 2-3. Node 1 is SIGKILLed (its launcher; its workers die with it)

@@ -468,6 +468,30 @@ TEST(FtLighthouse, RestartedLighthouseGoesOnFromItsPredecessorsIdsWithoutTheDead
   lighthouse->check();
 }
 
+// The chaos soak's finding (b), as the soak hit it: a member that dies
+// after its all-reduce and before its vote never votes; the others waited
+// for the decision up to the commit timeout (10 s in the soak). Now they
+// abort once its heartbeat stopped (the lighthouse's heartbeat timeout).
+TEST(FtCommitVote, MemberThatDiesBeforeVotingAbortsTheOthersWithinTheHeartbeatTimeout) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(3));
+  const LighthouseClientOptions patient{.heartbeat_interval = milliseconds(50), .commit_timeout = milliseconds(6000)};
+  auto client = [&](int id) {
+    LighthouseClientOptions o = patient;
+    o.replica_id = id;
+    return std::make_unique<LighthouseClient>(store, store, o);
+  };
+  auto a = client(0), b = client(1), c = client(2);
+  const auto q = ask_all({a.get(), b.get(), c.get()}, {3, 3, 3});
+  c.reset();  // dies before voting: its heartbeat stops
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(vote_all({a.get(), b.get()}, {q[0], q[1]}, {true, true}), (std::vector<bool>{false, false}));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, milliseconds(300)) << "aborted before the heartbeat timeout (400 ms)";
+  EXPECT_LT(took, milliseconds(3000)) << "waited for the commit timeout (6 s), not the heartbeat's";
+  lighthouse.check();
+}
+
 // The chaos soak's finding (a): a group restarted late registers after every
 // other group finished; before, it waited for a quorum until its timeout
 // ("no replica asking for a quorum has step N"). Now the lighthouse tells it

@@ -181,7 +181,8 @@ struct LighthouseClientOptions {
   // How long quorum() waits for the lighthouse's answer.
   std::chrono::milliseconds quorum_timeout{std::chrono::seconds(120)};
   // How long agree_commit() waits for the other members' votes; a member
-  // that has not voted by then counts as failed.
+  // that has not voted by then counts as failed (one whose heartbeat
+  // stopped, sooner: Note [Members that never come]).
   std::chrono::milliseconds commit_timeout{std::chrono::seconds(10)};
   // While waiting for a quorum: a lighthouse whose liveness counter has not
   // moved for this long is taken as dead (CommunicationError), as is one
@@ -246,6 +247,23 @@ class LighthouseClient {
   // The answers that are not a quorum (Note [End of training]): throws.
   void throw_if_end_of_training(const std::string& text, std::int64_t step) const;
   void check_lighthouse_alive(std::int64_t& alive, std::chrono::steady_clock::time_point& moved_at);
+
+  // The heartbeat counters of a quorum's members, read between the slices
+  // of a wait (Note [Members that never come]).
+  class PeerWatch {
+   public:
+    PeerWatch(LighthouseClient& client, const Quorum& q);
+    std::chrono::milliseconds slice() const;
+    // Reads member i's counter: whether it has not moved for the
+    // lighthouse's heartbeat timeout (counted from the first reading).
+    bool silent(std::size_t i, std::chrono::steady_clock::time_point now);
+
+   private:
+    LighthouseClient& client_;
+    const Quorum& q_;
+    std::vector<std::int64_t> beats_;
+    std::vector<std::chrono::steady_clock::time_point> moved_at_;
+  };
 
   dist::Store store_;
   dist::Store heartbeat_store_;
