@@ -1,5 +1,5 @@
 // The two ends of a fault-tolerant job that no live recovery can serve
-// (docs/fault_tolerance.md, Note [End of training] in src/ft/lighthouse.cpp):
+// (docs/fault_tolerance.md, Note [End of training] in src/ft/lighthouse_end.cpp):
 // thrown by a replica's lighthouse client, and ReplicaStateLostError also by
 // the lighthouse's check(), on which `dtrain run` restarts the whole job.
 // Core layer, so the launcher's agent (elastic) catches them without the ft

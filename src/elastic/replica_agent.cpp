@@ -132,7 +132,7 @@ void ReplicaAgent::serve_lighthouse() {
 // Note [Whole-job restart of replica groups]
 // Live recovery needs a group at the newest step. When the lighthouse finds
 // every group that held it gone (Note [End of training] in
-// src/ft/lighthouse.cpp), the groups left cannot go on: their quorum calls
+// src/ft/lighthouse_end.cpp), the groups left cannot go on: their quorum calls
 // fail with ReplicaStateLostError, and the lighthouse's check() throws it.
 // The run then falls back to what it does for any whole-job failure: every
 // group is stopped and started again with a fresh lighthouse (a new store:

@@ -210,7 +210,7 @@ Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
 }
 
 void LighthouseClient::throw_if_end_of_training(const std::string& text, std::int64_t step) const {
-  // Note [End of training] in src/ft/lighthouse.cpp: answers that are not a quorum.
+  // Note [End of training] in src/ft/lighthouse_end.cpp: answers that are not a quorum.
   std::istringstream in(text);
   std::string word;
   std::int64_t newest = 0;
