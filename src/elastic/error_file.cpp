@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/log.h"
+#include "dtrain/replica_errors.h"
 
 namespace dtrain::elastic {
 namespace {
@@ -90,6 +91,13 @@ int run_recording_errors(const std::function<int()>& main, const std::string& pr
   install_error_handlers();
   try {
     return main();
+  } catch (const TrainingFinishedError& e) {
+    // A fault-tolerant replica group that came back after the training
+    // finished (docs/fault_tolerance.md, Quorum): nothing is left for it to
+    // do; it ends cleanly, having written nothing, and its launcher counts
+    // it done instead of restarting it.
+    std::cerr << (program.empty() ? "" : program + ": ") << e.what() << std::endl;
+    return 0;
   } catch (const std::exception& e) {
     write_error_file(e.what());
     const std::string what = e.what(), tag = log::rank_tag();

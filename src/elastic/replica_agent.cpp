@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 #include <vector>
 
 #include "dtrain/comm/env.h"
@@ -35,10 +36,19 @@ ReplicaAgent::ReplicaAgent(ReplicaAgentOptions options, MakeWorkers make_workers
       lighthouse_(lighthouse) {
   DTRAIN_CHECK(options_.replicas >= 1, ConfigError, "--ft-replicas " << options_.replicas << " is below 1.",
                "pass the number of replica groups, e.g. --ft-replicas 4");
-  DTRAIN_CHECK(options_.agent.nproc_per_node % options_.replicas == 0, ConfigError,
-               "--nproc-per-node " << options_.agent.nproc_per_node << " does not split into --ft-replicas "
-                                   << options_.replicas << " equal replica groups.",
-               "make --nproc-per-node a multiple of --ft-replicas");
+  DTRAIN_CHECK(options_.nodes >= 1 && options_.node_rank >= 0 && options_.node_rank < options_.nodes &&
+                   options_.replicas % options_.nodes == 0,
+               ConfigError,
+               "--ft-replicas " << options_.replicas << " over " << options_.nodes << " node(s), node rank "
+                                << options_.node_rank << ": not an equal share of replica groups per node.",
+               "make --ft-replicas a multiple of --nnodes, and --node-rank below it");
+  DTRAIN_CHECK(options_.agent.nproc_per_node % local_replicas() == 0, ConfigError,
+               "--nproc-per-node " << options_.agent.nproc_per_node << " does not split into this node's "
+                                   << local_replicas() << " equal replica groups.",
+               "make --nproc-per-node a multiple of --ft-replicas / --nnodes");
+  DTRAIN_CHECK(hosts_lighthouse() || (!options_.lighthouse_host.empty() && options_.lighthouse_port > 0), ConfigError,
+               "node " << options_.node_rank << " has no lighthouse address (node 0 hosts it).",
+               "give every node the same rendezvous endpoint");
   DTRAIN_CHECK(options_.agent.max_restarts >= 0, ConfigError,
                "--max-restarts " << options_.agent.max_restarts << " is negative.", "pass 0 or more");
 }
@@ -61,7 +71,9 @@ std::map<std::string, std::string> ReplicaAgent::worker_env(int replica, int loc
                                               .run_id = options_.agent.run_id + "-replica" + std::to_string(replica),
                                               .role = options_.agent.role});
   for (const auto& [name, value] : contract) env[name] = value;
-  env["DTRAIN_FT_LIGHTHOUSE"] = options_.agent.master_addr + ":" + std::to_string(lighthouse_port_);
+  env["DTRAIN_FT_LIGHTHOUSE"] =
+      (hosts_lighthouse() || options_.lighthouse_host.empty() ? options_.agent.master_addr : options_.lighthouse_host) +
+      ":" + std::to_string(lighthouse_port_);
   env["DTRAIN_FT_REPLICA_ID"] = std::to_string(replica);
   env["DTRAIN_FT_REPLICAS"] = std::to_string(options_.replicas);
   // Each group's ranks are numbered from 0 and restart on their own: one
@@ -94,10 +106,73 @@ void ReplicaAgent::start(Replica& replica) {
   replica.workers->start(launches, replica.restarts);
 }
 
+void ReplicaAgent::serve_lighthouse() {
+  lighthouse_port_ = options_.lighthouse_port;
+  if (!hosts_lighthouse()) return;  // node 0's
+  lighthouse_.stop();
+  const int fd = net::listen_tcp(lighthouse_port_);  // binds; lighthouse_port_ is then the port bound
+  lighthouse_.serve(fd, lighthouse_port_);
+}
+
+// Note [Replica groups on several nodes]
+// `dtrain run --nnodes N --node-rank I --ft-replicas G` on each node: the
+// launchers do not meet in a rendezvous (the groups are independent jobs;
+// the lighthouse is what ties them). Node I runs groups I * G/N .. and
+// restarts only those; node 0 also hosts the lighthouse at the rendezvous
+// endpoint. A node that dies (its launcher and workers) takes only its
+// groups down: the others' quorums drop them after the heartbeat timeout
+// and go on; the node's launcher, started again (by the cluster, or a
+// person), starts its groups afresh, and they recover live. Node 0 is the
+// job's single point, as a store host is: without the lighthouse every
+// group fails (a CommunicationError within lighthouse_timeout) and the
+// other nodes' launchers give up when their restarts run out; restart the
+// job (from its checkpoints). At the end, node 0 serves `linger` longer
+// than its own groups ran, so the others' last votes find the lighthouse.
+
+// Note [Whole-job restart of replica groups]
+// Live recovery needs a group at the newest step. When the lighthouse finds
+// every group that held it gone (Note [End of training] in
+// src/ft/lighthouse_end.cpp), the groups left cannot go on: their quorum calls
+// fail with ReplicaStateLostError, and the lighthouse's check() throws it.
+// The run then falls back to what it does for any whole-job failure: every
+// group is stopped and started again with a fresh lighthouse (a new store:
+// no step, round or quorum id is carried over), and each resumes from its
+// newest checkpoint, if it keeps one (TrainerOptions::checkpoint_dir), or
+// from step 0. It counts as a restart of every group: it needs one left in
+// each (--max-restarts), and the run fails with the lighthouse's message
+// otherwise. A group that finished already means the training is over
+// instead: nothing restarts.
+bool ReplicaAgent::restart_whole_job(std::vector<Replica>& replicas, const Error& lost, AgentResult& result) {
+  const std::string what = lost.message();
+  const bool budget = std::all_of(replicas.begin(), replicas.end(),
+                                  [&](const Replica& r) { return r.restarts < options_.agent.max_restarts; });
+  if (!budget) {
+    DTRAIN_LOG(kError) << what << "; no restarts left to restart the whole job (--max-restarts "
+                       << options_.agent.max_restarts << "): stopping the run";
+    result.state = AgentState::kFailed;
+    result.exit_code = 1;
+    result.root_cause_text = what;
+    return false;
+  }
+  DTRAIN_LOG(kError) << what << "; restarting the whole job (every replica group, from its newest checkpoint)";
+  for (auto& r : replicas) {
+    if (!r.done) r.workers->stop(SIGTERM, options_.agent.stop_grace);
+    if (r.store) r.store->stop();
+    r.done = false;
+  }
+  serve_lighthouse();
+  for (auto& r : replicas) {
+    ++r.restarts;
+    start(r);
+  }
+  ++result.restarts;
+  ++result.rounds;
+  return true;
+}
+
 AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
   AgentResult result;
-  lighthouse_port_ = options_.lighthouse_port;
-  lighthouse_.serve(net::listen_tcp(lighthouse_port_), lighthouse_port_);
+  serve_lighthouse();
   struct StopOnExit {
     std::vector<Replica>& replicas;
     WorkerStoreHost& lighthouse;
@@ -108,18 +183,23 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
       lighthouse.stop();
     }
   };
-  std::vector<Replica> replicas(static_cast<std::size_t>(options_.replicas));
+  std::vector<Replica> replicas(static_cast<std::size_t>(local_replicas()));
   StopOnExit stop_on_exit{replicas, lighthouse_};
   auto stop_all = [&](int signal) {
     for (auto& r : replicas) {
       if (!r.done) r.workers->stop(signal, options_.agent.stop_grace);
     }
   };
-  DTRAIN_LOG(kInfo) << options_.replicas << " fault-tolerant replica groups of " << ranks_per_replica()
-                    << " rank(s); lighthouse on port " << lighthouse_port_;
-  for (int i = 0; i < options_.replicas; ++i) {
-    replicas[i].id = i;
-    replicas[i].workers = make_workers_(i);
+  DTRAIN_LOG(kInfo) << local_replicas() << " fault-tolerant replica groups of " << ranks_per_replica() << " rank(s)"
+                    << (options_.nodes > 1
+                            ? " on node " + std::to_string(options_.node_rank) + " of " +
+                                  std::to_string(options_.nodes) + " (" + std::to_string(options_.replicas) + " in all)"
+                            : std::string())
+                    << "; lighthouse " << (hosts_lighthouse() ? "on port " : "at " + options_.lighthouse_host + ":")
+                    << lighthouse_port_;
+  for (int i = 0; i < local_replicas(); ++i) {
+    replicas[i].id = options_.node_rank * local_replicas() + i;
+    replicas[i].workers = make_workers_(replicas[i].id);
     start(replicas[i]);
   }
   ++result.rounds;
@@ -133,7 +213,16 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
       return result;
     }
     try {
-      lighthouse_.check();
+      if (hosts_lighthouse()) lighthouse_.check();
+    } catch (const ReplicaStateLostError& e) {
+      // Note [Whole-job restart of replica groups].
+      if (std::any_of(replicas.begin(), replicas.end(), [](const Replica& o) { return o.succeeded; })) {
+        // Training is over: the groups left end on their own (their
+        // failures are not restarted, as below).
+      } else if (!restart_whole_job(replicas, e, result)) {
+        stop_all(SIGTERM);
+        return result;
+      }
     } catch (...) {
       stop_all(SIGTERM);
       throw;
@@ -159,6 +248,14 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
       }
       r.workers->stop(SIGTERM, options_.agent.stop_grace);
       r.store->stop();
+      try {
+        // A group that failed because the newest state is gone is restarted
+        // with all the others, not alone (Note [Whole-job restart of replica groups]).
+        if (hosts_lighthouse()) lighthouse_.check();
+      } catch (const ReplicaStateLostError&) {
+        all_done = false;
+        break;
+      }
       if (std::any_of(replicas.begin(), replicas.end(), [](const Replica& o) { return o.succeeded; })) {
         // Training is over (another group finished it): a restart would find
         // no peer to recover from.
@@ -183,6 +280,14 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
       start(r);
     }
     if (all_done) {
+      if (hosts_lighthouse() && options_.nodes > 1 && options_.linger.count() > 0) {
+        DTRAIN_LOG(kInfo) << "this node's replica groups are done; serving the lighthouse "
+                          << log::format_seconds(options_.linger) << " longer for the other nodes' groups";
+        const auto until = std::chrono::steady_clock::now() + options_.linger;
+        while (std::chrono::steady_clock::now() < until && interrupt.load() == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+      }
       result.state = AgentState::kSucceeded;
       return result;
     }

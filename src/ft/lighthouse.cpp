@@ -73,10 +73,11 @@
 // of training on from an old step, and a member of the last quorum, so
 // quorums form a chain: no two disjoint ones ever run the same step (a
 // replica dropped while its request was pending is not answered alone
-// while the others step on). If every member of the last quorum is lost,
-// the job waits (and its replicas' quorum calls time out): resume it from
-// a checkpoint. The lighthouse decides membership only; who is behind and who recovers
-// from whom each member computes alike from the quorum (quorum.h).
+// while the others step on). What ends requests that can never be served
+// is Note [End of training] (src/ft/lighthouse_end.cpp). The lighthouse
+// decides membership only; who is
+// behind and who recovers from whom each member computes alike from the
+// quorum (quorum.h).
 //
 // Note [Lighthouse round trips]
 // Every store call is a round trip to the store's server, and the service
@@ -97,30 +98,11 @@
 #include "dtrain/error.h"
 #include "dtrain/ft/lighthouse.h"
 #include "dtrain/log.h"
+#include "lighthouse_replica.h"
 
 namespace dtrain::ft {
 
 using Clock = std::chrono::steady_clock;
-
-struct Lighthouse::Replica {
-  int id = 0;
-  std::int64_t incarnation = 0;
-  std::int64_t beats = -1;
-  Clock::time_point last_beat;
-  std::int64_t answered_seq = 0;
-  // The answered request whose answer/ and claim/ keys are still there
-  // (0: none); deleted once the replica asks again.
-  std::int64_t answer_kept = 0;
-  // Registered before this lighthouse started: live only once its heartbeat
-  // moved since (the counter's first reading proves nothing).
-  bool inherited = false;
-  // The pending request, if any.
-  bool pending = false;
-  std::int64_t seq = 0;
-  std::int64_t step = 0;
-  bool fresh = false;
-  Clock::time_point asked_at;
-};
 
 Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
     : store_(store.with_prefix("ft")), options_(options) {
@@ -134,6 +116,9 @@ Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
   events_seen_ = events_read_ = store_.add("nev", 0);
   round_ = store_.add("round", 0);
   quorum_id_ = store_.add("quorum_id", 0);
+  // Clients judge a peer that never comes to a group by the same timeout
+  // (Note [Members that never come] in lighthouse_client.cpp).
+  store_.set("heartbeat_timeout_ms", std::to_string(options_.heartbeat_timeout.count()));
   thread_ = std::thread([this] {
     try {
       serve();
@@ -171,6 +156,10 @@ std::vector<Quorum> Lighthouse::history() const {
 void Lighthouse::check() const {
   std::lock_guard lock(mutex_);
   if (error_) std::rethrow_exception(error_);
+  if (!lost_.empty()) {
+    throw ReplicaStateLostError("lighthouse: " + lost_,
+                                "restart the job as a whole: every group resumes from the newest checkpoint");
+  }
 }
 
 void Lighthouse::serve() {
@@ -402,6 +391,10 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
   std::int64_t newest = 0;
   for (const Replica* r : asking) newest = std::max(newest, r->step);
   if (newest < highest_step_) {
+    if (const std::string end = end_of_training(now); !end.empty()) {
+      answer_without_quorum(asking, end);
+      return;
+    }
     if (!warned_stale_) {
       DTRAIN_LOG(kWarning) << "lighthouse: no replica asking for a quorum has step " << highest_step_
                            << " (the newest reported); waiting for one that has";
@@ -423,7 +416,11 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
   highest_step_ = newest;
   warned_stale_ = false;
   last_quorum_.clear();
-  for (const Replica* r : asking) last_quorum_.push_back(r->incarnation);
+  up_to_date_.clear();
+  for (const Replica* r : asking) {
+    last_quorum_.push_back(r->incarnation);
+    if (r->step == newest) up_to_date_.emplace_back(r->incarnation, r->id);
+  }
   std::sort(asking.begin(), asking.end(), [](const Replica* a, const Replica* b) { return a->id < b->id; });
   Quorum q;
   std::string members;

@@ -205,7 +205,91 @@ Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
   // this replica asks again, off the step's path.
   const auto text = dist::get_if_present(store_, answer);
   if (!text) throw InternalError("replica " + std::to_string(options_.replica_id) + ": " + answer + " vanished");
+  throw_if_end_of_training(*text, step);
   return Quorum::from_text(*text);
+}
+
+void LighthouseClient::throw_if_end_of_training(const std::string& text, std::int64_t step) const {
+  // Note [End of training] in src/ft/lighthouse_end.cpp: answers that are not a quorum.
+  std::istringstream in(text);
+  std::string word;
+  std::int64_t newest = 0;
+  in >> word >> newest;
+  const std::string who = "replica " + std::to_string(options_.replica_id);
+  if (word == "finished") {
+    throw TrainingFinishedError(
+        who + ": the training finished at step " + std::to_string(newest) +
+            " (the other replica groups reached their last step and left) while this group, at step " +
+            std::to_string(step) +
+            ", waited to join; it has no peer to recover from, and its state is not the final "
+            "one.",
+        "nothing to do: the finished groups hold the final state (dtrain run does not restart this group)");
+  }
+  if (word == "lost") {
+    std::string ids;
+    std::getline(in >> std::ws, ids);
+    throw ReplicaStateLostError(who + ": no up-to-date replica group is left: every one that held step " +
+                                    std::to_string(newest) + " (replicas " + ids +
+                                    ") is gone, and this group is at step " + std::to_string(step) + ".",
+                                "restart the job as a whole from its newest checkpoint (dtrain run does, with "
+                                "--max-restarts left)");
+  }
+}
+
+void LighthouseClient::finish(std::int64_t step) {
+  store_.set("finished", std::to_string(step) + " " + std::to_string(options_.replica_id));
+  DTRAIN_LOG(kInfo) << "replica " << options_.replica_id << ": finished at step " << step;
+}
+
+// Note [Members that never come]
+// A quorum counts in every replica whose request was there, and one may die
+// at any point of the step after asking. Two waits then lasted a fixed 10 s
+// for it, holding every group (the chaos soak's --ft mode: a kill during a
+// recovery, 10.2 s, 3 times in 6 with seed 5 on main's build, 2026-11-25):
+// - the commit vote: a member that died after its all-reduce (or a rank of
+//   its group, which takes the group's vote with it) never votes, and the
+//   others waited for the decision up to commit_timeout (10 s). Seen in the
+//   soak: rounds whose live members all logged an ok step, aborted 10.2 s
+//   later.
+// - the making of a new quorum's group: a member that asked (ahead, during
+//   its optimizer step) and died before the group was made left the others
+//   in the group's rendezvous for its timeout (10 s).
+// Both now wait in short slices and read, between them, the heartbeat
+// counters of the quorum's members (PeerWatch): one whose counter has not
+// moved for the lighthouse's heartbeat timeout is dead (or stopped), and the
+// step aborts now (the vote proposes abort, which is always safe: had every
+// vote been in, the decision would be there; the group's making fails,
+// naming it). The members ask again, and the lighthouse, by then past the
+// same timeout, leaves it out.
+void LighthouseClient::await_members(const Quorum& q, const std::string& prefix, std::chrono::milliseconds timeout) {
+  PeerWatch watch(*this, q);
+  dist::Store group = store_.with_prefix(prefix);
+  const int me = q.index_of(options_.replica_id);
+  group.set("here/" + std::to_string(me), "1");
+  std::vector<std::string> keys;
+  for (std::size_t i = 0; i < q.members.size(); ++i) keys.push_back("here/" + std::to_string(i));
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    try {
+      group.wait(keys, watch.slice());
+      return;
+    } catch (const TimeoutError&) {
+    }
+    const auto now = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < q.members.size(); ++i) {
+      if (group.check({keys[i]}) || !watch.silent(i, now)) continue;
+      throw CommunicationError("replica " + std::to_string(options_.replica_id) + ": member replica " +
+                                   std::to_string(q.members[i].replica_id) + " of " + q.describe() +
+                                   " never came to make its group, and its heartbeat stopped (for the lighthouse's "
+                                   "heartbeat timeout; it died or stopped after asking); the step aborts without it.",
+                               "nothing to do: the next quorum leaves it out");
+    }
+    if (now - start >= timeout) {
+      throw TimeoutError("replica " + std::to_string(options_.replica_id) + ": the members of " + q.describe() +
+                             " did not all come to make its group within " + log::format_seconds(timeout) + ".",
+                         "a member is alive but stuck before its step: check its log");
+    }
+  }
 }
 
 CommitVote commit_vote(std::int64_t sum, std::int64_t members) {
@@ -224,12 +308,52 @@ bool LighthouseClient::agree_commit(const Quorum& q, bool ok) {
     case CommitVote::kCommit: return propose("commit");
     case CommitVote::kWait: break;
   }
-  try {
-    store_.wait({decision}, options_.commit_timeout);
-  } catch (const TimeoutError&) {
-    return propose("abort");  // a member did not vote in time; or the decision came just now
+  // Waits in slices, watching the members' heartbeats: a member that died
+  // before voting never votes, and the others abort once its heartbeat
+  // stopped, not at the commit timeout (Note [Members that never come]).
+  PeerWatch watch(*this, q);
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    try {
+      store_.wait({decision}, watch.slice());
+      break;
+    } catch (const TimeoutError&) {
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now - start >= options_.commit_timeout) {
+      return propose("abort");  // a member did not vote in time; or the decision came just now
+    }
+    for (std::size_t i = 0; i < q.members.size(); ++i) {
+      if (q.members[i].replica_id == options_.replica_id || !watch.silent(i, now)) continue;
+      DTRAIN_LOG(kWarning) << "replica " << options_.replica_id << ": member replica " << q.members[i].replica_id
+                           << " of " << q.describe() << " stopped heartbeating before the commit vote finished; "
+                           << "aborting the step";
+      return propose("abort");
+    }
   }
   return dist::get_if_present(store_, decision) == "commit";
+}
+
+LighthouseClient::PeerWatch::PeerWatch(LighthouseClient& client, const Quorum& q)
+    : client_(client), q_(q), beats_(q.members.size(), -1), moved_at_(q.members.size()) {
+  if (client_.peer_heartbeat_timeout_.count() == 0) {
+    const auto given = dist::get_if_present(client_.store_, "heartbeat_timeout_ms");
+    client_.peer_heartbeat_timeout_ = std::chrono::milliseconds(given ? std::stoll(*given) : 2000);
+  }
+}
+
+std::chrono::milliseconds LighthouseClient::PeerWatch::slice() const {
+  return std::clamp(client_.peer_heartbeat_timeout_ / 8, std::chrono::milliseconds(5), std::chrono::milliseconds(100));
+}
+
+bool LighthouseClient::PeerWatch::silent(std::size_t i, std::chrono::steady_clock::time_point now) {
+  const std::int64_t beats = client_.store_.add("hb/" + std::to_string(q_.members[i].incarnation), 0);
+  if (beats != beats_[i]) {
+    beats_[i] = beats;
+    moved_at_[i] = now;
+    return false;
+  }
+  return now - moved_at_[i] >= client_.peer_heartbeat_timeout_;
 }
 
 }  // namespace dtrain::ft

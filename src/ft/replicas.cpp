@@ -130,13 +130,15 @@ void FaultTolerantReplicas::make_group() {
   // its own job's, not its index in the quorum.
   log::ScopedIdentity keep(log::identity());
   try {
-    group_ = dist::init_process_group(
-        client_.store().with_prefix("pg/" + std::to_string(quorum_.quorum_id) + "/" + std::to_string(local_rank())),
-        rank, size,
-        {.backend = dist::BackendKind::kGloo,
-         .timeout = options_.group_timeout,
-         .name = "dp_replicate (quorum " + std::to_string(quorum_.quorum_id) + ")",
-         .intra_host_shared_memory = options_.intra_host_shared_memory});
+    const std::string prefix = "pg/" + std::to_string(quorum_.quorum_id) + "/" + std::to_string(local_rank());
+    // A member that died after asking is noticed by its heartbeat, not the
+    // group's rendezvous timeout (Note [Members that never come]).
+    if (size > 1) client_.await_members(quorum_, prefix + "/arrive", options_.group_timeout);
+    group_ = dist::init_process_group(client_.store().with_prefix(prefix), rank, size,
+                                      {.backend = dist::BackendKind::kGloo,
+                                       .timeout = options_.group_timeout,
+                                       .name = "dp_replicate (quorum " + std::to_string(quorum_.quorum_id) + ")",
+                                       .intra_host_shared_memory = options_.intra_host_shared_memory});
     group_quorum_id_ = quorum_.quorum_id;
   } catch (const std::exception& e) {
     fail("making the group", e);
@@ -208,6 +210,10 @@ void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensor
   }
 }
 
+void FaultTolerantReplicas::finish() {
+  if (local_rank() == 0) client_.finish(step_);
+}
+
 bool FaultTolerantReplicas::should_commit() {
   bool commit = false;
   // Whether every rank of the group is at this step (always, after a
@@ -235,6 +241,7 @@ bool FaultTolerantReplicas::should_commit() {
   }
   if (commit) {
     ++step_;
+    if (step_ == options_.max_steps) finish();
     // The lighthouse forms the next step's quorum while the caller applies
     // this one's update (Note [Commit vote]: every member commits, so each
     // asks at the same step as it would in start_step()).

@@ -126,3 +126,31 @@ TEST(Chaos, FaultTolerantGroupsSurviveEachFaultWithoutRestartingTheJob) {
   }
   EXPECT_EQ(status, 0) << out;
 }
+
+// The same on two nodes (two launchers on loopback, node 0 hosting the
+// lighthouse; docs/fault_tolerance.md, "Several nodes"): node 1 SIGKILLed
+// (launcher and workers) and started again 1.5 s later, then a worker kill.
+// Only node 1's groups come back (from its new launcher, not as group
+// restarts); the job finishes with the same audit.
+TEST(Chaos, FaultTolerantNodesSurviveANodeKill) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  int status = 0;
+  const std::string out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR +
+                                              "/bench/chaos/chaos.py --ft --build " + DTRAIN_BINARY_DIR +
+                                              " --nodes 2 --ft-kinds node_kill,worker_kill --faults 2 --steps 500 "
+                                              "--gap-min 1 --gap-max 2 --timeout 90 --seed 2 2>&1",
+                                          &status);
+  const auto at = out.rfind("{\"bench\": \"chaos_ft\"");
+  ASSERT_NE(at, std::string::npos) << out;
+  const auto r = nlohmann::json::parse(out.substr(at, out.find('\n', at) - at));
+  EXPECT_TRUE(r["finished"].get<bool>()) << out;
+  EXPECT_EQ(r["whole_restarts"].get<int>(), 0) << out;
+  EXPECT_EQ(r["group_restarts"].get<int>(), 1) << out;  // the worker kill's; the node's groups start anew
+  EXPECT_TRUE(r["samples_ok"].get<bool>()) << out;
+  EXPECT_TRUE(r["not_fired"].empty()) << out;
+  for (const char* kind : {"node_kill", "worker_kill"}) {
+    EXPECT_EQ(r["injected"].value(kind, 0), 1) << kind << "\n" << out;
+    EXPECT_EQ(r["survived"].value(kind, 0), 1) << kind << "\n" << out;
+  }
+  EXPECT_EQ(status, 0) << out;
+}

@@ -14,10 +14,12 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "ft_audit.h"
 #include "ft_model.h"
 #include "launch_helpers.h"
+#include "ranks.h"
 
 namespace dtrain::testing {
 namespace {
@@ -262,6 +264,154 @@ TEST(FaultTolerance, TrainerCheckpointOfOneReplicaGroupResumesWholeJobAsUninterr
 
 TEST(FaultTolerance, TrainerZero2CheckpointOfOneReplicaGroupResumesWholeJobAsUninterrupted) {
   run_ft_checkpoint_resume(/*replicas=*/2, /*ranks_per_replica=*/2, /*zero_stage=*/2);
+}
+
+// The chaos soak's finding (c) end to end: both replica groups, the only
+// holders of the newest step, are SIGKILLed 0.3 s apart; their restarts
+// (held back 1 s) resume from the newest checkpoint, behind that step, so
+// no live recovery can serve them. The lighthouse says the newest state is
+// lost, and `dtrain run` restarts the whole job from the checkpoint instead
+// of leaving the groups waiting: the job finishes (exit 0), both groups at
+// the last step with equal parameters, having logged steps after the
+// checkpoint twice (that work is lost, as for any whole-job restart).
+TEST(FaultTolerance, LosingEveryUpToDateGroupRestartsTheWholeJobFromItsCheckpoint) {
+  constexpr int kSteps = 120;
+  Scratch scratch;
+  const fs::path dir = scratch.path();
+  ::setenv("FT_ZERO_STAGE", "0", 1);
+  ::setenv("FT_DIR", dir.c_str(), 1);
+  ::setenv("FT_STEPS", std::to_string(kSteps).c_str(), 1);
+  ::setenv("FT_STEP_MS", "15", 1);
+  ::setenv("FT_RESTART_DELAY_MS", "1000", 1);
+  ::setenv("FT_CKPT_DIR", (dir / "ckpt").c_str(), 1);
+  ::setenv("FT_CKPT_EVERY", "10", 1);
+  Launch launch({"--nproc-per-node", "2", "--ft-replicas", "2", "--max-restarts", "3", "--ft-heartbeat-timeout", "0.5",
+                 "--log-dir", (dir / "logs").string(), kFtTrainerWorker},
+                scratch);
+  const fs::path log0 = dir / "replica_0.log", log1 = dir / "replica_1.log";
+  const bool ready = wait_for([&] { return ft_steps_logged(log0) >= 25; }, std::chrono::seconds(60));
+  ::unsetenv("FT_CKPT_DIR");
+  ::unsetenv("FT_CKPT_EVERY");
+  ASSERT_TRUE(ready) << launch.err();
+  ASSERT_EQ(::kill(read_ft_log(log1).steps.back().pid, SIGKILL), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(::kill(read_ft_log(log0).steps.back().pid, SIGKILL), 0);
+  ASSERT_EQ(launch.wait(std::chrono::seconds(120)), 0) << launch.err();
+  EXPECT_NE(launch.err().find("held the newest step"), std::string::npos) << launch.err();
+  EXPECT_NE(launch.err().find("restarting the whole job"), std::string::npos) << launch.err();
+  std::vector<std::vector<at::Tensor>> finals(2);
+  for (int r = 0; r < 2; ++r) {
+    const auto log = read_ft_log(dir / ("replica_" + std::to_string(r) + ".log"));
+    ASSERT_FALSE(log.steps.empty());
+    EXPECT_EQ(log.steps.back().step, kSteps - 1) << "replica " << r;
+    std::set<std::int64_t> seen;
+    bool again = false;
+    for (const auto& l : log.steps) again = again || !seen.insert(l.step).second;
+    EXPECT_TRUE(again) << "replica " << r << ": no step trained again after the restart from the checkpoint";
+    torch::load(finals[r], (dir / ("final_" + std::to_string(r) + "_0.pt")).string());
+  }
+  ASSERT_EQ(finals[0].size(), finals[1].size());
+  for (std::size_t i = 0; i < finals[0].size(); ++i) {
+    EXPECT_TRUE(at::equal(finals[0][i], finals[1][i])) << "parameter " << i;
+  }
+}
+
+// Replica groups on several nodes (issue 27 item 3), two launchers on
+// loopback: node 0 runs groups 0-1 and hosts the lighthouse, node 1 runs
+// groups 2-3. Node 1 is SIGKILLed (its launcher; its workers die with it)
+// and started again 1.5 s later. Node 0's groups never stop and never
+// restart; node 1's groups come back, recover live past where they died,
+// and finish with the others; every step commits once with one membership
+// its members agree on, and all four groups end with equal parameters.
+TEST(FaultTolerance, NodeKillRestartsOnlyThatNodesReplicaGroups) {
+  constexpr int kSteps = 300;
+  Scratch scratch;
+  const fs::path dir = scratch.path();
+  ::setenv("FT_ZERO_STAGE", "0", 1);
+  ::setenv("FT_DIR", dir.c_str(), 1);
+  ::setenv("FT_STEPS", std::to_string(kSteps).c_str(), 1);
+  ::setenv("FT_STEP_MS", "20", 1);  // node 1 is back long before the others finish
+  ::setenv("FT_RESTART_DELAY_MS", "0", 1);
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
+  auto node_args = [&](int node, const std::string& logs) {
+    return std::vector<std::string>{"--nnodes",
+                                    "2",
+                                    "--node-rank",
+                                    std::to_string(node),
+                                    "--rdzv-endpoint",
+                                    endpoint,
+                                    "--nproc-per-node",
+                                    "2",
+                                    "--ft-replicas",
+                                    "4",
+                                    "--max-restarts",
+                                    "2",
+                                    "--ft-heartbeat-timeout",
+                                    "0.5",
+                                    "--log-dir",
+                                    (dir / logs).string(),
+                                    kFtWorker};
+  };
+  Launch node0(node_args(0, "logs0"), scratch, "0");
+  auto node1 = std::make_unique<Launch>(node_args(1, "logs1"), scratch, "1");
+  const fs::path victim_log = dir / "replica_2.log";
+  ASSERT_TRUE(wait_for([&] { return ft_steps_logged(victim_log) >= 20; }, std::chrono::seconds(60)))
+      << node0.err() << node1->err();
+  const std::vector<int> node1_workers = node1->workers();
+  ASSERT_EQ(node1_workers.size(), 2u);
+  ASSERT_EQ(::kill(node1->pid(), SIGKILL), 0);  // the node: its workers die with it (PDEATHSIG)
+  ASSERT_TRUE(wait_for([&] { return !alive(node1_workers[0]) && !alive(node1_workers[1]); }, std::chrono::seconds(10)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  Launch node1_again(node_args(1, "logs1b"), scratch, "1b");
+  ASSERT_EQ(node0.wait(std::chrono::seconds(120)), 0) << node0.err();
+  ASSERT_EQ(node1_again.wait(std::chrono::seconds(120)), 0) << node1_again.err();
+  EXPECT_EQ(node0.err().find("restarting"), std::string::npos) << "node 0 restarted a group: " << node0.err();
+
+  std::map<int, FtReplicaLog> logs;
+  for (int r = 0; r < 4; ++r) logs[r] = read_ft_log(dir / ("replica_" + std::to_string(r) + ".log"));
+  for (int r = 0; r < 2; ++r) {  // node 0's: one process, every step once
+    ASSERT_EQ(logs[r].steps.size(), static_cast<std::size_t>(kSteps)) << "replica " << r;
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_EQ(logs[r].steps[s].step, s) << "replica " << r;
+      EXPECT_EQ(logs[r].steps[s].pid, logs[r].steps.front().pid) << "replica " << r << " was restarted";
+    }
+  }
+  bool shrank = false;
+  for (int s = 0; s < kSteps; ++s) {
+    const auto& members = logs[0].steps[s].members;
+    shrank = shrank || members.size() < 4;
+    for (const int m : members) {
+      const auto& ls = logs[m].steps;
+      const auto it = std::find_if(ls.begin(), ls.end(), [s](const FtStepLine& l) { return l.step == s; });
+      if (it == ls.end()) {
+        EXPECT_GE(m, 2) << "step " << s;  // a killed group at the step it died in
+        continue;
+      }
+      EXPECT_EQ(it->members, members) << "replicas disagree on step " << s << "'s members";
+    }
+  }
+  EXPECT_TRUE(shrank) << "no step ran without node 1's groups";
+  EXPECT_EQ(logs[0].steps.back().members.size(), 4u) << "node 1's groups did not rejoin";
+  for (int r = 2; r < 4; ++r) {  // node 1's: two processes; the second recovered past the first's last step
+    std::set<int> pids;
+    for (const auto& l : logs[r].steps) pids.insert(l.pid);
+    EXPECT_EQ(pids.size(), 2u) << "replica " << r;
+    ASSERT_TRUE(logs[r].recovered && logs[r].recovered->size() == 1u) << "replica " << r;
+    for (std::size_t i = 1; i < logs[r].steps.size(); ++i) {
+      EXPECT_GT(logs[r].steps[i].step, logs[r].steps[i - 1].step) << "replica " << r << ": a step repeated";
+    }
+    EXPECT_EQ(logs[r].steps.back().step, kSteps - 1) << "replica " << r;
+  }
+  std::vector<at::Tensor> reference;
+  torch::load(reference, (dir / "final_0_0.pt").string());
+  for (int r = 1; r < 4; ++r) {
+    std::vector<at::Tensor> params;
+    torch::load(params, (dir / ("final_" + std::to_string(r) + "_0.pt")).string());
+    ASSERT_EQ(params.size(), reference.size());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::equal(params[i], reference[i])) << "replica " << r << " parameter " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -83,6 +83,7 @@ int main() {
           << problem::first_sample(step, data_replica) << " incarnation " << client.incarnation() << " pid "
           << ::getpid() << " t_ms " << unix_ms() << std::endl;
     }
+    replicas.finish();  // a group that asks later is told the training is over
     std::vector<at::Tensor> params;
     for (auto& p : model->parameters()) params.push_back(p.detach().clone());
     torch::save(params, dir + "/final_" + std::to_string(r) + "_" + std::to_string(local) + ".pt");

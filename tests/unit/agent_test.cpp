@@ -55,6 +55,10 @@ class FakeStoreHost : public WorkerStoreHost {
   std::vector<Served> served;
   int stops_while_serving = 0;
   std::optional<std::string> fail_with;  // check() throws this
+  // A lighthouse that found every up-to-date replica group gone: check()
+  // throws ReplicaStateLostError after this many checks (-1: never), until
+  // served again (a fresh lighthouse).
+  int lost_after_checks = -1;
 
   ~FakeStoreHost() override { stop(); }
   void serve(int listen_fd, int port) override {
@@ -63,6 +67,7 @@ class FakeStoreHost : public WorkerStoreHost {
     ::getsockopt(listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &accepting, &len);
     served.push_back({.port = port, .listening = accepting != 0});
     fd_ = listen_fd;
+    if (served.size() > 1) lost_after_checks = -1;
   }
   void stop() override {
     if (fd_ < 0) return;
@@ -72,6 +77,8 @@ class FakeStoreHost : public WorkerStoreHost {
   }
   void check() override {
     if (fail_with) throw dtrain::ConfigError(*fail_with, "fix it");
+    if (lost_after_checks == 0) throw dtrain::ReplicaStateLostError("every up-to-date group is gone", "test");
+    if (lost_after_checks > 0) --lost_after_checks;
   }
 
  private:
@@ -230,4 +237,109 @@ TEST(ReplicaAgent, FailedRestartLeaksNoSocket) {
     EXPECT_EQ(stores_made, 3);
   }
   EXPECT_EQ(open_fds(), before);
+}
+
+// FakeWorkers that leave what they saw in `sink` when the agent drops them
+// (the agent owns its groups' WorkerGroups only while it runs).
+struct SeenByGroup {
+  std::vector<std::vector<WorkerLaunch>> started;
+  std::vector<int> stop_signals;
+};
+class RecordedWorkers : public FakeWorkers {
+ public:
+  explicit RecordedWorkers(SeenByGroup& sink) : sink_(sink) {}
+  ~RecordedWorkers() override { sink_ = {started, stop_signals}; }
+
+ private:
+  SeenByGroup& sink_;
+};
+
+// Issue 27, the chaos soak's finding (c): when the lighthouse reports every
+// up-to-date replica group gone, the run restarts the whole job (every group,
+// a fresh lighthouse), as for any whole-job failure: each group resumes from
+// its checkpoint. It counts as a restart of every group; without one left,
+// the run fails with the lighthouse's message.
+TEST(ReplicaAgent, LostNewestStateRestartsEveryGroupWithAFreshLighthouse) {
+  for (const int max_restarts : {1, 0}) {
+    FakeStoreHost lighthouse;
+    lighthouse.lost_after_checks = 3;
+    std::vector<SeenByGroup> seen(2);
+    ReplicaAgent agent(
+        {.agent = {.nproc_per_node = 2, .max_restarts = max_restarts, .monitor_interval = std::chrono::milliseconds(1)},
+         .replicas = 2},
+        [&seen](int replica) {
+          auto workers = std::make_unique<RecordedWorkers>(seen.at(replica));
+          workers->rounds = {{GroupStatus::kRunning, {}, 1000000}, {GroupStatus::kSucceeded, {}, 2}};
+          return workers;
+        },
+        [] { return std::make_unique<FakeStoreHost>(); }, lighthouse);
+    std::atomic<int> interrupt{0};
+    const AgentResult result = agent.run(interrupt);
+    if (max_restarts == 1) {
+      EXPECT_EQ(result.state, AgentState::kSucceeded);
+      EXPECT_EQ(result.restarts, 1);
+      EXPECT_EQ(lighthouse.served.size(), 2u) << "the lighthouse is served afresh";
+      for (const SeenByGroup& g : seen) {
+        ASSERT_EQ(g.started.size(), 2u) << "every group restarts";
+        EXPECT_EQ(g.stop_signals, std::vector<int>{SIGTERM});
+        EXPECT_EQ(g.started[1][0].env.at("TORCHELASTIC_RESTART_COUNT"), "1");
+      }
+    } else {
+      EXPECT_EQ(result.state, AgentState::kFailed);
+      EXPECT_NE(result.exit_code, 0);
+      EXPECT_NE(result.root_cause_text.find("every up-to-date group is gone"), std::string::npos)
+          << result.root_cause_text;
+      EXPECT_EQ(lighthouse.served.size(), 1u);
+      for (const SeenByGroup& g : seen) EXPECT_EQ(g.started.size(), 1u);
+    }
+  }
+}
+
+// Replica groups on several nodes (issue 27 item 3): node 1 of 2 runs groups
+// 2 and 3 of 4, points its workers at node 0's lighthouse and hosts none;
+// node 0 hosts it and serves it `linger` longer than its own groups ran.
+TEST(ReplicaAgent, NodeRunsItsShareOfTheGroupsUnderNodeZerosLighthouse) {
+  for (const int node : {0, 1}) {
+    FakeStoreHost lighthouse;
+    std::vector<SeenByGroup> seen(4);
+    ReplicaAgent agent(
+        {.agent = {.nproc_per_node = 4, .monitor_interval = std::chrono::milliseconds(1)},
+         .replicas = 4,
+         .lighthouse_port = node == 0 ? 0 : 29777,  // node 0 binds a free one
+         .nodes = 2,
+         .node_rank = node,
+         .lighthouse_host = "node0",
+         .linger = std::chrono::milliseconds(300)},
+        [&seen](int replica) {
+          auto workers = std::make_unique<RecordedWorkers>(seen.at(replica));
+          workers->rounds = {{}};
+          return workers;
+        },
+        [] { return std::make_unique<FakeStoreHost>(); }, lighthouse);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::atomic<int> interrupt{0};
+    EXPECT_EQ(agent.run(interrupt).state, AgentState::kSucceeded);
+    const auto took = std::chrono::steady_clock::now() - t0;
+    for (int i = 0; i < 2; ++i) {
+      const int id = node * 2 + i;
+      ASSERT_EQ(seen[id].started.size(), 1u) << "node " << node << " did not start group " << id;
+      const auto& env = seen[id].started.at(0).at(0).env;
+      EXPECT_EQ(env.at("DTRAIN_FT_REPLICA_ID"), std::to_string(node * 2 + i));
+      EXPECT_EQ(env.at("DTRAIN_FT_REPLICAS"), "4");
+      EXPECT_EQ(env.at("WORLD_SIZE"), "2");
+      const std::string where = env.at("DTRAIN_FT_LIGHTHOUSE");
+      if (node == 0) {
+        EXPECT_EQ(where, "127.0.0.1:" + std::to_string(lighthouse.served.at(0).port));
+      } else {
+        EXPECT_EQ(where, "node0:29777");
+      }
+    }
+    if (node == 0) {
+      EXPECT_EQ(lighthouse.served.size(), 1u);
+      EXPECT_GE(took, std::chrono::milliseconds(300)) << "node 0 did not linger";
+    } else {
+      EXPECT_TRUE(lighthouse.served.empty()) << "node 1 hosts no lighthouse";
+      EXPECT_LT(took, std::chrono::milliseconds(300));
+    }
+  }
 }

@@ -468,5 +468,115 @@ TEST(FtLighthouse, RestartedLighthouseGoesOnFromItsPredecessorsIdsWithoutTheDead
   lighthouse->check();
 }
 
+// The chaos soak's finding (b), as the soak hit it: a member that dies
+// after its all-reduce and before its vote never votes; the others waited
+// for the decision up to the commit timeout (10 s in the soak). Now they
+// abort once its heartbeat stopped (the lighthouse's heartbeat timeout).
+TEST(FtCommitVote, MemberThatDiesBeforeVotingAbortsTheOthersWithinTheHeartbeatTimeout) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(3));
+  const LighthouseClientOptions patient{.heartbeat_interval = milliseconds(50), .commit_timeout = milliseconds(6000)};
+  auto client = [&](int id) {
+    LighthouseClientOptions o = patient;
+    o.replica_id = id;
+    return std::make_unique<LighthouseClient>(store, store, o);
+  };
+  auto a = client(0), b = client(1), c = client(2);
+  const auto q = ask_all({a.get(), b.get(), c.get()}, {3, 3, 3});
+  c.reset();  // dies before voting: its heartbeat stops
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(vote_all({a.get(), b.get()}, {q[0], q[1]}, {true, true}), (std::vector<bool>{false, false}));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, milliseconds(300)) << "aborted before the heartbeat timeout (400 ms)";
+  EXPECT_LT(took, milliseconds(3000)) << "waited for the commit timeout (6 s), not the heartbeat's";
+  lighthouse.check();
+}
+
+// The chaos soak's finding (a): a group restarted late registers after every
+// other group finished; before, it waited for a quorum until its timeout
+// ("no replica asking for a quorum has step N"). Now the lighthouse tells it
+// the training is over, within about the heartbeat timeout.
+TEST(FtLighthouse, GroupAskingAfterTheTrainingFinishedIsToldSo) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(2));
+  auto a = ft_client(store, 0), b = ft_client(store, 1);
+  const auto last = ask_all({a.get(), b.get()}, {5, 5});
+  EXPECT_EQ(last[0].members.size(), 2u);
+  // Both commit step 5, reach their last step (6) and leave.
+  a->finish(6);
+  b->finish(6);
+  a.reset();
+  b.reset();
+  auto late = std::make_unique<LighthouseClient>(
+      store, store, LighthouseClientOptions{.replica_id = 1, .quorum_timeout = milliseconds(6000)});
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    late->quorum(0);
+    ADD_FAILURE() << "a late group got a quorum with no peer at the newest step";
+  } catch (const TrainingFinishedError& e) {
+    EXPECT_NE(std::string(e.what()).find("finished at step 6"), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not told the training finished: " << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(3000)) << "waited instead of being told";
+  lighthouse.check();  // finished, not lost
+}
+
+// The chaos soak's finding (c): every group that held the newest step is
+// lost at once (killed and restarted, so each is a new incarnation behind
+// it). Before, the groups waited for a peer at that step until their quorum
+// timeout; now each request fails at once with ReplicaStateLostError naming
+// the lost holders, and the lighthouse's check() (which `dtrain run` polls
+// to restart the whole job from its checkpoint) throws it too.
+TEST(FtLighthouse, LosingEveryUpToDateGroupFailsTheRestFastAndSaysSo) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, fast_lighthouse(3));
+  auto a = ft_client(store, 0), b = ft_client(store, 1), c = ft_client(store, 2);
+  ask_all({a.get(), b.get(), c.get()}, {4, 4, 0});  // replica 2 behind (it recovers in this step)
+  a.reset();
+  b.reset();  // both holders of step 4 die; their restarts come back at step 0
+  auto a2 = ft_client(store, 0), b2 = ft_client(store, 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::future<std::string>> errors;
+  for (LighthouseClient* client : {a2.get(), b2.get(), c.get()}) {
+    errors.push_back(std::async(std::launch::async, [client]() -> std::string {
+      try {
+        client->quorum(0);
+      } catch (const ReplicaStateLostError& e) {
+        return e.what();
+      } catch (const std::exception& e) {
+        return std::string("wrong error: ") + e.what();
+      }
+      return "a quorum without the newest step";
+    }));
+  }
+  for (auto& f : errors) {
+    const std::string what = f.get();
+    EXPECT_NE(what.find("no up-to-date replica group is left"), std::string::npos) << what;
+    EXPECT_NE(what.find("held step 4 (replicas 0 1)"), std::string::npos) << what;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(3000)) << "the replicas waited for their timeout";
+  EXPECT_THROW(lighthouse.check(), ReplicaStateLostError);
+}
+
+// A holder that is silent, not restarted (a stopped process, a lost node),
+// is waited for up to the heartbeat plus the join timeout, then lost.
+TEST(FtLighthouse, SilentHolderOfTheNewestStepIsLostAfterTheJoinTimeout) {
+  auto store = dist::Store::in_memory();
+  LighthouseOptions options = fast_lighthouse(1);
+  options.join_timeout = milliseconds(600);
+  Lighthouse lighthouse(store, options);
+  auto a = ft_client(store, 0);
+  EXPECT_EQ(a->quorum(9).members.size(), 1u);
+  a.reset();
+  auto late = std::make_unique<LighthouseClient>(
+      store, store, LighthouseClientOptions{.replica_id = 1, .quorum_timeout = milliseconds(6000)});
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(late->quorum(0), ReplicaStateLostError);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, milliseconds(900)) << "the silent holder was not given the join timeout";
+  EXPECT_LT(took, milliseconds(4000));
+}
+
 }  // namespace
 }  // namespace dtrain::ft

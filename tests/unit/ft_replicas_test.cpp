@@ -186,5 +186,64 @@ TEST(FtReplicas, HalfRecoveredGroupWithNoPeerAheadStopsInsteadOfDiverging) {
   EXPECT_TRUE(at::equal(final_w[1], at::zeros({4})));
 }
 
+// The chaos soak's finding (b): a member counted into a quorum (its request
+// was there) that dies before the quorum's new group is made held every
+// other member in the group's rendezvous for the group timeout (10.1 s in
+// the soak, a kill during a recovery). Now the others notice its heartbeat
+// stopped (the lighthouse's heartbeat timeout), abort that step and commit
+// the next without it, long before the group timeout.
+TEST(FtReplicas, MemberThatDiesAfterAskingFailsTheStepWithinTheHeartbeatTimeout) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, {.min_replicas = 1,
+                                .startup_replicas = 3,
+                                .heartbeat_timeout = milliseconds(300),
+                                .join_timeout = milliseconds(5000),
+                                .scan_interval = milliseconds(10)});
+  constexpr auto kGroupTimeout = milliseconds(8000);
+  std::vector<double> first_commit_s(2, -1);
+  std::vector<std::string> first_members(2);
+  std::vector<int> aborted(2, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  testing::run_rank_threads(3, [&](int rank, dist::Store) {
+    if (rank == 2) {
+      // Asks, is counted into the first quorum, and dies before making its group.
+      LighthouseClient doomed(store, store, {.replica_id = 2});
+      doomed.quorum(0);
+      return;
+    }
+    LighthouseClient client(store, store, {.replica_id = rank, .commit_timeout = milliseconds(3000)});
+    at::Tensor w = at::zeros({2});
+    ReplicaState state{.save = [&](torch::serialize::OutputArchive& a) { a.write("w", w); },
+                       .load =
+                           [&](torch::serialize::InputArchive& a) {
+                             at::Tensor got;
+                             a.read("w", got);
+                             w.copy_(got);
+                           }};
+    FaultTolerantReplicas replicas(client, state, {.group_timeout = kGroupTimeout});
+    while (replicas.step() < 2) {
+      replicas.start_step();
+      std::vector<at::Tensor> grads{at::ones({2})};
+      replicas.all_reduce_gradients(grads);
+      if (!replicas.should_commit()) {
+        ++aborted[rank];
+        continue;
+      }
+      if (first_commit_s[rank] < 0) {
+        first_commit_s[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        for (const auto& m : replicas.quorum().members) first_members[rank] += std::to_string(m.replica_id);
+      }
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(aborted[rank], 1) << "rank " << rank << ": the step with the dead member aborts, once";
+    EXPECT_EQ(first_members[rank], "01") << "rank " << rank;
+    EXPECT_GT(first_commit_s[rank], 0.0) << "rank " << rank;
+    EXPECT_LT(first_commit_s[rank], 4.0) << "rank " << rank << " waited for the group timeout ("
+                                         << kGroupTimeout.count() << " ms), not the heartbeat's";
+  }
+  lighthouse.check();
+}
+
 }  // namespace
 }  // namespace dtrain::ft

@@ -194,9 +194,25 @@ TEST(FaultToleranceOptions, ReplicaGroupsAndTheirRefusals) {
   expect_contains(refusal({"--nproc-per-node", "3", "--ft-replicas", "2", "/bin/true"}), {"multiple of --ft-replicas"});
   expect_contains(refusal({"--nproc-per-node", "2", "--ft-replicas", "2", "--ft-min-replicas", "3", "/bin/true"}),
                   {"--ft-min-replicas 3"});
+  // Several nodes: a fixed count with node ranks; --ft-replicas counts every node's groups.
   expect_contains(
       refusal({"--nproc-per-node", "2", "--ft-replicas", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "/bin/true"}),
-      {"one node"});
+      {"--node-rank"});
+  expect_contains(refusal({"--nproc-per-node", "2", "--ft-replicas", "2", "--nnodes", "1:2", "--node-rank", "0",
+                           "--rdzv-endpoint", "h:1", "/bin/true"}),
+                  {"fixed node count"});
+  expect_contains(refusal({"--nproc-per-node", "2", "--ft-replicas", "3", "--nnodes", "2", "--node-rank", "1",
+                           "--rdzv-endpoint", "h:1", "/bin/true"}),
+                  {"equal shares"});
+  const auto node1 = plan({"--nproc-per-node", "2", "--ft-replicas", "4", "--nnodes", "2", "--node-rank", "1",
+                           "--rdzv-endpoint", "h:29777", "--ft-heartbeat-timeout", "0.5", "/bin/true"});
+  EXPECT_EQ(node1.fault_tolerance.replicas, 4);
+  EXPECT_EQ(node1.fault_tolerance.nodes, 2);
+  EXPECT_EQ(node1.fault_tolerance.node_rank, 1);
+  EXPECT_EQ(node1.fault_tolerance.lighthouse_host, "h");
+  EXPECT_EQ(node1.fault_tolerance.lighthouse_port, 29777);
+  EXPECT_EQ(node1.fault_tolerance.linger, std::chrono::milliseconds(1000));
+  EXPECT_NE(node1.fault_tolerance.lighthouse_config.find("startup_replicas=4"), std::string::npos);
 }
 
 TEST(ClusterLayout, OneLauncherPerNodeUnderSrun) {

@@ -338,14 +338,28 @@ LaunchPlan plan_launch(const LaunchOptions& given, const dist::EnvLookup& env) {
   if (o.ft_replicas != 0) {
     DTRAIN_CHECK(o.ft_replicas >= 1, ConfigError, "--ft-replicas " << o.ft_replicas << " is negative.",
                  "pass the number of replica groups, e.g. --ft-replicas 4");
-    DTRAIN_CHECK(!plan.rendezvous.multi_node, ConfigError,
-                 "--ft-replicas runs the replica groups of one node; it is not combined with a multi-node "
-                 "rendezvous yet.",
-                 "drop --rdzv-endpoint/--nnodes, or drop --ft-replicas (docs/fault_tolerance.md, Limits)");
-    DTRAIN_CHECK(nproc % o.ft_replicas == 0, ConfigError,
-                 "--nproc-per-node " << nproc << " does not split into --ft-replicas " << o.ft_replicas
-                                     << " equal replica groups.",
-                 "make --nproc-per-node a multiple of --ft-replicas");
+    // Several nodes: a fixed count, each with its --node-rank; --ft-replicas
+    // counts the groups of all of them, nnodes of them equal shares
+    // (docs/fault_tolerance.md, "Several nodes").
+    const int ft_nodes = plan.rendezvous.multi_node ? nodes.max : 1;
+    DTRAIN_CHECK(!plan.rendezvous.multi_node || (nodes.min == nodes.max && o.node_rank >= 0), ConfigError,
+                 "--ft-replicas over several nodes needs a fixed node count and each node's --node-rank (got --nnodes "
+                     << o.nnodes << (o.node_rank >= 0 ? "" : ", no --node-rank") << ").",
+                 "pass --nnodes N --node-rank I on every node; node 0 hosts the lighthouse at the rendezvous "
+                 "endpoint");
+    DTRAIN_CHECK(o.node_rank < ft_nodes, ConfigError,
+                 "--node-rank " << o.node_rank << " is not below --nnodes " << ft_nodes << ".", "number nodes 0..N-1");
+    DTRAIN_CHECK(o.ft_replicas % ft_nodes == 0, ConfigError,
+                 "--ft-replicas " << o.ft_replicas << " does not split into --nnodes " << ft_nodes
+                                  << " equal shares of replica groups.",
+                 "make --ft-replicas (the groups of all nodes) a multiple of --nnodes");
+    const int local_replicas = o.ft_replicas / ft_nodes;
+    DTRAIN_CHECK(
+        nproc % local_replicas == 0, ConfigError,
+        "--nproc-per-node " << nproc << " does not split into --ft-replicas " << o.ft_replicas
+                            << (ft_nodes > 1 ? " / --nnodes " + std::to_string(ft_nodes) : std::string())
+                            << " equal replica groups.",
+        "make --nproc-per-node a multiple of --ft-replicas" << (ft_nodes > 1 ? " / --nnodes (the node's groups)" : ""));
     DTRAIN_CHECK(o.ft_min_replicas >= 1 && o.ft_min_replicas <= o.ft_replicas, ConfigError,
                  "--ft-min-replicas " << o.ft_min_replicas << " is not in 1..--ft-replicas " << o.ft_replicas << ".",
                  "pass 1 (go on with any survivor) up to the number of replica groups");
@@ -354,6 +368,13 @@ LaunchPlan plan_launch(const LaunchOptions& given, const dist::EnvLookup& env) {
                  "pass 0 (a free one) or 1..65535");
     plan.fault_tolerance.replicas = o.ft_replicas;
     plan.fault_tolerance.lighthouse_port = o.ft_lighthouse_port;
+    if (ft_nodes > 1) {
+      plan.fault_tolerance.nodes = ft_nodes;
+      plan.fault_tolerance.node_rank = o.node_rank;
+      plan.fault_tolerance.lighthouse_host = plan.rendezvous.host;
+      if (o.ft_lighthouse_port == 0) plan.fault_tolerance.lighthouse_port = plan.rendezvous.port;
+      plan.fault_tolerance.linger = seconds_option("--ft-heartbeat-timeout", o.ft_heartbeat_timeout) * 2;
+    }
     plan.fault_tolerance.lighthouse_config =
         "min_replicas=" + std::to_string(o.ft_min_replicas) + ",startup_replicas=" + std::to_string(o.ft_replicas) +
         ",heartbeat_timeout_ms=" +

@@ -67,9 +67,15 @@ struct RendezvousPlan {
 
 // --ft-replicas: the node's workers as replica groups under a lighthouse.
 struct FaultTolerancePlan {
-  int replicas = 0;  // 0: off
+  int replicas = 0;  // 0: off; the groups of all nodes
   int lighthouse_port = 0;
   std::string lighthouse_config;  // for src/ft/lighthouse_host.cpp
+  // Several nodes (a fixed count): this node's rank, and the lighthouse's
+  // host (node 0, at the rendezvous endpoint; its port is lighthouse_port).
+  int nodes = 1;
+  int node_rank = 0;
+  std::string lighthouse_host;
+  std::chrono::milliseconds linger{0};  // node 0 serves on this long after its own groups finished
 };
 
 struct LaunchPlan {

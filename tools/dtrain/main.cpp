@@ -67,7 +67,11 @@ int run_replica_groups(const dtrain::tools::LaunchOptions& opt, const dtrain::to
   el::ReplicaAgent agent(
       {.agent = plan.agent,
        .replicas = plan.fault_tolerance.replicas,
-       .lighthouse_port = plan.fault_tolerance.lighthouse_port},
+       .lighthouse_port = plan.fault_tolerance.lighthouse_port,
+       .nodes = plan.fault_tolerance.nodes,
+       .node_rank = plan.fault_tolerance.node_rank,
+       .lighthouse_host = plan.fault_tolerance.lighthouse_host,
+       .linger = plan.fault_tolerance.linger},
       [&plan](int replica) {
         const std::string sub = "/replica_" + std::to_string(replica);
         return std::make_unique<el::ProcessWorkerGroup>(

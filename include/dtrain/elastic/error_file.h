@@ -30,7 +30,8 @@ void install_error_handlers();
 // Runs `main` with the handlers installed; an escaping exception is recorded,
 // printed as "<program>: error: [rank r/w] <message>" (the rank tag when the
 // message does not start with it already, as dtrain::Error's do), and turned
-// into exit code 1.
+// into exit code 1. TrainingFinishedError (a fault-tolerant replica group
+// that came back after the training finished) is printed and exits 0.
 int run_recording_errors(const std::function<int()>& main, const std::string& program = "");
 
 }  // namespace dtrain::elastic

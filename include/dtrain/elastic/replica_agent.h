@@ -11,15 +11,21 @@
 //                     running -> (a worker failed, none left) the run fails
 //                     running -> (all exited 0) done; the run succeeds when
 //                     every group is done.
-// One node only today (the elastic rendezvous across nodes is not combined
-// with it yet).
+// The whole job: the lighthouse reports every up-to-date group gone -> every
+// group restarted with a fresh lighthouse, from its checkpoint (a restart of
+// each; the run fails when one has none left). Note [Whole-job restart of
+// replica groups] in src/elastic/replica_agent.cpp.
+// On several nodes, each node's launcher runs its share of the groups, and
+// node 0 hosts the lighthouse: a node that dies takes only its groups down.
 #pragma once
 
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "dtrain/elastic/agent.h"
+#include "dtrain/replica_errors.h"
 
 namespace dtrain::elastic {
 
@@ -27,9 +33,20 @@ struct ReplicaAgentOptions {
   // nproc_per_node: all workers of the node, replicas * ranks per replica;
   // max_restarts: how often each replica group may be restarted.
   AgentOptions agent;
+  // The replica groups of the whole job (of all nodes).
   int replicas = 2;
   // The lighthouse's port (0: a free one); workers get it as DTRAIN_FT_LIGHTHOUSE.
   int lighthouse_port = 0;
+  // Several nodes (Note [Replica groups on several nodes]): node node_rank of
+  // `nodes` runs replica groups node_rank * L .. node_rank * L + L - 1, L =
+  // replicas / nodes, of nproc_per_node / L ranks each. Node 0 hosts the
+  // lighthouse; the others give their workers lighthouse_host:lighthouse_port.
+  int nodes = 1;
+  int node_rank = 0;
+  std::string lighthouse_host;
+  // Node 0, once its own groups are done, serves the lighthouse this much
+  // longer, so the other nodes' groups finish their last step with it.
+  std::chrono::milliseconds linger{0};
 };
 
 class ReplicaAgent {
@@ -49,7 +66,14 @@ class ReplicaAgent {
  private:
   struct Replica;
   void start(Replica& replica);
-  int ranks_per_replica() const { return options_.agent.nproc_per_node / options_.replicas; }
+  // (Re)starts the lighthouse on a fresh socket (its port when one was given).
+  void serve_lighthouse();
+  // Every group again, with a fresh lighthouse, when the newest state is
+  // lost; false (result filled) when a group has no restart left.
+  bool restart_whole_job(std::vector<Replica>& replicas, const Error& lost, AgentResult& result);
+  int local_replicas() const { return options_.replicas / options_.nodes; }
+  int ranks_per_replica() const { return options_.agent.nproc_per_node / local_replicas(); }
+  bool hosts_lighthouse() const { return options_.node_rank == 0; }
 
   ReplicaAgentOptions options_;
   MakeWorkers make_workers_;

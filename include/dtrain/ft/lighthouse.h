@@ -25,6 +25,7 @@
 #include "dtrain/comm/env.h"
 #include "dtrain/comm/store.h"
 #include "dtrain/ft/quorum.h"
+#include "dtrain/replica_errors.h"
 
 namespace dtrain::ft {
 
@@ -58,7 +59,10 @@ class Lighthouse {
   // The quorums formed so far, in round order (the per-step membership).
   std::vector<Quorum> history() const;
   // Throws the error that stopped the service, if one did (the service also
-  // writes it to ft/failed, where clients read it).
+  // writes it to ft/failed, where clients read it); ReplicaStateLostError
+  // once every replica group that held the newest step is gone (the service
+  // goes on answering: every request then gets that error, Note [End of
+  // training]).
   void check() const;
 
  private:
@@ -83,6 +87,12 @@ class Lighthouse {
   void delete_garbage();
   void form_quorum_if_ready(std::chrono::steady_clock::time_point now);
   bool claim_answers(const std::vector<Replica*>& asking);
+  // Requests no quorum can serve (every one behind the newest step): the
+  // answer that ends them ("finished S", "lost S ids"), if the training
+  // finished or its newest state is gone; empty while a holder may return.
+  std::string end_of_training(std::chrono::steady_clock::time_point now);
+  // Answers each of `asking` with `text` instead of a quorum.
+  void answer_without_quorum(const std::vector<Replica*>& asking, const std::string& text);
 
   dist::Store store_;
   LighthouseOptions options_;
@@ -105,11 +115,16 @@ class Lighthouse {
   std::string last_members_;       // "id:incarnation ..." of the last quorum
   std::int64_t highest_step_ = 0;  // the newest step a quorum has had
   std::vector<std::int64_t> last_quorum_;  // its members' incarnations
+  // The members of the last quorum at highest_step_: the holders of the
+  // newest state (incarnation, replica id).
+  std::vector<std::pair<std::int64_t, int>> up_to_date_;
+  std::string end_;  // once decided, the answer to every request behind (end_of_training)
   bool warned_stale_ = false;
   std::atomic<bool> stop_{false};
   mutable std::mutex mutex_;  // guards history_ and error_
   std::vector<Quorum> history_;
   std::exception_ptr error_;
+  std::string lost_;  // why the newest state is gone (check() throws it)
   std::thread thread_;
 };
 
@@ -166,7 +181,8 @@ struct LighthouseClientOptions {
   // How long quorum() waits for the lighthouse's answer.
   std::chrono::milliseconds quorum_timeout{std::chrono::seconds(120)};
   // How long agree_commit() waits for the other members' votes; a member
-  // that has not voted by then counts as failed.
+  // that has not voted by then counts as failed (one whose heartbeat
+  // stopped, sooner: Note [Members that never come]).
   std::chrono::milliseconds commit_timeout{std::chrono::seconds(10)};
   // While waiting for a quorum: a lighthouse whose liveness counter has not
   // moved for this long is taken as dead (CommunicationError), as is one
@@ -189,7 +205,10 @@ class LighthouseClient {
   // asks that the quorum id change (this replica's group failed). Blocks
   // until the lighthouse answers; TimeoutError after quorum_timeout (the
   // request is then withdrawn: no later quorum counts this replica in for
-  // it); CommunicationError when the lighthouse failed or stopped.
+  // it); CommunicationError when the lighthouse failed or stopped;
+  // TrainingFinishedError when the training finished before this replica
+  // (behind) could join, ReplicaStateLostError when every replica that
+  // held the newest step is gone (Note [End of training]).
   Quorum quorum(std::int64_t step, bool fresh_group = false);
   // Asks now for the quorum the next quorum(step) call returns (it must pass
   // the same step, no fresh group), so the lighthouse forms it while this
@@ -202,6 +221,17 @@ class LighthouseClient {
   int replica_id() const { return options_.replica_id; }
   // The lighthouse's store, for groups made per quorum (prefixes under "pg/").
   dist::Store& store() { return store_; }
+  // This replica's training reached its last step, `step` (the lighthouse
+  // then answers a group that asks later, behind it, with
+  // TrainingFinishedError instead of leaving it waiting).
+  void finish(std::int64_t step);
+  // Before making the group of quorum `q` under `prefix` (in store()): marks
+  // this member there and waits until every member did. A member whose
+  // heartbeat has not moved for the lighthouse's heartbeat timeout (its
+  // process died or stopped after it was counted into the quorum) is a
+  // CommunicationError naming it, within about that timeout, not the
+  // group's; TimeoutError after `timeout`. Note [Members that never come].
+  void await_members(const Quorum& q, const std::string& prefix, std::chrono::milliseconds timeout);
 
  private:
   void register_once();
@@ -214,13 +244,33 @@ class LighthouseClient {
   void withdraw_or_wait(const std::string& id);
   // Throws CommunicationError when the lighthouse failed or its liveness
   // counter has not moved for lighthouse_timeout.
+  // The answers that are not a quorum (Note [End of training]): throws.
+  void throw_if_end_of_training(const std::string& text, std::int64_t step) const;
   void check_lighthouse_alive(std::int64_t& alive, std::chrono::steady_clock::time_point& moved_at);
+
+  // The heartbeat counters of a quorum's members, read between the slices
+  // of a wait (Note [Members that never come]).
+  class PeerWatch {
+   public:
+    PeerWatch(LighthouseClient& client, const Quorum& q);
+    std::chrono::milliseconds slice() const;
+    // Reads member i's counter: whether it has not moved for the
+    // lighthouse's heartbeat timeout (counted from the first reading).
+    bool silent(std::size_t i, std::chrono::steady_clock::time_point now);
+
+   private:
+    LighthouseClient& client_;
+    const Quorum& q_;
+    std::vector<std::int64_t> beats_;
+    std::vector<std::chrono::steady_clock::time_point> moved_at_;
+  };
 
   dist::Store store_;
   dist::Store heartbeat_store_;
   LighthouseClientOptions options_;
   std::int64_t incarnation_ = 0;
   std::int64_t seq_ = 0;
+  std::chrono::milliseconds peer_heartbeat_timeout_{0};  // the lighthouse's (read once)
   struct Asked {
     std::int64_t step = 0;
     bool fresh_group = false;

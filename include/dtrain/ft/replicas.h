@@ -13,6 +13,7 @@
 //     replicas.all_reduce_gradients(grads);        // mean over the quorum's replicas
 //     if (replicas.should_commit()) optimizer.step();   // all members commit, or none
 //   }
+//   replicas.finish();                             // or FaultTolerantOptions::max_steps
 //
 // Semantics: a step's gradient is the mean over the replicas in its quorum,
 // so while a replica is down the effective batch of a step shrinks to the
@@ -79,8 +80,9 @@ struct FaultTolerantOptions {
   // collectives are not fault-tolerant: a rank that fails takes its group
   // down (the launcher restarts all of it).
   std::optional<dist::ProcessGroup> replica_group;
-  // Rendezvous and operation timeout of each quorum's group: a member that
-  // died between the quorum and the group's making fails the step after it.
+  // Rendezvous and operation timeout of each quorum's group. A member that
+  // died between the quorum and the group's making fails the step within the
+  // lighthouse's heartbeat timeout instead (LighthouseClient::await_members).
   std::chrono::milliseconds group_timeout{std::chrono::seconds(10)};
   // See GroupOptions::intra_host_shared_memory. With it, the all-reduce sums
   // in member order on every rank (the tests' bitwise reference relies on
@@ -117,6 +119,11 @@ class FaultTolerantReplicas {
   // committed step `step` (a checkpoint it resumed from, after a restart of
   // the whole job); the quorum then sees it at that step.
   void resume_at(std::int64_t step);
+  // The training is done (called by should_commit() when step() reaches
+  // FaultTolerantOptions::max_steps; call it after the loop otherwise): a
+  // replica group that asks later, behind, is told so
+  // (TrainingFinishedError) instead of waiting for a peer that left.
+  void finish();
 
   std::int64_t step() const { return step_; }
   const Quorum& quorum() const { return quorum_; }
