@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <map>
 #include <set>
 #include <sstream>
@@ -257,6 +258,35 @@ LayoutState::Frame LayoutState::frame_of(const std::string& name, const LaidOutT
   return {};
 }
 
+// A ZeRO piece of a whole tensor is a run of its row-major elements, saved
+// flat; a tensor-parallel rank holds a box of the model's shape. A run is at
+// most 2 x dims - 1 boxes of that shape (flat_range_boxes), so flat pieces are
+// read as those boxes, each a slice of the piece's values (read once, then
+// shared by its boxes).
+std::vector<LayoutState::Piece> LayoutState::in_model_shape(const std::vector<Piece>& pieces,
+                                                            const std::vector<std::int64_t>& model) {
+  if (pieces.empty() || pieces.front().global_shape.size() != 1 || model.size() < 2 ||
+      pieces.front().global_shape[0] != c10::multiply_integers(model))
+    return pieces;
+  const dist::Box whole{.offsets = std::vector<std::int64_t>(model.size(), 0), .sizes = model};
+  std::vector<Piece> out;
+  for (const Piece& piece : pieces) {
+    if (piece.global_shape != pieces.front().global_shape) return pieces;  // frame_of names the damage
+    auto flat = std::make_shared<at::Tensor>();
+    std::int64_t at_element = 0;
+    for (dist::Box& b : flat_range_boxes(whole, piece.box.offsets[0], piece.box.sizes[0])) {
+      const std::int64_t start = at_element;
+      at_element += b.numel();
+      std::vector<std::int64_t> sizes = b.sizes;
+      out.push_back({.box = std::move(b), .global_shape = model, .values = [flat, read = piece.values, start, sizes] {
+                       if (!flat->defined()) *flat = read().reshape({-1});
+                       return flat->narrow(0, start, c10::multiply_integers(sizes)).view(sizes);
+                     }});
+    }
+  }
+  return out;
+}
+
 // Note [Checking before filling]: the first pass reads only each piece's box
 // and global shape and checks every target; only when all fit does the second
 // pass read values and copy them in, so a checkpoint of another model leaves
@@ -286,6 +316,8 @@ void LayoutState::load_pieces(const std::function<const std::vector<Piece>*(cons
                    "resume with the model and optimizer that saved it");
       continue;
     }
+    const std::vector<Piece> saved_here = in_model_shape(*saved_pieces, t.layout.global_shape);
+    saved_pieces = &saved_here;
     const dist::Box mine = t.box ? *t.box : t.layout.local_box(t.coordinates);
     DTRAIN_CHECK(t.local.numel() == mine.numel(), ConfigError,
                  "checkpoint: " << name << " holds " << t.local.numel() << " elements, its layout "
@@ -303,8 +335,10 @@ void LayoutState::load_pieces(const std::function<const std::vector<Piece>*(cons
   }
   c10::NoGradGuard no_grad;
   for (auto& [name, t] : targets) {
-    const std::vector<Piece>* saved_pieces = find(name);
-    if (saved_pieces == nullptr) continue;
+    const std::vector<Piece>* found_pieces = find(name);
+    if (found_pieces == nullptr) continue;
+    const std::vector<Piece> saved_here = in_model_shape(*found_pieces, t.layout.global_shape);
+    const std::vector<Piece>* saved_pieces = &saved_here;
     const Frame frame = frame_of(name, t, t.box ? *t.box : t.layout.local_box(t.coordinates), *saved_pieces);
     const dist::Box& mine = frame.mine;
     at::Tensor target = t.local.view(mine.sizes);  // local's own storage

@@ -461,3 +461,43 @@ TEST(LayoutState, FlatRangesOfPartsLoadUnderAnyLayout) {
   });
   std::filesystem::remove_all(dir);
 }
+
+// ZeRO's pieces of whole tensors are saved flat (a 1-D global shape: runs of
+// row-major elements); a tensor-parallel rank holds a box of the model's
+// shape that is no run. Saved as [35] over 2 ranks (18 + 17 elements), "w"
+// loads as columns over 2 ranks and as rows over 3, each rank exactly its
+// part of the [5, 7] tensor (a ZeRO pipeline's checkpoint resumed under tp).
+TEST(LayoutState, FlatPiecesLoadIntoPartsOfTheModelsShape) {
+  const auto dir = layout_state_dir("flat-pieces");
+  dtrain::testing::run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = std::chrono::seconds(30)});
+    dtrain::dist::DeviceMesh mesh(group, {{"dp_shard", 2}});
+    const Layout flat{.mesh = mesh.dims(), .placements = {Placement::shard(0)}, .global_shape = {35}};
+    at::Tensor w = dtrain::dist::local_part(global_w().view({35}), flat, mesh.coordinates()).clone();
+    dtrain::Checkpointer checkpointer({.dir = dir}, group);
+    checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&] {
+                             return dtrain::LaidOutTensors{
+                                 {"w", {.local = w, .layout = flat, .coordinates = mesh.coordinates()}}};
+                           }),
+                           dtrain::StateScope::kSharded);
+    checkpointer.save({.step = 1});
+  });
+  for (const auto& [world, dim] : std::vector<std::pair<int, std::int64_t>>{{2, 1}, {3, 0}}) {
+    dtrain::testing::run_rank_threads(world, [&, world = world, dim = dim](int rank, dtrain::dist::Store store) {
+      auto group = dtrain::dist::init_process_group(store, rank, world, {.timeout = std::chrono::seconds(30)});
+      dtrain::dist::DeviceMesh mesh(group, {{"tp", world}});
+      const Layout part{.mesh = mesh.dims(), .placements = {Placement::shard(dim)}, .global_shape = {5, 7}};
+      at::Tensor w = at::full(part.local_box(mesh.coordinates()).sizes, -1.0F);
+      dtrain::Checkpointer checkpointer({.dir = dir}, group);
+      checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&] {
+                               return dtrain::LaidOutTensors{
+                                   {"w", {.local = w, .layout = part, .coordinates = mesh.coordinates()}}};
+                             }),
+                             dtrain::StateScope::kSharded);
+      ASSERT_TRUE(checkpointer.load_latest().has_value());
+      EXPECT_TRUE(at::equal(w, dtrain::dist::local_part(global_w(), part, mesh.coordinates())))
+          << "world " << world << " dim " << dim << " rank " << rank << ": " << w;
+    });
+  }
+  std::filesystem::remove_all(dir);
+}

@@ -172,11 +172,12 @@ void expect_round_trip(const std::string& name, const ReshardPlan& plan, const s
 // Pipelines with sharded stages save each rank's ZeRO pieces laid out
 // (flattened, the box of its chunk) under the whole model's names: ZeRO-3
 // stages (which could not be checkpointed before) saved at step 3 resume in
-// one process and as ZeRO-2 stages under another schedule; one process saved
-// at step 3 resumes as ZeRO-3 stages.
+// one process, as ZeRO-2 stages under another schedule and under tp 2 (flat
+// pieces read as boxes of tp parts); one process saved at step 3 resumes as
+// ZeRO-3 stages.
 TEST(GptReshard, ShardedPipelineStagesResumeInOneProcessAndBack) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  expect_round_trip("sharded-stages", kPipelineZero3, "rank_3", {&kSingle, &kPipelineZero2}, kPipelineZero3);
+  expect_round_trip("sharded-stages", kPipelineZero3, "rank_3", {&kSingle, &kPipelineZero2, &kTp2}, kPipelineZero3);
 }
 
 // Tensor parallelism saves laid out under the whole model's names, its fused

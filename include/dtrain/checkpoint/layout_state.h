@@ -129,6 +129,11 @@ class LayoutState : public ShardedStateful {
   };
   static Frame frame_of(const std::string& name, const LaidOutTensor& t, const dist::Box& mine,
                         const std::vector<Piece>& pieces);
+  // Pieces saved flat (a 1-D global shape: ZeRO's chunks of whole tensors)
+  // of a tensor the model holds in `model` (more dimensions, as many
+  // elements), as boxes of `model`: each flat run split by flat_range_boxes.
+  // Other pieces are returned as they are.
+  static std::vector<Piece> in_model_shape(const std::vector<Piece>& pieces, const std::vector<std::int64_t>& model);
   // `find(name)`: the saved pieces of a target (null: none); `saved`: every
   // saved name, for set_known's check (empty: not enumerable).
   void load_pieces(const std::function<const std::vector<Piece>*(const std::string&)>& find,
