@@ -11,8 +11,8 @@
 
 #include <algorithm>
 #include <functional>
-#include <memory>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
 

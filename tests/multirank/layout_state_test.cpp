@@ -475,11 +475,11 @@ TEST(LayoutState, FlatPiecesLoadIntoPartsOfTheModelsShape) {
     const Layout flat{.mesh = mesh.dims(), .placements = {Placement::shard(0)}, .global_shape = {35}};
     at::Tensor w = dtrain::dist::local_part(global_w().view({35}), flat, mesh.coordinates()).clone();
     dtrain::Checkpointer checkpointer({.dir = dir}, group);
-    checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&] {
-                             return dtrain::LaidOutTensors{
-                                 {"w", {.local = w, .layout = flat, .coordinates = mesh.coordinates()}}};
-                           }),
-                           dtrain::StateScope::kSharded);
+    checkpointer.add_state(
+        "laid_out", std::make_shared<dtrain::LayoutState>([&] {
+          return dtrain::LaidOutTensors{{"w", {.local = w, .layout = flat, .coordinates = mesh.coordinates()}}};
+        }),
+        dtrain::StateScope::kSharded);
     checkpointer.save({.step = 1});
   });
   for (const auto& [world, dim] : std::vector<std::pair<int, std::int64_t>>{{2, 1}, {3, 0}}) {
@@ -489,11 +489,11 @@ TEST(LayoutState, FlatPiecesLoadIntoPartsOfTheModelsShape) {
       const Layout part{.mesh = mesh.dims(), .placements = {Placement::shard(dim)}, .global_shape = {5, 7}};
       at::Tensor w = at::full(part.local_box(mesh.coordinates()).sizes, -1.0F);
       dtrain::Checkpointer checkpointer({.dir = dir}, group);
-      checkpointer.add_state("laid_out", std::make_shared<dtrain::LayoutState>([&] {
-                               return dtrain::LaidOutTensors{
-                                   {"w", {.local = w, .layout = part, .coordinates = mesh.coordinates()}}};
-                             }),
-                             dtrain::StateScope::kSharded);
+      checkpointer.add_state(
+          "laid_out", std::make_shared<dtrain::LayoutState>([&] {
+            return dtrain::LaidOutTensors{{"w", {.local = w, .layout = part, .coordinates = mesh.coordinates()}}};
+          }),
+          dtrain::StateScope::kSharded);
       ASSERT_TRUE(checkpointer.load_latest().has_value());
       EXPECT_TRUE(at::equal(w, dtrain::dist::local_part(global_w(), part, mesh.coordinates())))
           << "world " << world << " dim " << dim << " rank " << rank << ": " << w;
