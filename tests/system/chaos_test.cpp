@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "example_run.h"
 
@@ -96,6 +97,37 @@ TEST(Chaos, OverlappingFaultsAreSurvivedWithoutLosingOrRepeatingExamples) {
   }
 }
 
+namespace {
+
+// Runs chaos.py --ft with `args` and checks the verdict every fault-tolerant
+// soak must reach: the job finishes without restarting as a whole, every
+// sample trained once, each fault of `kinds` injected once and survived, exit
+// 0. Returns its JSON line (with the whole output, for messages).
+nlohmann::json ft_soak(const std::string& args, const std::vector<std::string>& kinds, std::string* out) {
+  int status = 0;
+  *out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/chaos/chaos.py --ft --build " +
+                             DTRAIN_BINARY_DIR + " " + args + " 2>&1",
+                         &status);
+  const auto at = out->rfind("{\"bench\": \"chaos_ft\"");
+  if (at == std::string::npos) {
+    ADD_FAILURE() << *out;
+    return {};
+  }
+  const auto r = nlohmann::json::parse(out->substr(at, out->find('\n', at) - at));
+  EXPECT_TRUE(r["finished"].get<bool>()) << *out;
+  EXPECT_EQ(r["whole_restarts"].get<int>(), 0) << *out;
+  EXPECT_TRUE(r["samples_ok"].get<bool>()) << *out;
+  EXPECT_TRUE(r["not_fired"].empty()) << *out;
+  for (const std::string& kind : kinds) {
+    EXPECT_EQ(r["injected"].value(kind, 0), 1) << kind << "\n" << *out;
+    EXPECT_EQ(r["survived"].value(kind, 0), 1) << kind << "\n" << *out;
+  }
+  EXPECT_EQ(status, 0) << *out;
+  return r;
+}
+
+}  // namespace
+
 // --ft (issue 27): one `dtrain run --ft-replicas 4` of the GPT (ZeRO-2 in
 // each group of 2 ranks), one fault of each fault-tolerant kind -- a worker
 // SIGKILLed, a worker SIGSTOPped for 2 s, two groups killed at once, a group
@@ -104,27 +136,13 @@ TEST(Chaos, OverlappingFaultsAreSurvivedWithoutLosingOrRepeatingExamples) {
 // groups agree on each step's members (bench/chaos/chaos_ft.py's audit).
 TEST(Chaos, FaultTolerantGroupsSurviveEachFaultWithoutRestartingTheJob) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  int status = 0;
-  const std::string out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR +
-                                              "/bench/chaos/chaos.py --ft --build " + DTRAIN_BINARY_DIR +
-                                              " --faults 4 --steps 500 --gap-min 1 --gap-max 2 --timeout 90 "
-                                              "--seed 2 2>&1",
-                                          &status);
-  const auto at = out.rfind("{\"bench\": \"chaos_ft\"");
-  ASSERT_NE(at, std::string::npos) << out;
-  const auto r = nlohmann::json::parse(out.substr(at, out.find('\n', at) - at));
-  EXPECT_TRUE(r["finished"].get<bool>()) << out;
-  EXPECT_EQ(r["whole_restarts"].get<int>(), 0) << out;
+  std::string out;
+  const auto r = ft_soak("--faults 4 --steps 500 --gap-min 1 --gap-max 2 --timeout 90 --seed 2",
+                         {"worker_kill", "worker_stop", "two_replicas_kill", "kill_during_recovery"}, &out);
+  if (r.is_null()) return;
   EXPECT_EQ(r["group_restarts"].get<int>(), 5) << out;  // 1 + 2 + 2 groups killed
-  EXPECT_TRUE(r["samples_ok"].get<bool>()) << out;
   EXPECT_EQ(r["skipped_steps"].get<int>(), 0) << out;
   EXPECT_EQ(r["duplicates"].get<int>(), 0) << out;
-  EXPECT_TRUE(r["not_fired"].empty()) << out;
-  for (const char* kind : {"worker_kill", "worker_stop", "two_replicas_kill", "kill_during_recovery"}) {
-    EXPECT_EQ(r["injected"].value(kind, 0), 1) << kind << "\n" << out;
-    EXPECT_EQ(r["survived"].value(kind, 0), 1) << kind << "\n" << out;
-  }
-  EXPECT_EQ(status, 0) << out;
 }
 
 // The same on two nodes (two launchers on loopback, node 0 hosting the
@@ -134,23 +152,10 @@ TEST(Chaos, FaultTolerantGroupsSurviveEachFaultWithoutRestartingTheJob) {
 // restarts); the job finishes with the same audit.
 TEST(Chaos, FaultTolerantNodesSurviveANodeKill) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
-  int status = 0;
-  const std::string out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR +
-                                              "/bench/chaos/chaos.py --ft --build " + DTRAIN_BINARY_DIR +
-                                              " --nodes 2 --ft-kinds node_kill,worker_kill --faults 2 --steps 500 "
-                                              "--gap-min 1 --gap-max 2 --timeout 90 --seed 2 2>&1",
-                                          &status);
-  const auto at = out.rfind("{\"bench\": \"chaos_ft\"");
-  ASSERT_NE(at, std::string::npos) << out;
-  const auto r = nlohmann::json::parse(out.substr(at, out.find('\n', at) - at));
-  EXPECT_TRUE(r["finished"].get<bool>()) << out;
-  EXPECT_EQ(r["whole_restarts"].get<int>(), 0) << out;
+  std::string out;
+  const auto r = ft_soak(
+      "--nodes 2 --ft-kinds node_kill,worker_kill --faults 2 --steps 500 --gap-min 1 --gap-max 2 --timeout 90 --seed 2",
+      {"node_kill", "worker_kill"}, &out);
+  if (r.is_null()) return;
   EXPECT_EQ(r["group_restarts"].get<int>(), 1) << out;  // the worker kill's; the node's groups start anew
-  EXPECT_TRUE(r["samples_ok"].get<bool>()) << out;
-  EXPECT_TRUE(r["not_fired"].empty()) << out;
-  for (const char* kind : {"node_kill", "worker_kill"}) {
-    EXPECT_EQ(r["injected"].value(kind, 0), 1) << kind << "\n" << out;
-    EXPECT_EQ(r["survived"].value(kind, 0), 1) << kind << "\n" << out;
-  }
-  EXPECT_EQ(status, 0) << out;
 }
