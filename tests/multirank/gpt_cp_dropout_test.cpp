@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "context_parallel.h"
+#include "cp_gpt_run.h"
 #include "dtrain/nn/context_parallel.h"
 #include "model.h"
 #include "ranks.h"
@@ -32,33 +33,16 @@ constexpr auto kCpDropoutTimeout = std::chrono::seconds(120);
 constexpr std::uint64_t kCpDropoutSeed = 21;
 
 gpt::GptConfig cp_dropout_config(dtrain::Recompute recompute) {
-  return {.vocab_size = 65,
-          .block_size = 16,
-          .n_layer = 2,
-          .n_head = 4,
-          .n_embd = 32,
-          .dropout = 0.25,
-          .bias = true,
-          .recompute = recompute};
+  return dtrain::testing::cp_test_gpt(0.25, recompute);
 }
 
-struct CpDropoutRun {
-  at::Tensor loss;
-  std::map<std::string, at::Tensor> grads;
-};
-CpDropoutRun cp_dropout_run(const gpt::GptConfig& config, dtrain::dist::ProcessGroup& cp,
-                            dtrain::nn::cp::KvExchange exchange, const at::Tensor& idx, const at::Tensor& targets) {
-  gpt::Gpt full(config);
-  gpt::init_weights(*full, config.n_layer, 19);
-  torch::nn::Sequential layers = gpt::apply_cp(
-      full->layers, cp,
-      {.exchange = exchange, .dropout_generator = at::make_generator<at::CPUGeneratorImpl>(kCpDropoutSeed)});
-  layers->train();
-  CpDropoutRun out;
-  out.loss = gpt::cp_lm_loss(layers->forward(idx), gpt::cp_targets(targets, cp), cp);
-  out.loss.backward();
-  for (const auto& item : layers->named_parameters()) out.grads[item.key()] = item.value().grad().clone();
-  return out;
+dtrain::testing::CpGptRun cp_dropout_run(const gpt::GptConfig& config, dtrain::dist::ProcessGroup& cp,
+                                         dtrain::nn::cp::KvExchange exchange, const at::Tensor& idx,
+                                         const at::Tensor& targets) {
+  return dtrain::testing::cp_gpt_run(
+      config, 19, cp,
+      {.exchange = exchange, .dropout_generator = at::make_generator<at::CPUGeneratorImpl>(kCpDropoutSeed)}, idx,
+      targets);
 }
 
 class GptCpDropout : public ::testing::TestWithParam<dtrain::nn::cp::KvExchange> {};
@@ -101,7 +85,7 @@ TEST_P(GptCpDropout, RowsOfOneProcessMasksGiveItsLossAndGradients) {
       [&](int rank, dtrain::dist::Store store) {
         auto cp = dtrain::dist::init_process_group(store, rank, kCp, {.timeout = kCpDropoutTimeout});
         const std::string what = "cp rank " + std::to_string(rank);
-        const CpDropoutRun plain = cp_dropout_run(config, cp, exchange, idx, targets);
+        const dtrain::testing::CpGptRun plain = cp_dropout_run(config, cp, exchange, idx, targets);
         dtrain::testing::expect_all_close(plain.loss, loss.detach(), what + " loss against one process");
         ASSERT_EQ(plain.grads.size(), grads.size()) << what;
         for (const auto& [name, g] : plain.grads) {
@@ -112,7 +96,8 @@ TEST_P(GptCpDropout, RowsOfOneProcessMasksGiveItsLossAndGradients) {
           dtrain::testing::expect_all_close(mean, grads.at(name), what + " mean grad of " + name + " vs one process");
         }
         for (const auto recompute : {dtrain::Recompute::kSelective, dtrain::Recompute::kFull}) {
-          const CpDropoutRun again = cp_dropout_run(cp_dropout_config(recompute), cp, exchange, idx, targets);
+          const dtrain::testing::CpGptRun again =
+              cp_dropout_run(cp_dropout_config(recompute), cp, exchange, idx, targets);
           const std::string mode = what + " recompute " + dtrain::to_string(recompute);
           EXPECT_TRUE(at::equal(again.loss, plain.loss)) << mode << ": loss";
           for (const auto& [name, g] : again.grads) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "context_parallel.h"
+#include "cp_gpt_run.h"
 #include "dtrain/nn/context_parallel.h"
 #include "model.h"
 #include "ranks.h"
@@ -28,32 +29,13 @@ namespace {
 constexpr auto kCpRecomputeTimeout = std::chrono::seconds(120);
 
 gpt::GptConfig cp_recompute_config(dtrain::Recompute recompute) {
-  return {.vocab_size = 65,
-          .block_size = 16,
-          .n_layer = 2,
-          .n_head = 4,
-          .n_embd = 32,
-          .dropout = 0.0,
-          .bias = true,
-          .recompute = recompute};
+  return dtrain::testing::cp_test_gpt(0.0, recompute);
 }
 
-// One cp rank's loss and gradients (by parameter name) of `config`'s GPT
-// split over `cp`, on the whole batch (idx, targets).
-struct CpRecomputeRun {
-  at::Tensor loss;
-  std::map<std::string, at::Tensor> grads;
-};
-CpRecomputeRun cp_recompute_run(const gpt::GptConfig& config, dtrain::dist::ProcessGroup& cp,
-                                dtrain::nn::cp::KvExchange exchange, const at::Tensor& idx, const at::Tensor& targets) {
-  gpt::Gpt full(config);
-  gpt::init_weights(*full, config.n_layer, 17);
-  torch::nn::Sequential layers = gpt::apply_cp(full->layers, cp, {.exchange = exchange});
-  CpRecomputeRun out;
-  out.loss = gpt::cp_lm_loss(layers->forward(idx), gpt::cp_targets(targets, cp), cp);
-  out.loss.backward();
-  for (const auto& item : layers->named_parameters()) out.grads[item.key()] = item.value().grad().clone();
-  return out;
+dtrain::testing::CpGptRun cp_recompute_run(const gpt::GptConfig& config, dtrain::dist::ProcessGroup& cp,
+                                           dtrain::nn::cp::KvExchange exchange, const at::Tensor& idx,
+                                           const at::Tensor& targets) {
+  return dtrain::testing::cp_gpt_run(config, 17, cp, {.exchange = exchange}, idx, targets);
 }
 
 class GptCpRecompute : public ::testing::TestWithParam<std::tuple<dtrain::Recompute, dtrain::nn::cp::KvExchange>> {};
@@ -81,8 +63,9 @@ TEST_P(GptCpRecompute, GradientsEqualTheCpRunBitwiseAndOneProcess) {
       [&](int rank, dtrain::dist::Store store) {
         auto cp = dtrain::dist::init_process_group(store, rank, kCp, {.timeout = kCpRecomputeTimeout});
         const std::string what = "cp rank " + std::to_string(rank) + " recompute " + dtrain::to_string(recompute);
-        const CpRecomputeRun without = cp_recompute_run(plain, cp, exchange, idx, targets);
-        const CpRecomputeRun with = cp_recompute_run(cp_recompute_config(recompute), cp, exchange, idx, targets);
+        const dtrain::testing::CpGptRun without = cp_recompute_run(plain, cp, exchange, idx, targets);
+        const dtrain::testing::CpGptRun with =
+            cp_recompute_run(cp_recompute_config(recompute), cp, exchange, idx, targets);
         EXPECT_TRUE(at::equal(with.loss, without.loss)) << what << ": loss " << with.loss << " vs " << without.loss;
         dtrain::testing::expect_all_close(with.loss, loss.detach(), what + " loss against one process");
         ASSERT_EQ(with.grads.size(), grads.size()) << what;
