@@ -1,11 +1,7 @@
 // init_process_group and subgroups; the operations are in collectives.cpp and p2p.cpp.
 #include "dtrain/comm/process_group.h"
 
-#include <signal.h>
-
 #include <algorithm>
-#include <csignal>
-#include <mutex>
 #include <set>
 
 #include "backends.h"
@@ -116,26 +112,8 @@ std::vector<int> iota(int n) {
   return v;
 }
 
-// Note [Broken pipes]: a peer that dies leaves this rank's sockets to it
-// (Gloo's pairs, the TCPStore's connections) half closed, and the next write
-// to one raises SIGPIPE, whose default action ends the process: the survivor
-// would die by a signal instead of getting the CommunicationError its wait
-// reports (seen once in the suite: TensorParallelPeerDeath). Python ignores
-// SIGPIPE at start-up, so torch's own ranks never see it; a C++ program does
-// not. A process that makes a group therefore ignores it (writes then fail
-// with EPIPE, which the transports report), unless the program installed a
-// handler of its own.
-void ignore_broken_pipes() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction current {};
-    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) std::signal(SIGPIPE, SIG_IGN);
-  });
-}
-
 ProcessGroup make_world(const Store& store, int rank, int world_size, GroupOptions options) {
   validate(EnvContract{.rank = rank, .world_size = world_size, .local_rank = 0, .local_world_size = 1});
-  ignore_broken_pipes();
   log::set_rank(rank, world_size);
   if (options.gloo_host.empty() && std::getenv("GLOO_SOCKET_IFNAME") == nullptr &&
       store.impl()->where == "in-memory store") {
