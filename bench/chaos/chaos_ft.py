@@ -100,6 +100,14 @@ class FtSoak:
         ls = lines_of(self.log(f))
         return ls[-1] if ls else None
 
+    def all_in_quorum(self):
+        """Whether every rank has committed a step of the full quorum: on a loaded
+        machine a node's groups may join seconds after the others have started
+        stepping, and a fault before then would hit nothing (a node kill with no
+        hits, counted as not survived)."""
+        return all((l := self.last(f)) is not None and len(l["members"]) == self.a.replicas
+                   for f in range(self.world))
+
     def newest_step(self):
         return max((l["step"] for l in (self.last(f) for f in range(self.world)) if l), default=0)
 
@@ -218,7 +226,7 @@ class FtSoak:
         due = time.time() + self.rng.uniform(a.gap_min, a.gap_max)
         while all(n.poll() is None for n in self.nodes) and time.time() - start < a.timeout:
             time.sleep(0.05)
-            if not plan or time.time() < due or self.newest_step() == 0:
+            if not plan or time.time() < due or not self.all_in_quorum():
                 continue
             if self.newest_step() > 0.6 * a.steps:
                 break
