@@ -308,16 +308,20 @@ void LayoutState::load_pieces(const std::function<const std::vector<Piece>*(cons
     ~End() { self->end_load(*ok); }
   } end{this, &ok};
   LaidOutTensors targets = expand_flat_ranges(collect_());
+  // A target's saved pieces in the model's shape (nullopt: none saved).
+  const auto saved_for = [&find](const std::string& name, const LaidOutTensor& t) -> std::optional<std::vector<Piece>> {
+    const std::vector<Piece>* pieces = find(name);
+    if (pieces == nullptr) return std::nullopt;
+    return in_model_shape(*pieces, t.layout.global_shape);
+  };
   std::vector<std::string> found;
   for (const auto& [name, t] : targets) {
-    const std::vector<Piece>* saved_pieces = find(name);
-    if (saved_pieces == nullptr) {
+    const std::optional<std::vector<Piece>> saved_pieces = saved_for(name, t);
+    if (!saved_pieces) {
       DTRAIN_CHECK(t.optional, DataError, "the checkpoint has no " << name << " (" << source << ").",
                    "resume with the model and optimizer that saved it");
       continue;
     }
-    const std::vector<Piece> saved_here = in_model_shape(*saved_pieces, t.layout.global_shape);
-    saved_pieces = &saved_here;
     const dist::Box mine = t.box ? *t.box : t.layout.local_box(t.coordinates);
     DTRAIN_CHECK(t.local.numel() == mine.numel(), ConfigError,
                  "checkpoint: " << name << " holds " << t.local.numel() << " elements, its layout "
@@ -335,10 +339,8 @@ void LayoutState::load_pieces(const std::function<const std::vector<Piece>*(cons
   }
   c10::NoGradGuard no_grad;
   for (auto& [name, t] : targets) {
-    const std::vector<Piece>* found_pieces = find(name);
-    if (found_pieces == nullptr) continue;
-    const std::vector<Piece> saved_here = in_model_shape(*found_pieces, t.layout.global_shape);
-    const std::vector<Piece>* saved_pieces = &saved_here;
+    const std::optional<std::vector<Piece>> saved_pieces = saved_for(name, t);
+    if (!saved_pieces) continue;
     const Frame frame = frame_of(name, t, t.box ? *t.box : t.layout.local_box(t.coordinates), *saved_pieces);
     const dist::Box& mine = frame.mine;
     at::Tensor target = t.local.view(mine.sizes);  // local's own storage

@@ -77,6 +77,19 @@ bool Layout::has_partial() const {
                      [](const Placement& p) { return p.kind == Placement::Kind::kPartial; });
 }
 
+Placement Layout::sole_placement_on(const std::string& dim, const std::string& what) const {
+  Placement on = Placement::replicate();
+  for (std::size_t d = 0; d < mesh.size(); ++d) {
+    if (mesh[d].name == dim) {
+      on = placements[d];
+    } else {
+      DTRAIN_INTERNAL_ASSERT(placements[d].kind == Placement::Kind::kReplicate,
+                             what << " is laid out " << to_string() << ", split beyond " << dim);
+    }
+  }
+  return on;
+}
+
 std::string Layout::to_string() const {
   std::ostringstream s;
   s << "[";

@@ -153,15 +153,7 @@ void PipelineStrategy::name_parameters(const torch::nn::Module& whole, const std
     // writes it); a layout sharded on another dimension is none of a
     // pipeline's tp stages'.
     const dist::Layout& full = *it->second;
-    dist::Placement on_tp = dist::Placement::replicate();
-    for (std::size_t d = 0; d < full.mesh.size(); ++d) {
-      if (full.mesh[d].name == "tp") {
-        on_tp = full.placements[d];
-      } else {
-        DTRAIN_INTERNAL_ASSERT(full.placements[d].kind == dist::Placement::Kind::kReplicate,
-                               "a pipeline stage's parameter " << name << " is laid out " << full.to_string());
-      }
-    }
+    const dist::Placement on_tp = full.sole_placement_on("tp", "a pipeline stage's parameter " + name);
     tp_layouts_.emplace(p.unsafeGetTensorImpl(), dist::Layout{.mesh = {{"replicas", replicas_}, {"tp", tp_size_}},
                                                               .placements = {dist::Placement::replicate(), on_tp},
                                                               .global_shape = full.global_shape});

@@ -187,11 +187,15 @@ std::shared_ptr<LayoutState> zero_parts_reader(ShardedDataParallel& sdp, torch::
   };
   auto state = std::make_shared<LayoutState>(collect, after_load);
   reader->state = state.get();
+  state->set_known(known_model_names(zero_module_names(sdp)));
+  return state;
+}
+
+std::vector<std::string> zero_module_names(ShardedDataParallel& sdp) {
   std::vector<std::string> names;
   for (const ZeroParameterInfo& p : zero_parameters(sdp)) names.push_back(p.name);
   for (const auto& item : sdp.module().named_buffers()) names.push_back(item.key());
-  state->set_known(known_model_names(names));
-  return state;
+  return names;
 }
 
 std::shared_ptr<ShardedStateful> zero_reader(std::shared_ptr<LayoutState> laid_out) {

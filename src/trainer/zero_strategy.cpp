@@ -133,15 +133,7 @@ std::map<std::string, LaidOutTensor> ZeroStrategy::tp_parts() const {
   const int copy = replicas ? replicas->rank() : 0, copies = replicas ? replicas->size() : 1;
   std::map<std::string, LaidOutTensor> out;
   for (const auto& [name, layout] : dist::named_layouts(sdp_->module(), mesh)) {
-    dist::Placement on_tp = dist::Placement::replicate();
-    for (std::size_t d = 0; d < layout.mesh.size(); ++d) {
-      if (layout.mesh[d].name == "tp") {
-        on_tp = layout.placements[d];
-      } else {
-        DTRAIN_INTERNAL_ASSERT(layout.placements[d].kind == dist::Placement::Kind::kReplicate,
-                               "a ZeRO parameter " << name << " is laid out " << layout.to_string());
-      }
-    }
+    const dist::Placement on_tp = layout.sole_placement_on("tp", "a ZeRO parameter " + name);
     out.emplace(name, LaidOutTensor{.layout = {.mesh = {{"copies", copies}, {"tp", mesh.size("tp")}},
                                                .placements = {dist::Placement::replicate(), on_tp},
                                                .global_shape = layout.global_shape},
@@ -164,9 +156,6 @@ std::map<std::string, LaidOutTensor> ZeroStrategy::tp_parts() const {
 std::shared_ptr<LayoutState> ZeroStrategy::laid_out_pieces(torch::optim::Optimizer& optimizer) {
   // Buffers are written by the first rank of the mesh (all_: its group).
   const int rank = all_->rank(), ranks = all_->size();
-  std::vector<std::string> names;
-  for (const ZeroParameterInfo& p : zero_parameters(*sdp_)) names.push_back(p.name);
-  for (const auto& item : sdp_->module().named_buffers()) names.push_back(item.key());
   return parameter_state(
       [this, rank, ranks] {
         const std::map<std::string, LaidOutTensor> parts = tp_parts();
@@ -196,7 +185,7 @@ std::shared_ptr<LayoutState> ZeroStrategy::laid_out_pieces(torch::optim::Optimiz
         }
         return out;
       },
-      &optimizer, names);
+      &optimizer, zero_module_names(*sdp_));
 }
 
 void ZeroStrategy::save(Checkpointer& checkpointer, const TrainingState& state, torch::optim::Optimizer& optimizer) {

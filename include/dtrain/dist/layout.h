@@ -72,6 +72,10 @@ struct Layout {
   bool has_partial() const;
   // "[384, 128] on 2 (dp_shard) x 2 (tp): S(0), S(1)".
   std::string to_string() const;
+  // The placement on mesh dimension `dim` (Replicate where the mesh has no
+  // such dimension) of a tensor replicated on every other one; an internal
+  // error naming `what` (e.g. "a ZeRO parameter wte.weight") otherwise.
+  Placement sole_placement_on(const std::string& dim, const std::string& what) const;
 };
 
 // The overlap of two boxes of one tensor (nullopt when they do not meet).

@@ -70,6 +70,9 @@ struct ZeroWholeTargets {
   std::function<void(const std::function<bool(const std::string&)>& loaded)> finish;
 };
 using PartOf = std::function<LaidOutTensor(const std::string& name, at::Tensor local)>;
+// The names of `sdp`'s module's state a ZeRO laid-out checkpoint holds: its
+// parameters, then its buffers.
+std::vector<std::string> zero_module_names(ShardedDataParallel& sdp);
 ZeroWholeTargets zero_whole_targets(ShardedDataParallel& sdp, torch::optim::Optimizer& optimizer,
                                     const std::function<std::string(const std::string&)>& name_of,
                                     const PartOf& part_of = {});
