@@ -21,10 +21,12 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "dtrain/amp/autocast.h"
 #include "dtrain/nn/attention.h"
 #include "fused_adamw.h"
 #include "model.h"
@@ -125,6 +127,8 @@ void print_attention_timing(const gpt::GptConfig& c, std::int64_t batch) {
 
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 20;
+  // "bf16": forward and loss under CPU autocast (as examples/gpt --amp bf16).
+  const bool bf16 = argc > 2 && std::string(argv[2]) == "bf16";
   at::set_num_threads(1);
   gpt::GptConfig config;
   gpt::Gpt model(config);
@@ -135,7 +139,12 @@ int main(int argc, char** argv) {
   const at::Tensor targets = at::randint(config.vocab_size, {12, config.block_size}, gen, at::kLong);
   auto step = [&] {
     opt.zero_grad();
-    const at::Tensor loss = gpt::lm_loss(model->forward(idx), targets);
+    at::Tensor loss;
+    {
+      std::optional<dtrain::amp::Autocast> autocast;
+      if (bf16) autocast.emplace(at::kCPU, dtrain::amp::AutocastOptions{.dtype = at::kBFloat16});
+      loss = gpt::lm_loss(model->forward(idx), targets).to(at::kFloat);
+    }
     loss.backward();
     gpt::clip_grad_norm(model->parameters(), 1.0);
     opt.step();

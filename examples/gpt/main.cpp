@@ -521,7 +521,7 @@ int run(Options opt) {
     // dtrain::nn::causal_attention materialises the scores where it runs on
     // oneDNN; --tp and --cp keep their flash kernels.
     const bool materialized = dtrain::nn::attention_materializes_scores(m.block_size) && m.dropout == 0 &&
-                              opt.amp != "bf16" && opt.run_plan->tp == 1 && opt.run_plan->cp == 1;
+                              opt.run_plan->tp == 1 && opt.run_plan->cp == 1;
     const auto spec = dtrain::plan::ModelSpec::parse(
         "gpt:layers=" + std::to_string(m.n_layer) + ",hidden=" + std::to_string(m.n_embd) +
         ",heads=" + std::to_string(m.n_head) + ",seq=" + std::to_string(m.block_size) +

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <optional>
 #include <vector>
 
 #include "dtrain/amp/autocast.h"
@@ -129,8 +130,8 @@ TEST(CausalAttention, SecondDerivativesMatchAtenMathAttention) {
   expect_attention_close(ours.leaf.grad(), ref.leaf.grad(), "d/dqkv of the penalty");
 }
 
-// Dropout, fp64, long sequences, keys of another length and CPU autocast keep
-// ATen's attention: the same bits.
+// Dropout, fp64 (with or without CPU autocast), long sequences and keys of
+// another length keep ATen's attention: the same bits.
 TEST(CausalAttention, IsAtenAttentionWhereOneDnnDoesNotApply) {
   at::manual_seed(3);
   const at::Tensor q = at::randn({1, 2, 5, 4}, at::kDouble);
@@ -152,7 +153,44 @@ TEST(CausalAttention, IsAtenAttentionWhereOneDnnDoesNotApply) {
   EXPECT_FALSE(dtrain::nn::attention_uses_onednn(qf, longer_k, longer_k));
 
   dtrain::amp::Autocast autocast(at::kCPU);
-  EXPECT_FALSE(dtrain::nn::attention_uses_onednn(qf, qf, qf));
+  EXPECT_FALSE(dtrain::nn::attention_uses_onednn(q, q, q));
+  EXPECT_TRUE(at::equal(dtrain::nn::causal_attention(q, q, q), sdpa_causal(q, q, q)));
+}
+
+// bf16 q, k, v (a bf16 model's) and fp32 ones under bf16 autocast take the
+// oneDNN path (Note [Reduced-precision attention]): the output and its dtype
+// as ATen's bf16 attention gives them, and output and gradients as accurate
+// as ATen's against fp64 attention on the same bf16 values.
+TEST(CausalAttention, Bf16IsAsAccurateAsAtenAttention) {
+  DTRAIN_SKIP_WITHOUT_ONEDNN_ATTENTION();
+  at::manual_seed(5);
+  const at::Tensor base = at::randn({12, 64, 3 * 128});
+  for (const bool under_autocast : {true, false}) {
+    SCOPED_TRACE(under_autocast ? "fp32 under bf16 autocast" : "bf16 inputs");
+    const at::Tensor input = under_autocast ? base : base.to(at::kBFloat16);
+    auto ours = qkv_views(input, 4);
+    auto ref = qkv_views(input, 4);
+    at::Tensor y, y_ref;
+    {
+      std::optional<dtrain::amp::Autocast> autocast;
+      if (under_autocast) autocast.emplace(at::kCPU, dtrain::amp::AutocastOptions{.dtype = at::kBFloat16});
+      EXPECT_TRUE(dtrain::nn::attention_uses_onednn(ours.q, ours.k, ours.v));
+      y = dtrain::nn::causal_attention(ours.q, ours.k, ours.v);
+      y_ref = sdpa_causal(ref.q, ref.k, ref.v);
+    }
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(y_ref.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::allclose(y.to(at::kFloat), y_ref.to(at::kFloat), 2e-2, 2e-2))
+        << "max abs difference " << (y.to(at::kFloat) - y_ref.to(at::kFloat)).abs().max().item<double>();
+    const at::Tensor dy = at::randn(y.sizes()).to(at::kBFloat16);
+    y.backward(dy);
+    y_ref.backward(dy);
+    auto exact = qkv_views(base.to(at::kBFloat16).to(at::kDouble), 4);
+    const at::Tensor y_exact = sdpa_causal(exact.q, exact.k, exact.v);
+    y_exact.backward(dy.to(at::kDouble));
+    expect_as_accurate(y, y_ref, y_exact, "output");
+    expect_as_accurate(ours.leaf.grad(), ref.leaf.grad(), exact.leaf.grad(), "d qkv");
+  }
 }
 
 // The path follows linear()'s switch: oneDNN exactly where linear() takes it.

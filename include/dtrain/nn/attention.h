@@ -14,7 +14,10 @@
 //
 // Results are those of a different summation order (and of a softmax over the
 // whole row rather than flash's running one): equal to ATen's within fp32
-// rounding, not bit for bit. DTRAIN_LINEAR_KERNEL=aten (linear.h) makes this
+// rounding, not bit for bit. bf16 and fp16 inputs (and fp32 ones under CPU
+// autocast, cast as autocast casts them for ATen's attention) are computed in
+// fp32 on their values and the output rounded to their dtype; what backward
+// keeps stays 16-bit (ATen's bf16 flash kernel was ~10x slower here). DTRAIN_LINEAR_KERNEL=aten (linear.h) makes this
 // at::scaled_dot_product_attention everywhere, like linear().
 #pragma once
 
@@ -38,12 +41,12 @@ inline constexpr std::int64_t kMaxOneDnnAttentionLength = 256;
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p = 0.0);
 
 // True when causal_attention() would use oneDNN: onednn_linear_enabled()
-// (linear.h), dense fp32 CPU q, k, v of one 4-D shape with
-// 1 <= T <= kMaxOneDnnAttentionLength, no dropout, CPU autocast off.
+// (linear.h), dense CPU q, k, v of one 4-D shape and one dtype (fp32, bf16 or
+// fp16) with 1 <= T <= kMaxOneDnnAttentionLength, no dropout.
 bool attention_uses_onednn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p = 0.0);
 
-// Whether causal_attention() of fp32 CPU sequences of this length, without
-// dropout or autocast, takes the oneDNN path and so keeps the [B, H, T, T]
+// Whether causal_attention() of CPU sequences of this length, without
+// dropout, takes the oneDNN path and so keeps the [B, H, T, T]
 // probabilities for backward (a memory planner's "materialized" attention)
 // rather than flash's log-sum-exp.
 bool attention_materializes_scores(std::int64_t seq_len);
