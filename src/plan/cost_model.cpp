@@ -292,8 +292,25 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       dev.cache_bandwidth *= share;
       dev.kernel_overhead /= share;  // a CPU's launches are its cores' work too
       dev.gemm_overhead /= share;
+      // Time slicing costs each rank CPU time of its own (calibrated).
+      const double slicing = std::max(1.0, dev.oversubscription_factor);
+      dev.bf16_flops /= slicing;
+      dev.fp32_flops /= slicing;
+      dev.fp8_flops /= slicing;
+      dev.memory_bandwidth /= slicing;
+      dev.cache_bandwidth /= slicing;
+      dev.kernel_overhead *= slicing;
+      dev.gemm_overhead *= slicing;
     }
   }
+  // Note [Communication on a CPU host]
+  // A CPU host's collectives and sends are its cores' work (the transport's
+  // copies through shared memory, the reductions): with at least as many
+  // ranks as cores no core is free to run them beside the compute, so what a
+  // GPU overlaps (DDP's buckets during backward, ZeRO-3's prefetched gathers,
+  // context parallelism's ring exchange behind the attention core) adds to
+  // the step here. A GPU (compute_units 0) overlaps as before.
+  const bool overlap = dev.compute_units == 0 || std::min(cluster.gpus_per_node, cluster.gpus) < dev.compute_units;
   const bool pipelined = plan.pp > 1;
   const int m = pipelined ? plan.pipeline.micro_batches : 1;
   const int v = pipelined ? plan.pipeline.stages_per_rank : 1;
@@ -329,7 +346,8 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
                                  .peak_flops = peak_flops,
                                  .attention_flops = plan.precision == "fp8" ? dev.bf16_flops : peak_flops,
                                  .tp_link = tp_link,
-                                 .cp_link = cp_link};
+                                 .cp_link = cp_link,
+                                 .overlap_comm = overlap};
   const auto layer = detail::layer_times(model, shape, dev);
   const auto out = detail::output_times(model, shape, dev);
   const auto emb = detail::embedding_times(model, shape, dev);
@@ -367,8 +385,9 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       const double gather = detail::gather_seconds(n * layer_params * e, shard, shard_link);
       const double scatter = detail::gather_seconds(n * layer_params * bpp.grads, shard, shard_link);
       const double unit = n > 0 ? gather / n : 0;
-      const double fwd_exposed = std::max(0.0, gather - t.forward) + unit;
-      const double bwd_exposed = std::max(0.0, gather + scatter - t.backward_input - t.backward_weight) + unit;
+      const double fwd_exposed = overlap ? std::max(0.0, gather - t.forward) + unit : gather;
+      const double bwd_exposed =
+          overlap ? std::max(0.0, gather + scatter - t.backward_input - t.backward_weight) + unit : gather + scatter;
       t.forward += fwd_exposed;
       t.backward_input += bwd_exposed;
       b.zero3_comm = fwd_exposed + bwd_exposed;
@@ -551,7 +570,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     if (plan.zero_stage < 3) after_step = detail::gather_seconds(params * bpp.weights, shard, shard_link);
   }
   double exposed = sync;
-  if (options.overlap_grad_reduce && !pipelined && plan.zero_stage < 3 && sync > 0) {
+  if (options.overlap_grad_reduce && overlap && !pipelined && plan.zero_stage < 3 && sync > 0) {
     // Buckets reduce while the last micro-step's backward goes on; the last
     // bucket's reduction waits for the end of backward.
     const double window = times[0].backward_input + times[0].backward_weight;

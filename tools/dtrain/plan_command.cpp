@@ -150,8 +150,10 @@ std::int64_t last_level_cache_bytes() {
 // 1; the attention kernels' are their measured rates over the products'.
 // Each is the rate of the kernel dtrain runs in training (oneDNN's products,
 // not at::mm's; see calibrate_worker.cpp), with operands where training
-// finds them (the last-level cache). The
-// collectives' alpha and beta are one fit per transport over all process
+// finds them (the last-level cache). The runs with more ranks than cores
+// give one figure more: how much more CPU time a rank takes for the same
+// work when ranks time-slice the cores (DeviceSpec::oversubscription_factor).
+// The collectives' alpha and beta are one fit per transport over all process
 // counts and sizes: shared memory is the node's link (dtrain's CPU
 // collectives and pipeline sends between ranks of one host), Gloo over
 // loopback TCP stands for the link between hosts (what dtrain uses there).
@@ -167,12 +169,14 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::filesystem::create_directories(scratch);
   std::vector<plan::CollectiveSample> shm, gloo;
   std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth, gemm_overhead, attention, materialized;
+  std::vector<double> work_fitting, work_oversubscribed;  // time_sliced_work_seconds by ranks <= or > cores
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
     for (const auto& s : r.at("samples"))
       (s.at("transport") == "gloo" ? gloo : shm)
           .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
+    (n <= d.compute_units ? work_fitting : work_oversubscribed).push_back(r.at("time_sliced_work_seconds"));
     if (n <= d.compute_units || counts.size() == 1) {
       fp32.push_back(r.at("fp32_flops"));
       bf16.push_back(r.at("bf16_flops"));
@@ -201,6 +205,10 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // cost model applies it to the peak at the plan's precision).
   d.attention_efficiency = median(attention) / d.fp32_flops;
   d.materialized_attention_efficiency = median(materialized) / d.fp32_flops;
+  // Time slicing: a rank's CPU time for the same work with more ranks than
+  // cores over with no more (1 when the counts do not give both).
+  if (!work_fitting.empty() && !work_oversubscribed.empty())
+    d.oversubscription_factor = std::max(1.0, median(work_oversubscribed) / median(work_fitting));
   d.intra_node = plan::fit_ring_link(shm);
   d.inter_node = plan::fit_ring_link(gloo);
   std::ostringstream what;

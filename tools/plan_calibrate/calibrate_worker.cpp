@@ -8,8 +8,9 @@
 // loopback. Rank 0 writes one JSON object to --out: {"world", "fp32_flops",
 // "gemm_overhead", "bf16_flops", "attention_flops",
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
-// "kernel_overhead", "backward_kernel_overhead", "samples": [{transport, op,
-// ranks, bytes, seconds}]}, each figure the median of its repeats.
+// "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
+// "samples": [{transport, op, ranks, bytes, seconds}]}, each figure the
+// median of its repeats (time_sliced_work_seconds: a total, the ranks' mean).
 //
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
 #include <ATen/ATen.h>
@@ -164,6 +165,57 @@ double add_bandwidth(std::int64_t bytes) {
   return 12.0 * static_cast<double>(n) / s;
 }
 
+// Seconds of this thread's CPU time for a fixed mix of training's work (the
+// linear products at 768 rows, a cache-sized add, a chain of small
+// differentiable ops, forward and backward), run long enough (~0.2 s here)
+// to span many scheduler time slices, and totalled rather than a median: on
+// a host with more ranks than cores each rank's thread is switched out and
+// back in every few ms, and what that costs it (the caches and predictors
+// refilled after another rank ran on its core) shows in its CPU time for
+// the same work. The mean over the ranks; `dtrain plan --calibrate` divides
+// a run with more ranks than cores by one with no more
+// (DeviceSpec::oversubscription_factor). The GPT example's ranks measured
+// ~20 % more CPU per step with 4 on 2 cores than alone, also when the 4
+// were independent processes (no communication).
+double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group) {
+  const std::int64_t shapes[][2] = {{128, 384}, {128, 512}, {512, 128}};
+  constexpr int kSets = 8;
+  constexpr std::int64_t kRows = 768;
+  const bool onednn = dtrain::nn::onednn_linear_enabled();
+  auto product = [&](const at::Tensor& a, const at::Tensor& b) {
+    return onednn ? dtrain::nn::onednn_mm(a, b) : at::mm(a, b);
+  };
+  std::vector<std::vector<at::Tensor>> x(3), w(3), dy(3);
+  for (int k = 0; k < 3; ++k) {
+    for (int i = 0; i < kSets; ++i) {
+      x[k].push_back(at::randn({kRows, shapes[k][0]}));
+      w[k].push_back(at::randn({shapes[k][1], shapes[k][0]}));
+      dy[k].push_back(at::randn({kRows, shapes[k][1]}));
+    }
+  }
+  const std::int64_t n = (3LL << 20) / 12;
+  at::Tensor a = at::ones({n}), b = at::ones({n}), c = at::empty({n});
+  const at::Tensor leaf = at::ones({4}).requires_grad_(), one = at::ones({4});
+  auto once = [&](int i) {
+    for (int k = 0; k < 3; ++k) {
+      product(x[k][i], w[k][i].t());
+      product(dy[k][i], w[k][i]);
+      product(dy[k][i].t(), x[k][i]);
+    }
+    for (int r = 0; r < 4; ++r) at::add_out(c, a, b);
+    at::Tensor y = leaf;
+    for (int r = 0; r < 32; ++r) y = y * one + one;
+    y.sum().backward();
+  };
+  once(0);  // warm-up: first-touch pages, oneDNN's primitive cache
+  group.barrier();
+  const double start = thread_cpu_seconds();
+  for (int i = 0; i < 48; ++i) once(i % kSets);
+  at::Tensor mean = at::full({1}, thread_cpu_seconds() - start, at::kFloat);
+  group.all_reduce(mean).wait();
+  return mean.item<float>() / static_cast<double>(group.size());
+}
+
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
 // median of its repeats, every rank entering each timed call together.
 nlohmann::json time_collectives(dtrain::dist::ProcessGroup& group, const char* transport) {
@@ -254,6 +306,7 @@ int main(int argc, char** argv) {
       const double both = median_seconds(51, [&] { chain().backward(); });
       result["backward_kernel_overhead"] = both / kOps - result["kernel_overhead"].get<double>();
     }
+    result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
     nlohmann::json samples = time_collectives(shm, "shared_memory");
     for (auto& s : time_collectives(gloo, "gloo")) samples.push_back(s);
     result["samples"] = samples;
