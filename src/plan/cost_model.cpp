@@ -382,9 +382,15 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       // Every micro-batch gathers the stage's weights in forward and again in
       // backward, and reduce-scatters its gradients; prefetch hides them
       // behind compute except the first layer's gather.
-      const double gather = detail::gather_seconds(n * layer_params * e, shard, shard_link);
-      const double scatter = detail::gather_seconds(n * layer_params * bpp.grads, shard, shard_link);
-      const double unit = n > 0 ? gather / n : 0;
+      // One gather (and one reduce-scatter) per unit: each layer, and the
+      // stage's root unit (the embedding on the first stage, the output
+      // layer and final norm on the last), so each pays its own latency.
+      const double root = (first ? static_cast<double>(model.embedding_params()) : 0.0) +
+                          (last ? static_cast<double>(model.output_params()) : 0.0);
+      const double unit = detail::gather_seconds(layer_params * e, shard, shard_link);
+      const double gather = n * unit + detail::gather_seconds(root / tp * e, shard, shard_link);
+      const double scatter = n * detail::gather_seconds(layer_params * bpp.grads, shard, shard_link) +
+                             detail::gather_seconds(root / tp * bpp.grads, shard, shard_link);
       const double fwd_exposed = overlap ? std::max(0.0, gather - t.forward) + unit : gather;
       const double bwd_exposed =
           overlap ? std::max(0.0, gather + scatter - t.backward_input - t.backward_weight) + unit : gather + scatter;

@@ -138,8 +138,14 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
     // kernels on [sequence, batch, hidden] need neither copy.
     const double copy = roof.traffic(2 * tp_bytes, 2 * tp_bytes) + dev.kernel_overhead;
     if (sh.sequence_parallel) {
+      // The norms' gains (and biases) see 1/t of the sequence under SP, so
+      // each one's gradient is all-reduced over tp as its backward ends, one
+      // small (latency-bound) all-reduce per parameter (Megatron sums them
+      // in one bucket after backward instead).
+      const double norm_params = m.biases ? 4 : 2;
       r.tp_forward += 4 * copy;
-      r.tp_backward += 6 * copy + 2 * gather_seconds(tp_bytes, sh.tp, sh.tp_link);
+      r.tp_backward += 6 * copy + 2 * gather_seconds(tp_bytes, sh.tp, sh.tp_link) +
+                       norm_params * all_reduce_seconds(h * 4, sh.tp, sh.tp_link);
     } else {
       r.tp_forward += 2 * copy;
       r.tp_backward += 2 * copy;
@@ -218,6 +224,18 @@ PhaseTimes output_times(const ModelSpec& m, const LayerShape& sh, const DeviceSp
   const double tp_one = all_reduce_seconds(tokens * h * e, sh.tp, sh.tp_link);
   r.tp_forward = sh.sequence_parallel ? tp_one : 0;
   r.tp_backward = tp_one;
+  // The vocabulary-parallel cross-entropy's row maxima and sums (fp32, one
+  // per token each) are all-reduced over tp in forward: small, mostly latency.
+  r.tp_forward += 2 * all_reduce_seconds(tokens * 4, sh.tp, sh.tp_link);
+  if (sh.tp > 1 && eager) {
+    // As a layer's (Note [Tensor-parallel copies]): the final norm's output
+    // gathered along the sequence (SP; its gradient reduce-scattered back),
+    // or its gradient all-reduced from a clone; under SP the final norm's
+    // parameters' gradients all-reduced one by one.
+    const double copy = roof.traffic(2 * tokens * h * e, 2 * tokens * h * e) + dev.kernel_overhead;
+    r.tp_forward += sh.sequence_parallel ? copy : 0;
+    r.tp_backward += copy + (sh.sequence_parallel ? (m.biases ? 2 : 1) * all_reduce_seconds(h * 4, sh.tp, sh.tp_link) : 0);
+  }
   r.model_flops = r.hardware_flops = 3 * 2 * tokens * h * v / t;
   return r;
 }
