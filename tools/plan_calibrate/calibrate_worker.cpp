@@ -165,52 +165,45 @@ double add_bandwidth(std::int64_t bytes) {
   return 12.0 * static_cast<double>(n) / s;
 }
 
-// Seconds of this thread's CPU time for a fixed mix of training's work (the
-// linear products at 768 rows, a cache-sized add, a chain of small
-// differentiable ops, forward and backward), run long enough (~0.2 s here)
-// to span many scheduler time slices, and totalled rather than a median: on
-// a host with more ranks than cores each rank's thread is switched out and
-// back in every few ms, and what that costs it (the caches and predictors
-// refilled after another rank ran on its core) shows in its CPU time for
-// the same work. The mean over the ranks; `dtrain plan --calibrate` divides
-// a run with more ranks than cores by one with no more
-// (DeviceSpec::oversubscription_factor). The GPT example's ranks measured
-// ~20 % more CPU per step with 4 on 2 cores than alone, also when the 4
-// were independent processes (no communication).
+// Seconds of this thread's CPU time for a fixed piece of training: forward
+// and backward of four GPT-example-sized MLP blocks (768 tokens, width 128,
+// inner 512: layer norm, the two products on the kernel dtrain::nn::linear
+// runs, GELU, residual), with autograd, fresh allocations and the weights'
+// gradients as in training, run long enough (~0.2 s here) to span many
+// scheduler time slices, and totalled rather than a median: on a host with
+// more ranks than cores each rank's thread is switched out and back in
+// every few ms, and what that costs it (caches, TLB and predictors refilled
+// after another rank ran on its core) shows in its CPU time for the same
+// work. The mean over the ranks; `dtrain plan --calibrate` divides a run
+// with more ranks than cores by one with no more
+// (DeviceSpec::oversubscription_factor). The GPT example's ranks took
+// 16-20 % more CPU per step with 4 processes on 2 cores than alone, also
+// when the 4 were independent runs (no communication).
 double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group) {
-  const std::int64_t shapes[][2] = {{128, 384}, {128, 512}, {512, 128}};
-  constexpr int kSets = 8;
-  constexpr std::int64_t kRows = 768;
-  const bool onednn = dtrain::nn::onednn_linear_enabled();
-  auto product = [&](const at::Tensor& a, const at::Tensor& b) {
-    return onednn ? dtrain::nn::onednn_mm(a, b) : at::mm(a, b);
-  };
-  std::vector<std::vector<at::Tensor>> x(3), w(3), dy(3);
-  for (int k = 0; k < 3; ++k) {
-    for (int i = 0; i < kSets; ++i) {
-      x[k].push_back(at::randn({kRows, shapes[k][0]}));
-      w[k].push_back(at::randn({shapes[k][1], shapes[k][0]}));
-      dy[k].push_back(at::randn({kRows, shapes[k][1]}));
-    }
+  constexpr int kBlocks = 4;
+  constexpr std::int64_t kRows = 768, kWidth = 128, kInner = 512;
+  std::vector<at::Tensor> up, down;
+  for (int b = 0; b < kBlocks; ++b) {
+    up.push_back((at::randn({kInner, kWidth}) * 0.05).requires_grad_());
+    down.push_back((at::randn({kWidth, kInner}) * 0.05).requires_grad_());
   }
-  const std::int64_t n = (3LL << 20) / 12;
-  at::Tensor a = at::ones({n}), b = at::ones({n}), c = at::empty({n});
-  const at::Tensor leaf = at::ones({4}).requires_grad_(), one = at::ones({4});
-  auto once = [&](int i) {
-    for (int k = 0; k < 3; ++k) {
-      product(x[k][i], w[k][i].t());
-      product(dy[k][i], w[k][i]);
-      product(dy[k][i].t(), x[k][i]);
+  const at::Tensor input = at::randn({kRows, kWidth});
+  auto once = [&] {
+    at::Tensor x = input;
+    for (int b = 0; b < kBlocks; ++b) {
+      const at::Tensor h = at::layer_norm(x, {kWidth});
+      x = x + dtrain::nn::linear(at::gelu(dtrain::nn::linear(h, up[b])), down[b]);
     }
-    for (int r = 0; r < 4; ++r) at::add_out(c, a, b);
-    at::Tensor y = leaf;
-    for (int r = 0; r < 32; ++r) y = y * one + one;
-    y.sum().backward();
+    x.sum().backward();
+    for (int b = 0; b < kBlocks; ++b) {
+      up[b].mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
+      down[b].mutable_grad() = at::Tensor();
+    }
   };
-  once(0);  // warm-up: first-touch pages, oneDNN's primitive cache
+  once();  // warm-up: first-touch pages, oneDNN's primitive cache
   group.barrier();
   const double start = thread_cpu_seconds();
-  for (int i = 0; i < 48; ++i) once(i % kSets);
+  for (int i = 0; i < 40; ++i) once();
   at::Tensor mean = at::full({1}, thread_cpu_seconds() - start, at::kFloat);
   group.all_reduce(mean).wait();
   return mean.item<float>() / static_cast<double>(group.size());
