@@ -301,8 +301,12 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       dev.cache_bandwidth /= slicing;
       dev.kernel_overhead *= slicing;
       dev.gemm_overhead *= slicing;
+      // ... and its collectives wait for peers switched out (calibrated).
+      if (dev.oversubscribed_link.bandwidth > 0) dev.intra_node = dev.oversubscribed_link;
     }
   }
+  Cluster host = cluster;  // its links as this plan's ranks see them
+  host.device = dev;
   // Note [Communication on a CPU host]
   // A CPU host's collectives and sends are its cores' work (the transport's
   // copies through shared memory, the reductions): with at least as many
@@ -332,11 +336,11 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   const int tp = plan.tp, cp = plan.cp;
   const int shard = plan.zero_stage > 0 ? plan.dp_shard * cp : 1;
   const int replicate = plan.zero_stage > 0 ? plan.dp_replicate : plan.dp_replicate * cp;
-  const Link& tp_link = cluster.link(tp, 1);
-  const Link& cp_link = cluster.link(cp, tp);
-  const Link& pp_link = cluster.link(plan.pp, plan.world() / plan.pp);
-  const Link& shard_link = cluster.link(shard, tp);
-  const Link& replicate_link = cluster.link(plan.dp_replicate, plan.dp_shard * cp * tp);
+  const Link& tp_link = host.link(tp, 1);
+  const Link& cp_link = host.link(cp, tp);
+  const Link& pp_link = host.link(plan.pp, plan.world() / plan.pp);
+  const Link& shard_link = host.link(shard, tp);
+  const Link& replicate_link = host.link(plan.dp_replicate, plan.dp_shard * cp * tp);
   const detail::LayerShape shape{.micro_batch = est.micro_batch,
                                  .tp = tp,
                                  .cp = cp,
@@ -569,7 +573,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   const double grad_bytes = params * bpp.grads;
   double sync = 0, after_step = 0;
   if (plan.zero_stage == 0) {
-    sync = detail::all_reduce_seconds(grad_bytes, replicate, cluster.link(replicate, plan.dp_shard * tp));
+    sync = detail::all_reduce_seconds(grad_bytes, replicate, host.link(replicate, plan.dp_shard * tp));
   } else {
     if (plan.zero_stage < 3) sync = detail::gather_seconds(grad_bytes, shard, shard_link);
     sync += detail::all_reduce_seconds(grad_bytes / shard, replicate, replicate_link);

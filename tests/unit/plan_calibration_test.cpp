@@ -64,6 +64,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.cache_bytes = 32LL << 20;
   d.cache_bandwidth = 95e9;
   d.oversubscription_factor = 1.22;
+  d.oversubscribed_link = {.bandwidth = 3.3e9, .latency = 91e-6};
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -77,6 +78,8 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.cache_bytes, d.cache_bytes);
   EXPECT_EQ(back.cache_bandwidth, d.cache_bandwidth);
   EXPECT_EQ(back.oversubscription_factor, d.oversubscription_factor);
+  EXPECT_EQ(back.oversubscribed_link.latency, d.oversubscribed_link.latency);
+  EXPECT_EQ(back.oversubscribed_link.bandwidth, d.oversubscribed_link.bandwidth);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
 }
@@ -130,11 +133,16 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   sliced.oversubscription_factor = 1.25;
   EXPECT_NEAR(run(sliced, ddp4, 4).time.compute / run(d, ddp4, 4).time.compute, 1.25, 1e-9);
   EXPECT_NEAR(run(sliced, ddp2, 2).time.compute, run(d, ddp2, 2).time.compute, 1e-12);  // no more ranks than cores
+  // Their collectives run on the link measured with more ranks than cores.
+  sliced.oversubscribed_link = {.bandwidth = 3e9, .latency = 90e-6};
+  const double grad_bytes = 4.0 * static_cast<double>(model.params());
+  const Link& o = sliced.oversubscribed_link;
+  EXPECT_NEAR(run(sliced, ddp4, 4).time.grad_sync, 6 * o.latency + 1.5 * grad_bytes / o.bandwidth, 1e-9);
+  EXPECT_NEAR(run(sliced, ddp2, 2).time.grad_sync, run(d, ddp2, 2).time.grad_sync, 1e-12);
   // Two ranks on two cores: the whole all-reduce of the gradients (fp32)
   // is exposed; with cores to spare only what backward does not cover.
   DeviceSpec spare = d;
   spare.compute_units = 8;
-  const double grad_bytes = 4.0 * static_cast<double>(model.params());
   EXPECT_NEAR(run(d, ddp2, 2).time.grad_sync, 2 * d.intra_node.latency + grad_bytes / d.intra_node.bandwidth, 1e-9);
   EXPECT_LT(run(spare, ddp2, 2).time.grad_sync, run(d, ddp2, 2).time.grad_sync);
   // cp 2: each layer's K/V forward, again with their fp32 gradients (sent

@@ -60,6 +60,13 @@ struct DeviceSpec {
   // cost model multiplies such a plan's compute and overheads by it. 1: none
   // (GPUs, an uncalibrated host).
   double oversubscription_factor = 1.0;
+  // The node's link when it holds more ranks than compute_units (a CPU
+  // host's collectives then wait for peers switched out of a core: the
+  // calibration measured a 16 KiB all-reduce over 4 ranks on 2 cores ~7x
+  // its time over 2, where the ring formula says 3x); fitted by
+  // `dtrain plan --calibrate` from its runs with more ranks than cores.
+  // Bandwidth 0: none measured, intra_node serves.
+  Link oversubscribed_link;
   // A CPU host's last-level cache (0: none modelled, as for the GPUs, whose
   // activations stream from HBM): an element-wise kernel whose operands fit
   // in a rank's share of `cache_bytes` streams at `cache_bandwidth`, not at
