@@ -576,7 +576,19 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     sync = detail::all_reduce_seconds(grad_bytes, replicate, host.link(replicate, plan.dp_shard * tp));
   } else {
     if (plan.zero_stage < 3) sync = detail::gather_seconds(grad_bytes, shard, shard_link);
-    sync += detail::all_reduce_seconds(grad_bytes / shard, replicate, replicate_link);
+    if (plan.zero_stage == 3 && replicate > 1) {
+      // HSDP: each unit's shard of the gradients is all-reduced over the
+      // replicas as its reduce-scatter completes (Note [HSDP replica
+      // all-reduce]), so each unit pays its own latency.
+      double units = 0;
+      for (int s = critical; s < stages; s += plan.pp) units += static_cast<double>(stage_layers[s]);
+      const double per_layer = static_cast<double>(model.layer_params()) / tp * bpp.grads / shard;
+      sync += units * detail::all_reduce_seconds(per_layer, replicate, replicate_link) +
+              detail::all_reduce_seconds(std::max(0.0, grad_bytes / shard - units * per_layer), replicate,
+                                         replicate_link);
+    } else {
+      sync += detail::all_reduce_seconds(grad_bytes / shard, replicate, replicate_link);
+    }
     if (plan.zero_stage < 3) after_step = detail::gather_seconds(params * bpp.weights, shard, shard_link);
   }
   double exposed = sync;
