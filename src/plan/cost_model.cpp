@@ -583,9 +583,9 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       double units = 0;
       for (int s = critical; s < stages; s += plan.pp) units += static_cast<double>(stage_layers[s]);
       const double per_layer = static_cast<double>(model.layer_params()) / tp * bpp.grads / shard;
-      sync += units * detail::all_reduce_seconds(per_layer, replicate, replicate_link) +
-              detail::all_reduce_seconds(std::max(0.0, grad_bytes / shard - units * per_layer), replicate,
-                                         replicate_link);
+      sync +=
+          units * detail::all_reduce_seconds(per_layer, replicate, replicate_link) +
+          detail::all_reduce_seconds(std::max(0.0, grad_bytes / shard - units * per_layer), replicate, replicate_link);
     } else {
       sync += detail::all_reduce_seconds(grad_bytes / shard, replicate, replicate_link);
     }

@@ -168,8 +168,8 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
     const double kv_bytes = tokens * 2 * kv / t * e;
     const double ring = (cp - 1) * p2p_seconds(kv_bytes, sh.cp_link);
     const double ring_back = ring + cp * p2p_seconds(kv_bytes * 4 / e, sh.cp_link);
-    r.cp_exposed = sh.overlap_comm ? std::max(0.0, ring - attn_fwd) + std::max(0.0, ring_back - attn_bwd)
-                                   : ring + ring_back;
+    r.cp_exposed =
+        sh.overlap_comm ? std::max(0.0, ring - attn_fwd) + std::max(0.0, ring_back - attn_bwd) : ring + ring_back;
     // Note [Context-parallel merges]
     // The element-wise work around the blocks, in units of one of this
     // rank's q, k, v (qe, at the activations' width) and of its fp32
@@ -234,7 +234,8 @@ PhaseTimes output_times(const ModelSpec& m, const LayerShape& sh, const DeviceSp
     // parameters' gradients all-reduced one by one.
     const double copy = roof.traffic(2 * tokens * h * e, 2 * tokens * h * e) + dev.kernel_overhead;
     r.tp_forward += sh.sequence_parallel ? copy : 0;
-    r.tp_backward += copy + (sh.sequence_parallel ? (m.biases ? 2 : 1) * all_reduce_seconds(h * 4, sh.tp, sh.tp_link) : 0);
+    r.tp_backward +=
+        copy + (sh.sequence_parallel ? (m.biases ? 2 : 1) * all_reduce_seconds(h * 4, sh.tp, sh.tp_link) : 0);
   }
   r.model_flops = r.hardware_flops = 3 * 2 * tokens * h * v / t;
   return r;

@@ -164,8 +164,8 @@ TEST(PlanCalibration, SequenceParallelEagerKernelsCostTheirExtraCollectives) {
   d.memory_bytes = 8LL << 30;
   d.intra_node = {.bandwidth = 6e9, .latency = 60e-6};
   auto tp_comm = [&](const std::string& kernels, bool sp) {
-    const auto model = ModelSpec::parse("gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=" +
-                                        kernels + ",dropout=0,bias=0");
+    const auto model = ModelSpec::parse(
+        "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=" + kernels + ",dropout=0,bias=0");
     const ParallelPlan p{.tp = 2, .sequence_parallel = sp, .precision = "fp32", .global_batch = 24};
     return estimate(p, model, {.device = d, .gpus = 2, .gpus_per_node = d.gpus_per_node}).time.tp_comm;
   };

@@ -176,7 +176,9 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
     for (const auto& s : r.at("samples"))
-      (s.at("transport") == "gloo" ? gloo : n <= d.compute_units ? shm : shm_oversubscribed)
+      (s.at("transport") == "gloo" ? gloo
+       : n <= d.compute_units      ? shm
+                                   : shm_oversubscribed)
           .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
     (n <= d.compute_units ? work_fitting : work_oversubscribed).push_back(r.at("time_sliced_work_seconds"));
     if (n <= d.compute_units || counts.size() == 1) {
