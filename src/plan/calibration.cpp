@@ -78,7 +78,9 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"gemm_overhead", d.gemm_overhead},
                    {"materialized_attention_efficiency", d.materialized_attention_efficiency},
                    {"cache_bytes", d.cache_bytes},
-                   {"cache_bandwidth", d.cache_bandwidth}};
+                   {"cache_bandwidth", d.cache_bandwidth},
+                   {"oversubscription_factor", d.oversubscription_factor},
+                   {"oversubscribed_link", link_json(d.oversubscribed_link)}};
   return j.dump(2);
 }
 
@@ -104,6 +106,8 @@ DeviceSpec device_from_json(const std::string& text) {
   d.materialized_attention_efficiency = j.value("materialized_attention_efficiency", 0.0);
   d.cache_bytes = j.value("cache_bytes", std::int64_t{0});  // older files: no cache modelled
   d.cache_bandwidth = j.value("cache_bandwidth", 0.0);
+  d.oversubscription_factor = j.value("oversubscription_factor", 1.0);  // older files: not measured
+  if (j.contains("oversubscribed_link")) d.oversubscribed_link = link_from(j.at("oversubscribed_link"));
   return d;
 }
 

@@ -292,8 +292,29 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       dev.cache_bandwidth *= share;
       dev.kernel_overhead /= share;  // a CPU's launches are its cores' work too
       dev.gemm_overhead /= share;
+      // Time slicing costs each rank CPU time of its own (calibrated).
+      const double slicing = std::max(1.0, dev.oversubscription_factor);
+      dev.bf16_flops /= slicing;
+      dev.fp32_flops /= slicing;
+      dev.fp8_flops /= slicing;
+      dev.memory_bandwidth /= slicing;
+      dev.cache_bandwidth /= slicing;
+      dev.kernel_overhead *= slicing;
+      dev.gemm_overhead *= slicing;
+      // ... and its collectives wait for peers switched out (calibrated).
+      if (dev.oversubscribed_link.bandwidth > 0) dev.intra_node = dev.oversubscribed_link;
     }
   }
+  Cluster host = cluster;  // its links as this plan's ranks see them
+  host.device = dev;
+  // Note [Communication on a CPU host]
+  // A CPU host's collectives and sends are its cores' work (the transport's
+  // copies through shared memory, the reductions): with at least as many
+  // ranks as cores no core is free to run them beside the compute, so what a
+  // GPU overlaps (DDP's buckets during backward, ZeRO-3's prefetched gathers,
+  // context parallelism's ring exchange behind the attention core) adds to
+  // the step here. A GPU (compute_units 0) overlaps as before.
+  const bool overlap = dev.compute_units == 0 || std::min(cluster.gpus_per_node, cluster.gpus) < dev.compute_units;
   const bool pipelined = plan.pp > 1;
   const int m = pipelined ? plan.pipeline.micro_batches : 1;
   const int v = pipelined ? plan.pipeline.stages_per_rank : 1;
@@ -315,11 +336,11 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   const int tp = plan.tp, cp = plan.cp;
   const int shard = plan.zero_stage > 0 ? plan.dp_shard * cp : 1;
   const int replicate = plan.zero_stage > 0 ? plan.dp_replicate : plan.dp_replicate * cp;
-  const Link& tp_link = cluster.link(tp, 1);
-  const Link& cp_link = cluster.link(cp, tp);
-  const Link& pp_link = cluster.link(plan.pp, plan.world() / plan.pp);
-  const Link& shard_link = cluster.link(shard, tp);
-  const Link& replicate_link = cluster.link(plan.dp_replicate, plan.dp_shard * cp * tp);
+  const Link& tp_link = host.link(tp, 1);
+  const Link& cp_link = host.link(cp, tp);
+  const Link& pp_link = host.link(plan.pp, plan.world() / plan.pp);
+  const Link& shard_link = host.link(shard, tp);
+  const Link& replicate_link = host.link(plan.dp_replicate, plan.dp_shard * cp * tp);
   const detail::LayerShape shape{.micro_batch = est.micro_batch,
                                  .tp = tp,
                                  .cp = cp,
@@ -329,7 +350,8 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
                                  .peak_flops = peak_flops,
                                  .attention_flops = plan.precision == "fp8" ? dev.bf16_flops : peak_flops,
                                  .tp_link = tp_link,
-                                 .cp_link = cp_link};
+                                 .cp_link = cp_link,
+                                 .overlap_comm = overlap};
   const auto layer = detail::layer_times(model, shape, dev);
   const auto out = detail::output_times(model, shape, dev);
   const auto emb = detail::embedding_times(model, shape, dev);
@@ -364,11 +386,18 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       // Every micro-batch gathers the stage's weights in forward and again in
       // backward, and reduce-scatters its gradients; prefetch hides them
       // behind compute except the first layer's gather.
-      const double gather = detail::gather_seconds(n * layer_params * e, shard, shard_link);
-      const double scatter = detail::gather_seconds(n * layer_params * bpp.grads, shard, shard_link);
-      const double unit = n > 0 ? gather / n : 0;
-      const double fwd_exposed = std::max(0.0, gather - t.forward) + unit;
-      const double bwd_exposed = std::max(0.0, gather + scatter - t.backward_input - t.backward_weight) + unit;
+      // One gather (and one reduce-scatter) per unit: each layer, and the
+      // stage's root unit (the embedding on the first stage, the output
+      // layer and final norm on the last), so each pays its own latency.
+      const double root = (first ? static_cast<double>(model.embedding_params()) : 0.0) +
+                          (last ? static_cast<double>(model.output_params()) : 0.0);
+      const double unit = detail::gather_seconds(layer_params * e, shard, shard_link);
+      const double gather = n * unit + detail::gather_seconds(root / tp * e, shard, shard_link);
+      const double scatter = n * detail::gather_seconds(layer_params * bpp.grads, shard, shard_link) +
+                             detail::gather_seconds(root / tp * bpp.grads, shard, shard_link);
+      const double fwd_exposed = overlap ? std::max(0.0, gather - t.forward) + unit : gather;
+      const double bwd_exposed =
+          overlap ? std::max(0.0, gather + scatter - t.backward_input - t.backward_weight) + unit : gather + scatter;
       t.forward += fwd_exposed;
       t.backward_input += bwd_exposed;
       b.zero3_comm = fwd_exposed + bwd_exposed;
@@ -544,14 +573,26 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   const double grad_bytes = params * bpp.grads;
   double sync = 0, after_step = 0;
   if (plan.zero_stage == 0) {
-    sync = detail::all_reduce_seconds(grad_bytes, replicate, cluster.link(replicate, plan.dp_shard * tp));
+    sync = detail::all_reduce_seconds(grad_bytes, replicate, host.link(replicate, plan.dp_shard * tp));
   } else {
     if (plan.zero_stage < 3) sync = detail::gather_seconds(grad_bytes, shard, shard_link);
-    sync += detail::all_reduce_seconds(grad_bytes / shard, replicate, replicate_link);
+    if (plan.zero_stage == 3 && replicate > 1) {
+      // HSDP: each unit's shard of the gradients is all-reduced over the
+      // replicas as its reduce-scatter completes (Note [HSDP replica
+      // all-reduce]), so each unit pays its own latency.
+      double units = 0;
+      for (int s = critical; s < stages; s += plan.pp) units += static_cast<double>(stage_layers[s]);
+      const double per_layer = static_cast<double>(model.layer_params()) / tp * bpp.grads / shard;
+      sync +=
+          units * detail::all_reduce_seconds(per_layer, replicate, replicate_link) +
+          detail::all_reduce_seconds(std::max(0.0, grad_bytes / shard - units * per_layer), replicate, replicate_link);
+    } else {
+      sync += detail::all_reduce_seconds(grad_bytes / shard, replicate, replicate_link);
+    }
     if (plan.zero_stage < 3) after_step = detail::gather_seconds(params * bpp.weights, shard, shard_link);
   }
   double exposed = sync;
-  if (options.overlap_grad_reduce && !pipelined && plan.zero_stage < 3 && sync > 0) {
+  if (options.overlap_grad_reduce && overlap && !pipelined && plan.zero_stage < 3 && sync > 0) {
     // Buckets reduce while the last micro-step's backward goes on; the last
     // bucket's reduction waits for the end of backward.
     const double window = times[0].backward_input + times[0].backward_weight;

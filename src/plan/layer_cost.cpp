@@ -122,6 +122,35 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
   const double tp_one = all_reduce_seconds(tp_bytes, sh.tp, sh.tp_link);
   r.tp_forward = 2 * tp_one;
   r.tp_backward = 2 * tp_one;
+  if (sh.tp > 1 && eager) {
+    // Note [Tensor-parallel copies]
+    // PyTorch-style operators (dtrain's tp_comm, eager kernels) on [batch,
+    // sequence, hidden] activations copy around each collective: an
+    // all-reduce reduces a clone of its input; sequence parallelism's
+    // all-gather along the sequence concatenates the gathered pieces and its
+    // reduce-scatter stacks its input's pieces, each a read and a write of
+    // tokens x h. Per layer: 2 all-reduces each way without SP; with SP 2
+    // all-gathers and 2 reduce-scatters forward, and backward 2
+    // reduce-scatters and 4 all-gathers, since a column layer gathers its
+    // input again for its weight gradient (it kept only its sequence part),
+    // a collective more on the critical path (Megatron overlaps that one with
+    // the input-gradient product; dtrain waits for it). Megatron's fused
+    // kernels on [sequence, batch, hidden] need neither copy.
+    const double copy = roof.traffic(2 * tp_bytes, 2 * tp_bytes) + dev.kernel_overhead;
+    if (sh.sequence_parallel) {
+      // The norms' gains (and biases) see 1/t of the sequence under SP, so
+      // each one's gradient is all-reduced over tp as its backward ends, one
+      // small (latency-bound) all-reduce per parameter (Megatron sums them
+      // in one bucket after backward instead).
+      const double norm_params = m.biases ? 4 : 2;
+      r.tp_forward += 4 * copy;
+      r.tp_backward += 6 * copy + 2 * gather_seconds(tp_bytes, sh.tp, sh.tp_link) +
+                       norm_params * all_reduce_seconds(h * 4, sh.tp, sh.tp_link);
+    } else {
+      r.tp_forward += 2 * copy;
+      r.tp_backward += 2 * copy;
+    }
+  }
   switch (sh.recompute) {
     case Recompute::kNone: break;
     case Recompute::kFull:
@@ -131,11 +160,37 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
     case Recompute::kSelective: r.recompute = m.attention == Attention::kFlash ? 0.5 * gemms + ew_fwd : attn_fwd; break;
   }
   if (sh.cp > 1) {
-    // Ring attention: each rank's K and V pass the other cp - 1 ranks, and
-    // their gradients come back in backward; overlapped with the core.
+    // Ring attention (dtrain::nn::cp, Note [Context-parallel ring]): each
+    // rank's K and V pass the other cp - 1 ranks; in backward they pass
+    // again with an fp32 accumulator of their gradients beside them, sent cp
+    // times (the last send takes it home). Overlapped with the core where
+    // communication overlaps, else all of it adds.
     const double kv_bytes = tokens * 2 * kv / t * e;
     const double ring = (cp - 1) * p2p_seconds(kv_bytes, sh.cp_link);
-    r.cp_exposed = std::max(0.0, ring - attn_fwd) + std::max(0.0, 2 * ring - attn_bwd);
+    const double ring_back = ring + cp * p2p_seconds(kv_bytes * 4 / e, sh.cp_link);
+    r.cp_exposed =
+        sh.overlap_comm ? std::max(0.0, ring - attn_fwd) + std::max(0.0, ring_back - attn_bwd) : ring + ring_back;
+    // Note [Context-parallel merges]
+    // The element-wise work around the blocks, in units of one of this
+    // rank's q, k, v (qe, at the activations' width) and of its fp32
+    // accumulator (qf); the rank whose every block merges into all of its
+    // rows (the last) is the slowest. Forward: K and V stacked for the ring
+    // (4 qe), the first block's output copied to fp32 (qe + qf), each further
+    // block's online-softmax merge (rescale the accumulator, scale the block's
+    // output, add: 5 qf + qe), and the result back to the activations' type
+    // (qf + qe, none in fp32). Backward: zeroed dq and dK/dV accumulators
+    // (3 qf), K and V stacked again (4 qe), each block's dq, dk and dv added
+    // into them (3 (2 qf + qe)), and the casts back (3 (qf + qe), none in
+    // fp32). About a dozen small ops per merge and per block's backward.
+    const double qe = tokens * h / t * e, qf = tokens * h / t * 4;
+    const double cast = e == 4 ? 0 : qf + qe;
+    const double merge_fwd = 4 * qe + qe + qf + (cp - 1) * (5 * qf + qe) + cast;
+    const double merge_bwd = 3 * qf + 4 * qe + cp * 3 * (2 * qf + qe) + 3 * cast;
+    const double merge_set = 3 * qf;
+    const double merges = roof.traffic(merge_fwd, merge_set) + 12 * (cp - 1) * dev.kernel_overhead;
+    r.forward += merges;
+    if (sh.recompute == Recompute::kFull) r.recompute += merges;
+    r.backward_input += roof.traffic(merge_bwd, merge_set) + 12 * cp * dev.kernel_overhead;
   }
   const double fwd_flops = (2 * tokens * static_cast<double>(m.layer_matmul_params()) + 4 * tokens * s * h) / t;
   r.model_flops = 3 * fwd_flops;
@@ -169,6 +224,19 @@ PhaseTimes output_times(const ModelSpec& m, const LayerShape& sh, const DeviceSp
   const double tp_one = all_reduce_seconds(tokens * h * e, sh.tp, sh.tp_link);
   r.tp_forward = sh.sequence_parallel ? tp_one : 0;
   r.tp_backward = tp_one;
+  // The vocabulary-parallel cross-entropy's row maxima and sums (fp32, one
+  // per token each) are all-reduced over tp in forward: small, mostly latency.
+  r.tp_forward += 2 * all_reduce_seconds(tokens * 4, sh.tp, sh.tp_link);
+  if (sh.tp > 1 && eager) {
+    // As a layer's (Note [Tensor-parallel copies]): the final norm's output
+    // gathered along the sequence (SP; its gradient reduce-scattered back),
+    // or its gradient all-reduced from a clone; under SP the final norm's
+    // parameters' gradients all-reduced one by one.
+    const double copy = roof.traffic(2 * tokens * h * e, 2 * tokens * h * e) + dev.kernel_overhead;
+    r.tp_forward += sh.sequence_parallel ? copy : 0;
+    r.tp_backward +=
+        copy + (sh.sequence_parallel ? (m.biases ? 2 : 1) * all_reduce_seconds(h * 4, sh.tp, sh.tp_link) : 0);
+  }
   r.model_flops = r.hardware_flops = 3 * 2 * tokens * h * v / t;
   return r;
 }

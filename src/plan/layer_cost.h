@@ -26,6 +26,10 @@ struct LayerShape {
   double peak_flops = 0;       // of the device at this precision (GEMMs)
   double attention_flops = 0;  // attention's (fp8 plans: the bf16 rate); 0: peak_flops
   Link tp_link, cp_link;
+  // Communication may run beside compute (a GPU's copy engines, a CPU host
+  // with a core to spare); false: it adds (Note [Communication on a CPU
+  // host] in cost_model.cpp).
+  bool overlap_comm = true;
 };
 
 // Seconds per micro-batch; compute and communication kept apart so the

@@ -63,6 +63,8 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.materialized_attention_efficiency = 0.35;
   d.cache_bytes = 32LL << 20;
   d.cache_bandwidth = 95e9;
+  d.oversubscription_factor = 1.22;
+  d.oversubscribed_link = {.bandwidth = 3.3e9, .latency = 91e-6};
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -75,6 +77,9 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.materialized_attention_efficiency, d.materialized_attention_efficiency);
   EXPECT_EQ(back.cache_bytes, d.cache_bytes);
   EXPECT_EQ(back.cache_bandwidth, d.cache_bandwidth);
+  EXPECT_EQ(back.oversubscription_factor, d.oversubscription_factor);
+  EXPECT_EQ(back.oversubscribed_link.latency, d.oversubscribed_link.latency);
+  EXPECT_EQ(back.oversubscribed_link.bandwidth, d.oversubscribed_link.bandwidth);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
 }
@@ -105,6 +110,75 @@ TEST(PlanCalibration, HostRanksShareItsCoresAndMemory) {
 //  - element-wise traffic streams from the cache while a kernel's operands
 //    fit in a rank's share of it: a cache as fast as memory changes
 //    nothing, a faster one shortens only models whose activations fit.
+// Note [Communication on a CPU host] and the oversubscription factor: more
+// ranks than cores cost each rank the calibrated factor on top of the
+// shared cores; with no core to spare, DDP's gradient all-reduce and the cp
+// ring add to the step instead of hiding behind backward and attention.
+TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
+  DeviceSpec d = find_device("cpu-here");
+  d.compute_units = 2;
+  d.memory_bytes = 8LL << 30;
+  d.intra_node = {.bandwidth = 6e9, .latency = 60e-6};
+  const auto model = ModelSpec::parse(
+      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  auto run = [&](const DeviceSpec& dev, ParallelPlan p, int ranks) {
+    p.precision = "fp32";
+    // Buckets of 256 KiB: the gradients (3.2 MB) fill several, so with
+    // overlap only the last one's reduction is left after backward.
+    return estimate(p, model, {.device = dev, .gpus = ranks, .gpus_per_node = dev.gpus_per_node},
+                    {.ddp_bucket_bytes = 256 << 10});
+  };
+  const ParallelPlan ddp2{.dp_replicate = 2, .global_batch = 24}, ddp4{.dp_replicate = 4, .global_batch = 48};
+  DeviceSpec sliced = d;
+  sliced.oversubscription_factor = 1.25;
+  EXPECT_NEAR(run(sliced, ddp4, 4).time.compute / run(d, ddp4, 4).time.compute, 1.25, 1e-9);
+  EXPECT_NEAR(run(sliced, ddp2, 2).time.compute, run(d, ddp2, 2).time.compute, 1e-12);  // no more ranks than cores
+  // Their collectives run on the link measured with more ranks than cores.
+  sliced.oversubscribed_link = {.bandwidth = 3e9, .latency = 90e-6};
+  const double grad_bytes = 4.0 * static_cast<double>(model.params());
+  const Link& o = sliced.oversubscribed_link;
+  EXPECT_NEAR(run(sliced, ddp4, 4).time.grad_sync, 6 * o.latency + 1.5 * grad_bytes / o.bandwidth, 1e-9);
+  EXPECT_NEAR(run(sliced, ddp2, 2).time.grad_sync, run(d, ddp2, 2).time.grad_sync, 1e-12);
+  // Two ranks on two cores: the whole all-reduce of the gradients (fp32)
+  // is exposed; with cores to spare only what backward does not cover.
+  DeviceSpec spare = d;
+  spare.compute_units = 8;
+  EXPECT_NEAR(run(d, ddp2, 2).time.grad_sync, 2 * d.intra_node.latency + grad_bytes / d.intra_node.bandwidth, 1e-9);
+  EXPECT_LT(run(spare, ddp2, 2).time.grad_sync, run(d, ddp2, 2).time.grad_sync);
+  // cp 2: each layer's K/V forward, again with their fp32 gradients (sent
+  // twice) backward; hidden behind the attention core where a core is spare.
+  const ParallelPlan cp2{.cp = 2, .global_batch = 24};
+  const double kv = 24.0 * 32 * 2 * 128 * 4;  // 24 sequences of 32 local tokens, K and V, fp32
+  const double p2p = d.intra_node.latency + kv / d.intra_node.bandwidth;
+  EXPECT_NEAR(run(d, cp2, 2).time.cp_comm, 4 * (p2p + p2p + 2 * p2p), 1e-9);
+  EXPECT_EQ(run(spare, cp2, 2).time.cp_comm, 0);
+}
+
+// Note [Tensor-parallel copies]: with eager kernels sequence parallelism
+// costs each layer's backward two all-gathers more (the column layers'
+// inputs gathered again) and one small all-reduce per norm parameter; the
+// tp collectives also copy their tensors.
+TEST(PlanCalibration, SequenceParallelEagerKernelsCostTheirExtraCollectives) {
+  DeviceSpec d = find_device("cpu-here");
+  d.compute_units = 2;
+  d.memory_bytes = 8LL << 30;
+  d.intra_node = {.bandwidth = 6e9, .latency = 60e-6};
+  auto tp_comm = [&](const std::string& kernels, bool sp) {
+    const auto model = ModelSpec::parse(
+        "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=" + kernels + ",dropout=0,bias=0");
+    const ParallelPlan p{.tp = 2, .sequence_parallel = sp, .precision = "fp32", .global_batch = 24};
+    return estimate(p, model, {.device = d, .gpus = 2, .gpus_per_node = d.gpus_per_node}).time.tp_comm;
+  };
+  const double act = 24.0 * 64 * 128 * 4;  // one activation, fp32
+  const double regather = d.intra_node.latency + act / 2 / d.intra_node.bandwidth;
+  const double norm_reduce = 2 * d.intra_node.latency + 128 * 4 / d.intra_node.bandwidth;
+  // The layers' two regathers and two norm all-reduces, the final norm's
+  // one; the copies (SP: 10 per layer, 2 at the end; tp alone: 4 and 1)
+  // come on top.
+  EXPECT_GT(tp_comm("eager", true) - tp_comm("eager", false), 4 * (2 * regather + 2 * norm_reduce) + norm_reduce);
+  EXPECT_GT(tp_comm("eager", false), tp_comm("fused", false));
+}
+
 TEST(PlanCalibration, CpuCallCostAndCacheAreTheGptExamplesTerms) {
   DeviceSpec d = find_device("cpu-here");
   d.compute_units = 2;

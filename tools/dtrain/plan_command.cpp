@@ -150,11 +150,15 @@ std::int64_t last_level_cache_bytes() {
 // 1; the attention kernels' are their measured rates over the products'.
 // Each is the rate of the kernel dtrain runs in training (oneDNN's products,
 // not at::mm's; see calibrate_worker.cpp), with operands where training
-// finds them (the last-level cache). The
-// collectives' alpha and beta are one fit per transport over all process
-// counts and sizes: shared memory is the node's link (dtrain's CPU
-// collectives and pipeline sends between ranks of one host), Gloo over
-// loopback TCP stands for the link between hosts (what dtrain uses there).
+// finds them (the last-level cache). The runs with more ranks than cores
+// give one figure more: how much more CPU time a rank takes for the same
+// work when ranks time-slice the cores (DeviceSpec::oversubscription_factor).
+// The collectives' alpha and beta are one fit per transport over its
+// samples: shared memory is the node's link (dtrain's CPU collectives and
+// pipeline sends between ranks of one host), fitted apart for the runs with
+// no more ranks than cores and those with more (oversubscribed_link); Gloo
+// over loopback TCP stands for the link between hosts (what dtrain uses
+// there), one fit over all process counts.
 int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err) {
   const std::string path = o.device_file.empty() ? default_calibration_file() : o.device_file;
   std::vector<int> counts;
@@ -165,14 +169,18 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   plan::DeviceSpec d = plan::find_device("cpu-here");
   const auto scratch = std::filesystem::temp_directory_path() / ("dtrain-calibrate-" + std::to_string(::getpid()));
   std::filesystem::create_directories(scratch);
-  std::vector<plan::CollectiveSample> shm, gloo;
+  std::vector<plan::CollectiveSample> shm, shm_oversubscribed, gloo;
   std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth, gemm_overhead, attention, materialized;
+  std::vector<double> work_fitting, work_oversubscribed;  // time_sliced_work_seconds by ranks <= or > cores
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
     for (const auto& s : r.at("samples"))
-      (s.at("transport") == "gloo" ? gloo : shm)
+      (s.at("transport") == "gloo" ? gloo
+       : n <= d.compute_units      ? shm
+                                   : shm_oversubscribed)
           .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
+    (n <= d.compute_units ? work_fitting : work_oversubscribed).push_back(r.at("time_sliced_work_seconds"));
     if (n <= d.compute_units || counts.size() == 1) {
       fp32.push_back(r.at("fp32_flops"));
       bf16.push_back(r.at("bf16_flops"));
@@ -201,7 +209,17 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // cost model applies it to the peak at the plan's precision).
   d.attention_efficiency = median(attention) / d.fp32_flops;
   d.materialized_attention_efficiency = median(materialized) / d.fp32_flops;
+  // Time slicing: a rank's CPU time for the same work with more ranks than
+  // cores over with no more (1 when the counts do not give both).
+  if (!work_fitting.empty() && !work_oversubscribed.empty())
+    d.oversubscription_factor = std::max(1.0, median(work_oversubscribed) / median(work_fitting));
+  // The node's link from the runs with no more ranks than cores; those with
+  // more have their own (DeviceSpec::oversubscribed_link): time slicing
+  // makes their collectives wait for peers switched out, which no single
+  // alpha-beta of the ring formulas fits together with the others.
+  if (shm.empty()) shm.swap(shm_oversubscribed);
   d.intra_node = plan::fit_ring_link(shm);
+  if (!shm_oversubscribed.empty()) d.oversubscribed_link = plan::fit_ring_link(shm_oversubscribed);
   d.inter_node = plan::fit_ring_link(gloo);
   std::ostringstream what;
   what << "this host, calibrated: " << d.compute_units << " cores, " << std::setprecision(3) << d.fp32_flops / 1e9

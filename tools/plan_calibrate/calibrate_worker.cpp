@@ -8,8 +8,9 @@
 // loopback. Rank 0 writes one JSON object to --out: {"world", "fp32_flops",
 // "gemm_overhead", "bf16_flops", "attention_flops",
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
-// "kernel_overhead", "backward_kernel_overhead", "samples": [{transport, op,
-// ranks, bytes, seconds}]}, each figure the median of its repeats.
+// "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
+// "samples": [{transport, op, ranks, bytes, seconds}]}, each figure the
+// median of its repeats (time_sliced_work_seconds: a total, the ranks' mean).
 //
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
 #include <ATen/ATen.h>
@@ -164,6 +165,50 @@ double add_bandwidth(std::int64_t bytes) {
   return 12.0 * static_cast<double>(n) / s;
 }
 
+// Seconds of this thread's CPU time for a fixed piece of training: forward
+// and backward of four GPT-example-sized MLP blocks (768 tokens, width 128,
+// inner 512: layer norm, the two products on the kernel dtrain::nn::linear
+// runs, GELU, residual), with autograd, fresh allocations and the weights'
+// gradients as in training, run long enough (~0.2 s here) to span many
+// scheduler time slices, and totalled rather than a median: on a host with
+// more ranks than cores each rank's thread is switched out and back in
+// every few ms, and what that costs it (caches, TLB and predictors refilled
+// after another rank ran on its core) shows in its CPU time for the same
+// work. The mean over the ranks; `dtrain plan --calibrate` divides a run
+// with more ranks than cores by one with no more
+// (DeviceSpec::oversubscription_factor). The GPT example's ranks took
+// 16-20 % more CPU per step with 4 processes on 2 cores than alone, also
+// when the 4 were independent runs (no communication).
+double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group) {
+  constexpr int kBlocks = 4;
+  constexpr std::int64_t kRows = 768, kWidth = 128, kInner = 512;
+  std::vector<at::Tensor> up, down;
+  for (int b = 0; b < kBlocks; ++b) {
+    up.push_back((at::randn({kInner, kWidth}) * 0.05).requires_grad_());
+    down.push_back((at::randn({kWidth, kInner}) * 0.05).requires_grad_());
+  }
+  const at::Tensor input = at::randn({kRows, kWidth});
+  auto once = [&] {
+    at::Tensor x = input;
+    for (int b = 0; b < kBlocks; ++b) {
+      const at::Tensor h = at::layer_norm(x, {kWidth});
+      x = x + dtrain::nn::linear(at::gelu(dtrain::nn::linear(h, up[b])), down[b]);
+    }
+    x.sum().backward();
+    for (int b = 0; b < kBlocks; ++b) {
+      up[b].mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
+      down[b].mutable_grad() = at::Tensor();
+    }
+  };
+  once();  // warm-up: first-touch pages, oneDNN's primitive cache
+  group.barrier();
+  const double start = thread_cpu_seconds();
+  for (int i = 0; i < 40; ++i) once();
+  at::Tensor mean = at::full({1}, thread_cpu_seconds() - start, at::kFloat);
+  group.all_reduce(mean).wait();
+  return mean.item<float>() / static_cast<double>(group.size());
+}
+
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
 // median of its repeats, every rank entering each timed call together.
 nlohmann::json time_collectives(dtrain::dist::ProcessGroup& group, const char* transport) {
@@ -254,6 +299,7 @@ int main(int argc, char** argv) {
       const double both = median_seconds(51, [&] { chain().backward(); });
       result["backward_kernel_overhead"] = both / kOps - result["kernel_overhead"].get<double>();
     }
+    result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
     nlohmann::json samples = time_collectives(shm, "shared_memory");
     for (auto& s : time_collectives(gloo, "gloo")) samples.push_back(s);
     result["samples"] = samples;

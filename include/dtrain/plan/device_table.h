@@ -51,6 +51,22 @@ struct DeviceSpec {
   // When a node holds more ranks than this, each rank's FLOP/s and memory
   // bandwidth are the device's x compute_units / ranks on the node.
   int compute_units = 0;
+  // A CPU host's ranks time-slice its cores when a node holds more ranks
+  // than compute_units: each rank's CPU time for the same work rises (its
+  // caches and predictors refilled after another rank ran on its core), on
+  // top of the cores being shared. This factor (>= 1) is that rise, measured
+  // by `dtrain plan --calibrate` (a fixed mix of training's kernels, per-rank
+  // CPU time with more ranks than cores over the same with no more); the
+  // cost model multiplies such a plan's compute and overheads by it. 1: none
+  // (GPUs, an uncalibrated host).
+  double oversubscription_factor = 1.0;
+  // The node's link when it holds more ranks than compute_units (a CPU
+  // host's collectives then wait for peers switched out of a core: the
+  // calibration measured a 16 KiB all-reduce over 4 ranks on 2 cores ~7x
+  // its time over 2, where the ring formula says 3x); fitted by
+  // `dtrain plan --calibrate` from its runs with more ranks than cores.
+  // Bandwidth 0: none measured, intra_node serves.
+  Link oversubscribed_link;
   // A CPU host's last-level cache (0: none modelled, as for the GPUs, whose
   // activations stream from HBM): an element-wise kernel whose operands fit
   // in a rank's share of `cache_bytes` streams at `cache_bandwidth`, not at
