@@ -53,7 +53,9 @@ TEST(BrokenPipe, ARankThatMadeAGroupSurvivesWritesToBrokenConnections) {
 }
 
 int g_pipes_seen = 0;
-void count_pipes(int) { ++g_pipes_seen; }
+void count_pipes(int) {
+  ++g_pipes_seen;
+}
 
 // Only the default action is replaced: a program's own handler stays its choice.
 TEST(BrokenPipe, AProgramsOwnHandlerIsKept) {
