@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 
+#include "../core/broken_pipes.h"
 #include "../core/torch_compat.h"
 #include "backends.h"
 #include "dtrain/error.h"
@@ -22,6 +23,7 @@ namespace {
 }  // namespace
 
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const BackendRequest& request) {
+  ::dtrain::detail::ignore_broken_pipes();  // Gloo writes without MSG_NOSIGNAL: Note [Broken pipes]
   auto options = c10d::ProcessGroupGloo::Options::create(request.timeout);
   options->group_name = request.group_name;
   const char* interface = std::getenv("GLOO_SOCKET_IFNAME");

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "../core/broken_pipes.h"
 #include "dtrain/comm/store_keys.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
@@ -37,6 +38,8 @@ Store Store::tcp(const TcpStoreOptions& options) {
   opts.waitWorkers = false;  // membership is checked by init_process_group, with clear errors
   opts.timeout = options.timeout;
   if (options.is_server && options.listen_fd >= 0) opts.masterListenFd = options.listen_fd;
+  // The server (libuv) writes without MSG_NOSIGNAL, the client with it: Note [Broken pipes].
+  if (options.is_server) ::dtrain::detail::ignore_broken_pipes();
   const std::string where = options.host + ":" + std::to_string(options.port);
   auto impl = std::make_shared<detail::StoreImpl>();
   try {

@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "../comm/shm_util.h"
+#include "../core/broken_pipes.h"
 #include "dtrain/error.h"
 
 extern char** environ;
@@ -204,6 +205,7 @@ void ProcessWorkerGroup::start(const std::vector<WorkerLaunch>& launches, int at
       }
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
+      ::dtrain::detail::default_broken_pipes_in_child();  // not the launcher's ignore: Note [Broken pipes]
       ::execve(argv[0], argv.data(), envp.data());
       ::_exit(127);
     }

@@ -39,6 +39,7 @@ void EpochSource::setup(const Context& context) {
 
 std::optional<std::int64_t> EpochSource::start_epoch(std::int64_t epoch) {
   loader_->start_epoch(epoch);
+  planned_ = true;
   return loader_->remaining() / accumulate_;  // a tail short of a whole step is not used
 }
 
@@ -52,12 +53,26 @@ std::vector<std::int64_t> EpochSource::last_indices() const {
   return loader_->last_indices();
 }
 
+// Note [An epoch's tail]
+// The sampler's position counts the examples the steps took. A world of w
+// ranks leaves out the tail of an epoch that does not divide among them (up
+// to w - 1 examples; the sampler drops it), and the Trainer the micro-batches
+// short of a whole step; a run resumed from that position on another world
+// size would take that tail as one more step of an epoch that already ended
+// (a finished run of 3 ranks over 95 examples, resumed on 2 or 1, trained
+// again, and the chaos soak's final checkpoint then differed from the run's).
+// So once no whole step of the epoch is left, the position is the epoch's
+// end, on every world size. Before the epoch is planned (after load_state)
+// the position is reported as it is.
 data::SamplerState EpochSource::state() const {
-  return loader_->state();
+  data::SamplerState state = loader_->state();
+  if (planned_ && loader_->remaining() < accumulate_) state.consumed = examples_;
+  return state;
 }
 
 void EpochSource::load_state(const data::SamplerState& state) {
   loader_->load_state(state);
+  planned_ = false;
 }
 
 StepStream::StepStream(Fn fn) : fn_(std::move(fn)) {

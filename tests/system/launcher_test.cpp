@@ -96,6 +96,43 @@ TEST(Launcher, KilledWorkerIsReportedWithItsSignal) {
   EXPECT_NE(l.err().find("root cause: rank 0 (local rank 0) was killed by SIGKILL"), std::string::npos) << l.err();
 }
 
+// The launcher hosts the workers' store, so it ignores SIGPIPE (a worker
+// dying mid-reply must not take the store down with it); its workers start
+// with the default action all the same, as a shell or torchrun starts them,
+// not with the ignore they would inherit across exec (Note [Broken pipes]).
+// The store is hosted while the first workers start, so the first attempt
+// waits for the launcher's ignore and fails; the restarted workers are
+// started by a launcher that ignores SIGPIPE.
+TEST(Launcher, IgnoresBrokenPipesButItsWorkersStartWithTheDefaultAction) {
+  Scratch s;
+  const auto worker = s.script("w.sh",
+                               "ignored() { awk '/SigIgn/ {print $2}' /proc/$1/status; }\n"
+                               "for i in $(seq 600); do\n"
+                               "  (( (0x$(ignored $PPID) >> 12) & 1 )) && break\n"
+                               "  sleep 0.05\n"
+                               "done\n"
+                               "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 1; fi\n"
+                               "echo \"launcher SigIgn: $(ignored $PPID)\"\n"
+                               "echo \"worker SigIgn: $(ignored $$)\"\n");
+  Launch l({"--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.05", "--tee", worker}, s);
+  ASSERT_EQ(l.wait(), 0) << l.err();
+  const std::string out = l.out();
+  const auto pipe_ignored = [&](const std::string& who) {
+    const auto at = out.find(who + " SigIgn: ");
+    if (at == std::string::npos) {
+      ADD_FAILURE() << "no " << who << " SigIgn line";
+      return false;
+    }
+    const auto mask = std::stoull(out.substr(at + who.size() + 9), nullptr, 16);
+    return (mask >> (SIGPIPE - 1) & 1) == 1;
+  };
+  for (int r = 0; r < 2; ++r) {
+    const std::string prefix = "[rank " + std::to_string(r) + "]:";
+    EXPECT_TRUE(pipe_ignored(prefix + "launcher")) << out;
+    EXPECT_FALSE(pipe_ignored(prefix + "worker")) << out;
+  }
+}
+
 TEST(Launcher, StoppedWorkerCountsAsHungAndTheGroupRestarts) {
   Scratch s;
   const auto worker =

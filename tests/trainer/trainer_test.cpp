@@ -377,6 +377,28 @@ TEST(ZeroTrainer, SavedOnTwoRanksResumesOnThreeEqualToUninterrupted) {
   fs::remove_all(dir);
 }
 
+// A finished run resumed on another world size trains nothing again (Note
+// [An epoch's tail]): 3 ranks over 95 examples leave 2 out (95 = 3 x 31 + 2),
+// which 2 ranks would take as one more step of the ended epoch.
+TEST(ZeroTrainer, AFinishedRunResumedOnAnotherWorldSizeTrainsNothingAgain) {
+  const auto dir = temp_dir("zero-finished");
+  auto options = kZeroOptions;
+  options.epochs = 1;
+  options.max_steps = 0;
+  options.accumulate = 1;
+  options.train_limit = 95;
+  options.checkpoint_dir = dir;
+  options.checkpoint_every = 3;
+  torch::manual_seed(12);
+  auto init = zero_net();
+  const at::Tensor finished = zero_run(3, 2, init, options);
+  torch::manual_seed(99);
+  auto other = zero_net();  // other initial weights: everything must come from the checkpoint
+  const at::Tensor resumed = zero_run(2, 2, other, options);
+  EXPECT_TRUE(at::equal(resumed, finished)) << (resumed - finished).abs().max();
+  fs::remove_all(dir);
+}
+
 namespace {
 
 // A step-indexed stream over Blobs(96): step s's global micro-batch m is

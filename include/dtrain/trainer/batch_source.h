@@ -19,7 +19,7 @@
 // position (from its strategy), then load_state() when it resumes, then for
 // each epoch start_epoch() and, for each optimizer step, next() once per
 // micro-batch in step order. state() is the position after the last batch
-// returned; checkpoints save it.
+// returned (an epoch with no whole step left is at its end); checkpoints save it.
 #pragma once
 
 #include <cstdint>
@@ -94,6 +94,7 @@ class EpochSource : public BatchSource {
   EpochSourceOptions options_;
   int accumulate_ = 1;
   std::int64_t examples_ = 0;
+  bool planned_ = false;  // start_epoch() has planned the loader's epoch (Note [An epoch's tail])
   std::unique_ptr<data::DataLoader<data::TensorExample, data::TensorBatch>> loader_;
 };
 
