@@ -169,7 +169,7 @@ std::pair<std::uint64_t, std::uint32_t> write_archive(const fs::path& path, cons
   try {
     std::vector<char> zeros;
     archive.save_to([&](const void* data, std::size_t n) -> std::size_t {
-      if (n == 0) return 0;   // zlib's crc32 of a null buffer is its initial value, not a no-op
+      if (n == 0) return 0;      // zlib's crc32 of a null buffer is its initial value, not a no-op
       if (error != 0) return n;  // failed already: skip the rest (see above)
       if (data == nullptr) {  // LibTorch's "skip n bytes" (Note [write_record_metadata]): zeros, as a file's hole reads
         zeros.assign(n, 0);
