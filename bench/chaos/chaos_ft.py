@@ -18,6 +18,9 @@ fixed seed:
                         chaos.py); the cut node's groups are dropped from the quorum, and come back
                         (restarted by their launcher if their lighthouse calls timed out meanwhile)
                         and recover live
+  cut_during_recovery   (--nodes N > 1, root) a rank of a group of node 0 SIGKILLed, and node 1's link
+                        cut as the group restarts and recovers: node 0's other group carries the
+                        job alone for a while
   disk_full             (root) the checkpoint directory, a --ckpt-mb tmpfs the GPT checkpoints into
                         every --ft-checkpoint-every steps, filled until a checkpoint write has failed,
                         then freed: the writing group warns and trains on (no restart); the
@@ -64,10 +67,11 @@ import zlib
 from faults import Lan, SmallDisk
 
 KINDS = ["worker_kill", "worker_stop", "two_replicas_kill", "kill_during_recovery", "node_kill", "link_cut",
-         "disk_full"]
-NEEDS_NODES = {"node_kill", "link_cut"}
+         "cut_during_recovery", "disk_full"]
+NEEDS_NODES = {"node_kill", "link_cut", "cut_during_recovery"}
+CUTS = {"link_cut", "cut_during_recovery"}
 FAILED_WRITE = "could not write checkpoint step"  # the Trainer's warning (Note [Failed checkpoint writes])
-OVERLAP = {"two_replicas_kill", "kill_during_recovery"}
+OVERLAP = {"two_replicas_kill", "kill_during_recovery", "cut_during_recovery"}
 BATCH = 2
 
 
@@ -109,8 +113,8 @@ class FtSoak:
         self.faults = []  # (kind, time, hits, since, new_process)
         kinds = a.ft_kinds.split(",")
         self.lan = self.disk = None
-        if "link_cut" in kinds:
-            assert a.nodes > 1, "link_cut needs --nodes 2 or more"
+        if CUTS & set(kinds):
+            assert a.nodes > 1, "link cuts need --nodes 2 or more"
             self.lan = Lan(a.nodes)
         if "disk_full" in kinds:
             self.disk = SmallDisk(os.path.join(self.dir, "ckpt"), a.ckpt_mb)
@@ -189,6 +193,19 @@ class FtSoak:
             # Back once its groups commit full-quorum steps again, from the same processes
             # or from restarted ones (their lighthouse calls may have timed out meanwhile).
             since, new_process = time.time(), False
+        elif kind == "cut_during_recovery":
+            per_node = self.a.replicas // self.a.nodes
+            killed = self.rng.randrange(per_node)  # a group of node 0: node 0's other one stays up to date
+            hits = [self.signal(killed, signal.SIGKILL)]
+            time.sleep(self.a.heartbeat_timeout + 1.0)  # its restart registers and recovers about now
+            node = self.rng.randrange(1, self.a.nodes)
+            cut_groups, cut_hits = self.node_hits(node)
+            groups = [killed] + cut_groups
+            hits += cut_hits
+            self.lan.cut(node)
+            time.sleep(self.a.cut_seconds or 2 * self.a.heartbeat_timeout)
+            self.lan.mend(node)
+            since, new_process = time.time(), False  # the killed group's restart, the cut ones' any process
         elif kind == "disk_full":
             groups = []
             self.disk_full()
