@@ -27,9 +27,11 @@ waits until all three nodes train together again.
   kill_during_reform  a worker killed, then a node killed while the group re-forms
 
 and lets every fault fire without waiting for the last one's recovery.
---ft runs the fault-tolerant mode instead (chaos_ft.py: one node, `dtrain run
---ft-replicas`, worker kills and stops, two groups at once, a kill during a
-recovery). --seeds A..B runs the soak once per seed and prints the totals per kind
+--ft runs the fault-tolerant mode instead (chaos_ft.py: `dtrain run
+--ft-replicas` on one node or, with --nodes N, N launchers in namespaces;
+worker kills and stops, two groups at once, a kill during a recovery, node
+kills, link cuts, a cut during a recovery, a full checkpoint disk; the
+namespaces and the tmpfs are faults.py's, shared with this mode). --seeds A..B runs the soak once per seed and prints the totals per kind
 (injected, survived, median and worst time lost) and each seed's audit.
 
 At the end it checks that training finished, that the final checkpoint loads
@@ -443,7 +445,7 @@ def main():
                    help="add the overlapping kinds, and let faults fire without waiting for recovery")
     p.add_argument("--seeds", default="", help="A..B: one soak per seed, with totals per kind")
     p.add_argument("--ft", action="store_true",
-                   help="fault-tolerant mode (chaos_ft.py): one node, --ft-replicas groups of the GPT")
+                   help="fault-tolerant mode (chaos_ft.py): --ft-replicas groups of the GPT on --nodes launchers")
     chaos_ft.add_arguments(p)
     a = p.parse_args()
     if a.ft:
