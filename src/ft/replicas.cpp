@@ -239,6 +239,11 @@ void FaultTolerantReplicas::wait_watching_members(dist::Work& work, const std::s
     retired_.emplace_back(*group_, future);
     throw;
   }
+  // Only now, with the future completed (by the collective's end or its own
+  // deadline): Work::wait() holds the operation's lock while it waits, and
+  // future()'s continuation takes that lock, so a wait() begun while the
+  // operation runs blocks both until the group timeout (a one-member quorum
+  // timed out so once). Here it only rethrows the outcome.
   work.wait();
 }
 

@@ -240,7 +240,9 @@ class LighthouseClient {
   // while the collective waits on it) is a CommunicationError naming it and
   // `what`, within about that timeout instead of the group's. The store is
   // read only once the first slice has passed, so a collective that ends
-  // within it costs no round trip. Note [Collectives on a silent member].
+  // within it costs no round trip. `wait_for` must turn true at the latest
+  // at the collective's own deadline (it completes with its error then).
+  // Note [Collectives on a silent member].
   void await_collective(const Quorum& q, const std::function<bool(std::chrono::milliseconds)>& wait_for,
                         const std::string& what);
 
