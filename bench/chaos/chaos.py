@@ -27,9 +27,11 @@ waits until all three nodes train together again.
   kill_during_reform  a worker killed, then a node killed while the group re-forms
 
 and lets every fault fire without waiting for the last one's recovery.
---ft runs the fault-tolerant mode instead (chaos_ft.py: one node, `dtrain run
---ft-replicas`, worker kills and stops, two groups at once, a kill during a
-recovery). --seeds A..B runs the soak once per seed and prints the totals per kind
+--ft runs the fault-tolerant mode instead (chaos_ft.py: `dtrain run
+--ft-replicas` on one node or, with --nodes N, N launchers in namespaces;
+worker kills and stops, two groups at once, a kill during a recovery, node
+kills, link cuts, a cut during a recovery, a full checkpoint disk; the
+namespaces and the tmpfs are faults.py's, shared with this mode). --seeds A..B runs the soak once per seed and prints the totals per kind
 (injected, survived, median and worst time lost) and each seed's audit.
 
 At the end it checks that training finished, that the final checkpoint loads
@@ -57,48 +59,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import chaos_ft  # noqa: E402
+from faults import Lan, SmallDisk  # noqa: E402
 
 KINDS = ["worker_kill", "worker_stop", "node_kill", "store_host_kill", "link_cut", "disk_full"]
 OVERLAP_KINDS = ["cut_then_host_kill", "host_kill_twice", "kill_during_reform"]
 ALL_KINDS = KINDS + OVERLAP_KINDS
 CONF = "last_call_timeout=1,heartbeat_interval=0.25,heartbeat_timeout=3"
 HEARTBEAT_TIMEOUT = 3.0
-
-
-def sh(cmd):
-    return subprocess.run(cmd, shell=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
-
-
-class Lan:
-    """n namespaces on a bridge; node i at 10.77.1.<i+1>. usable False without root/iproute2."""
-
-    def __init__(self, n):
-        tag = str(os.getpid() % 100000)
-        self.bridge = "dtcbr" + tag
-        self.names = []
-        self.usable = sh(f"ip link add {self.bridge} type bridge") and sh(f"ip link set {self.bridge} up")
-        for i in range(n):
-            if not self.usable:
-                break
-            ns, inside, outside = f"dtchaos{i}_{tag}", f"dtc{i}i{tag}", f"dtc{i}o{tag}"
-            self.names.append(ns)
-            self.usable = all(sh(c) for c in [
-                f"ip netns add {ns}", f"ip link add {inside} type veth peer name {outside}",
-                f"ip link set {inside} netns {ns}", f"ip link set {outside} master {self.bridge}",
-                f"ip link set {outside} up", f"ip -n {ns} link set {inside} name dteth0",
-                f"ip -n {ns} addr add {self.address(i)}/24 dev dteth0", f"ip -n {ns} link set dteth0 up",
-                f"ip -n {ns} link set lo up"])
-
-    def address(self, i):
-        return f"10.77.1.{i + 1}" if self.names else "127.0.0.1"
-
-    def wrap(self, i):
-        return ["ip", "netns", "exec", self.names[i]] if self.usable else []
-
-    def close(self):
-        for ns in self.names:
-            sh(f"ip netns del {ns}")
-        sh(f"ip link del {self.bridge}")
 
 
 class Node:
@@ -153,8 +120,8 @@ class Soak:
         self.args = args
         self.dir = tempfile.mkdtemp(prefix="dtrain-chaos-")
         self.ckpt = os.path.join(self.dir, "ckpt")
-        os.makedirs(self.ckpt)
-        self.tmpfs = sh(f"mount -t tmpfs -o size={args.ckpt_mb}m tmpfs {self.ckpt}")
+        self.disk = SmallDisk(self.ckpt, args.ckpt_mb)
+        self.tmpfs = self.disk.usable
         self.lan = Lan(3)
         self.port = 29000 + os.getpid() % 1000
         self.dtrain = os.path.join(args.build, "tools", "dtrain")
@@ -168,8 +135,7 @@ class Soak:
         for n in self.nodes:
             if n.alive():
                 os.killpg(n.proc.pid, signal.SIGKILL)
-        if self.tmpfs:
-            sh(f"umount {self.ckpt}")
+        self.disk.close()
         self.lan.close()
 
     # ---- observation ----
@@ -252,9 +218,9 @@ class Soak:
             candidates = [n for n in alive if n.index != host]
             if not candidates:
                 return False
-            ns = self.lan.names[rng.choice(candidates).index]
-            sh(f"ip -n {ns} link set dteth0 down")
-            self.pending_link = (time.time() + 2 * HEARTBEAT_TIMEOUT, ns)
+            node = rng.choice(candidates).index
+            self.lan.cut(node)
+            self.pending_link = (time.time() + 2 * HEARTBEAT_TIMEOUT, node)
             return True
         if kind == "cut_then_host_kill":
             if len(alive) < 3 or not self.inject("link_cut", rng):
@@ -275,7 +241,7 @@ class Soak:
         if kind == "disk_full":
             if not self.tmpfs:
                 return False
-            sh(f"dd if=/dev/zero of={self.ckpt}/filler bs=1M count={self.args.ckpt_mb * 2}")
+            self.disk.fill()
             self.pending_disk = time.time() + self.args.disk_full_seconds
             return True
         raise ValueError(kind)
@@ -345,13 +311,10 @@ class Soak:
             if self.follow_up(item[1], item[0]):
                 self.followups.remove(item)
         if getattr(self, "pending_link", None) and now >= self.pending_link[0]:
-            sh(f"ip -n {self.pending_link[1]} link set dteth0 up")
+            self.lan.mend(self.pending_link[1])
             self.pending_link = None
         if getattr(self, "pending_disk", None) and now >= self.pending_disk:
-            try:
-                os.remove(os.path.join(self.ckpt, "filler"))
-            except FileNotFoundError:
-                pass
+            self.disk.free()
             self.pending_disk = None
 
     def run(self):
@@ -482,7 +445,7 @@ def main():
                    help="add the overlapping kinds, and let faults fire without waiting for recovery")
     p.add_argument("--seeds", default="", help="A..B: one soak per seed, with totals per kind")
     p.add_argument("--ft", action="store_true",
-                   help="fault-tolerant mode (chaos_ft.py): one node, --ft-replicas groups of the GPT")
+                   help="fault-tolerant mode (chaos_ft.py): --ft-replicas groups of the GPT on --nodes launchers")
     chaos_ft.add_arguments(p)
     a = p.parse_args()
     if a.ft:

@@ -151,6 +151,12 @@ void write_file(const fs::path& path, const std::string& bytes) {
 
 // Writes `object`'s archive straight into `path` (no copy of it in memory),
 // fsyncs it, and returns its size and CRC32, computed as it is written.
+// A failed write (ENOSPC) is not reported to LibTorch's writer: a short
+// count makes it throw, and its destructor then writes the archive's end
+// again, fails again and throws during the unwinding, which terminates the
+// process (seen on a full disk under fault tolerance, where the group is
+// meant to warn and train on). The writer is told every byte went, the rest
+// is skipped, and the error is thrown here once it returns.
 std::pair<std::uint64_t, std::uint32_t> write_archive(const fs::path& path, const Stateful& object) {
   torch::serialize::OutputArchive archive;
   object.save_state(archive);
@@ -163,7 +169,8 @@ std::pair<std::uint64_t, std::uint32_t> write_archive(const fs::path& path, cons
   try {
     std::vector<char> zeros;
     archive.save_to([&](const void* data, std::size_t n) -> std::size_t {
-      if (n == 0) return 0;   // zlib's crc32 of a null buffer is its initial value, not a no-op
+      if (n == 0) return 0;      // zlib's crc32 of a null buffer is its initial value, not a no-op
+      if (error != 0) return n;  // failed already: skip the rest (see above)
       if (data == nullptr) {  // LibTorch's "skip n bytes" (Note [write_record_metadata]): zeros, as a file's hole reads
         zeros.assign(n, 0);
         data = zeros.data();
@@ -175,7 +182,7 @@ std::pair<std::uint64_t, std::uint32_t> write_archive(const fs::path& path, cons
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) {
           error = w < 0 ? errno : EIO;
-          return n - left;  // short: the writer fails
+          return n;  // thrown below, once the writer is done (see above)
         }
         p += w;
         left -= static_cast<std::size_t>(w);

@@ -60,7 +60,11 @@ void on_terminate() {
       message = "uncaught non-standard exception";
     }
   }
-  write_error_file(message);
+  // The message goes to stderr (the default handler's would, ours replaces
+  // it) and to the error file, which the SIGABRT handler must then leave as
+  // it is: "fatal signal SIGABRT" would hide which exception it was.
+  std::cerr << log::rank_tag() << (log::rank_tag().empty() ? "" : " ") << message << std::endl;
+  if (write_error_file(message)) g_path[0] = '\0';
   std::abort();
 }
 

@@ -292,6 +292,41 @@ void LighthouseClient::await_members(const Quorum& q, const std::string& prefix,
   }
 }
 
+// Note [Collectives on a silent member]
+// The gradient all-reduce waits on every member of the quorum. One whose
+// link is cut (the chaos soak's --ft link_cut, two nodes in network
+// namespaces) neither fails nor finishes it: Gloo's TCP pairs wait, and
+// every live member stood in it for the group timeout (10 s: 10.1 s in the
+// soak, 2026-11-25) although the lighthouse had dropped the silent member
+// after its heartbeat timeout. A stopped process (SIGSTOP) does the same on
+// shared memory. The wait now runs in slices and reads the members'
+// heartbeat counters between them, as the vote does (Note [Members that
+// never come]): a member silent for the heartbeat timeout fails the
+// collective on the live ones, who vote to abort and ask for a fresh group;
+// the next quorum leaves the silent member out. The abandoned operation may
+// still run in the old group's threads until its own timeout: the caller
+// keeps that group until then (destroying it would block on them).
+void LighthouseClient::await_collective(const Quorum& q, const std::function<bool(std::chrono::milliseconds)>& wait_for,
+                                        const std::string& what) {
+  if (q.members.size() < 2) {
+    while (!wait_for(std::chrono::seconds(1))) {
+    }
+    return;
+  }
+  PeerWatch watch(*this, q);
+  while (!wait_for(watch.slice())) {
+    const auto now = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < q.members.size(); ++i) {
+      if (q.members[i].replica_id == options_.replica_id || !watch.silent(i, now)) continue;
+      throw CommunicationError("replica " + std::to_string(options_.replica_id) + ": " + what + " of " + q.describe() +
+                                   " waits on member replica " + std::to_string(q.members[i].replica_id) +
+                                   ", whose heartbeat stopped (for the lighthouse's heartbeat timeout: it died, "
+                                   "stopped, or its link is cut); the step aborts without it.",
+                               "nothing to do: the next quorum leaves it out");
+    }
+  }
+}
+
 CommitVote commit_vote(std::int64_t sum, std::int64_t members) {
   const std::int64_t voted = sum & kVoteCountMask;
   if ((sum >> kAbortShift) > 0) return CommitVote::kAbort;

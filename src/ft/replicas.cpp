@@ -30,7 +30,9 @@
 #include <ATen/ops/zeros.h>
 #include <torch/serialize/archive.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 
 #include "dtrain/error.h"
 #include "dtrain/ft/replicas.h"
@@ -122,6 +124,7 @@ void FaultTolerantReplicas::start_step() {
 
 void FaultTolerantReplicas::make_group() {
   group_.reset();
+  std::erase_if(retired_, [](const auto& retired) { return retired.second->completed(); });
   group_quorum_id_ = -1;
   const int rank = quorum_.index_of(replica_id());
   const int size = static_cast<int>(quorum_.members.size());
@@ -199,7 +202,8 @@ void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensor
     flat.reserve(tensors.size());
     for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
     at::Tensor buffer = at::cat(flat);
-    group_->all_reduce(buffer, dist::ReduceOp::kAvg).wait();
+    dist::Work work = group_->all_reduce(buffer, dist::ReduceOp::kAvg);
+    wait_watching_members(work, "the gradient all-reduce");
     std::int64_t offset = 0;
     for (auto& t : tensors) {
       t.copy_(buffer.narrow(0, offset, t.numel()).view_as(t));
@@ -208,6 +212,39 @@ void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensor
   } catch (const std::exception& e) {
     fail("the gradient all-reduce", e);
   }
+}
+
+void FaultTolerantReplicas::wait_watching_members(dist::Work& work, const std::string& what) {
+  struct Done {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  dist::Future future = work.future();
+  future->addCallback([done](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(done->mutex);
+    done->done = true;
+    done->cv.notify_all();
+  });
+  try {
+    client_.await_collective(
+        quorum_,
+        [&done](std::chrono::milliseconds slice) {
+          std::unique_lock<std::mutex> lock(done->mutex);
+          return done->cv.wait_for(lock, slice, [&done] { return done->done; });
+        },
+        what);
+  } catch (...) {
+    retired_.emplace_back(*group_, future);
+    throw;
+  }
+  // Only now, with the future completed (by the collective's end or its own
+  // deadline): Work::wait() holds the operation's lock while it waits, and
+  // future()'s continuation takes that lock, so a wait() begun while the
+  // operation runs blocks both until the group timeout (a one-member quorum
+  // timed out so once). Here it only rethrows the outcome.
+  work.wait();
 }
 
 void FaultTolerantReplicas::finish() {

@@ -12,6 +12,21 @@
 // of the whole job (every group) resumes every group from the newest
 // checkpoint and the quorum starts at its step; a single restarted group
 // also reads it, is behind its live peers, and recovers from them as usual.
+//
+// Note [Failed checkpoint writes]
+// Under fault tolerance a checkpoint is a fallback for a whole-job restart,
+// not the state training goes on from: every member of the quorum holds that
+// state live. So a write that fails (ENOSPC on a full disk, most often) is a
+// warning, not a failure of the writing group: had it thrown, the launcher
+// would restart the group, which would recover live, be the lowest replica id
+// again and fail the next write the same way, each time costing a restart.
+// The Checkpointer's commit protocol makes the skip safe: its ranks agree
+// after every phase, so every rank of the group throws at the same phase and
+// goes on alike (no rank is left inside a collective), the temporary folder
+// is removed and the previous checkpoints stay untouched. The step is not
+// marked saved, so the next checkpoint step (or the end) writes again.
+// CommunicationError and TimeoutError still escape: they mean a rank of the
+// group is gone or stuck, and the group must restart.
 #include "fault_tolerant_step.h"
 
 #include <ATen/core/ivalue.h>
@@ -19,6 +34,7 @@
 
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/error.h"
+#include "dtrain/log.h"
 
 namespace dtrain {
 
@@ -161,6 +177,24 @@ std::vector<int> FaultTolerantStep::members() const {
   std::vector<int> ids;
   for (const auto& m : replicas_->quorum().members) ids.push_back(m.replica_id);
   return ids;
+}
+
+bool FaultTolerantStep::save_checkpoint(std::int64_t step, const std::function<void()>& write) {
+  try {
+    write();
+    return true;
+  } catch (const CommunicationError&) {
+    throw;
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const std::exception& e) {
+    DTRAIN_LOG(kWarning) << "replica group " << endpoint_.replica_id << " (the lowest of the quorum, which writes "
+                         << "the job's checkpoints) could not write checkpoint step " << step
+                         << "; training goes on, the previous checkpoints are unchanged, and the next checkpoint "
+                            "step writes again (Note [Failed checkpoint writes]): "
+                         << e.what();
+    return false;
+  }
 }
 
 bool FaultTolerantStep::writes_checkpoints() const {

@@ -63,6 +63,13 @@ class FaultTolerantStep {
   // checkpoints, as the lowest replica id of the step's quorum. One member
   // of each quorum, the same on every rank of its group.
   bool writes_checkpoints() const;
+  // Runs `write` (the strategy's save of checkpoint step `step`, on every
+  // rank of this group); returns whether it was written. A write that fails
+  // (a full disk, a folder that cannot be made) does not fail the group: it
+  // is logged as a warning and training goes on, since the replica groups
+  // hold the state live (Note [Failed checkpoint writes]). A failure of the
+  // group itself (CommunicationError, TimeoutError) is thrown.
+  bool save_checkpoint(std::int64_t step, const std::function<void()>& write);
   // The replica ids of the last quorum, in its order (the committed step's
   // membership after commit() returned true).
   std::vector<int> members() const;

@@ -363,10 +363,14 @@ struct Trainer::Run {
 
   // Under fault tolerance the replica groups hold the same state after a
   // committed step: one writes it (Note [Checkpoints of replica groups]).
+  // A write that fails under fault tolerance is a warning (Note [Failed
+  // checkpoint writes] in fault_tolerant_step.cpp).
   void save() {
     if (ft && !ft->writes_checkpoints()) return;
     position.sampler = source.state();
-    s.save(*checkpoints, position, st.optimizer);
+    auto write = [this] { s.save(*checkpoints, position, st.optimizer); };
+    if (ft && !ft->save_checkpoint(position.step, write)) return;
+    if (!ft) write();
     last_saved_step = position.step;
   }
 

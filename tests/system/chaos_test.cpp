@@ -27,15 +27,20 @@ std::string run_and_capture(const std::string& command, int* status) {
   return out;
 }
 
+// Why link cuts and a full disk cannot be injected here, or "" when they can.
+std::string without_root() {
+  if (::geteuid() != 0 || std::system("ip netns list >/dev/null 2>&1") != 0) {
+    return "needs root and iproute2 (network namespaces, link cuts, a tmpfs for the full disk)";
+  }
+  return "";
+}
+
 // Why the soak cannot run here, or "" when it can.
 std::string unsupported() {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) {
     return "dataset-fashion-mnist not installed";
   }
-  if (::geteuid() != 0 || std::system("ip netns list >/dev/null 2>&1") != 0) {
-    return "needs root and iproute2 (network namespaces, link cuts, a tmpfs for the full disk)";
-  }
-  return "";
+  return without_root();
 }
 
 // Runs chaos.py with `args`, checks the verdict every soak must reach, and
@@ -114,6 +119,10 @@ nlohmann::json ft_soak(const std::string& args, const std::vector<std::string>& 
     return {};
   }
   const auto r = nlohmann::json::parse(out->substr(at, out->find('\n', at) - at));
+  if (r.contains("unsupported")) {
+    ADD_FAILURE() << r["unsupported"].get<std::string>();  // the callers skip before, when they can tell
+    return {};
+  }
   EXPECT_TRUE(r["finished"].get<bool>()) << *out;
   EXPECT_EQ(r["whole_restarts"].get<int>(), 0) << *out;
   EXPECT_TRUE(r["samples_ok"].get<bool>()) << *out;
@@ -158,4 +167,42 @@ TEST(Chaos, FaultTolerantNodesSurviveANodeKill) {
       {"node_kill", "worker_kill"}, &out);
   if (r.is_null()) return;
   EXPECT_EQ(r["group_restarts"].get<int>(), 1) << out;  // the worker kill's; the node's groups start anew
+}
+
+// disk_full: the checkpoint directory (a 16 MiB tmpfs the GPT checkpoints into
+// every 20 steps) filled until a checkpoint write has failed, then freed. The
+// writing group (the quorum's lowest) warns and trains on: no group restarts,
+// the checkpoints left verify (sizes and CRC32s as their MANIFESTs list),
+// and the run's last checkpoint is written after the disk was freed (Note
+// [Failed checkpoint writes]).
+TEST(Chaos, FaultTolerantGroupsSurviveAFullCheckpointDisk) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (const auto why = without_root(); !why.empty()) GTEST_SKIP() << why;
+  std::string out;
+  const auto r = ft_soak("--ft-kinds disk_full --faults 1 --steps 400 --gap-min 1 --gap-max 2 --timeout 90 --seed 2",
+                         {"disk_full"}, &out);
+  if (r.is_null()) return;
+  EXPECT_EQ(r["group_restarts"].get<int>(), 0) << out;
+  EXPECT_GE(r["failed_checkpoint_writes"].get<int>(), 1) << out;
+}
+
+// link_cut: two nodes, each in a network namespace with a /dev/shm of its own
+// (so the groups of the two nodes talk over Gloo's TCP, as on two hosts);
+// node 1's link cut for twice the heartbeat timeout. Its groups are dropped
+// from the quorum, the others go on (a collective that waits on them fails
+// within the heartbeat timeout: Note [Collectives on a silent member]), and
+// they come back and recover live; the job never restarts as a whole. Then
+// the overlap cut_during_recovery: a group of node 0 killed, and node 1's
+// link cut while it restarts and recovers (node 0's other group carries the
+// job alone meanwhile).
+TEST(Chaos, FaultTolerantNodesSurviveALinkCut) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  if (const auto why = without_root(); !why.empty()) GTEST_SKIP() << why;
+  std::string out;
+  const auto r = ft_soak(
+      "--nodes 2 --ft-kinds link_cut,cut_during_recovery --faults 2 --steps 600 --gap-min 1 --gap-max 2 --timeout 90 "
+      "--seed 2",
+      {"link_cut", "cut_during_recovery"}, &out);
+  if (r.is_null()) return;
+  EXPECT_GE(r["group_restarts"].get<int>(), 1) << out;  // the killed group's, at least
 }

@@ -2,10 +2,12 @@
 // skipped), retention, mismatched models, and resume equal to uninterrupted.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 
@@ -107,6 +109,47 @@ TEST(Checkpoint, PartialAndCorruptCheckpointsAreSkipped) {
   ckpt.save({.step = 4}, *other, other_opt);
   EXPECT_FALSE(fs::exists(dir / ".tmp_step_12_999"));
   EXPECT_EQ(ckpt.complete_steps().front(), 4);
+  fs::remove_all(dir);
+}
+
+// A full disk (here the file size limit: write() fails with EFBIG, as with
+// ENOSPC) is a ConfigError naming the file, not a crash: LibTorch's archive
+// writer, told of a short write, threw, and threw again from its destructor,
+// which terminated the process (the chaos soak's full disk under fault
+// tolerance). The previous checkpoint stays the newest and loads.
+TEST(Checkpoint, AFullDiskIsAnErrorNotACrashAndKeepsThePreviousCheckpoint) {
+  const auto dir = temp_dir("full");
+  torch::manual_seed(0);
+  TinyNet net(4096);  // model.pt and optimizer.pt well over the limit below
+  torch::optim::Adam opt(net->parameters(), 1e-2);
+  dtrain::Checkpointer ckpt({.dir = dir, .keep = 2});
+  train(net, opt, &ckpt, 0, 3);  // checkpoint 3
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  rlimit small = before;
+  small.rlim_cur = 16 * 1024;
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string error;
+  try {
+    ckpt.save({.step = 4}, *net, opt);
+  } catch (const dtrain::ConfigError& e) {
+    error = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(error.find("cannot write"), std::string::npos) << error;
+  EXPECT_NE(error.find("File too large"), std::string::npos) << error;
+  EXPECT_EQ(ckpt.complete_steps(), (std::vector<std::int64_t>{3}));
+  EXPECT_FALSE(fs::exists(dir / ".tmp_step_4"));
+  torch::manual_seed(1);
+  TinyNet same(4096);
+  torch::optim::Adam same_opt(same->parameters(), 1e-2);
+  EXPECT_EQ(ckpt.load_latest(*same, same_opt)->step, 3);
+  const auto want = params(net), got = params(same);  // net has not stepped since
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_TRUE(at::equal(want[i], got[i])) << "parameter " << i;
+  }
   fs::remove_all(dir);
 }
 

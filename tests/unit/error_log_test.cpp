@@ -1,10 +1,17 @@
 // Error formatting (rank tag, hint) and rank-tagged log lines.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <stdexcept>
 #include <thread>
 
 #include "dtrain/comm/env.h"
+#include "dtrain/elastic/error_file.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 
@@ -111,4 +118,30 @@ TEST(Log, ThreadsWithoutTheirOwnRankTakeTheProcesssFromItsContract) {
 TEST(Log, DebugIsOffByDefault) {
   EXPECT_FALSE(dtrain::log::enabled(dtrain::log::Level::kDebug));
   EXPECT_TRUE(dtrain::log::enabled(dtrain::log::Level::kError));
+}
+
+// An exception that escapes where it cannot be caught (a destructor, a
+// thread) ends in std::terminate: the error file names it, and the SIGABRT
+// that follows does not overwrite it with "fatal signal SIGABRT" (the chaos
+// soak's full disk showed only that, hiding LibTorch's "file write failed").
+TEST(ErrorFile, TerminateKeepsTheUncaughtExceptionsMessage) {
+  const auto path = std::filesystem::temp_directory_path() / ("dtrain-error-file-" + std::to_string(::getpid()));
+  std::filesystem::remove(path);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::setenv("TORCHELASTIC_ERROR_FILE", path.c_str(), 1);
+    dtrain::elastic::install_error_handlers();
+    try {
+      throw std::runtime_error("boom from a destructor");
+    } catch (...) {
+      std::terminate();  // as a throwing destructor ends: with the exception current
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT) << "status " << status;
+  const std::string message = dtrain::elastic::read_error_message(path.string());
+  EXPECT_EQ(message, "uncaught exception: boom from a destructor");
+  std::filesystem::remove(path);
 }

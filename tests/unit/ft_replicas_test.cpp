@@ -245,5 +245,92 @@ TEST(FtReplicas, MemberThatDiesAfterAskingFailsTheStepWithinTheHeartbeatTimeout)
   lighthouse.check();
 }
 
+// The chaos soak's link cut (two nodes in network namespaces): a member whose
+// link is cut after its group was made neither fails nor finishes the
+// gradient all-reduce, and the others stood in it for the group timeout.
+// Here member 2 commits step 0 with the others, joins step 1's quorum (the
+// same group) and then goes silent (its heartbeat stops, its group stays
+// open, it never enters the all-reduce), as behind a cut link. The others
+// fail that all-reduce once its heartbeat has stopped for the lighthouse's
+// heartbeat timeout, abort the step and commit the next without it, long
+// before the group timeout (Note [Collectives on a silent member]).
+TEST(FtReplicas, AllReduceOnASilentMemberFailsWithinTheHeartbeatTimeout) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, {.min_replicas = 1,
+                                .startup_replicas = 3,
+                                .heartbeat_timeout = milliseconds(300),
+                                .join_timeout = milliseconds(5000),
+                                .scan_interval = milliseconds(10)});
+  constexpr auto kGroupTimeout = milliseconds(6000);  // the abandoned all-reduce ends then: the test's length
+  std::vector<double> back_s(2, -1);                  // from the silence to the first commit after the abort
+  std::vector<std::string> members_before(2), members_after(2);
+  std::vector<int> aborted(2, 0);
+  std::atomic<int> finished{0};
+  std::atomic<std::int64_t> silent_at_ns{0};
+  auto state_of = [](at::Tensor& w) {
+    return ReplicaState{.save = [&w](torch::serialize::OutputArchive& a) { a.write("w", w); },
+                        .load =
+                            [&w](torch::serialize::InputArchive& a) {
+                              at::Tensor got;
+                              a.read("w", got);
+                              w.copy_(got);
+                            }};
+  };
+  auto now_ns = [] { return std::chrono::steady_clock::now().time_since_epoch().count(); };
+  auto ids = [](const Quorum& q) {
+    std::string out;
+    for (const auto& m : q.members) out += std::to_string(m.replica_id);
+    return out;
+  };
+  testing::run_rank_threads(3, [&](int rank, dist::Store) {
+    at::Tensor w = at::zeros({2});
+    if (rank == 2) {
+      auto client = std::make_unique<LighthouseClient>(store, store, LighthouseClientOptions{.replica_id = 2});
+      auto silent = std::make_unique<FaultTolerantReplicas>(*client, state_of(w),
+                                                            FaultTolerantOptions{.group_timeout = kGroupTimeout});
+      silent->start_step();
+      std::vector<at::Tensor> grads{at::ones({2})};
+      silent->all_reduce_gradients(grads);
+      EXPECT_TRUE(silent->should_commit());
+      silent->start_step();  // step 1's quorum, the same group
+      silent_at_ns = now_ns();
+      client.reset();  // its heartbeat stops; the group stays open and never reduces
+      const auto until = std::chrono::steady_clock::now() + kGroupTimeout + std::chrono::seconds(5);
+      while (finished.load() < 2 && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(milliseconds(20));
+      }
+      silent.reset();  // only now its group closes (the others' abandoned all-reduce then ends)
+      return;
+    }
+    LighthouseClient client(store, store, {.replica_id = rank, .commit_timeout = milliseconds(3000)});
+    FaultTolerantReplicas replicas(client, state_of(w), {.group_timeout = kGroupTimeout});
+    while (replicas.step() < 3) {
+      replicas.start_step();
+      std::vector<at::Tensor> grads{at::ones({2})};
+      replicas.all_reduce_gradients(grads);
+      if (!replicas.should_commit()) {
+        ++aborted[rank];
+        continue;
+      }
+      if (replicas.step() == 1) {
+        members_before[rank] = ids(replicas.quorum());
+      } else if (aborted[rank] > 0 && back_s[rank] < 0) {
+        back_s[rank] = static_cast<double>(now_ns() - silent_at_ns.load()) * 1e-9;
+        members_after[rank] = ids(replicas.quorum());
+      }
+    }
+    ++finished;
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(members_before[rank], "012") << "rank " << rank;
+    EXPECT_EQ(aborted[rank], 1) << "rank " << rank << ": the step with the silent member aborts, once";
+    EXPECT_EQ(members_after[rank], "01") << "rank " << rank;
+    EXPECT_GT(back_s[rank], 0.0) << "rank " << rank;
+    EXPECT_LT(back_s[rank], 4.0) << "rank " << rank << " waited for the group timeout (" << kGroupTimeout.count()
+                                 << " ms), not the heartbeat's";
+  }
+  lighthouse.check();
+}
+
 }  // namespace
 }  // namespace dtrain::ft

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -232,6 +233,18 @@ class LighthouseClient {
   // CommunicationError naming it, within about that timeout, not the
   // group's; TimeoutError after `timeout`. Note [Members that never come].
   void await_members(const Quorum& q, const std::string& prefix, std::chrono::milliseconds timeout);
+  // Waits for a collective on quorum `q`'s group: calls `wait_for(slice)`,
+  // which blocks up to `slice` and returns whether the collective is done,
+  // until it returns true. A member whose heartbeat has not moved for the
+  // lighthouse's heartbeat timeout (it died, stopped, or its link was cut
+  // while the collective waits on it) is a CommunicationError naming it and
+  // `what`, within about that timeout instead of the group's. The store is
+  // read only once the first slice has passed, so a collective that ends
+  // within it costs no round trip. `wait_for` must turn true at the latest
+  // at the collective's own deadline (it completes with its error then).
+  // Note [Collectives on a silent member].
+  void await_collective(const Quorum& q, const std::function<bool(std::chrono::milliseconds)>& wait_for,
+                        const std::string& what);
 
  private:
   void register_once();

@@ -37,6 +37,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
@@ -133,6 +134,10 @@ class FaultTolerantReplicas {
 
  private:
   void make_group();
+  // Work::wait(), with the live members watched (Note [Collectives on a
+  // silent member]); on a silent member, keeps the group in retired_ and
+  // throws.
+  void wait_watching_members(dist::Work& work, const std::string& what);
   void recover_or_serve();
   void fail(const std::string& what, const std::exception& e);
   bool shared_by_ranks() const { return options_.replica_group && options_.replica_group->size() > 1; }
@@ -145,6 +150,10 @@ class FaultTolerantReplicas {
   Quorum quorum_;
   std::optional<dist::ProcessGroup> group_;
   std::int64_t group_quorum_id_ = -1;
+  // Groups whose collective was abandoned on a silent member, with that
+  // collective's future: destroyed once it ends (at its own timeout), since
+  // destroying a group joins its threads, which wait in it.
+  std::vector<std::pair<dist::ProcessGroup, dist::Future>> retired_;
   bool failed_ = false;      // this step's group, transfer or all-reduce failed
   bool want_fresh_ = false;  // ask the next quorum for a fresh group
   bool recovered_ = false;
