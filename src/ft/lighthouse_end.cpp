@@ -25,8 +25,10 @@
 //                        (as for any whole-job failure).
 // While a holder may still come back (live, or silent for less than that),
 // the requests wait, as before.
+#include <algorithm>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "dtrain/comm/store_keys.h"
 #include "dtrain/ft/lighthouse.h"
@@ -51,12 +53,17 @@ std::string Lighthouse::end_of_training(Clock::time_point now) {
     return end_;
   }
   if (up_to_date_.empty()) return {};
-  std::string ids;
+  std::vector<int> lost_ids;
   for (const auto& [incarnation, id] : up_to_date_) {
     const Replica* r = replica(incarnation);
     if (r != nullptr && now - r->last_beat < options_.heartbeat_timeout + options_.join_timeout) return {};
-    ids += (ids.empty() ? "" : " ") + std::to_string(id);
+    lost_ids.push_back(id);
   }
+  // Ascending replica ids, not the groups' order of arrival: one message for
+  // the same loss whichever group registered first.
+  std::sort(lost_ids.begin(), lost_ids.end());
+  std::string ids;
+  for (const int id : lost_ids) ids += (ids.empty() ? "" : " ") + std::to_string(id);
   end_ = "lost " + std::to_string(highest_step_) + " " + ids;
   {
     std::lock_guard lock(mutex_);

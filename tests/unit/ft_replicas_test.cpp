@@ -21,6 +21,27 @@ namespace {
 
 using std::chrono::milliseconds;
 
+// Three replicas' lighthouse with a 300 ms heartbeat timeout: a dead or
+// silent member is noticed long before any group timeout of these tests.
+LighthouseOptions three_replicas_quick_heartbeats() {
+  return {.min_replicas = 1,
+          .startup_replicas = 3,
+          .heartbeat_timeout = milliseconds(300),
+          .join_timeout = milliseconds(5000),
+          .scan_interval = milliseconds(10)};
+}
+
+// A replica whose whole state is the tensor `w`.
+ReplicaState state_of(at::Tensor& w) {
+  return ReplicaState{.save = [&w](torch::serialize::OutputArchive& a) { a.write("w", w); },
+                      .load =
+                          [&w](torch::serialize::InputArchive& a) {
+                            at::Tensor got;
+                            a.read("w", got);
+                            w.copy_(got);
+                          }};
+}
+
 TEST(FtReplicas, HalfRecoveredReplicaGroupRecoversAgainOnEveryRank) {
   constexpr int kSteps = 10;
   constexpr int kRanksPerGroup = 2;
@@ -194,11 +215,7 @@ TEST(FtReplicas, HalfRecoveredGroupWithNoPeerAheadStopsInsteadOfDiverging) {
 // the next without it, long before the group timeout.
 TEST(FtReplicas, MemberThatDiesAfterAskingFailsTheStepWithinTheHeartbeatTimeout) {
   auto store = dist::Store::in_memory();
-  Lighthouse lighthouse(store, {.min_replicas = 1,
-                                .startup_replicas = 3,
-                                .heartbeat_timeout = milliseconds(300),
-                                .join_timeout = milliseconds(5000),
-                                .scan_interval = milliseconds(10)});
+  Lighthouse lighthouse(store, three_replicas_quick_heartbeats());
   constexpr auto kGroupTimeout = milliseconds(8000);
   std::vector<double> first_commit_s(2, -1);
   std::vector<std::string> first_members(2);
@@ -213,14 +230,7 @@ TEST(FtReplicas, MemberThatDiesAfterAskingFailsTheStepWithinTheHeartbeatTimeout)
     }
     LighthouseClient client(store, store, {.replica_id = rank, .commit_timeout = milliseconds(3000)});
     at::Tensor w = at::zeros({2});
-    ReplicaState state{.save = [&](torch::serialize::OutputArchive& a) { a.write("w", w); },
-                       .load =
-                           [&](torch::serialize::InputArchive& a) {
-                             at::Tensor got;
-                             a.read("w", got);
-                             w.copy_(got);
-                           }};
-    FaultTolerantReplicas replicas(client, state, {.group_timeout = kGroupTimeout});
+    FaultTolerantReplicas replicas(client, state_of(w), {.group_timeout = kGroupTimeout});
     while (replicas.step() < 2) {
       replicas.start_step();
       std::vector<at::Tensor> grads{at::ones({2})};
@@ -256,26 +266,13 @@ TEST(FtReplicas, MemberThatDiesAfterAskingFailsTheStepWithinTheHeartbeatTimeout)
 // before the group timeout (Note [Collectives on a silent member]).
 TEST(FtReplicas, AllReduceOnASilentMemberFailsWithinTheHeartbeatTimeout) {
   auto store = dist::Store::in_memory();
-  Lighthouse lighthouse(store, {.min_replicas = 1,
-                                .startup_replicas = 3,
-                                .heartbeat_timeout = milliseconds(300),
-                                .join_timeout = milliseconds(5000),
-                                .scan_interval = milliseconds(10)});
+  Lighthouse lighthouse(store, three_replicas_quick_heartbeats());
   constexpr auto kGroupTimeout = milliseconds(6000);  // the abandoned all-reduce ends then: the test's length
   std::vector<double> back_s(2, -1);                  // from the silence to the first commit after the abort
   std::vector<std::string> members_before(2), members_after(2);
   std::vector<int> aborted(2, 0);
   std::atomic<int> finished{0};
   std::atomic<std::int64_t> silent_at_ns{0};
-  auto state_of = [](at::Tensor& w) {
-    return ReplicaState{.save = [&w](torch::serialize::OutputArchive& a) { a.write("w", w); },
-                        .load =
-                            [&w](torch::serialize::InputArchive& a) {
-                              at::Tensor got;
-                              a.read("w", got);
-                              w.copy_(got);
-                            }};
-  };
   auto now_ns = [] { return std::chrono::steady_clock::now().time_since_epoch().count(); };
   auto ids = [](const Quorum& q) {
     std::string out;
