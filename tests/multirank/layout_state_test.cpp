@@ -57,6 +57,17 @@ LaidOutRank make_rank(dtrain::dist::ProcessGroup group, int world, Placement w_o
   return r;
 }
 
+// Registers "laid_out" with `checkpointer`: the one tensor "w", of which
+// this rank holds `w` under `layout` at `coordinates`.
+void add_laid_out_w(dtrain::Checkpointer& checkpointer, at::Tensor& w, const Layout& layout,
+                    const std::vector<int>& coordinates) {
+  checkpointer.add_state(
+      "laid_out", std::make_shared<dtrain::LayoutState>([&w, layout, coordinates] {
+        return dtrain::LaidOutTensors{{"w", {.local = w, .layout = layout, .coordinates = coordinates}}};
+      }),
+      dtrain::StateScope::kSharded);
+}
+
 std::filesystem::path layout_state_dir(const std::string& name) {
   auto dir =
       std::filesystem::temp_directory_path() / ("dtrain-layout-state-" + name + "-" + std::to_string(::getpid()));
@@ -189,11 +200,7 @@ TEST(LayoutState, AnotherShapeOfTheSameElementsLoadsWhereOneSideIsWhole) {
       const Layout layout{.mesh = mesh.dims(), .placements = {Placement::shard(0)}, .global_shape = global};
       at::Tensor w = at::full(layout.local_box(mesh.coordinates()).sizes, -1.0F);
       dtrain::Checkpointer checkpointer({.dir = dir}, group);
-      checkpointer.add_state(
-          "laid_out", std::make_shared<dtrain::LayoutState>([&] {
-            return dtrain::LaidOutTensors{{"w", {.local = w, .layout = layout, .coordinates = mesh.coordinates()}}};
-          }),
-          dtrain::StateScope::kSharded);
+      add_laid_out_w(checkpointer, w, layout, mesh.coordinates());
       try {
         checkpointer.load_latest();
       } catch (const dtrain::DataError& e) {
@@ -437,11 +444,7 @@ TEST(LayoutState, FlatRangesOfPartsLoadUnderAnyLayout) {
       const Layout rows{.mesh = mesh.dims(), .placements = {Placement::shard(0)}, .global_shape = {5, 8}};
       at::Tensor w = at::full(rows.local_box(mesh.coordinates()).sizes, -1.0F);
       dtrain::Checkpointer checkpointer({.dir = dir}, group);
-      checkpointer.add_state(
-          "laid_out", std::make_shared<dtrain::LayoutState>([&] {
-            return dtrain::LaidOutTensors{{"w", {.local = w, .layout = rows, .coordinates = mesh.coordinates()}}};
-          }),
-          dtrain::StateScope::kSharded);
+      add_laid_out_w(checkpointer, w, rows, mesh.coordinates());
       ASSERT_TRUE(checkpointer.load_latest().has_value());
       EXPECT_TRUE(at::equal(w, dtrain::dist::local_part(global_w8(), rows, mesh.coordinates())))
           << "world " << world << " rank " << rank << ": " << w;
@@ -475,11 +478,7 @@ TEST(LayoutState, FlatPiecesLoadIntoPartsOfTheModelsShape) {
     const Layout flat{.mesh = mesh.dims(), .placements = {Placement::shard(0)}, .global_shape = {35}};
     at::Tensor w = dtrain::dist::local_part(global_w().view({35}), flat, mesh.coordinates()).clone();
     dtrain::Checkpointer checkpointer({.dir = dir}, group);
-    checkpointer.add_state(
-        "laid_out", std::make_shared<dtrain::LayoutState>([&] {
-          return dtrain::LaidOutTensors{{"w", {.local = w, .layout = flat, .coordinates = mesh.coordinates()}}};
-        }),
-        dtrain::StateScope::kSharded);
+    add_laid_out_w(checkpointer, w, flat, mesh.coordinates());
     checkpointer.save({.step = 1});
   });
   for (const auto& [world, dim] : std::vector<std::pair<int, std::int64_t>>{{2, 1}, {3, 0}}) {
@@ -489,11 +488,7 @@ TEST(LayoutState, FlatPiecesLoadIntoPartsOfTheModelsShape) {
       const Layout part{.mesh = mesh.dims(), .placements = {Placement::shard(dim)}, .global_shape = {5, 7}};
       at::Tensor w = at::full(part.local_box(mesh.coordinates()).sizes, -1.0F);
       dtrain::Checkpointer checkpointer({.dir = dir}, group);
-      checkpointer.add_state(
-          "laid_out", std::make_shared<dtrain::LayoutState>([&] {
-            return dtrain::LaidOutTensors{{"w", {.local = w, .layout = part, .coordinates = mesh.coordinates()}}};
-          }),
-          dtrain::StateScope::kSharded);
+      add_laid_out_w(checkpointer, w, part, mesh.coordinates());
       ASSERT_TRUE(checkpointer.load_latest().has_value());
       EXPECT_TRUE(at::equal(w, dtrain::dist::local_part(global_w(), part, mesh.coordinates())))
           << "world " << world << " dim " << dim << " rank " << rank << ": " << w;

@@ -43,19 +43,28 @@ std::string unsupported() {
   return without_root();
 }
 
+// Runs bench/chaos/chaos.py `mode``args` (its whole output in `out`, its exit
+// status in `status`) and returns the last JSON line of `bench` it printed;
+// null, with a failure holding the output, when there is none.
+nlohmann::json run_chaos(const std::string& mode, const std::string& bench, const std::string& args, std::string* out,
+                         int* status) {
+  *out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/chaos/chaos.py " + mode +
+                             "--build " + DTRAIN_BINARY_DIR + " " + args + " 2>&1",
+                         status);
+  const auto at = out->rfind("{\"bench\": \"" + bench + "\"");
+  if (at == std::string::npos) {
+    ADD_FAILURE() << *out;
+    return {};
+  }
+  return nlohmann::json::parse(out->substr(at, out->find('\n', at) - at));
+}
+
 // Runs chaos.py with `args`, checks the verdict every soak must reach, and
 // returns its JSON line (with the whole output, for messages).
 nlohmann::json soak(const std::string& args, std::string* out) {
   int status = 0;
-  *out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/chaos/chaos.py --build " +
-                             DTRAIN_BINARY_DIR + " " + args + " 2>&1",
-                         &status);
-  const auto last = out->rfind("{\"bench\": \"chaos\"");
-  if (last == std::string::npos) {
-    ADD_FAILURE() << *out;
-    return {};
-  }
-  const auto r = nlohmann::json::parse(out->substr(last, out->find('\n', last) - last));
+  const auto r = run_chaos("", "chaos", args, out, &status);
+  if (r.is_null()) return r;
   EXPECT_TRUE(r["namespaces"].get<bool>()) << *out;
   EXPECT_TRUE(r["finished"].get<bool>()) << *out;
   EXPECT_TRUE(r["checkpoint_loads"].get<bool>()) << *out;
@@ -110,15 +119,8 @@ namespace {
 // 0. Returns its JSON line (with the whole output, for messages).
 nlohmann::json ft_soak(const std::string& args, const std::vector<std::string>& kinds, std::string* out) {
   int status = 0;
-  *out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/chaos/chaos.py --ft --build " +
-                             DTRAIN_BINARY_DIR + " " + args + " 2>&1",
-                         &status);
-  const auto at = out->rfind("{\"bench\": \"chaos_ft\"");
-  if (at == std::string::npos) {
-    ADD_FAILURE() << *out;
-    return {};
-  }
-  const auto r = nlohmann::json::parse(out->substr(at, out->find('\n', at) - at));
+  const auto r = run_chaos("--ft ", "chaos_ft", args, out, &status);
+  if (r.is_null()) return r;
   if (r.contains("unsupported")) {
     ADD_FAILURE() << r["unsupported"].get<std::string>();  // the callers skip before, when they can tell
     return {};

@@ -7,6 +7,7 @@
 #include <torch/serialize/archive.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -29,6 +30,23 @@ LighthouseOptions three_replicas_quick_heartbeats() {
           .heartbeat_timeout = milliseconds(300),
           .join_timeout = milliseconds(5000),
           .scan_interval = milliseconds(10)};
+}
+
+// Steps `replicas` until its step is `last`, each with a gradient of ones:
+// counts the aborted steps in `aborted` and calls `committed` after each
+// committed one.
+void step_until(FaultTolerantReplicas& replicas, std::int64_t last, int& aborted,
+                const std::function<void()>& committed) {
+  while (replicas.step() < last) {
+    replicas.start_step();
+    std::vector<at::Tensor> grads{at::ones({2})};
+    replicas.all_reduce_gradients(grads);
+    if (!replicas.should_commit()) {
+      ++aborted;
+      continue;
+    }
+    committed();
+  }
 }
 
 // A replica whose whole state is the tensor `w`.
@@ -231,19 +249,12 @@ TEST(FtReplicas, MemberThatDiesAfterAskingFailsTheStepWithinTheHeartbeatTimeout)
     LighthouseClient client(store, store, {.replica_id = rank, .commit_timeout = milliseconds(3000)});
     at::Tensor w = at::zeros({2});
     FaultTolerantReplicas replicas(client, state_of(w), {.group_timeout = kGroupTimeout});
-    while (replicas.step() < 2) {
-      replicas.start_step();
-      std::vector<at::Tensor> grads{at::ones({2})};
-      replicas.all_reduce_gradients(grads);
-      if (!replicas.should_commit()) {
-        ++aborted[rank];
-        continue;
-      }
+    step_until(replicas, 2, aborted[rank], [&] {
       if (first_commit_s[rank] < 0) {
         first_commit_s[rank] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         for (const auto& m : replicas.quorum().members) first_members[rank] += std::to_string(m.replica_id);
       }
-    }
+    });
   });
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(aborted[rank], 1) << "rank " << rank << ": the step with the dead member aborts, once";
@@ -301,21 +312,14 @@ TEST(FtReplicas, AllReduceOnASilentMemberFailsWithinTheHeartbeatTimeout) {
     }
     LighthouseClient client(store, store, {.replica_id = rank, .commit_timeout = milliseconds(3000)});
     FaultTolerantReplicas replicas(client, state_of(w), {.group_timeout = kGroupTimeout});
-    while (replicas.step() < 3) {
-      replicas.start_step();
-      std::vector<at::Tensor> grads{at::ones({2})};
-      replicas.all_reduce_gradients(grads);
-      if (!replicas.should_commit()) {
-        ++aborted[rank];
-        continue;
-      }
+    step_until(replicas, 3, aborted[rank], [&] {
       if (replicas.step() == 1) {
         members_before[rank] = ids(replicas.quorum());
       } else if (aborted[rank] > 0 && back_s[rank] < 0) {
         back_s[rank] = static_cast<double>(now_ns() - silent_at_ns.load()) * 1e-9;
         members_after[rank] = ids(replicas.quorum());
       }
-    }
+    });
     ++finished;
   });
   for (int rank = 0; rank < 2; ++rank) {
