@@ -3,18 +3,26 @@
 // have mapped it, so nothing is left behind by a crash after that; one before
 // it is swept by the launcher, see shm_util.h): a control block with
 // one phase counter and one pid per rank, then one slot per rank of
-// kSlotBytes. Operations go stripe by stripe, in steps separated by barriers:
-//   all_reduce:     every rank copies its stripe into its slot | rank r sums
-//                   partition r over all slots, in rank order, into its own
-//                   slot | every rank copies partition j from slot j | (slots free)
+// kSlotBytes, used as two halves. Operations go stripe by stripe (a stripe
+// fills one half), in steps separated by barriers:
+//   all_reduce:     every rank copies its stripe into its half-slot | rank r
+//                   sums partition r over all half-slots, in rank order, into
+//                   its output and its own half-slot | every rank copies
+//                   partition j from rank j's half-slot
 //   reduce_scatter: every rank copies, for each destination d, its stripe of
-//                   slice d into part d of its slot | rank r sums part r over
-//                   all slots, in rank order, into its output | (slots free)
-//   all_gather:     every rank copies its stripe into its slot | every rank
-//                   copies slot j's stripe into block j of its output | (slots free)
+//                   slice d into part d of its half-slot | rank r sums part r
+//                   over all half-slots, in rank order, into its output
+//   all_gather:     every rank copies its stripe into its half-slot | every
+//                   rank copies rank j's half-slot into block j of its output
+// Consecutive stripes (of one operation or the next) alternate halves, so no
+// barrier is needed at a stripe's end: a half is written again two stripes
+// later, after a barrier that every rank reaches only once it has finished
+// reading that half. (Each barrier costs a wake-up of a sleeping peer on a
+// busy host; a third barrier per all-reduce was ~1/3 of their count.)
 // Each sum is done once, in a fixed order, so all ranks get bitwise the same
-// values; the arithmetic is ATen's (add, copy_) on tensors over the shared
-// memory. reduce_scatter and all_gather move each byte once each way, where
+// values; the arithmetic is ATen's (add_out, copy_) on tensors over the
+// shared memory, written straight into the output (no temporary).
+// reduce_scatter and all_gather move each byte once each way, where
 // Gloo's reduce_scatter is an all-reduce plus a chunk (twice the traffic) and
 // both go through loopback TCP. Barriers spin briefly, then sleep on a futex
 // (Note [Barrier waits]); a peer whose process is gone (checked through /proc
@@ -42,6 +50,7 @@ namespace dtrain::dist::detail {
 namespace {
 
 constexpr std::size_t kSlotBytes = 8u << 20;
+constexpr std::size_t kHalfBytes = kSlotBytes / 2;  // one stripe (see the Note)
 constexpr std::size_t kCacheLine = 64;
 
 struct alignas(kCacheLine) Control {
@@ -63,7 +72,10 @@ struct SharedMemoryTransport::Region {
   ~Region() {
     if (base != nullptr) ::munmap(base, bytes);
   }
-  char* slot(int r) const { return slots + static_cast<std::size_t>(r) * kSlotBytes; }
+  // Half `half` (0 or 1) of rank r's slot.
+  char* slot(int r, int half) const {
+    return slots + static_cast<std::size_t>(r) * kSlotBytes + static_cast<std::size_t>(half) * kHalfBytes;
+  }
 };
 
 std::unique_ptr<SharedMemoryTransport> SharedMemoryTransport::create(const ShmBootstrap& b) {
@@ -193,65 +205,72 @@ std::pair<std::int64_t, std::int64_t> part(std::int64_t count, int r, int size) 
 }
 }  // namespace
 
+int SharedMemoryTransport::next_half() {
+  half_ ^= 1;
+  return half_;
+}
+
 void SharedMemoryTransport::all_reduce_sum(at::Tensor& tensor) {
   const auto element = static_cast<std::int64_t>(tensor.element_size());
-  const std::int64_t per_stripe = static_cast<std::int64_t>(kSlotBytes) / element;
+  const std::int64_t per_stripe = static_cast<std::int64_t>(kHalfBytes) / element;
   const std::int64_t n = tensor.numel();
   at::Tensor flat = tensor.view(-1);
-  auto slot = [&](int r, std::int64_t count) { return at::from_blob(region_->slot(r), {count}, tensor.options()); };
   for (std::int64_t start = 0; start < n; start += per_stripe) {
     const std::int64_t count = std::min(per_stripe, n - start);
+    const int half = next_half();
+    auto slot = [&](int r) { return at::from_blob(region_->slot(r, half), {count}, tensor.options()); };
     at::Tensor mine = flat.narrow(0, start, count);
-    slot(rank_, count).copy_(mine);
+    slot(rank_).copy_(mine);
     barrier();
     const auto [lo, len] = part(count, rank_, size_);
     if (len > 0) {
-      at::Tensor result = at::add(slot(0, count).narrow(0, lo, len), slot(1, count).narrow(0, lo, len));
-      for (int r = 2; r < size_; ++r) result.add_(slot(r, count).narrow(0, lo, len));
-      slot(rank_, count).narrow(0, lo, len).copy_(result);
+      // Straight into the output: the slots still hold every rank's input.
+      at::Tensor result = mine.narrow(0, lo, len);
+      at::add_out(result, slot(0).narrow(0, lo, len), slot(1).narrow(0, lo, len));  // size_ >= 2 (see create)
+      for (int r = 2; r < size_; ++r) result.add_(slot(r).narrow(0, lo, len));
+      slot(rank_).narrow(0, lo, len).copy_(result);
     }
     barrier();
     for (int r = 0; r < size_; ++r) {
       const auto [rlo, rlen] = part(count, r, size_);
-      if (rlen > 0) mine.narrow(0, rlo, rlen).copy_(slot(r, count).narrow(0, rlo, rlen));
+      if (r != rank_ && rlen > 0) mine.narrow(0, rlo, rlen).copy_(slot(r).narrow(0, rlo, rlen));
     }
-    barrier();
   }
 }
 
 void SharedMemoryTransport::reduce_scatter_sum(at::Tensor& output, const at::Tensor& input) {
   const auto element = static_cast<std::int64_t>(input.element_size());
   // A stripe holds `per` elements of each of the size_ slices.
-  const std::int64_t per = static_cast<std::int64_t>(kSlotBytes) / element / size_;
+  const std::int64_t per = static_cast<std::int64_t>(kHalfBytes) / element / size_;
   const std::int64_t n = output.numel();
   at::Tensor in = input.view({size_, n});
   at::Tensor out = output.view(-1);
-  auto slot = [&](int r, std::int64_t len) { return at::from_blob(region_->slot(r), {size_, len}, input.options()); };
   for (std::int64_t start = 0; start < n; start += per) {
     const std::int64_t len = std::min(per, n - start);
-    slot(rank_, len).copy_(in.narrow(1, start, len));
+    const int half = next_half();
+    auto slot = [&](int r) { return at::from_blob(region_->slot(r, half), {size_, len}, input.options()); };
+    slot(rank_).copy_(in.narrow(1, start, len));
     barrier();
     at::Tensor result = out.narrow(0, start, len);
-    at::add_out(result, slot(0, len)[rank_], slot(1, len)[rank_]);  // size_ >= 2 (see create)
-    for (int r = 2; r < size_; ++r) result.add_(slot(r, len)[rank_]);
-    barrier();
+    at::add_out(result, slot(0)[rank_], slot(1)[rank_]);  // size_ >= 2 (see create)
+    for (int r = 2; r < size_; ++r) result.add_(slot(r)[rank_]);
   }
 }
 
 void SharedMemoryTransport::all_gather(at::Tensor& output, const at::Tensor& input) {
   const auto element = static_cast<std::int64_t>(input.element_size());
-  const std::int64_t per = static_cast<std::int64_t>(kSlotBytes) / element;
+  const std::int64_t per = static_cast<std::int64_t>(kHalfBytes) / element;
   const std::int64_t n = input.numel();
   at::Tensor in = input.view(-1);
   at::Tensor out = output.view({size_, n});
   for (std::int64_t start = 0; start < n; start += per) {
     const std::int64_t len = std::min(per, n - start);
-    at::from_blob(region_->slot(rank_), {len}, input.options()).copy_(in.narrow(0, start, len));
+    const int half = next_half();
+    at::from_blob(region_->slot(rank_, half), {len}, input.options()).copy_(in.narrow(0, start, len));
     barrier();
     for (int r = 0; r < size_; ++r) {
-      out[r].narrow(0, start, len).copy_(at::from_blob(region_->slot(r), {len}, input.options()));
+      out[r].narrow(0, start, len).copy_(at::from_blob(region_->slot(r, half), {len}, input.options()));
     }
-    barrier();
   }
 }
 

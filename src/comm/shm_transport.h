@@ -49,10 +49,13 @@ class SharedMemoryTransport {
  private:
   SharedMemoryTransport() = default;
   void barrier();
+  // The half of every slot the next stripe uses (they alternate; see the Note).
+  int next_half();
   std::unique_ptr<Region> region_;
   int rank_ = 0;
   int size_ = 1;
   std::uint64_t phase_ = 0;
+  int half_ = 1;
   std::chrono::milliseconds timeout_{0};
 };
 

@@ -25,9 +25,12 @@
 namespace dtrain {
 namespace {
 
-// Divides, then sums (as torch's allreduce_hook): the same rounding as torch DDP.
+// Multiplies by 1/size, then sums: the rounding of torch DDP's default path
+// (its Reducer without a hook, and DDP here without one: ddp.cpp); torch's
+// Python allreduce_hook divides, which differs from this in the last bit for
+// group sizes that are not powers of two.
 dist::Future average(dist::ProcessGroup& group, at::Tensor& buffer) {
-  buffer.div_(group.size());
+  buffer.mul_(1.0 / group.size());
   return group.all_reduce(buffer).future();
 }
 

@@ -155,11 +155,15 @@ struct DDPEngine::State {
   // The join context's all-reduce of this iteration (waited on at the next forward).
   dist::Work join_notice;
 
-  // Every bucket goes through a dtrain hook, so everything the Reducer sends
-  // takes the group's transport and error reporting.
+  // Without a hook the Reducer averages by itself: it multiplies by
+  // 1/world while copying each gradient into its bucket (one pass over the
+  // gradients fewer than a hook's division) and sums the bucket through
+  // process_group_for_reducer, i.e. this group's transport and error
+  // reporting, as everything else it sends. hooks::all_reduce() rounds the
+  // same way (torch DDP's default path, bit for bit).
   void install_hook() {
     if (hook_installed) return;
-    reducer->register_comm_hook(std::make_unique<HookAdapter>(hook ? hook : hooks::all_reduce(), group));
+    if (hook) reducer->register_comm_hook(std::make_unique<HookAdapter>(hook, group));
     hook_installed = true;
   }
 
