@@ -22,10 +22,17 @@ class ForwardedWork : public c10d::Work {
     return true;
   }
   std::vector<at::Tensor> result() override { return outputs_; }
+  // Completes with the outputs, or with the operation's error: c10's then()
+  // runs the continuation whatever the parent's outcome, so it rethrows
+  // (the Reducer reads its bucket all-reduces' results through this future).
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     auto outputs = outputs_;
-    return work_.future()->then([outputs](c10::ivalue::Future&) { return c10::IValue(outputs); },
-                                c10::ListType::ofTensors());
+    return work_.future()->then(
+        [outputs](c10::ivalue::Future& done) {
+          if (done.hasError()) std::rethrow_exception(done.exception_ptr());
+          return c10::IValue(outputs);
+        },
+        c10::ListType::ofTensors());
   }
 
  private:
