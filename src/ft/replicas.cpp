@@ -8,13 +8,14 @@
 // then the state in chunks of at most FaultTolerantOptions::
 // recovery_chunk_bytes, point to point over the quorum's group:
 //  - The source serialises its ReplicaState and step counter once, in
-//    start_step(), into one byte tensor: the snapshot. ReplicaState::save is
+//    start_step(), straight into chunk-sized byte tensors: the snapshot
+//    (no contiguous archive is built). ReplicaState::save is
 //    arbitrary code (an optimizer's state, a GradScaler, a data position)
 //    that cannot be split by tensor, and what it writes changes: buffers in
 //    the forward (running statistics), parameters, optimizer and scaler state
 //    at the optimizer step. A snapshot taken before the step's forward is
-//    the committed state whatever the caller does next. The chunks are views
-//    of it, each send holding it alive until the transport is done with it.
+//    the committed state whatever the caller does next. Each send holds its
+//    chunk alive until the transport is done with it.
 //  - The source issues every chunk's send and returns: its forward and
 //    backward run while the chunks go (Gloo's threads, or the shared-memory
 //    ring's writer thread). It waits for the sends (each wait bounded by the
@@ -47,7 +48,6 @@
 // decides alike: the same MIN/MAX, the same quorum.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <torch/serialize/archive.h>
 
@@ -55,6 +55,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 #include "dtrain/error.h"
 #include "dtrain/ft/replicas.h"
@@ -174,22 +175,38 @@ void FaultTolerantReplicas::make_group() {
 }
 
 namespace {
-// The source's ReplicaState and step counter, serialised once: the snapshot
-// every chunk is sent from (a byte tensor owning the archive's bytes, so a
-// send still in a transport keeps it alive).
-at::Tensor serialise(const ReplicaState& state, std::int64_t step) {
+// The source's ReplicaState and step counter, serialised once: the snapshot,
+// written straight into the chunks it is sent as (byte tensors of `chunk`
+// bytes, the last one shorter), so no contiguous archive is built and
+// regrown; a send still in a transport holds its chunk alive.
+struct Snapshot {
+  std::vector<at::Tensor> chunks;
+  std::int64_t bytes = 0;
+};
+Snapshot serialise(const ReplicaState& state, std::int64_t step, std::int64_t chunk) {
   torch::serialize::OutputArchive archive;
   state.save(archive);
   archive.write(kStepKey, at::scalar_tensor(step, at::kLong));
-  auto bytes = std::make_unique<std::vector<char>>();
-  archive.save_to([&bytes](const void* data, std::size_t n) {
-    bytes->insert(bytes->end(), static_cast<const char*>(data), static_cast<const char*>(data) + n);
+  Snapshot out;
+  std::int64_t used = chunk;  // of the last chunk
+  archive.save_to([&](const void* data, std::size_t n) {
+    const char* from = static_cast<const char*>(data);
+    for (std::size_t left = n; left > 0;) {
+      if (used == chunk) {
+        out.chunks.push_back(at::empty({chunk}, at::kByte));
+        used = 0;
+      }
+      const auto take = static_cast<std::size_t>(std::min<std::int64_t>(chunk - used, static_cast<std::int64_t>(left)));
+      std::memcpy(static_cast<char*>(out.chunks.back().data_ptr()) + used, from, take);
+      used += static_cast<std::int64_t>(take);
+      from += take;
+      left -= take;
+    }
+    out.bytes += static_cast<std::int64_t>(n);
     return n;
   });
-  const auto size = static_cast<std::int64_t>(bytes->size());
-  char* data = bytes->data();
-  return at::from_blob(
-      data, {size}, [owner = bytes.release()](void*) { delete owner; }, at::TensorOptions(at::kByte));
+  if (!out.chunks.empty()) out.chunks.back() = out.chunks.back().narrow(0, 0, used);
+  return out;
 }
 
 std::int64_t chunk_count(std::int64_t total, std::int64_t chunk) {
@@ -206,30 +223,25 @@ void FaultTolerantReplicas::recover_or_serve() {
     return;
   }
   try {
-    at::Tensor snapshot;
+    std::optional<Snapshot> snapshot;
+    const std::int64_t chunk = options_.recovery_chunk_bytes;
     for (const int peer : late) {
       if (quorum_.recovery_source(peer) != me) continue;
-      if (!snapshot.defined()) {
-        const auto began = std::chrono::steady_clock::now();
-        snapshot = serialise(state_, step_);
+      if (!snapshot) {
+        serving_.began = std::chrono::steady_clock::now();
+        snapshot = serialise(state_, step_, chunk);
         serving_.serialise_ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
-        serving_.began = began;
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - serving_.began).count();
       }
-      const std::int64_t total = snapshot.numel();
-      const std::int64_t chunk = options_.recovery_chunk_bytes;
       at::Tensor header = at::empty({2}, at::kLong);
-      header[0].fill_(total);
+      header[0].fill_(snapshot->bytes);
       header[1].fill_(chunk);
       serving_.sends.push_back(group_->isend(header, peer, kRecoveryTag));
-      for (std::int64_t offset = 0; offset < total; offset += chunk) {
-        serving_.sends.push_back(
-            group_->isend(snapshot.narrow(0, offset, std::min(chunk, total - offset)), peer, kRecoveryTag));
-      }
-      serving_.bytes += total;
+      for (const at::Tensor& part : snapshot->chunks) serving_.sends.push_back(group_->isend(part, peer, kRecoveryTag));
+      serving_.bytes += snapshot->bytes;
       serving_.peers.push_back(quorum_.members[peer].replica_id);
     }
-    if (snapshot.defined()) {
+    if (snapshot) {
       serving_.issued_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - serving_.began).count();
     }
