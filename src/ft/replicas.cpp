@@ -73,6 +73,9 @@ FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaSt
   DTRAIN_CHECK(state_.save && state_.load, ConfigError,
                "FaultTolerantReplicas needs a ReplicaState with both save and load.",
                "use ft::module_and_optimizer_state(model, optimizer)");
+  DTRAIN_CHECK(options_.recovery_chunk_bytes > 0, ConfigError,
+               "FaultTolerantOptions::recovery_chunk_bytes is " << options_.recovery_chunk_bytes << ".",
+               "give a positive chunk size (the default is 1 MiB)");
 }
 
 void FaultTolerantReplicas::resume_at(std::int64_t step) {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/error.h"
 #include "dtrain/ft/lighthouse.h"
 #include "dtrain/ft/replicas.h"
 #include "ranks.h"
@@ -430,6 +431,22 @@ TEST(FtReplicas, RecoveryInManyChunksIsExact) {
         EXPECT_TRUE(at::equal(final_m[replica], ref_m)) << "replica " << replica;
       }
       lighthouse.check();
+    }
+  }
+}
+
+TEST(FtReplicas, NonPositiveRecoveryChunkIsAConfigError) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, {.min_replicas = 1});
+  LighthouseClient client(store, store, {.replica_id = 0});
+  at::Tensor w = at::zeros({2});
+  for (const std::int64_t chunk : {std::int64_t{0}, std::int64_t{-1}}) {
+    try {
+      FaultTolerantReplicas replicas(client, state_of(w), {.recovery_chunk_bytes = chunk});
+      ADD_FAILURE() << "a chunk of " << chunk << " bytes was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("recovery_chunk_bytes is " + std::to_string(chunk)), std::string::npos)
+          << e.what();
     }
   }
 }
