@@ -15,7 +15,8 @@ Replica group 1 is SIGKILLed once it has committed --kill-at steps.
 Figures per case: fault to the first full-quorum step (the first step the
 restarted group commits with all 4 groups taking part), steps trained again
 (committed before the fault and once more after it: lost work), steps that
-ran with fewer than 4 groups (their batch shrank), and the steady step time.
+ran with fewer than 4 groups (their batch shrank), the steady step time, and
+(ft) the recovery step on group 0, the restarted group's source.
 Steady state also runs ft and plain DDP (fault tolerance off) without a
 fault. The last lines are JSON: one per case, then the ratios
 ({"bench","case","metric","dtrain","peer","peer_name","ratio"}, ratio > 1:
@@ -90,8 +91,18 @@ def analyse(log_dir, replicas, victim, victim_pid, t_kill_ms, full):
         again = max(again, len(before & later))
     survivor = logs[0]
     shrunk = len({e["step"] for e in survivor if e["members"] < full})
+    # The recovery step on group 0 (the restarted group's source: the first
+    # up-to-date member): from its previous commit to its commit of the first
+    # full-quorum step after the fault, which includes serving the state.
+    recovery_step = float("nan")
+    if after:
+        healed = after[0]["step"]
+        mine = {e["step"]: e["t_ms"] for e in survivor}
+        if healed in mine and healed - 1 in mine:
+            recovery_step = mine[healed] - mine[healed - 1]
     return {"fault_to_full_quorum_s": round(heal, 3), "steps_trained_again": again, "steps_below_full": shrunk,
-            "steady_step_ms": steady_ms([e for e in survivor if e["t_ms"] <= t_kill_ms] or survivor)}
+            "steady_step_ms": steady_ms([e for e in survivor if e["t_ms"] <= t_kill_ms] or survivor),
+            "source_recovery_step_ms": recovery_step}
 
 
 def run_case(name, args, kill=True):

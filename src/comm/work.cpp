@@ -30,6 +30,22 @@
 //    finish. Compiled; not yet run on a GPU.
 // A failure becomes a CommunicationError naming the operation, group, rank
 // and peer (above), and the flight recorder dumps (flight_recorder.h).
+//
+// Note [Waits and continuations]
+// A Work's outcome (its error, its result, the finish step that copies a
+// coalesced buffer back) is settled once, under the Outcome's lock, by
+// whichever comes first: Work::wait() or the continuation of a future()
+// taken from it. Contract: any number of threads may wait() and take
+// future()s, in any order, and no wait ends later than the operation (or
+// its deadline). So wait() never holds that lock while it waits: a future
+// completes by running its callbacks on the completing thread before it
+// tells c10d's Work::wait (Gloo's AsyncWork completes its future, then
+// finishes), and future()'s continuation takes the lock; a wait() begun
+// before the end and holding it blocked the continuation, and so itself,
+// until the group timeout, and then reported a timeout for an operation
+// that had succeeded (multirank.CollectivesMore.WaitWithAPending...).
+// wait() waits unlocked and settles under the lock only if nothing settled
+// first; a continuation that settled first decides the outcome both report.
 #include <ATen/core/ivalue.h>
 
 #include <condition_variable>
@@ -144,9 +160,9 @@ bool wait_until(const Future& future, std::chrono::steady_clock::time_point dead
   });
   // Also polled: a future completes (completed() is true) before it runs its
   // callbacks, in the order they were added, on the completing thread. One
-  // added earlier (Work::future()'s, which locks the Outcome this thread holds
-  // in Work::wait) would keep ours from running until it returned: a deadlock
-  // until the deadline. So the flag is only the fast path.
+  // added earlier (Work::future()'s continuation, which takes the Outcome's
+  // lock, or a caller's slow callback) runs before ours and delays it, so the
+  // flag is only the fast path.
   std::unique_lock<std::mutex> lock(flag->mutex);
   constexpr auto kPoll = std::chrono::milliseconds(5);
   while (!flag->done && !future->completed()) {
@@ -207,35 +223,52 @@ Work make_future_work(const std::shared_ptr<GroupState>& group, OpInfo info, Fut
 void Work::wait() {
   if (!impl_) return;
   detail::Outcome& outcome = *impl_->outcome;
-  std::lock_guard<std::mutex> lock(outcome.mutex);
-  if (!outcome.done) {
-    std::exception_ptr error;
-    try {
-      if (impl_->work) {
-        impl_->work->wait(outcome.info.timeout);
-      } else {
-        // Note [Abort instead of hang]: the transport's own deadline normally ends it first.
-        const auto grace = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), outcome.info.timeout / 10);
-        if (!detail::wait_until(impl_->future, std::chrono::steady_clock::now() + outcome.info.timeout + grace)) {
-          throw std::runtime_error("did not complete within " + log::format_seconds(outcome.info.timeout + grace) +
-                                   " (timed out)");
-        }
-        if (impl_->future->hasError()) error = impl_->future->exception_ptr();
-        if (!error && outcome.result.isNone()) outcome.result = impl_->future->value();
-      }
-    } catch (...) {
-      error = std::current_exception();
+  {
+    std::lock_guard<std::mutex> lock(outcome.mutex);
+    if (outcome.done) {
+      if (outcome.error) std::rethrow_exception(outcome.error);
+      return;
     }
-    outcome.settle(error);
-    // Note [Abort instead of hang]: on the waiting thread only, never in a
-    // future's callback, which may run on the backend's own watchdog thread.
-    if (outcome.error && outcome.info.abort_backend) {
-      if (auto backend = outcome.info.abort_backend->lock()) {
-        try {
-          backend->abort();
-        } catch (...) {
-          // Already torn down: nothing left to release.
-        }
+  }
+  // Note [Waits and continuations]: the wait itself holds no lock.
+  std::exception_ptr error;
+  c10::IValue value;
+  try {
+    if (impl_->work) {
+      impl_->work->wait(outcome.info.timeout);
+    } else {
+      // Note [Abort instead of hang]: the transport's own deadline normally ends it first.
+      const auto grace = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), outcome.info.timeout / 10);
+      if (!detail::wait_until(impl_->future, std::chrono::steady_clock::now() + outcome.info.timeout + grace)) {
+        throw std::runtime_error("did not complete within " + log::format_seconds(outcome.info.timeout + grace) +
+                                 " (timed out)");
+      }
+      if (impl_->future->hasError()) {
+        error = impl_->future->exception_ptr();
+      } else {
+        value = impl_->future->value();
+      }
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  bool settled_here = false;
+  {
+    std::lock_guard<std::mutex> lock(outcome.mutex);
+    if (!outcome.done) {
+      if (!error && outcome.result.isNone() && !value.isNone()) outcome.result = std::move(value);
+      outcome.settle(error);
+      settled_here = true;
+    }
+  }
+  // Note [Abort instead of hang]: on the waiting thread only, never in a
+  // future's callback, which may run on the backend's own watchdog thread.
+  if (settled_here && outcome.error && outcome.info.abort_backend) {
+    if (auto backend = outcome.info.abort_backend->lock()) {
+      try {
+        backend->abort();
+      } catch (...) {
+        // Already torn down: nothing left to release.
       }
     }
   }

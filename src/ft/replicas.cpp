@@ -4,13 +4,35 @@
 // Note [Live recovery]
 // Every member computes from the quorum alike who is behind (step below the
 // quorum's highest) and which up-to-date member serves it (quorum.h:
-// recovery_source). The source serialises its ReplicaState and step counter
-// into one torch archive and sends its length and its bytes over the
-// quorum's group (point to point: the other members go on with their
-// forward and backward meanwhile and meet both at the all-reduce). The
-// receiver loads it only once every byte has arrived, so a source dying
-// mid-transfer leaves the receiver as it was: behind, voting to abort, and
-// recovering again at the next quorum.
+// recovery_source). The transfer is a header (total bytes, chunk bytes) and
+// then the state in chunks of at most FaultTolerantOptions::
+// recovery_chunk_bytes, point to point over the quorum's group:
+//  - The source serialises its ReplicaState and step counter once, in
+//    start_step(), straight into chunk-sized byte tensors: the snapshot
+//    (no contiguous archive is built). ReplicaState::save is
+//    arbitrary code (an optimizer's state, a GradScaler, a data position)
+//    that cannot be split by tensor, and what it writes changes: buffers in
+//    the forward (running statistics), parameters, optimizer and scaler state
+//    at the optimizer step. A snapshot taken before the step's forward is
+//    the committed state whatever the caller does next. Each send holds its
+//    chunk alive until the transport is done with it.
+//  - The source issues every chunk's send and returns: its forward and
+//    backward run while the chunks go (Gloo's threads, or the shared-memory
+//    ring's writer thread). It waits for the sends (each wait bounded by the
+//    group timeout) in finish_serving(), before its gradient all-reduce,
+//    its vote, or its next step, so a failed transfer fails its step.
+//  - The receiver cannot step before it has the state: it receives the
+//    header and then each chunk in order into one buffer (each receive
+//    bounded by the group timeout), and loads the state only once every
+//    byte arrived. A source that dies or stalls mid-transfer fails the
+//    receive (the peer's closed connection, its process gone, or the
+//    timeout); the receiver is left as it was: behind, voting to abort,
+//    with failure() naming the bytes received; at the next quorum it
+//    recovers again, from a live member.
+// The other members go on with their forward and backward meanwhile and
+// meet both at the all-reduce. The snapshot costs the source one copy of
+// its state in memory (as the single message did); the receiver holds the
+// received bytes and then its loaded state.
 //
 // Note [Ranks at different steps]
 // A replica group of several ranks recovers rank to rank; when that
@@ -26,13 +48,14 @@
 // decides alike: the same MIN/MAX, the same quorum.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <torch/serialize/archive.h>
 
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 #include "dtrain/error.h"
 #include "dtrain/ft/replicas.h"
@@ -50,6 +73,9 @@ FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaSt
   DTRAIN_CHECK(state_.save && state_.load, ConfigError,
                "FaultTolerantReplicas needs a ReplicaState with both save and load.",
                "use ft::module_and_optimizer_state(model, optimizer)");
+  DTRAIN_CHECK(options_.recovery_chunk_bytes > 0, ConfigError,
+               "FaultTolerantOptions::recovery_chunk_bytes is " << options_.recovery_chunk_bytes << ".",
+               "give a positive chunk size (the default is 1 MiB)");
 }
 
 void FaultTolerantReplicas::resume_at(std::int64_t step) {
@@ -65,6 +91,7 @@ void FaultTolerantReplicas::fail(const std::string& what, const std::exception& 
                        << "; the step will not commit: " << e.what();
   failed_ = true;
   want_fresh_ = true;
+  failure_ = what + " failed: " + e.what();
 }
 
 namespace {
@@ -81,6 +108,7 @@ std::string broadcast_text(dist::ProcessGroup& group, const std::string& text) {
 }  // namespace
 
 void FaultTolerantReplicas::start_step() {
+  finish_serving();  // a caller that skipped the last step's all-reduce and vote
   if (shared_by_ranks()) {
     // The group asks with the step every one of its ranks has: after a
     // recovery that one rank completed and another did not (the step
@@ -116,6 +144,7 @@ void FaultTolerantReplicas::start_step() {
   failed_ = false;
   want_fresh_ = false;
   recovered_ = false;
+  failure_.clear();
   DTRAIN_INTERNAL_ASSERT(quorum_.index_of(replica_id()) >= 0,
                          "replica " << replica_id() << " is not in its own " << quorum_.describe());
   if (quorum_.quorum_id != group_quorum_id_) make_group();
@@ -148,54 +177,150 @@ void FaultTolerantReplicas::make_group() {
   }
 }
 
+namespace {
+// The source's ReplicaState and step counter, serialised once: the snapshot,
+// written straight into the chunks it is sent as (byte tensors of `chunk`
+// bytes, the last one shorter), so no contiguous archive is built and
+// regrown; a send still in a transport holds its chunk alive.
+struct Snapshot {
+  std::vector<at::Tensor> chunks;
+  std::int64_t bytes = 0;
+};
+Snapshot serialise(const ReplicaState& state, std::int64_t step, std::int64_t chunk) {
+  torch::serialize::OutputArchive archive;
+  state.save(archive);
+  archive.write(kStepKey, at::scalar_tensor(step, at::kLong));
+  Snapshot out;
+  std::int64_t used = chunk;  // of the last chunk
+  archive.save_to([&](const void* data, std::size_t n) {
+    const char* from = static_cast<const char*>(data);
+    for (std::size_t left = n; left > 0;) {
+      if (used == chunk) {
+        out.chunks.push_back(at::empty({chunk}, at::kByte));
+        used = 0;
+      }
+      const auto take = static_cast<std::size_t>(std::min<std::int64_t>(chunk - used, static_cast<std::int64_t>(left)));
+      std::memcpy(static_cast<char*>(out.chunks.back().data_ptr()) + used, from, take);
+      used += static_cast<std::int64_t>(take);
+      from += take;
+      left -= take;
+    }
+    out.bytes += static_cast<std::int64_t>(n);
+    return n;
+  });
+  if (!out.chunks.empty()) out.chunks.back() = out.chunks.back().narrow(0, 0, used);
+  return out;
+}
+
+std::int64_t chunk_count(std::int64_t total, std::int64_t chunk) {
+  return total == 0 ? 0 : (total + chunk - 1) / chunk;
+}
+}  // namespace
+
 void FaultTolerantReplicas::recover_or_serve() {
   const auto late = quorum_.behind();
   if (late.empty()) return;
   const int me = quorum_.index_of(replica_id());
+  if (std::find(late.begin(), late.end(), me) != late.end()) {
+    recover_from(quorum_.recovery_source(me));
+    return;
+  }
   try {
-    if (std::find(late.begin(), late.end(), me) != late.end()) {
-      const int source = quorum_.recovery_source(me);
-      at::Tensor length = at::empty({1}, at::kLong);
-      group_->recv(length, source, kRecoveryTag);
-      at::Tensor bytes = at::empty({length.item<std::int64_t>()}, at::kByte);
-      group_->recv(bytes, source, kRecoveryTag);
-      torch::serialize::InputArchive archive;
-      archive.load_from(static_cast<const char*>(bytes.const_data_ptr()), static_cast<std::size_t>(bytes.numel()));
-      state_.load(archive);
-      at::Tensor step;
-      archive.read(kStepKey, step);
-      DTRAIN_LOG(kInfo) << "replica " << replica_id() << ": recovered step " << step.item<std::int64_t>() << " ("
-                        << bytes.numel() << " bytes) from replica " << quorum_.members[source].replica_id
-                        << " (was at step " << step_ << ")";
-      step_ = step.item<std::int64_t>();
-      recovered_ = true;
-      return;
-    }
-    std::string blob;
+    std::optional<Snapshot> snapshot;
+    const std::int64_t chunk = options_.recovery_chunk_bytes;
     for (const int peer : late) {
       if (quorum_.recovery_source(peer) != me) continue;
-      if (blob.empty()) {
-        torch::serialize::OutputArchive archive;
-        state_.save(archive);
-        archive.write(kStepKey, at::scalar_tensor(step_, at::kLong));
-        archive.save_to([&blob](const void* data, std::size_t n) {
-          blob.append(static_cast<const char*>(data), n);
-          return n;
-        });
+      if (!snapshot) {
+        serving_.began = std::chrono::steady_clock::now();
+        snapshot = serialise(state_, step_, chunk);
+        serving_.serialise_ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - serving_.began).count();
       }
-      at::Tensor length = at::empty({1}, at::kLong);
-      length.fill_(static_cast<std::int64_t>(blob.size()));
-      group_->send(length, peer, kRecoveryTag);
-      group_->send(at::from_blob(blob.data(), {static_cast<std::int64_t>(blob.size())}, at::kByte), peer, kRecoveryTag);
-      DTRAIN_LOG(kInfo) << "replica " << replica_id() << ": sent step " << step_ << " (" << blob.size()
-                        << " bytes) to recovering replica " << quorum_.members[peer].replica_id;
+      at::Tensor header = at::empty({2}, at::kLong);
+      header[0].fill_(snapshot->bytes);
+      header[1].fill_(chunk);
+      serving_.sends.push_back(group_->isend(header, peer, kRecoveryTag));
+      for (const at::Tensor& part : snapshot->chunks) serving_.sends.push_back(group_->isend(part, peer, kRecoveryTag));
+      serving_.bytes += snapshot->bytes;
+      serving_.peers.push_back(quorum_.members[peer].replica_id);
+    }
+    if (snapshot) {
+      serving_.issued_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - serving_.began).count();
     }
   } catch (const std::exception& e) {
-    fail("live recovery", e);
+    fail("live recovery (sending)", e);
   }
 }
 
+void FaultTolerantReplicas::recover_from(int source) {
+  const int source_id = quorum_.members[source].replica_id;
+  std::int64_t total = -1;
+  std::int64_t received = 0;
+  try {
+    at::Tensor header = at::empty({2}, at::kLong);
+    group_->recv(header, source, kRecoveryTag);
+    total = header[0].item<std::int64_t>();
+    const std::int64_t chunk = header[1].item<std::int64_t>();
+    DTRAIN_CHECK(total >= 0 && chunk > 0, CommunicationError,
+                 "replica " << replica_id() << ": replica " << source_id << " announced a state of " << total
+                            << " bytes in chunks of " << chunk << " bytes",
+                 "both replicas must run the same dtrain");
+    // All or nothing: every chunk lands in this buffer; the state is loaded
+    // only once the last one arrived.
+    at::Tensor bytes = at::empty({total}, at::kByte);
+    for (std::int64_t offset = 0; offset < total; offset += chunk) {
+      at::Tensor part = bytes.narrow(0, offset, std::min(chunk, total - offset));
+      group_->recv(part, source, kRecoveryTag);
+      received += part.numel();
+    }
+    torch::serialize::InputArchive archive;
+    archive.load_from(static_cast<const char*>(bytes.const_data_ptr()), static_cast<std::size_t>(bytes.numel()));
+    state_.load(archive);
+    at::Tensor step;
+    archive.read(kStepKey, step);
+    DTRAIN_LOG(kInfo) << "replica " << replica_id() << ": recovered step " << step.item<std::int64_t>() << " (" << total
+                      << " bytes in " << chunk_count(total, chunk) << " chunks) from replica " << source_id
+                      << " (was at step " << step_ << ")";
+    step_ = step.item<std::int64_t>();
+    recovered_ = true;
+  } catch (const std::exception& e) {
+    const std::string progress = total < 0
+                                     ? std::string("before its size arrived")
+                                     : std::to_string(received) + " of " + std::to_string(total) + " bytes received" +
+                                           (received == total ? " (loading them failed)" : "");
+    fail("live recovery from replica " + std::to_string(source_id) + " (" + progress +
+             "; this replica's state is unchanged unless the load itself failed)",
+         e);
+  }
+}
+
+void FaultTolerantReplicas::finish_serving() {
+  if (serving_.sends.empty()) return;
+  std::vector<dist::Work> sends = std::move(serving_.sends);
+  serving_.sends.clear();
+  try {
+    // Each wait is bounded by the group timeout; the first failure ends the
+    // transfer (the chunks still in a transport keep the snapshot alive).
+    for (auto& work : sends) work.wait();
+    const auto now = std::chrono::steady_clock::now();
+    std::string peers;
+    for (const int id : serving_.peers) peers += (peers.empty() ? "" : ", ") + std::to_string(id);
+    DTRAIN_LOG(kInfo) << "replica " << replica_id() << ": sent step " << step_ << " (" << serving_.bytes
+                      << " bytes, chunks of " << options_.recovery_chunk_bytes << ") to recovering replica"
+                      << (serving_.peers.size() == 1 ? " " : "s ") << peers << "; start_step held this replica "
+                      << std::llround(serving_.issued_ms) << " ms (serialising " << std::llround(serving_.serialise_ms)
+                      << " ms), the transfer ended "
+                      << std::llround(std::chrono::duration<double, std::milli>(now - serving_.began).count())
+                      << " ms after it began (the step's forward and backward ran meanwhile)";
+  } catch (const std::exception& e) {
+    fail("live recovery (sending)", e);
+  }
+  serving_ = {};
+}
+
 void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensors) {
+  finish_serving();
   if (failed_ || tensors.empty()) return;
   try {
     std::vector<at::Tensor> flat;
@@ -239,11 +364,10 @@ void FaultTolerantReplicas::wait_watching_members(dist::Work& work, const std::s
     retired_.emplace_back(*group_, future);
     throw;
   }
-  // Only now, with the future completed (by the collective's end or its own
-  // deadline): Work::wait() holds the operation's lock while it waits, and
-  // future()'s continuation takes that lock, so a wait() begun while the
-  // operation runs blocks both until the group timeout (a one-member quorum
-  // timed out so once). Here it only rethrows the outcome.
+  // The future completed (by the collective's end or its own deadline):
+  // this only rethrows the outcome. (A wait() begun while the continuation
+  // above is pending ends with the operation too: Note [Waits and
+  // continuations] in src/comm/work.cpp.)
   work.wait();
 }
 
@@ -252,6 +376,7 @@ void FaultTolerantReplicas::finish() {
 }
 
 bool FaultTolerantReplicas::should_commit() {
+  finish_serving();
   bool commit = false;
   // Whether every rank of the group is at this step (always, after a
   // commit: see Note [Ranks at different steps]); the next quorum is asked

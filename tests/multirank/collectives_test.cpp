@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <csignal>
+#include <thread>
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
@@ -181,6 +182,39 @@ TEST(CollectivesMore, FutureCompletesWithTheResult) {
     ASSERT_FALSE(future->hasError());
     EXPECT_TRUE(at::equal(future->value().toTensor(), at::full({3}, 1.5)));
   });
+}
+
+// Work::wait() begun while a future() continuation is pending: the
+// continuation and the wait share the operation's state, and wait() used to
+// hold its lock while it waited, so the continuation (run on the completing
+// thread before the wait is told) blocked the wait until the group timeout.
+// Rank 1 enters late so that rank 0's wait starts before the operation ends;
+// on both transports (Gloo's Work and the shared-memory future).
+TEST(CollectivesMore, WaitWithAPendingFutureContinuationEndsWithTheOperation) {
+  constexpr auto kTimeout = std::chrono::seconds(6);
+  for (const bool shared_memory : {false, true}) {
+    run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+      auto group = dtrain::dist::init_process_group(store, rank, 2,
+                                                    {.timeout = kTimeout, .intra_host_shared_memory = shared_memory});
+      for (int round = 0; round < 3; ++round) {
+        at::Tensor t = at::full({1000}, rank + 1.0);
+        if (rank == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        }
+        const auto start = std::chrono::steady_clock::now();
+        dtrain::dist::Work work = group.all_reduce(t, ReduceOp::kSum);
+        auto future = work.future();
+        work.wait();
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        EXPECT_LT(waited, 2.0) << "rank " << rank << (shared_memory ? " (shared memory)" : " (gloo)")
+                               << ": wait() stood until the group timeout";
+        EXPECT_TRUE(at::equal(t, at::full({1000}, 3.0)));
+        future->wait();
+        ASSERT_FALSE(future->hasError()) << future->tryRetrieveErrorMessage();
+        EXPECT_TRUE(at::equal(future->value().toTensor(), at::full({1000}, 3.0)));
+      }
+    });
+  }
 }
 
 TEST(CollectivesMore, PointToPointRingAndBatch) {

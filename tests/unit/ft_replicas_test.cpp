@@ -3,6 +3,8 @@
 // one rank of a group and fails on the other must not leave the group's
 // ranks at different steps. The group agrees on its step (the minimum over
 // its ranks) before it asks for a quorum, so both ranks recover again.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
 #include <torch/serialize/archive.h>
 
@@ -13,6 +15,7 @@
 #include <thread>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/error.h"
 #include "dtrain/ft/lighthouse.h"
 #include "dtrain/ft/replicas.h"
 #include "ranks.h"
@@ -331,6 +334,216 @@ TEST(FtReplicas, AllReduceOnASilentMemberFailsWithinTheHeartbeatTimeout) {
                                  << " ms), not the heartbeat's";
   }
   lighthouse.check();
+}
+
+// Live recovery in chunks (Note [Live recovery]): a state of many chunks
+// (a prime chunk size, so the last one is short) and one of a single chunk,
+// over shared memory and Gloo. Replica 1 joins behind at step 3 and must
+// load replica 0's state bit for bit; both then train to the end, where each
+// equals the same steps applied in this thread.
+TEST(FtReplicas, RecoveryInManyChunksIsExact) {
+  constexpr int kSteps = 6;
+  constexpr std::int64_t kJoinAt = 3;
+  auto step_state = [](at::Tensor& w, at::Tensor& m, std::int64_t step) {
+    const double g = static_cast<double>(step + 1) / 7.0;
+    m.mul_(0.9).add_(g);
+    w.sub_(at::full_like(w, static_cast<float>(g)) * 0.01f);
+  };
+  auto initial = [] {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(27);
+    return std::pair{at::randn({100003}, gen), at::randn({33331}, gen, at::kDouble)};
+  };
+  for (const bool shared_memory : {true, false}) {
+    for (const std::int64_t chunk : {std::int64_t{4093}, std::int64_t{1} << 20}) {
+      SCOPED_TRACE(std::string(shared_memory ? "shared memory" : "gloo") + ", chunks of " + std::to_string(chunk));
+      auto store = dist::Store::in_memory();
+      Lighthouse lighthouse(store, {.min_replicas = 1,
+                                    .heartbeat_timeout = milliseconds(1000),
+                                    .join_timeout = milliseconds(5000),
+                                    .scan_interval = milliseconds(10)});
+      std::atomic<std::int64_t> a_step{0};
+      std::atomic<bool> b_started{false};
+      std::vector<at::Tensor> final_w(2), final_m(2), loaded_w(2), source_w_at_join(2);
+      std::vector<int> recoveries(2, 0);
+      testing::run_rank_threads(2, [&](int replica, dist::Store) {
+        if (replica == 1) {
+          while (a_step.load() < kJoinAt) std::this_thread::sleep_for(milliseconds(5));
+        }
+        LighthouseClient client(store, store, {.replica_id = replica, .commit_timeout = milliseconds(3000)});
+        auto [w, m] = initial();
+        if (replica == 1) {
+          w.fill_(7.0f);  // its own (stale) state, overwritten by the recovery
+          m.zero_();
+        }
+        ReplicaState state{.save =
+                               [&](torch::serialize::OutputArchive& a) {
+                                 a.write("w", w);
+                                 a.write("m", m);
+                               },
+                           .load =
+                               [&](torch::serialize::InputArchive& a) {
+                                 at::Tensor got_w, got_m;
+                                 a.read("w", got_w);
+                                 a.read("m", got_m);
+                                 w.copy_(got_w);
+                                 m.copy_(got_m);
+                               }};
+        FaultTolerantReplicas replicas(client, state,
+                                       {.group_timeout = milliseconds(5000),
+                                        .intra_host_shared_memory = shared_memory,
+                                        .recovery_chunk_bytes = chunk});
+        if (replica == 1) b_started = true;
+        while (replicas.step() < kSteps) {
+          replicas.start_step();
+          if (replicas.recovered()) {
+            ++recoveries[replica];
+            loaded_w[replica] = w.clone();
+          }
+          if (replica == 0 && replicas.quorum().members.size() < 2) {
+            if (replicas.step() >= kJoinAt) {
+              // Alone at the join step: wait for replica 1 to ask.
+              while (!b_started.load()) std::this_thread::sleep_for(milliseconds(5));
+              std::this_thread::sleep_for(milliseconds(200));
+            }
+          }
+          if (replica == 0 && !replicas.quorum().behind().empty()) source_w_at_join[0] = w.clone();
+          std::vector<at::Tensor> grads{at::ones({2})};
+          replicas.all_reduce_gradients(grads);
+          if (!replicas.should_commit()) {
+            continue;
+          }
+          step_state(w, m, replicas.step() - 1);
+          if (replica == 0) a_step = replicas.step();
+        }
+        final_w[replica] = w;
+        final_m[replica] = m;
+      });
+      auto [ref_w, ref_m] = initial();
+      for (std::int64_t step = 0; step < kSteps; ++step) {
+        step_state(ref_w, ref_m, step);
+      }
+      EXPECT_EQ(recoveries[0], 0);
+      EXPECT_EQ(recoveries[1], 1);
+      ASSERT_TRUE(loaded_w[1].defined());
+      EXPECT_TRUE(at::equal(loaded_w[1], source_w_at_join[0])) << "the recovered state is not the source's";
+      for (int replica = 0; replica < 2; ++replica) {
+        EXPECT_TRUE(at::equal(final_w[replica], ref_w)) << "replica " << replica;
+        EXPECT_TRUE(at::equal(final_m[replica], ref_m)) << "replica " << replica;
+      }
+      lighthouse.check();
+    }
+  }
+}
+
+TEST(FtReplicas, NonPositiveRecoveryChunkIsAConfigError) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, {.min_replicas = 1});
+  LighthouseClient client(store, store, {.replica_id = 0});
+  at::Tensor w = at::zeros({2});
+  for (const std::int64_t chunk : {std::int64_t{0}, std::int64_t{-1}}) {
+    try {
+      FaultTolerantReplicas replicas(client, state_of(w), {.recovery_chunk_bytes = chunk});
+      ADD_FAILURE() << "a chunk of " << chunk << " bytes was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("recovery_chunk_bytes is " + std::to_string(chunk)), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+// A source that dies mid-transfer (Note [Live recovery]): replicas 0 and 1
+// train; replica 2 joins behind; its source sends 24 MiB in 64 KiB chunks
+// (more than the 4 MiB shared-memory ring holds, so most are still queued)
+// and then goes: its group and client are destroyed, the queued chunks
+// never come. The receiver's recovery fails with an error that names the
+// source and the bytes received, its state is untouched, and at the next
+// quorum it recovers from the surviving replica and trains on with it.
+TEST(FtReplicas, SourceThatDiesMidTransferLeavesTheReceiverUntouched) {
+  constexpr int kSteps = 5;
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, {.min_replicas = 1,
+                                .startup_replicas = 2,  // replicas 0 and 1 start together
+                                .heartbeat_timeout = milliseconds(300),
+                                .join_timeout = milliseconds(5000),
+                                .scan_interval = milliseconds(10)});
+  constexpr std::int64_t kFloats = (24 << 20) / 4;
+  std::atomic<std::int64_t> steps_done{0};
+  std::atomic<bool> c_started{false};
+  std::atomic<int> died{-1};
+  std::atomic<bool> c_failed{false};
+  std::atomic<bool> c_voted{false};
+  std::string first_failure;
+  at::Tensor w_after_failure;
+  std::vector<at::Tensor> final_w(3);
+  std::vector<std::int64_t> final_step(3, -1);
+  int c_recoveries = 0;
+  testing::run_rank_threads(3, [&](int replica, dist::Store) {
+    if (replica == 2) {
+      while (steps_done.load() < 2) std::this_thread::sleep_for(milliseconds(5));
+    }
+    auto client = std::make_unique<LighthouseClient>(
+        store, store, LighthouseClientOptions{.replica_id = replica, .commit_timeout = milliseconds(3000)});
+    at::Tensor w = replica == 2 ? at::full({kFloats}, 7.0f) : at::zeros({kFloats});
+    auto replicas = std::make_unique<FaultTolerantReplicas>(
+        *client, state_of(w),
+        FaultTolerantOptions{.group_timeout = milliseconds(3000), .recovery_chunk_bytes = 64 << 10});
+    if (replica == 2) c_started = true;
+    while (replicas->step() < kSteps) {
+      replicas->start_step();
+      const Quorum& q = replicas->quorum();
+      const int me = q.index_of(replica);
+      bool serving = false;
+      for (const int peer : q.behind()) {
+        serving = serving || q.recovery_source(peer) == me;
+      }
+      if (serving && died.load() < 0) {
+        died = replica;
+        replicas.reset();  // its group goes: the chunks still queued are never sent
+        client.reset();    // and its heartbeat stops
+        return;
+      }
+      if (replica == 2 && !replicas->failure().empty() && first_failure.empty()) {
+        first_failure = replicas->failure();
+        w_after_failure = w.clone();
+        c_failed = true;
+      }
+      if (replica == 2 && replicas->recovered()) ++c_recoveries;
+      if (replica != 2 && q.members.size() < 3 && replicas->step() >= 2 && died.load() < 0) {
+        while (!c_started.load()) std::this_thread::sleep_for(milliseconds(5));
+        std::this_thread::sleep_for(milliseconds(200));  // replica 2 asks meanwhile
+      }
+      if (replica != 2 && q.members.size() < 2 && died.load() >= 0) {
+        // Alone after the death: wait until the receiver's recovery failed
+        // and its step aborted; it asks again meanwhile, and recovers from
+        // this replica.
+        while (!c_voted.load()) std::this_thread::sleep_for(milliseconds(5));
+        std::this_thread::sleep_for(milliseconds(200));
+      }
+      std::vector<at::Tensor> grads{at::ones({2})};
+      replicas->all_reduce_gradients(grads);
+      if (!replicas->should_commit()) {
+        if (replica == 2 && c_failed.load()) c_voted = true;
+        continue;
+      }
+      w.add_(1.0f);
+      if (replica != 2) steps_done = replicas->step();
+    }
+    final_w[replica] = w;
+    final_step[replica] = replicas->step();
+  });
+  ASSERT_GE(died.load(), 0) << "no replica served a recovery";
+  const int survivor = 1 - died.load();
+  EXPECT_NE(first_failure.find("live recovery from replica " + std::to_string(died.load())), std::string::npos)
+      << first_failure;
+  EXPECT_NE(first_failure.find(" bytes received"), std::string::npos) << first_failure;
+  EXPECT_EQ(first_failure.find("loading them failed"), std::string::npos) << "every byte arrived: " << first_failure;
+  ASSERT_TRUE(w_after_failure.defined());
+  EXPECT_TRUE(at::equal(w_after_failure, at::full({kFloats}, 7.0f))) << "the receiver's state changed";
+  EXPECT_EQ(c_recoveries, 1) << "the receiver recovers again, from the survivor";
+  EXPECT_EQ(final_step[2], kSteps);
+  EXPECT_EQ(final_step[survivor], kSteps);
+  EXPECT_TRUE(at::equal(final_w[2], final_w[survivor]));
+  EXPECT_TRUE(at::equal(final_w[survivor], at::full({kFloats}, static_cast<float>(kSteps))));
 }
 
 }  // namespace

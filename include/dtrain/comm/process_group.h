@@ -90,6 +90,9 @@ class Work {
   Work() = default;
   // Blocks until done (at most the group's timeout); throws CommunicationError
   // naming the operation, group, rank, peer and sizes. Waiting again is a no-op.
+  // May be called from several threads, before or after future(), with a
+  // future()'s continuation pending: it ends with the operation either way
+  // (Note [Waits and continuations], src/comm/work.cpp).
   void wait();
   // The result as a future, for chaining (e.g. DDP communication hooks).
   // Completes with the output tensor; the caller may not touch it before.

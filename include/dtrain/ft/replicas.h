@@ -33,6 +33,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -96,6 +97,10 @@ struct FaultTolerantOptions {
   // leaves its last request answered: its peers' next step fails at the
   // group (group_timeout) and aborts, as if it had died mid-step.
   std::int64_t max_steps = 0;
+  // Live recovery sends the state in chunks of at most this many bytes
+  // (Note [Live recovery] in src/ft/replicas.cpp); both sides need not agree
+  // (the source announces its chunk size).
+  std::int64_t recovery_chunk_bytes = 1 << 20;
 };
 
 class FaultTolerantReplicas {
@@ -131,6 +136,9 @@ class FaultTolerantReplicas {
   int replica_id() const { return client_.replica_id(); }
   // Whether this step's start_step() loaded a peer's state.
   bool recovered() const { return recovered_; }
+  // Why this step will not commit (its group, the live recovery or the
+  // all-reduce failed: what, and the error), or empty.
+  const std::string& failure() const { return failure_; }
 
  private:
   void make_group();
@@ -138,7 +146,14 @@ class FaultTolerantReplicas {
   // silent member]); on a silent member, keeps the group in retired_ and
   // throws.
   void wait_watching_members(dist::Work& work, const std::string& what);
+  // Recovers from the quorum member `source`, or sends this replica's state
+  // to the members it serves: issued here, waited in finish_serving().
   void recover_or_serve();
+  void recover_from(int source);
+  // Waits for the state sends issued by recover_or_serve() (each wait bounded
+  // by the group timeout); a failure fails the step. Called before the
+  // gradient all-reduce, the vote and the next step.
+  void finish_serving();
   void fail(const std::string& what, const std::exception& e);
   bool shared_by_ranks() const { return options_.replica_group && options_.replica_group->size() > 1; }
   int local_rank() const { return options_.replica_group ? options_.replica_group->rank() : 0; }
@@ -154,6 +169,17 @@ class FaultTolerantReplicas {
   // collective's future: destroyed once it ends (at its own timeout), since
   // destroying a group joins its threads, which wait in it.
   std::vector<std::pair<dist::ProcessGroup, dist::Future>> retired_;
+  // The state sends of this step's live recovery while they run.
+  struct Serving {
+    std::vector<dist::Work> sends;
+    std::vector<int> peers;  // replica ids
+    std::int64_t bytes = 0;
+    double serialise_ms = 0;
+    double issued_ms = 0;  // serialising and issuing the sends: what start_step cost
+    std::chrono::steady_clock::time_point began;
+  };
+  Serving serving_;
+  std::string failure_;
   bool failed_ = false;      // this step's group, transfer or all-reduce failed
   bool want_fresh_ = false;  // ask the next quorum for a fresh group
   bool recovered_ = false;
