@@ -138,6 +138,11 @@ struct Outcome {
   std::mutex mutex;
   bool done = false;
   std::exception_ptr error;
+  bool aborted = false;  // the backend was aborted for this error (once; under `mutex`)
+  // Held by Work::wait() around the backend's wait, never by a future()'s
+  // continuation: one waiter at a time (Gloo's send/recv wait consumes one
+  // completion; a second concurrent waiter would wait out the timeout).
+  std::mutex wait_mutex;
   // Records how it ended (runs finish on success) unless already recorded.
   void settle(std::exception_ptr failure);
 };

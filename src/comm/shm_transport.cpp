@@ -61,6 +61,10 @@ struct alignas(kCacheLine) Control {
   // system call only when someone sleeps (Note [Barrier waits]).
   std::atomic<std::uint32_t> word;
   std::atomic<std::uint32_t> waiters;
+  // Set once an operation failed on this rank (see fail_operation): its
+  // phase stops there, and peers waiting for it fail instead of waiting out
+  // the timeout or, worse, pairing its next operation with this one.
+  std::atomic<std::uint32_t> failed;
 };
 }  // namespace
 
@@ -170,14 +174,25 @@ void SharedMemoryTransport::barrier() {
   for (int r = 0; r < size_; ++r) {
     Control& peer = region_->control[r];
     auto arrived = [&] { return peer.phase.load(std::memory_order_acquire) >= phase_; };
+    auto check_failed = [&] {
+      if (peer.failed.load() != 0 && !arrived()) {
+        throw std::runtime_error("shared-memory transport: peer rank " + std::to_string(r) +
+                                 " failed an earlier shared-memory operation and will not arrive");
+      }
+    };
     for (int spins = 0; spins < kSpins && !arrived(); ++spins) {
     }
     if (arrived()) continue;
+    check_failed();
     peer.waiters.fetch_add(1);
     for (int naps = 1; !arrived(); ++naps) {
       const std::uint32_t seen = peer.word.load();
       if (arrived()) break;
       futex_wait(&peer.word, seen, kNap);
+      if (!arrived() && peer.failed.load() != 0) {
+        peer.waiters.fetch_sub(1);
+        check_failed();
+      }
       if (arrived() || (naps & 7) != 0) continue;
       std::string failure;
       if (process_gone(peer.pid.load())) {
@@ -210,7 +225,43 @@ int SharedMemoryTransport::next_half() {
   return half_;
 }
 
+// Note [A failed operation]
+// An operation that throws on one rank (a peer's timeout, its death, an
+// allocation) leaves this rank's phase and half out of step with its peers:
+// one that passed a barrier this rank had published would otherwise pair
+// this rank's next operation with the failed one and read unsummed data.
+// So a failure marks this rank's control block (peers waiting for it fail
+// within a nap, naming it) and the transport refuses every later operation
+// here: the group's shared-memory collectives end with the first failure.
+template <typename F>
+void SharedMemoryTransport::guarded(const F& operation) {
+  if (!broken_.empty()) {
+    throw std::runtime_error("shared-memory transport: unusable since an earlier operation failed on this rank (" +
+                             broken_ + ")");
+  }
+  try {
+    operation();
+  } catch (const std::exception& e) {
+    broken_ = e.what();
+    Control& mine = region_->control[rank_];
+    mine.failed.store(1);
+    mine.word.fetch_add(1);
+    futex_wake_all(&mine.word);
+    throw;
+  }
+}
+
 void SharedMemoryTransport::all_reduce_sum(at::Tensor& tensor) {
+  guarded([&] { all_reduce_sum_unguarded(tensor); });
+}
+void SharedMemoryTransport::reduce_scatter_sum(at::Tensor& output, const at::Tensor& input) {
+  guarded([&] { reduce_scatter_sum_unguarded(output, input); });
+}
+void SharedMemoryTransport::all_gather(at::Tensor& output, const at::Tensor& input) {
+  guarded([&] { all_gather_unguarded(output, input); });
+}
+
+void SharedMemoryTransport::all_reduce_sum_unguarded(at::Tensor& tensor) {
   const auto element = static_cast<std::int64_t>(tensor.element_size());
   const std::int64_t per_stripe = static_cast<std::int64_t>(kHalfBytes) / element;
   const std::int64_t n = tensor.numel();
@@ -238,7 +289,7 @@ void SharedMemoryTransport::all_reduce_sum(at::Tensor& tensor) {
   }
 }
 
-void SharedMemoryTransport::reduce_scatter_sum(at::Tensor& output, const at::Tensor& input) {
+void SharedMemoryTransport::reduce_scatter_sum_unguarded(at::Tensor& output, const at::Tensor& input) {
   const auto element = static_cast<std::int64_t>(input.element_size());
   // A stripe holds `per` elements of each of the size_ slices.
   const std::int64_t per = static_cast<std::int64_t>(kHalfBytes) / element / size_;
@@ -257,7 +308,7 @@ void SharedMemoryTransport::reduce_scatter_sum(at::Tensor& output, const at::Ten
   }
 }
 
-void SharedMemoryTransport::all_gather(at::Tensor& output, const at::Tensor& input) {
+void SharedMemoryTransport::all_gather_unguarded(at::Tensor& output, const at::Tensor& input) {
   const auto element = static_cast<std::int64_t>(input.element_size());
   const std::int64_t per = static_cast<std::int64_t>(kHalfBytes) / element;
   const std::int64_t n = input.numel();

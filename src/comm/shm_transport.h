@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 namespace dtrain::dist::detail {
 
@@ -34,7 +35,8 @@ class SharedMemoryTransport {
   ~SharedMemoryTransport();
 
   // Each: every rank calls it with the same sizes and dtype, in the same
-  // order; tensors are contiguous CPU tensors; every rank gets bitwise the
+  // order (after one fails on any rank, every later one fails: Note [A
+  // failed operation]); tensors are contiguous CPU tensors; every rank gets bitwise the
   // same sums (each partition is summed once, in rank order). Throws
   // std::runtime_error naming the peer that died or did not arrive in time
   // (the group turns it into a CommunicationError naming the operation).
@@ -51,11 +53,19 @@ class SharedMemoryTransport {
   void barrier();
   // The half of every slot the next stripe uses (they alternate; see the Note).
   int next_half();
+  // Runs an operation; its failure makes this transport refuse every later
+  // one (Note [A failed operation]).
+  template <typename F>
+  void guarded(const F& operation);
+  void all_reduce_sum_unguarded(at::Tensor& tensor);
+  void reduce_scatter_sum_unguarded(at::Tensor& output, const at::Tensor& input);
+  void all_gather_unguarded(at::Tensor& output, const at::Tensor& input);
   std::unique_ptr<Region> region_;
   int rank_ = 0;
   int size_ = 1;
   std::uint64_t phase_ = 0;
   int half_ = 1;
+  std::string broken_;  // why an operation failed here; empty while usable
   std::chrono::milliseconds timeout_{0};
 };
 

@@ -44,8 +44,14 @@
 // before the end and holding it blocked the continuation, and so itself,
 // until the group timeout, and then reported a timeout for an operation
 // that had succeeded (multirank.CollectivesMore.WaitWithAPending...).
-// wait() waits unlocked and settles under the lock only if nothing settled
-// first; a continuation that settled first decides the outcome both report.
+// wait() waits without that lock and settles under it only if nothing
+// settled first; a continuation that settled first decides the outcome both
+// report. Waiters take turns (Outcome::wait_mutex, which no continuation
+// takes): Gloo's send/recv wait consumes one completion, so a second waiter
+// inside it would wait out the timeout and Gloo would close the group's
+// connections; the second finds the outcome settled when its turn comes.
+// A failed NCCL operation's abort runs on a waiting thread, once, whoever
+// settled the failure.
 #include <ATen/core/ivalue.h>
 
 #include <condition_variable>
@@ -223,14 +229,39 @@ Work make_future_work(const std::shared_ptr<GroupState>& group, OpInfo info, Fut
 void Work::wait() {
   if (!impl_) return;
   detail::Outcome& outcome = *impl_->outcome;
-  {
-    std::lock_guard<std::mutex> lock(outcome.mutex);
-    if (outcome.done) {
-      if (outcome.error) std::rethrow_exception(outcome.error);
-      return;
+  // Note [Abort instead of hang]: on a waiting thread only, never in a
+  // future's callback, which may run on the backend's own watchdog thread;
+  // once per failed operation, whichever settled it (a wait or a future()'s
+  // continuation).
+  auto end = [&outcome] {
+    bool abort_now = false;
+    {
+      std::lock_guard<std::mutex> lock(outcome.mutex);
+      if (outcome.error && outcome.info.abort_backend && !outcome.aborted) {
+        outcome.aborted = true;
+        abort_now = true;
+      }
     }
-  }
-  // Note [Waits and continuations]: the wait itself holds no lock.
+    if (abort_now) {
+      if (auto backend = outcome.info.abort_backend->lock()) {
+        try {
+          backend->abort();
+        } catch (...) {
+          // Already torn down: nothing left to release.
+        }
+      }
+    }
+    if (outcome.error) std::rethrow_exception(outcome.error);
+  };
+  auto settled = [&outcome] {
+    std::lock_guard<std::mutex> lock(outcome.mutex);
+    return outcome.done;
+  };
+  if (settled()) return end();
+  // Note [Waits and continuations]: the wait holds no Outcome lock, only the
+  // waiters' own (a second waiter finds the outcome settled once it gets it).
+  std::lock_guard<std::mutex> waiting(outcome.wait_mutex);
+  if (settled()) return end();
   std::exception_ptr error;
   c10::IValue value;
   try {
@@ -252,27 +283,14 @@ void Work::wait() {
   } catch (...) {
     error = std::current_exception();
   }
-  bool settled_here = false;
   {
     std::lock_guard<std::mutex> lock(outcome.mutex);
     if (!outcome.done) {
       if (!error && outcome.result.isNone() && !value.isNone()) outcome.result = std::move(value);
       outcome.settle(error);
-      settled_here = true;
     }
   }
-  // Note [Abort instead of hang]: on the waiting thread only, never in a
-  // future's callback, which may run on the backend's own watchdog thread.
-  if (settled_here && outcome.error && outcome.info.abort_backend) {
-    if (auto backend = outcome.info.abort_backend->lock()) {
-      try {
-        backend->abort();
-      } catch (...) {
-        // Already torn down: nothing left to release.
-      }
-    }
-  }
-  if (outcome.error) std::rethrow_exception(outcome.error);
+  end();
 }
 
 Future Work::future() {

@@ -299,10 +299,19 @@ void FaultTolerantReplicas::finish_serving() {
   if (serving_.sends.empty()) return;
   std::vector<dist::Work> sends = std::move(serving_.sends);
   serving_.sends.clear();
+  // Every send is waited for (each wait bounded by the group timeout), also
+  // after one failed: a Gloo send's Work owns its chunk, which the transport
+  // may still be writing to another, live receiver.
+  std::exception_ptr first_failure;
+  for (auto& work : sends) {
+    try {
+      work.wait();
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
+    }
+  }
   try {
-    // Each wait is bounded by the group timeout; the first failure ends the
-    // transfer (the chunks still in a transport keep the snapshot alive).
-    for (auto& work : sends) work.wait();
+    if (first_failure) std::rethrow_exception(first_failure);
     const auto now = std::chrono::steady_clock::now();
     std::string peers;
     for (const int id : serving_.peers) peers += (peers.empty() ? "" : ", ") + std::to_string(id);

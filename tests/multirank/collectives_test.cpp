@@ -217,6 +217,48 @@ TEST(CollectivesMore, WaitWithAPendingFutureContinuationEndsWithTheOperation) {
   }
 }
 
+// Note [A failed operation] (shm_transport.cpp): rank 1 comes to an
+// all-reduce after rank 0 gave up on it (the group timeout). Rank 0's next
+// operation fails at once, and rank 1, which passes the first barrier rank 0
+// published before it gave up, fails at the next one naming rank 0 within
+// milliseconds, instead of pairing rank 0's next operation with this one
+// (and reading its unsummed input) or waiting out its own timeout.
+TEST(CollectivesMore, SharedMemoryEndsAllOperationsAfterOneFailed) {
+  constexpr auto kTimeout = std::chrono::seconds(2);
+  run_rank_threads(2, [&](int rank, dtrain::dist::Store store) {
+    auto group = dtrain::dist::init_process_group(store, rank, 2, {.timeout = kTimeout});
+    at::Tensor warm = at::ones({8});
+    group.all_reduce(warm).wait();  // sets the transport up on both ranks
+    ASSERT_TRUE(group.uses_shared_memory());
+    if (rank == 1) {
+      std::this_thread::sleep_for(kTimeout + std::chrono::milliseconds(1500));
+    }
+    at::Tensor t = at::full({1000}, rank + 1.0);
+    const auto start = std::chrono::steady_clock::now();
+    std::string first;
+    try {
+      group.all_reduce(t).wait();
+    } catch (const dtrain::CommunicationError& e) {
+      first = e.what();
+    }
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (rank == 0) {
+      EXPECT_NE(first.find("peer rank 1"), std::string::npos) << first;
+      at::Tensor next = at::ones({1000});
+      std::string second;
+      try {
+        group.all_reduce(next).wait();
+      } catch (const dtrain::CommunicationError& e) {
+        second = e.what();
+      }
+      EXPECT_NE(second.find("unusable since an earlier operation failed"), std::string::npos) << second;
+    } else {
+      EXPECT_NE(first.find("peer rank 0 failed an earlier shared-memory operation"), std::string::npos) << first;
+      EXPECT_LT(waited, 1.0) << "rank 1 waited out its timeout for a peer that had given up";
+    }
+  });
+}
+
 TEST(CollectivesMore, PointToPointRingAndBatch) {
   for (int world : {2, 3, 4}) {
     run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {

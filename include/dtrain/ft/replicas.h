@@ -163,13 +163,9 @@ class FaultTolerantReplicas {
   FaultTolerantOptions options_;
   std::int64_t step_ = 0;
   Quorum quorum_;
-  std::optional<dist::ProcessGroup> group_;
-  std::int64_t group_quorum_id_ = -1;
-  // Groups whose collective was abandoned on a silent member, with that
-  // collective's future: destroyed once it ends (at its own timeout), since
-  // destroying a group joins its threads, which wait in it.
-  std::vector<std::pair<dist::ProcessGroup, dist::Future>> retired_;
-  // The state sends of this step's live recovery while they run.
+  // The state sends of this step's live recovery while they run. Declared
+  // before group_, so destroyed after it: a Gloo send's Work owns its buffer,
+  // which the group's threads may still use until the group is gone.
   struct Serving {
     std::vector<dist::Work> sends;
     std::vector<int> peers;  // replica ids
@@ -179,6 +175,12 @@ class FaultTolerantReplicas {
     std::chrono::steady_clock::time_point began;
   };
   Serving serving_;
+  std::optional<dist::ProcessGroup> group_;
+  std::int64_t group_quorum_id_ = -1;
+  // Groups whose collective was abandoned on a silent member, with that
+  // collective's future: destroyed once it ends (at its own timeout), since
+  // destroying a group joins its threads, which wait in it.
+  std::vector<std::pair<dist::ProcessGroup, dist::Future>> retired_;
   std::string failure_;
   bool failed_ = false;      // this step's group, transfer or all-reduce failed
   bool want_fresh_ = false;  // ask the next quorum for a fresh group

@@ -157,13 +157,18 @@ struct DDPEngine::State {
 
   // Without a hook the Reducer averages by itself: it multiplies by
   // 1/world while copying each gradient into its bucket (one pass over the
-  // gradients fewer than a hook's division) and sums the bucket through
+  // gradients fewer than a hook's) and sums the bucket through
   // process_group_for_reducer, i.e. this group's transport and error
-  // reporting, as everything else it sends. hooks::all_reduce() rounds the
-  // same way (torch DDP's default path, bit for bit).
+  // reporting, as everything else it sends. With gradient_as_bucket_view the
+  // Reducer would divide in place instead once gradients alias their bucket
+  // (another rounding, varying by step), so there hooks::all_reduce(), which
+  // multiplies as the copy does, keeps one rounding (torch DDP's default
+  // path, bit for bit, in both cases).
   void install_hook() {
     if (hook_installed) return;
-    if (hook) reducer->register_comm_hook(std::make_unique<HookAdapter>(hook, group));
+    if (hook || options.gradient_as_bucket_view) {
+      reducer->register_comm_hook(std::make_unique<HookAdapter>(hook ? hook : hooks::all_reduce(), group));
+    }
     hook_installed = true;
   }
 
@@ -283,7 +288,7 @@ void DDPEngine::pre_forward() {
   const bool grad = at::GradMode::is_enabled();
   if (grad && s.require_backward_grad_sync) s.reducer->prepare_for_forward();
 
-  // Hooks average over the whole group: a rank that has joined contributes
+  // The average is over the whole group: a rank that has joined contributes
   // zeros (see join.h), so the notice's count is not needed for dividing.
   s.join_notice = notify_join_context();
   if (grad && s.reducer->rebuild_buckets()) {

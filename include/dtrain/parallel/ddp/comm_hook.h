@@ -65,8 +65,9 @@ struct PowerSgdOptions {
 
 // Built-in hooks.
 namespace hooks {
-// The default: average through the group (shared memory for CPU ranks on
-// one host, else the backend).
+// Average through the group (shared memory for CPU ranks on one host, else
+// the backend): multiply by 1/size, then sum, the rounding of DDP without a
+// hook (which does the multiply in its copy into the bucket).
 std::shared_ptr<CommHook> all_reduce();
 // Compress to float16 / bfloat16, average, decompress (half the traffic).
 std::shared_ptr<CommHook> fp16_compress();

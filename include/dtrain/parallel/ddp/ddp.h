@@ -48,9 +48,11 @@ struct DDPOptions {
   bool broadcast_buffers = true;
   // The set of used parameters and the graph do not change between iterations.
   bool static_graph = false;
-  // How each gradient bucket is reduced (see comm_hook.h); null: average
-  // through the group (hooks::all_reduce(), which takes shared memory for
-  // CPU ranks on one host: GroupOptions::intra_host_shared_memory).
+  // How each gradient bucket is reduced (see comm_hook.h); null: averaged
+  // through the group by the Reducer itself (1/size multiplied in as each
+  // gradient is copied into its bucket; hooks::all_reduce()'s rounding),
+  // which takes shared memory for CPU ranks on one host
+  // (GroupOptions::intra_host_shared_memory).
   std::shared_ptr<CommHook> comm_hook;
 };
 
