@@ -9,8 +9,11 @@
 // "gemm_overhead", "bf16_flops", "attention_flops",
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
 // "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
-// "samples": [{transport, op, ranks, bytes, seconds}]}, each figure the
-// median of its repeats (time_sliced_work_seconds: a total, the ranks' mean).
+// "alone_work_seconds", "after_compute": {wall_seconds, compute_cpu_seconds,
+// collectives, bytes}, "samples": [{transport, op, ranks, bytes, seconds}]},
+// each figure the median of its repeats (time_sliced_work_seconds: a total,
+// the ranks' mean; alone_work_seconds: the same piece on rank 0 while the
+// others wait).
 //
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
 #include <ATen/ATen.h>
@@ -179,7 +182,12 @@ double add_bandwidth(std::int64_t bytes) {
 // (DeviceSpec::oversubscription_factor). The GPT example's ranks took
 // 16-20 % more CPU per step with 4 processes on 2 cores than alone, also
 // when the 4 were independent runs (no communication).
-double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group) {
+// `alone`: rank 0 runs the piece while the other ranks wait in a barrier
+// (asleep, no core used), and every rank returns rank 0's time: the same
+// work with the host to itself, against which `dtrain plan --calibrate`
+// sets the ranks' time when all of them compute at once
+// (DeviceSpec::concurrency_factor).
+double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = false) {
   constexpr int kBlocks = 4;
   constexpr std::int64_t kRows = 768, kWidth = 128, kInner = 512;
   std::vector<at::Tensor> up, down;
@@ -202,11 +210,47 @@ double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group) {
   };
   once();  // warm-up: first-touch pages, oneDNN's primitive cache
   group.barrier();
+  const bool runs = !alone || group.rank() == 0;
   const double start = thread_cpu_seconds();
-  for (int i = 0; i < 40; ++i) once();
-  at::Tensor mean = at::full({1}, thread_cpu_seconds() - start, at::kFloat);
+  if (runs) {
+    for (int i = 0; i < 40; ++i) once();
+  }
+  at::Tensor mean = at::full({1}, runs ? thread_cpu_seconds() - start : 0.0, at::kFloat);
   group.all_reduce(mean).wait();
-  return mean.item<float>() / static_cast<double>(group.size());
+  return mean.item<float>() / static_cast<double>(alone ? 1 : group.size());
+}
+
+// Collectives as training meets them (Note [Collectives after compute] in
+// src/plan/calibration.cpp): every rank runs a piece of compute (~2 ms of products),
+// then a 16 KiB all_reduce, 24 times. The ranks do not enter together: where
+// they time-slice the cores each arrives when its own compute got its share,
+// and a collective then waits for peers switched out. Returns the run's wall
+// seconds and this rank's CPU seconds for the same compute alone (no
+// collectives, the ranks computing at once), each the ranks' mean: the
+// calibration's fit charges the difference to the collectives.
+std::pair<double, double> collectives_after_compute(dtrain::dist::ProcessGroup& group) {
+  constexpr int kIterations = 24;
+  const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
+  at::Tensor small = at::ones({4096});  // 16 KiB
+  auto work = [&] {
+    for (int i = 0; i < 12; ++i) (void)dtrain::nn::linear(a, b);
+  };
+  work();
+  group.barrier();
+  const double cpu_start = thread_cpu_seconds();
+  for (int i = 0; i < kIterations; ++i) work();
+  const double cpu = thread_cpu_seconds() - cpu_start;
+  group.barrier();
+  const auto wall_start = Clock::now();
+  for (int i = 0; i < kIterations; ++i) {
+    work();
+    group.all_reduce(small).wait();
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - wall_start).count();
+  at::Tensor both = at::tensor({static_cast<float>(wall), static_cast<float>(cpu)}, at::kFloat);
+  group.all_reduce(both).wait();
+  const double n = static_cast<double>(group.size());
+  return {both[0].item<float>() / n, both[1].item<float>() / n};
 }
 
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
@@ -299,7 +343,13 @@ int main(int argc, char** argv) {
       const double both = median_seconds(51, [&] { chain().backward(); });
       result["backward_kernel_overhead"] = both / kOps - result["kernel_overhead"].get<double>();
     }
+    result["alone_work_seconds"] = time_sliced_work_seconds(shm, /*alone=*/true);
     result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
+    {
+      const auto [wall, cpu] = collectives_after_compute(shm);
+      result["after_compute"] = {
+          {"wall_seconds", wall}, {"compute_cpu_seconds", cpu}, {"collectives", 24}, {"bytes", 16 << 10}};
+    }
     nlohmann::json samples = time_collectives(shm, "shared_memory");
     for (auto& s : time_collectives(gloo, "gloo")) samples.push_back(s);
     result["samples"] = samples;
