@@ -49,28 +49,28 @@ Link fit_ring_link(const std::vector<CollectiveSample>& samples) {
 }
 
 // Note [Collectives after compute]
-// With more ranks than cores, the ranks' compute alone would take ranks /
-// cores x one rank's CPU time of wall time (the cores shared, none idle);
-// what a run of compute, then a collective, repeated, took beyond that is
-// what its collectives cost when each follows compute, as in training. The
-// synchronised samples (every rank entering together after a barrier) give
-// the link's alpha and beta but leave out the wait for a peer that time
-// slicing has switched out: on 2 cores the 4-rank plans measured 15-40 %
-// slower than predicted from them, HSDP (the most collectives per step)
-// the most. That wait comes once per collective whatever its hops (a
-// 2-rank gather among 4 time-sliced ranks waits as a 4-rank all-reduce
-// does), so it is the link's `call_latency`: the excess per collective
-// less what the synchronised link charges for it.
-double collectives_after_compute_latency(int ranks, int cores, double wall_seconds, double compute_cpu_seconds,
-                                         int collectives, double bytes, const Link& synchronised) {
-  DTRAIN_CHECK(ranks >= 2 && cores >= 1 && collectives >= 1 && synchronised.bandwidth > 0, ConfigError,
-               "collectives after compute need 2+ ranks, 1+ cores, 1+ collectives and a fitted link (got "
-                   << ranks << ", " << cores << ", " << collectives << ", " << synchronised.bandwidth << " B/s).",
+// A run of compute, then a collective, repeated, against the same compute
+// without the collectives, both in wall time on every rank at once: the
+// difference, per collective, is what a collective costs when it follows
+// compute, as in training (other work on the host slows both runs alike).
+// The synchronised samples (every rank entering together after a barrier)
+// give the link's alpha and beta but leave out the wait for a peer that is
+// not there yet: asleep, or, with more ranks than cores, switched out by
+// time slicing; on 2 cores the 4-rank plans measured 15-40 % slower than
+// predicted from them, HSDP (the most collectives per step) the most. That
+// wait comes once per collective whatever its hops (a 2-rank gather among 4
+// time-sliced ranks waits as a 4-rank all-reduce does), so it is the link's
+// `call_latency`: the cost per collective less what the synchronised link
+// charges for it.
+double collectives_after_compute_latency(int ranks, double wall_seconds, double compute_wall_seconds, int collectives,
+                                         double bytes, const Link& synchronised) {
+  DTRAIN_CHECK(ranks >= 2 && collectives >= 1 && synchronised.bandwidth > 0, ConfigError,
+               "collectives after compute need 2+ ranks, 1+ collectives and a fitted link (got "
+                   << ranks << ", " << collectives << ", " << synchronised.bandwidth << " B/s).",
                "time them on a run of two or more processes");
-  const double ideal = static_cast<double>(ranks) / std::min(ranks, cores) * compute_cpu_seconds;
   const double k = ranks;
   const double ring = 2 * (k - 1) * synchronised.latency + 2 * (k - 1) / k * bytes / synchronised.bandwidth;
-  return std::max(0.0, (wall_seconds - ideal) / collectives - ring);
+  return std::max(0.0, (wall_seconds - compute_wall_seconds) / collectives - ring);
 }
 
 namespace {

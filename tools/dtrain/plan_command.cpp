@@ -243,9 +243,9 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     const int n = ac.at("ranks");
     const bool sliced = n > d.compute_units && !shm_oversubscribed.empty();
     (sliced ? sliced_waits : waits)
-        .push_back(plan::collectives_after_compute_latency(
-            n, d.compute_units, ac.at("wall_seconds"), ac.at("compute_cpu_seconds"), ac.at("collectives"),
-            ac.at("bytes"), sliced ? d.oversubscribed_link : d.intra_node));
+        .push_back(plan::collectives_after_compute_latency(n, ac.at("wall_seconds"), ac.at("compute_wall_seconds"),
+                                                           ac.at("collectives"), ac.at("bytes"),
+                                                           sliced ? d.oversubscribed_link : d.intra_node));
   }
   if (!waits.empty()) d.intra_node.call_latency = median(waits);
   if (!sliced_waits.empty()) d.oversubscribed_link.call_latency = median(sliced_waits);

@@ -32,12 +32,12 @@ struct CollectiveSample {
 Link fit_ring_link(const std::vector<CollectiveSample>& samples);
 
 // Note [Collectives after compute] (calibration.cpp): the seconds each
-// all-reduce of `bytes` over `ranks` ranks on `cores` cores that followed a
-// piece of compute paid beyond what the `synchronised` link charges for it:
-// the run's wall seconds beyond ranks / cores x one rank's CPU seconds for
-// the compute alone, per collective (0 when none is left over).
-double collectives_after_compute_latency(int ranks, int cores, double wall_seconds, double compute_cpu_seconds,
-                                         int collectives, double bytes, const Link& synchronised);
+// all-reduce of `bytes` over `ranks` ranks that followed a piece of compute
+// paid beyond what the `synchronised` link charges for it: the wall seconds
+// of `collectives` (compute, then the collective) beyond the same compute's
+// alone, per collective (0 when none is left over).
+double collectives_after_compute_latency(int ranks, double wall_seconds, double compute_wall_seconds, int collectives,
+                                         double bytes, const Link& synchronised);
 
 // One device entry as JSON (every DeviceSpec field) and back; read_device_file
 // names the file and the field on a bad or missing one (ConfigError).
