@@ -1,6 +1,7 @@
 // Calibration fits and device files (calibration.h).
 #include "dtrain/plan/calibration.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -47,14 +48,41 @@ Link fit_ring_link(const std::vector<CollectiveSample>& samples) {
   return {.bandwidth = 1 / inv_beta, .latency = alpha};
 }
 
+// Note [Collectives after compute]
+// A run of compute, then a collective, repeated, against the same compute
+// without the collectives, both in wall time on every rank at once: the
+// difference, per collective, is what a collective costs when it follows
+// compute, as in training (other work on the host slows both runs alike).
+// The synchronised samples (every rank entering together after a barrier)
+// give the link's alpha and beta but leave out the wait for a peer that is
+// not there yet: asleep, or, with more ranks than cores, switched out by
+// time slicing; on 2 cores the 4-rank plans measured 15-40 % slower than
+// predicted from them, HSDP (the most collectives per step) the most. That
+// wait comes once per collective whatever its hops (a 2-rank gather among 4
+// time-sliced ranks waits as a 4-rank all-reduce does), so it is the link's
+// `call_latency`: the cost per collective less what the synchronised link
+// charges for it.
+double collectives_after_compute_latency(int ranks, double wall_seconds, double compute_wall_seconds, int collectives,
+                                         double bytes, const Link& synchronised) {
+  DTRAIN_CHECK(ranks >= 2 && collectives >= 1 && synchronised.bandwidth > 0, ConfigError,
+               "collectives after compute need 2+ ranks, 1+ collectives and a fitted link (got "
+                   << ranks << ", " << collectives << ", " << synchronised.bandwidth << " B/s).",
+               "time them on a run of two or more processes");
+  const double k = ranks;
+  const double ring = 2 * (k - 1) * synchronised.latency + 2 * (k - 1) / k * bytes / synchronised.bandwidth;
+  return std::max(0.0, (wall_seconds - compute_wall_seconds) / collectives - ring);
+}
+
 namespace {
 
 nlohmann::json link_json(const Link& l) {
-  return {{"bandwidth", l.bandwidth}, {"latency", l.latency}};
+  return {{"bandwidth", l.bandwidth}, {"latency", l.latency}, {"call_latency", l.call_latency}};
 }
 
 Link link_from(const nlohmann::json& j) {
-  return {.bandwidth = j.at("bandwidth").get<double>(), .latency = j.at("latency").get<double>()};
+  return {.bandwidth = j.at("bandwidth").get<double>(),
+          .latency = j.at("latency").get<double>(),
+          .call_latency = j.value("call_latency", 0.0)};  // older files: none
 }
 
 }  // namespace
@@ -80,6 +108,7 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"cache_bytes", d.cache_bytes},
                    {"cache_bandwidth", d.cache_bandwidth},
                    {"oversubscription_factor", d.oversubscription_factor},
+                   {"concurrency_factor", d.concurrency_factor},
                    {"oversubscribed_link", link_json(d.oversubscribed_link)}};
   return j.dump(2);
 }
@@ -107,6 +136,7 @@ DeviceSpec device_from_json(const std::string& text) {
   d.cache_bytes = j.value("cache_bytes", std::int64_t{0});  // older files: no cache modelled
   d.cache_bandwidth = j.value("cache_bandwidth", 0.0);
   d.oversubscription_factor = j.value("oversubscription_factor", 1.0);  // older files: not measured
+  d.concurrency_factor = j.value("concurrency_factor", 1.0);            // older files: not measured
   if (j.contains("oversubscribed_link")) d.oversubscribed_link = link_from(j.at("oversubscribed_link"));
   return d;
 }

@@ -282,8 +282,11 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   DeviceSpec dev = cluster.device;
   // ... and its last-level cache, whatever their number.
   if (dev.compute_units > 0) dev.cache_bytes /= std::min(cluster.gpus_per_node, cluster.gpus);
-  if (dev.compute_units > 0 && cluster.gpus_per_node > dev.compute_units) {
-    const double share = static_cast<double>(dev.compute_units) / std::min(cluster.gpus_per_node, cluster.gpus);
+  if (dev.compute_units > 0) {
+    const int local = std::min(cluster.gpus_per_node, cluster.gpus);  // this plan's ranks on one host
+    // Ranks computing at once slow each other (calibrated; one process runs alone).
+    double slowdown = local >= 2 ? std::max(1.0, dev.concurrency_factor) : 1.0;
+    const double share = static_cast<double>(dev.compute_units) / local;
     if (share < 1) {
       dev.bf16_flops *= share;
       dev.fp32_flops *= share;
@@ -293,17 +296,17 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       dev.kernel_overhead /= share;  // a CPU's launches are its cores' work too
       dev.gemm_overhead /= share;
       // Time slicing costs each rank CPU time of its own (calibrated).
-      const double slicing = std::max(1.0, dev.oversubscription_factor);
-      dev.bf16_flops /= slicing;
-      dev.fp32_flops /= slicing;
-      dev.fp8_flops /= slicing;
-      dev.memory_bandwidth /= slicing;
-      dev.cache_bandwidth /= slicing;
-      dev.kernel_overhead *= slicing;
-      dev.gemm_overhead *= slicing;
+      slowdown *= std::max(1.0, dev.oversubscription_factor);
       // ... and its collectives wait for peers switched out (calibrated).
       if (dev.oversubscribed_link.bandwidth > 0) dev.intra_node = dev.oversubscribed_link;
     }
+    dev.bf16_flops /= slowdown;
+    dev.fp32_flops /= slowdown;
+    dev.fp8_flops /= slowdown;
+    dev.memory_bandwidth /= slowdown;
+    dev.cache_bandwidth /= slowdown;
+    dev.kernel_overhead *= slowdown;
+    dev.gemm_overhead *= slowdown;
   }
   Cluster host = cluster;  // its links as this plan's ranks see them
   host.device = dev;

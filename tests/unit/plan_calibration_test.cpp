@@ -55,6 +55,22 @@ TEST(PlanCalibration, FitRefusesOneMessageSize) {
   EXPECT_THROW(fit_ring_link(one), ConfigError);
 }
 
+// Note [Collectives after compute]: the wall time beyond the same compute's
+// alone, per collective, less what the synchronised link charges for it.
+TEST(PlanCalibration, CollectivesAfterComputePayWhatTheComputeAloneDidNotTake) {
+  const Link sync{.bandwidth = 4e9, .latency = 60e-6};
+  const double bytes = 16 << 10;
+  // 4 ranks: 8 all-reduces, each its synchronised ring (6 hops) and 500 us more.
+  const double ring4 = 6 * sync.latency + 1.5 * bytes / sync.bandwidth;
+  EXPECT_NEAR(collectives_after_compute_latency(4, 0.1 + 8 * (ring4 + 500e-6), 0.1, 8, bytes, sync), 500e-6, 1e-12);
+  // 2 ranks: 2 hops each, 30 us more.
+  const double ring2 = 2 * sync.latency + bytes / sync.bandwidth;
+  EXPECT_NEAR(collectives_after_compute_latency(2, 0.05 + 8 * (ring2 + 30e-6), 0.05, 8, bytes, sync), 30e-6, 1e-12);
+  // Nothing left over (noise): no wait, never a negative one.
+  EXPECT_EQ(collectives_after_compute_latency(4, 0.1 + 8 * ring4 / 2, 0.1, 8, bytes, sync), 0);
+  EXPECT_THROW(collectives_after_compute_latency(1, 0.1, 0.05, 8, bytes, sync), ConfigError);
+}
+
 TEST(PlanCalibration, DeviceFileRoundTrips) {
   DeviceSpec d = find_device("cpu-here");
   d.fp32_flops = 31.5e9;
@@ -64,7 +80,8 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.cache_bytes = 32LL << 20;
   d.cache_bandwidth = 95e9;
   d.oversubscription_factor = 1.22;
-  d.oversubscribed_link = {.bandwidth = 3.3e9, .latency = 91e-6};
+  d.concurrency_factor = 1.07;
+  d.oversubscribed_link = {.bandwidth = 3.3e9, .latency = 91e-6, .call_latency = 420e-6};
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -78,8 +95,11 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.cache_bytes, d.cache_bytes);
   EXPECT_EQ(back.cache_bandwidth, d.cache_bandwidth);
   EXPECT_EQ(back.oversubscription_factor, d.oversubscription_factor);
+  EXPECT_EQ(back.concurrency_factor, d.concurrency_factor);
   EXPECT_EQ(back.oversubscribed_link.latency, d.oversubscribed_link.latency);
   EXPECT_EQ(back.oversubscribed_link.bandwidth, d.oversubscribed_link.bandwidth);
+  EXPECT_EQ(back.oversubscribed_link.call_latency, d.oversubscribed_link.call_latency);
+  EXPECT_EQ(back.intra_node.call_latency, 0);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
 }
@@ -133,12 +153,34 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   sliced.oversubscription_factor = 1.25;
   EXPECT_NEAR(run(sliced, ddp4, 4).time.compute / run(d, ddp4, 4).time.compute, 1.25, 1e-9);
   EXPECT_NEAR(run(sliced, ddp2, 2).time.compute, run(d, ddp2, 2).time.compute, 1e-12);  // no more ranks than cores
+  // Ranks computing at once: every plan with two or more ranks on the host
+  // pays the concurrency factor, on top of time slicing; one process none.
+  DeviceSpec busy = sliced;
+  busy.concurrency_factor = 1.1;
+  const ParallelPlan single{.global_batch = 24};
+  EXPECT_NEAR(run(busy, ddp2, 2).time.compute / run(sliced, ddp2, 2).time.compute, 1.1, 1e-9);
+  EXPECT_NEAR(run(busy, ddp4, 4).time.compute / run(d, ddp4, 4).time.compute, 1.1 * 1.25, 1e-9);
+  EXPECT_NEAR(run(busy, single, 1).time.compute, run(d, single, 1).time.compute, 1e-12);
   // Their collectives run on the link measured with more ranks than cores.
   sliced.oversubscribed_link = {.bandwidth = 3e9, .latency = 90e-6};
   const double grad_bytes = 4.0 * static_cast<double>(model.params());
   const Link& o = sliced.oversubscribed_link;
   EXPECT_NEAR(run(sliced, ddp4, 4).time.grad_sync, 6 * o.latency + 1.5 * grad_bytes / o.bandwidth, 1e-9);
   EXPECT_NEAR(run(sliced, ddp2, 2).time.grad_sync, run(d, ddp2, 2).time.grad_sync, 1e-12);
+  // The wait for peers switched out comes once per collective, whatever its
+  // ranks: DDP's one all-reduce; ZeRO-3's forward gathers, backward gathers
+  // and reduce-scatters of each of the 4 layers and the root unit (15);
+  // HSDP 2 x 2 as many over its shard pairs and one replica all-reduce per
+  // unit (5) more.
+  DeviceSpec waits = sliced;
+  waits.oversubscribed_link.call_latency = 1e-3;
+  EXPECT_NEAR(run(waits, ddp4, 4).time.grad_sync - run(sliced, ddp4, 4).time.grad_sync, 1e-3, 1e-9);
+  const ParallelPlan zero3_4{.dp_shard = 4, .zero_stage = 3, .global_batch = 48};
+  const ParallelPlan hsdp{.dp_replicate = 2, .dp_shard = 2, .zero_stage = 3, .global_batch = 48};
+  EXPECT_NEAR(run(waits, zero3_4, 4).time.zero3_comm - run(sliced, zero3_4, 4).time.zero3_comm, 15e-3, 1e-9);
+  EXPECT_NEAR(run(waits, hsdp, 4).time.zero3_comm - run(sliced, hsdp, 4).time.zero3_comm, 15e-3, 1e-9);
+  EXPECT_NEAR(run(waits, hsdp, 4).time.grad_sync - run(sliced, hsdp, 4).time.grad_sync, 5e-3, 1e-9);
+  EXPECT_EQ(run(waits, ddp2, 2).time.grad_sync, run(sliced, ddp2, 2).time.grad_sync);  // no more ranks than cores
   // Two ranks on two cores: the whole all-reduce of the gradients (fp32)
   // is exposed; with cores to spare only what backward does not cover.
   DeviceSpec spare = d;

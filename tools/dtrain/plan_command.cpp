@@ -152,7 +152,10 @@ std::int64_t last_level_cache_bytes() {
 // not at::mm's; see calibrate_worker.cpp), with operands where training
 // finds them (the last-level cache). The runs with more ranks than cores
 // give one figure more: how much more CPU time a rank takes for the same
-// work when ranks time-slice the cores (DeviceSpec::oversubscription_factor).
+// work when ranks time-slice the cores (DeviceSpec::oversubscription_factor);
+// those with no more, one other: how much more it takes when every core
+// runs a rank at once than with the host to itself (the shared last-level
+// cache and memory; DeviceSpec::concurrency_factor).
 // The collectives' alpha and beta are one fit per transport over its
 // samples: shared memory is the node's link (dtrain's CPU collectives and
 // pipeline sends between ranks of one host), fitted apart for the runs with
@@ -172,6 +175,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<plan::CollectiveSample> shm, shm_oversubscribed, gloo;
   std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth, gemm_overhead, attention, materialized;
   std::vector<double> work_fitting, work_oversubscribed;  // time_sliced_work_seconds by ranks <= or > cores
+  std::vector<double> work_alone;                         // alone_work_seconds of the runs with ranks <= cores
+  std::vector<nlohmann::json> after_compute;              // collectives after compute, every run
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -181,6 +186,12 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
                                    : shm_oversubscribed)
           .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
     (n <= d.compute_units ? work_fitting : work_oversubscribed).push_back(r.at("time_sliced_work_seconds"));
+    if (n <= d.compute_units && r.contains("alone_work_seconds")) work_alone.push_back(r.at("alone_work_seconds"));
+    if (r.contains("after_compute")) {
+      nlohmann::json ac = r.at("after_compute");
+      ac["ranks"] = n;
+      after_compute.push_back(ac);
+    }
     if (n <= d.compute_units || counts.size() == 1) {
       fp32.push_back(r.at("fp32_flops"));
       bf16.push_back(r.at("bf16_flops"));
@@ -213,6 +224,10 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // cores over with no more (1 when the counts do not give both).
   if (!work_fitting.empty() && !work_oversubscribed.empty())
     d.oversubscription_factor = std::max(1.0, median(work_oversubscribed) / median(work_fitting));
+  // Contention: a rank's CPU time for the same work with every rank of a
+  // run with no more ranks than cores computing at once, over rank 0's alone.
+  if (!work_fitting.empty() && !work_alone.empty())
+    d.concurrency_factor = std::max(1.0, median(work_fitting) / median(work_alone));
   // The node's link from the runs with no more ranks than cores; those with
   // more have their own (DeviceSpec::oversubscribed_link): time slicing
   // makes their collectives wait for peers switched out, which no single
@@ -220,6 +235,20 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   if (shm.empty()) shm.swap(shm_oversubscribed);
   d.intra_node = plan::fit_ring_link(shm);
   if (!shm_oversubscribed.empty()) d.oversubscribed_link = plan::fit_ring_link(shm_oversubscribed);
+  // Note [Collectives after compute] (calibration.cpp): the wait for a peer
+  // not yet there (asleep, or switched out with more ranks than cores), once
+  // per collective, beyond the synchronised fit; each link from its own runs.
+  std::vector<double> waits, sliced_waits;
+  for (const auto& ac : after_compute) {
+    const int n = ac.at("ranks");
+    const bool sliced = n > d.compute_units && !shm_oversubscribed.empty();
+    (sliced ? sliced_waits : waits)
+        .push_back(plan::collectives_after_compute_latency(n, ac.at("wall_seconds"), ac.at("compute_wall_seconds"),
+                                                           ac.at("collectives"), ac.at("bytes"),
+                                                           sliced ? d.oversubscribed_link : d.intra_node));
+  }
+  if (!waits.empty()) d.intra_node.call_latency = median(waits);
+  if (!sliced_waits.empty()) d.oversubscribed_link.call_latency = median(sliced_waits);
   d.inter_node = plan::fit_ring_link(gloo);
   std::ostringstream what;
   what << "this host, calibrated: " << d.compute_units << " cores, " << std::setprecision(3) << d.fp32_flops / 1e9

@@ -9,8 +9,11 @@
 // "gemm_overhead", "bf16_flops", "attention_flops",
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
 // "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
-// "samples": [{transport, op, ranks, bytes, seconds}]}, each figure the
-// median of its repeats (time_sliced_work_seconds: a total, the ranks' mean).
+// "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
+// collectives, bytes}, "samples": [{transport, op, ranks, bytes, seconds}]},
+// each figure the median of its repeats (time_sliced_work_seconds: a total,
+// the ranks' mean; alone_work_seconds: the same piece on rank 0 while the
+// others wait).
 //
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
 #include <ATen/ATen.h>
@@ -179,7 +182,12 @@ double add_bandwidth(std::int64_t bytes) {
 // (DeviceSpec::oversubscription_factor). The GPT example's ranks took
 // 16-20 % more CPU per step with 4 processes on 2 cores than alone, also
 // when the 4 were independent runs (no communication).
-double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group) {
+// `alone`: rank 0 runs the piece while the other ranks wait in a barrier
+// (asleep, no core used), and every rank returns rank 0's time: the same
+// work with the host to itself, against which `dtrain plan --calibrate`
+// sets the ranks' time when all of them compute at once
+// (DeviceSpec::concurrency_factor).
+double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = false) {
   constexpr int kBlocks = 4;
   constexpr std::int64_t kRows = 768, kWidth = 128, kInner = 512;
   std::vector<at::Tensor> up, down;
@@ -202,11 +210,54 @@ double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group) {
   };
   once();  // warm-up: first-touch pages, oneDNN's primitive cache
   group.barrier();
+  const bool runs = !alone || group.rank() == 0;
   const double start = thread_cpu_seconds();
-  for (int i = 0; i < 40; ++i) once();
-  at::Tensor mean = at::full({1}, thread_cpu_seconds() - start, at::kFloat);
+  if (runs) {
+    for (int i = 0; i < 40; ++i) once();
+  }
+  at::Tensor mean = at::full({1}, runs ? thread_cpu_seconds() - start : 0.0, at::kFloat);
   group.all_reduce(mean).wait();
-  return mean.item<float>() / static_cast<double>(group.size());
+  return mean.item<float>() / static_cast<double>(alone ? 1 : group.size());
+}
+
+// Collectives as training meets them (Note [Collectives after compute] in
+// src/plan/calibration.cpp): every rank runs a piece of compute (~2 ms of
+// products), then a 16 KiB all_reduce, kPerRound times; and the same compute
+// without the collectives, as often; 5 rounds of each in turn, in wall time.
+// The ranks do not enter the collectives together: where they time-slice
+// the cores each arrives when its own compute got its share, and waits for
+// peers switched out. Returns the medians over the rounds of the two wall
+// times, each the ranks' mean: their difference is what the collectives cost
+// (other work on the host slows both alike, so it cancels in the medians).
+constexpr int kPerRound = 8;
+std::pair<double, double> collectives_after_compute(dtrain::dist::ProcessGroup& group) {
+  const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
+  at::Tensor small = at::ones({4096});  // 16 KiB
+  auto work = [&] {
+    for (int i = 0; i < 12; ++i) (void)dtrain::nn::linear(a, b);
+  };
+  auto round = [&](bool collectives) {
+    group.barrier();
+    const auto start = Clock::now();
+    for (int i = 0; i < kPerRound; ++i) {
+      work();
+      if (collectives) group.all_reduce(small).wait();
+    }
+    if (!collectives) group.barrier();  // the compute ends when the last rank's does
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  work();
+  std::vector<double> with, without;
+  for (int r = 0; r < 5; ++r) {
+    without.push_back(round(false));
+    with.push_back(round(true));
+  }
+  std::sort(with.begin(), with.end());
+  std::sort(without.begin(), without.end());
+  at::Tensor both = at::tensor({static_cast<float>(with[2]), static_cast<float>(without[2])}, at::kFloat);
+  group.all_reduce(both).wait();
+  const double n = static_cast<double>(group.size());
+  return {both[0].item<float>() / n, both[1].item<float>() / n};
 }
 
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
@@ -299,7 +350,16 @@ int main(int argc, char** argv) {
       const double both = median_seconds(51, [&] { chain().backward(); });
       result["backward_kernel_overhead"] = both / kOps - result["kernel_overhead"].get<double>();
     }
+    result["alone_work_seconds"] = time_sliced_work_seconds(shm, /*alone=*/true);
     result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
+    {
+      const auto [with_collectives, compute_only] = collectives_after_compute(shm);
+      result["after_compute"] = {{"wall_seconds", with_collectives},
+                                 {"compute_wall_seconds", compute_only},
+                                 // the last all-reduce's wait is the compute-only round's final barrier's
+                                 {"collectives", kPerRound - 1},
+                                 {"bytes", 16 << 10}};
+    }
     nlohmann::json samples = time_collectives(shm, "shared_memory");
     for (auto& s : time_collectives(gloo, "gloo")) samples.push_back(s);
     result["samples"] = samples;

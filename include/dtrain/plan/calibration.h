@@ -31,6 +31,14 @@ struct CollectiveSample {
 // positive latency and bandwidth (then the samples are noise).
 Link fit_ring_link(const std::vector<CollectiveSample>& samples);
 
+// Note [Collectives after compute] (calibration.cpp): the seconds each
+// all-reduce of `bytes` over `ranks` ranks that followed a piece of compute
+// paid beyond what the `synchronised` link charges for it: the wall seconds
+// of `collectives` (compute, then the collective) beyond the same compute's
+// alone, per collective (0 when none is left over).
+double collectives_after_compute_latency(int ranks, double wall_seconds, double compute_wall_seconds, int collectives,
+                                         double bytes, const Link& synchronised);
+
 // One device entry as JSON (every DeviceSpec field) and back; read_device_file
 // names the file and the field on a bad or missing one (ConfigError).
 std::string device_to_json(const DeviceSpec& device);

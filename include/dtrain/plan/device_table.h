@@ -19,6 +19,10 @@ namespace dtrain::plan {
 struct Link {
   double bandwidth = 0;  // achievable bytes/s per GPU and direction (NCCL bus bandwidth)
   double latency = 0;    // seconds per hop
+  // Seconds each collective or send pays once, whatever its hops: on a CPU
+  // host whose ranks time-slice its cores, the wait for a peer switched out
+  // (Note [Collectives after compute] in calibration.cpp). 0 elsewhere.
+  double call_latency = 0;
 };
 
 struct DeviceSpec {
@@ -60,6 +64,17 @@ struct DeviceSpec {
   // cost model multiplies such a plan's compute and overheads by it. 1: none
   // (GPUs, an uncalibrated host).
   double oversubscription_factor = 1.0;
+  // A CPU host's ranks computing at once share its last-level cache and
+  // memory (and, on a virtual machine, whatever the host's other guests
+  // leave): each rank's CPU time for the same work is higher with every core
+  // busy than with the host to itself. This factor (>= 1) is that rise,
+  // measured by `dtrain plan --calibrate` (the same mix of training's
+  // kernels, each rank's CPU time with all ranks of a run with no more ranks
+  // than cores computing at once over rank 0's alone); the cost model
+  // multiplies the compute and overheads of a plan with two or more ranks on
+  // a host by it (one process runs alone). 1: none (GPUs, an uncalibrated
+  // host).
+  double concurrency_factor = 1.0;
   // The node's link when it holds more ranks than compute_units (a CPU
   // host's collectives then wait for peers switched out of a core: the
   // calibration measured a 16 KiB all-reduce over 4 ranks on 2 cores ~7x
