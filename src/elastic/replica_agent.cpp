@@ -144,11 +144,13 @@ void ReplicaAgent::serve_lighthouse() {
 // groups down: the others' quorums drop them after the heartbeat timeout
 // and go on; the node's launcher, started again (by the cluster, or a
 // person), starts its groups afresh, and they recover live. Node 0 is the
-// job's single point, as a store host is: without the lighthouse every
-// group fails (a CommunicationError within lighthouse_timeout) and the
-// other nodes' launchers give up when their restarts run out; restart the
-// job (from its checkpoints). At the end, node 0 serves `linger` longer
-// than its own groups ran, so the others' last votes find the lighthouse.
+// job's single point, as a store host is, unless node 1 keeps a standby
+// (--ft-lighthouse-standby; Note [Lighthouse failover] in
+// src/ft/lighthouse_failover.cpp): without one every group fails (a
+// CommunicationError within lighthouse_timeout) and the other nodes'
+// launchers give up when their restarts run out. At the end, node 0 (or the
+// standby, once it serves) serves `linger` longer than its own groups ran,
+// so the others' last votes find the lighthouse.
 
 // Note [Whole-job restart of replica groups]
 // Live recovery needs a group at the newest step. When the lighthouse finds
