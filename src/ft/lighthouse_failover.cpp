@@ -26,6 +26,11 @@
 // - A vote in flight is an abort for whoever did not read its decision:
 //   no member applies a step whose decision it did not read, so a member
 //   that read "commit" is ahead and the others recover from it.
+// - Every rank of a group. Only a group's rank 0 talks to the lighthouse;
+//   with each quorum it tells the group's other ranks which candidate it is
+//   connected to and after how many connections, and they connect there
+//   too (follow()), so all make the quorum's group in the same store, also
+//   when the lighthouse came back fresh at the same address.
 // - Bounded. A client looks for a serving candidate for failover_timeout,
 //   each try bounded by candidate_timeout, and fails with every candidate
 //   named otherwise; its heartbeat thread stops while it looks (the lost
@@ -99,6 +104,7 @@ bool LighthouseClient::connect(std::size_t index) {
     return false;
   }
   current_ = index;
+  ++connections_;
   return true;
 }
 
@@ -142,8 +148,13 @@ void LighthouseClient::reconnect(const std::string& why_in_full) {
                            "checkpoints");
 }
 
-void LighthouseClient::follow(std::size_t index) {
-  if (candidates_.empty() || index == current_) return;
+void LighthouseClient::follow(std::size_t index, std::int64_t connections) {
+  if (candidates_.empty() || connections == followed_) return;
+  // Both made their first connection to the same candidate: nothing to do.
+  if (followed_ == 0 && connections == 1 && index == current_) {
+    followed_ = connections;
+    return;
+  }
   DTRAIN_INTERNAL_ASSERT(index < candidates_.size(), "replica " << options_.replica_id << ": lighthouse candidate "
                                                                 << index << " of " << candidates_.size());
   const auto start = std::chrono::steady_clock::now();
@@ -154,6 +165,7 @@ void LighthouseClient::follow(std::size_t index) {
                             << log::format_seconds(options_.failover_timeout) << ".",
                  "check the network between this node and " << candidates_[index].host);
   }
+  followed_ = connections;
   DTRAIN_LOG(kInfo) << "replica " << options_.replica_id << ": follows its group's rank 0 to the lighthouse at "
                     << candidates_[index].to_string();
 }

@@ -33,6 +33,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 
 #include "dtrain/error.h"
 #include "dtrain/ft/replicas.h"
@@ -108,7 +109,7 @@ void FaultTolerantReplicas::start_step() {
     if (local_rank() == 0) {
       try {
         const Quorum q = client_.quorum(step_, want_fresh_);
-        text = std::to_string(client_.connection()) + " " + q.to_text();
+        text = std::to_string(client_.connection()) + " " + std::to_string(client_.connections()) + " " + q.to_text();
       } catch (const TrainingFinishedError& e) {
         text = "finished\n" + e.message() + "\n" + e.hint();
         ended = std::current_exception();
@@ -125,9 +126,14 @@ void FaultTolerantReplicas::start_step() {
       if (text.rfind("finished", 0) == 0) throw TrainingFinishedError(message, hint);
       throw ReplicaStateLostError(message, hint);
     }
-    const auto space = text.find(' ');
-    client_.follow(std::stoull(text.substr(0, space)));
-    quorum_ = Quorum::from_text(text.substr(space + 1));
+    std::istringstream where(text);
+    std::size_t index = 0;
+    std::int64_t connections = 0;
+    where >> index >> connections;
+    client_.follow(index, connections);
+    std::string rest;
+    std::getline(where >> std::ws, rest);
+    quorum_ = Quorum::from_text(rest);
     DTRAIN_CHECK(agreed == newest || quorum_.max_step() > agreed, RendezvousError,
                  "replica " << replica_id() << ": the ranks of this replica group hold the states of steps " << agreed
                             << " to " << newest

@@ -243,12 +243,15 @@ class LighthouseClient {
   // The lighthouse's store, for groups made per quorum (prefixes under "pg/").
   dist::Store& store() { return store_; }
   // Which candidate this client is connected to (0 for one made from
-  // stores), and a move to candidate `index` (nothing if it is there
-  // already): the other ranks of a replica group follow its rank 0, the one
-  // that talks to the lighthouse, so they make the quorum's group in the
+  // stores), and how many connections it has made (a move, or a new
+  // connection to the same candidate, counts); follow() makes a new
+  // connection to candidate `index` unless this client already followed
+  // `connections`: the other ranks of a replica group follow its rank 0, the
+  // one that talks to the lighthouse, so they make the quorum's group in the
   // same store. CommunicationError when `index` does not serve.
   std::size_t connection() const { return current_; }
-  void follow(std::size_t index);
+  std::int64_t connections() const { return connections_; }
+  void follow(std::size_t index, std::int64_t connections);
   // This replica's training reached its last step, `step` (the lighthouse
   // then answers a group that asks later, behind it, with
   // TrainingFinishedError instead of leaving it waiting).
@@ -324,6 +327,8 @@ class LighthouseClient {
   LighthouseClientOptions options_;
   std::vector<LighthouseAddress> candidates_;  // empty: made from stores, no failover
   std::size_t current_ = 0;
+  std::int64_t connections_ = 0;
+  std::int64_t followed_ = 0;  // the rank 0's connections() this client is connected after
   // The lighthouse was lost outside quorum() (a vote, a request asked
   // ahead): the next quorum() reconnects first.
   std::optional<std::string> lost_;
