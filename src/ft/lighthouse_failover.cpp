@@ -149,7 +149,9 @@ void LighthouseClient::reconnect(const std::string& why_in_full) {
 }
 
 void LighthouseClient::follow(std::size_t index, std::int64_t connections) {
-  if (candidates_.empty() || connections == followed_) return;
+  // Rank 0 (registered: it talks to the lighthouse) never follows; a
+  // follower's own connects do not count (connections_ is rank 0's count).
+  if (candidates_.empty() || incarnation_ != 0 || connections == followed_) return;
   // Both made their first connection to the same candidate: nothing to do.
   if (followed_ == 0 && connections == 1 && index == current_) {
     followed_ = connections;

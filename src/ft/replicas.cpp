@@ -130,7 +130,7 @@ void FaultTolerantReplicas::start_step() {
     std::size_t index = 0;
     std::int64_t connections = 0;
     where >> index >> connections;
-    client_.follow(index, connections);
+    if (local_rank() != 0) client_.follow(index, connections);
     std::string rest;
     std::getline(where >> std::ws, rest);
     quorum_ = Quorum::from_text(rest);
