@@ -11,6 +11,12 @@ fixed seed:
   node_kill             (--nodes N > 1) SIGKILL of a whole node other than node 0: its launcher and,
                         with it, its workers; the node's launcher is started again --node-down
                         seconds later, and its groups rejoin and recover live
+  store_host_kill       (--nodes N > 1) SIGKILL of node 0, the lighthouse's host (its launcher and
+                        workers): node 1's standby lighthouse (--ft-lighthouse-standby) serves once
+                        node 0's has been silent for --failover-timeout, node 1's groups reconnect to
+                        it and step on; node 0 is started again (same command) once the standby
+                        serves and --node-down has passed, hosts no lighthouse, and its groups
+                        recover live from a peer (Note [Lighthouse failover])
   link_cut              (--nodes N > 1, root) the link of a node other than node 0 cut for
                         --cut-seconds (twice the heartbeat timeout unless given): every node runs in
                         a network namespace of its own, with a /dev/shm of its own, so the groups of
@@ -29,10 +35,10 @@ fixed seed:
 
 With --nodes N the job is N launchers on loopback (`dtrain run --nnodes N
 --node-rank I --ft-replicas G`, G/N groups each), node 0 hosting the
-lighthouse at the rendezvous endpoint (docs/fault_tolerance.md, "Several
-nodes"). Not injected: a kill of node 0 (the store host): the lighthouse is
-the job's single point, every group then fails and the job fails (restart
-it from its checkpoints; docs/fault_tolerance.md, Limits).
+lighthouse at the rendezvous endpoint and node 1 its standby
+(docs/fault_tolerance.md, "Several nodes"). A store_host_kill comes after
+every other node fault: after it node 1 hosts the job's only lighthouse, and
+a kill of node 1 then would stop the job (docs/fault_tolerance.md, Limits).
 
 Faults come one at a time: the next waits until the groups the last one hit
 commit steps of the full quorum again (the overlapping kinds overlap within
@@ -67,8 +73,9 @@ import zlib
 from faults import Lan, SmallDisk
 
 KINDS = ["worker_kill", "worker_stop", "two_replicas_kill", "kill_during_recovery", "node_kill", "link_cut",
-         "cut_during_recovery", "disk_full"]
-NEEDS_NODES = {"node_kill", "link_cut", "cut_during_recovery"}
+         "cut_during_recovery", "disk_full", "store_host_kill"]
+NEEDS_NODES = {"node_kill", "link_cut", "cut_during_recovery", "store_host_kill"}
+TOOK_OVER = "standby lighthouse: the lighthouse at"  # node 1's launcher log when its standby serves
 CUTS = {"link_cut", "cut_during_recovery"}
 FAILED_WRITE = "could not write checkpoint step"  # the Trainer's warning (Note [Failed checkpoint writes])
 OVERLAP = {"two_replicas_kill", "kill_during_recovery", "cut_during_recovery"}
@@ -86,6 +93,8 @@ def add_arguments(p):
     p.add_argument("--heartbeat-timeout", type=float, default=0.5)
     p.add_argument("--cut-seconds", type=float, default=0.0, help="link_cut's length (0: twice the heartbeat timeout)")
     p.add_argument("--ft-checkpoint-every", type=int, default=20, help="with disk_full: steps between checkpoints")
+    p.add_argument("--failover-timeout", type=float, default=2.0,
+                   help="with --nodes > 1: seconds node 0's lighthouse may be silent before node 1's standby serves")
 
 
 def lines_of(path):
@@ -184,6 +193,14 @@ class FtSoak:
             self.kill_node(node)
             time.sleep(self.a.node_down)
             self.start_node(node)
+        elif kind == "store_host_kill":
+            groups, hits = self.node_hits(0)
+            self.kill_node(0)
+            deadline = time.time() + 60
+            while not self.standby_serves() and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(self.a.node_down)
+            self.start_node(0)
         elif kind == "link_cut":
             node = self.rng.randrange(1, self.a.nodes)
             groups, hits = self.node_hits(node)
@@ -218,6 +235,11 @@ class FtSoak:
         print(f"[chaos-ft] {kind} of groups {shown} "
               f"at step {self.newest_step()}", flush=True)
         self.faults.append((kind, now, [h for h in hits if h], since, new_process))
+
+    def standby_serves(self):
+        """Whether node 1's standby lighthouse took over (its launcher's log says so)."""
+        return any(TOOK_OVER in open(e.name, errors="replace").read() for e in self.errs
+                   if os.path.basename(e.name).startswith("launcher1."))
 
     def node_hits(self, node):
         """The groups of `node` and, for each, its rank 0's (log file, pid)."""
@@ -291,7 +313,8 @@ class FtSoak:
         gpt = os.path.join(a.build, "examples", "gpt")
         layout = []
         if a.nodes > 1:
-            layout = ["--nnodes", str(a.nodes), "--node-rank", str(node), "--rdzv-endpoint", self.endpoint]
+            layout = ["--nnodes", str(a.nodes), "--node-rank", str(node), "--rdzv-endpoint", self.endpoint,
+                      "--ft-lighthouse-standby", self.standby, "--ft-failover-timeout", str(a.failover_timeout)]
         checkpoints = []
         if self.disk:
             checkpoints = ["--checkpoint-dir", self.disk.path, "--eval-interval", str(a.ft_checkpoint_every)]
@@ -334,6 +357,10 @@ class FtSoak:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.endpoint = f"{self.lan.address(0) if self.lan else '127.0.0.1'}:{port}"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            standby_port = s.getsockname()[1]
+        self.standby = f"{self.lan.address(1) if self.lan else '127.0.0.1'}:{standby_port}"
         self.nodes, self.errs = [None] * a.nodes, []
         start = time.time()
         for node in range(a.nodes):
@@ -346,7 +373,8 @@ class FtSoak:
         # come back (launcher, workers, recovery); late in the run the others
         # would finish first, and node 0 stops serving the lighthouse soon
         # after (docs/fault_tolerance.md, "Several nodes": a late node).
-        plan.sort(key=lambda k: k not in NEEDS_NODES)
+        # The store-host kill last of them: node 1 then hosts the only lighthouse.
+        plan.sort(key=lambda k: (k not in NEEDS_NODES, k == "store_host_kill"))
         last_fault = time.time()
         due = time.time() + self.rng.uniform(a.gap_min, a.gap_max)
         while all(n.poll() is None for n in self.nodes) and time.time() - start < a.timeout:

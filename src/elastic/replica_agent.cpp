@@ -71,9 +71,14 @@ std::map<std::string, std::string> ReplicaAgent::worker_env(int replica, int loc
                                               .run_id = options_.agent.run_id + "-replica" + std::to_string(replica),
                                               .role = options_.agent.role});
   for (const auto& [name, value] : contract) env[name] = value;
-  env["DTRAIN_FT_LIGHTHOUSE"] =
+  // The candidates in order: node 0's, then the standby's (Note
+  // [Lighthouse failover]); only the standby once it took over.
+  const std::string standby = options_.standby_host + ":" + std::to_string(options_.standby_port);
+  const std::string primary =
       (hosts_lighthouse() || options_.lighthouse_host.empty() ? options_.agent.master_addr : options_.lighthouse_host) +
       ":" + std::to_string(lighthouse_port_);
+  env["DTRAIN_FT_LIGHTHOUSE"] =
+      standby_serves_ ? standby : primary + (options_.standby_host.empty() ? "" : "," + standby);
   env["DTRAIN_FT_REPLICA_ID"] = std::to_string(replica);
   env["DTRAIN_FT_REPLICAS"] = std::to_string(options_.replicas);
   // Each group's ranks are numbered from 0 and restart on their own: one
@@ -108,7 +113,23 @@ void ReplicaAgent::start(Replica& replica) {
 
 void ReplicaAgent::serve_lighthouse() {
   lighthouse_port_ = options_.lighthouse_port;
+  if (keeps_standby()) {
+    // Its port is bound only when it takes over (standby_lighthouse.h says why).
+    lighthouse_.stop();
+    lighthouse_.serve(-1, options_.standby_port);
+    return;
+  }
   if (!hosts_lighthouse()) return;  // node 0's
+  if (!options_.standby_host.empty() && options_.lighthouse_serves &&
+      options_.lighthouse_serves(options_.standby_host, options_.standby_port)) {
+    // Node 0 started again after the standby took over: a lighthouse of its
+    // own would split the job in two (Note [Lighthouse failover]).
+    standby_serves_ = true;
+    DTRAIN_LOG(kWarning) << "the standby lighthouse at " << options_.standby_host << ":" << options_.standby_port
+                         << " serves this job (node 0 was lost): this node hosts none, and its replica groups "
+                            "join that one and recover from a peer";
+    return;
+  }
   lighthouse_.stop();
   const int fd = net::listen_tcp(lighthouse_port_);  // binds; lighthouse_port_ is then the port bound
   lighthouse_.serve(fd, lighthouse_port_);
@@ -123,11 +144,13 @@ void ReplicaAgent::serve_lighthouse() {
 // groups down: the others' quorums drop them after the heartbeat timeout
 // and go on; the node's launcher, started again (by the cluster, or a
 // person), starts its groups afresh, and they recover live. Node 0 is the
-// job's single point, as a store host is: without the lighthouse every
-// group fails (a CommunicationError within lighthouse_timeout) and the
-// other nodes' launchers give up when their restarts run out; restart the
-// job (from its checkpoints). At the end, node 0 serves `linger` longer
-// than its own groups ran, so the others' last votes find the lighthouse.
+// job's single point, as a store host is, unless node 1 keeps a standby
+// (--ft-lighthouse-standby; Note [Lighthouse failover] in
+// src/ft/lighthouse_failover.cpp): without one every group fails (a
+// CommunicationError within lighthouse_timeout) and the other nodes'
+// launchers give up when their restarts run out. At the end, node 0 (or the
+// standby, once it serves) serves `linger` longer than its own groups ran,
+// so the others' last votes find the lighthouse.
 
 // Note [Whole-job restart of replica groups]
 // Live recovery needs a group at the newest step. When the lighthouse finds
@@ -195,8 +218,13 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
                             ? " on node " + std::to_string(options_.node_rank) + " of " +
                                   std::to_string(options_.nodes) + " (" + std::to_string(options_.replicas) + " in all)"
                             : std::string())
-                    << "; lighthouse " << (hosts_lighthouse() ? "on port " : "at " + options_.lighthouse_host + ":")
-                    << lighthouse_port_;
+                    << "; lighthouse "
+                    << (standby_serves_ ? "at the standby " + options_.standby_host + ":" +
+                                              std::to_string(options_.standby_port) + ", not "
+                        : hosts_lighthouse() ? "on port "
+                                             : "at " + options_.lighthouse_host + ":")
+                    << lighthouse_port_
+                    << (keeps_standby() ? ", standby on port " + std::to_string(options_.standby_port) : std::string());
   for (int i = 0; i < local_replicas(); ++i) {
     replicas[i].id = options_.node_rank * local_replicas() + i;
     replicas[i].workers = make_workers_(replicas[i].id);
@@ -213,9 +241,19 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
       return result;
     }
     try {
-      if (hosts_lighthouse()) lighthouse_.check();
+      if (has_lighthouse()) lighthouse_.check();
     } catch (const ReplicaStateLostError& e) {
       // Note [Whole-job restart of replica groups].
+      if (!hosts_lighthouse()) {
+        // The standby's: node 0's launcher, which would restart the whole
+        // job, is gone; this node cannot restart its groups.
+        DTRAIN_LOG(kError) << e.message() << "; the standby lighthouse cannot restart the whole job: stopping the run";
+        stop_all(SIGTERM);
+        result.state = AgentState::kFailed;
+        result.exit_code = 1;
+        result.root_cause_text = e.message();
+        return result;
+      }
       if (std::any_of(replicas.begin(), replicas.end(), [](const Replica& o) { return o.succeeded; })) {
         // Training is over: the groups left end on their own (their
         // failures are not restarted, as below).
@@ -251,7 +289,7 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
       try {
         // A group that failed because the newest state is gone is restarted
         // with all the others, not alone (Note [Whole-job restart of replica groups]).
-        if (hosts_lighthouse()) lighthouse_.check();
+        if (has_lighthouse()) lighthouse_.check();
       } catch (const ReplicaStateLostError&) {
         all_done = false;
         break;
@@ -280,7 +318,7 @@ AgentResult ReplicaAgent::run(const std::atomic<int>& interrupt) {
       start(r);
     }
     if (all_done) {
-      if (hosts_lighthouse() && options_.nodes > 1 && options_.linger.count() > 0) {
+      if (serves_lighthouse() && options_.nodes > 1 && options_.linger.count() > 0) {
         DTRAIN_LOG(kInfo) << "this node's replica groups are done; serving the lighthouse "
                           << log::format_seconds(options_.linger) << " longer for the other nodes' groups";
         const auto until = std::chrono::steady_clock::now() + options_.linger;

@@ -116,6 +116,10 @@ Lighthouse::Lighthouse(dist::Store store, LighthouseOptions options)
   events_seen_ = events_read_ = store_.add("nev", 0);
   round_ = store_.add("round", 0);
   quorum_id_ = store_.add("quorum_id", 0);
+  // A fresh store (not a restart on its predecessor's): the first quorum
+  // waits for startup_replicas, also when the requests' floors (Note
+  // [Lighthouse failover]) raise the ids before it forms.
+  starting_ = round_ == 0;
   // Clients judge a peer that never comes to a group by the same timeout
   // (Note [Members that never come] in lighthouse_client.cpp).
   store_.set("heartbeat_timeout_ms", std::to_string(options_.heartbeat_timeout.count()));
@@ -318,6 +322,14 @@ void Lighthouse::take_request(Replica& r, const std::string& text, Clock::time_p
   std::int64_t seq = 0, step = 0;
   int fresh = 0;
   join >> seq >> step >> fresh;
+  // The floors (Note [Lighthouse failover] in lighthouse_failover.cpp): the
+  // ids and newest step of the replica's last quorum, perhaps another
+  // lighthouse's; absent (0) from a client that never had one.
+  std::int64_t quorum_id_floor = 0, round_floor = 0, newest_floor = 0;
+  join >> quorum_id_floor >> round_floor >> newest_floor;
+  if (quorum_id_ < quorum_id_floor) quorum_id_ = store_.add("quorum_id", quorum_id_floor - quorum_id_);
+  if (round_ < round_floor) round_ = store_.add("round", round_floor - round_);
+  highest_step_ = std::max(highest_step_, newest_floor);
   // A newer request replaces a pending one (its client withdrew the old).
   if (seq <= r.answered_seq || (r.pending && seq <= r.seq)) return;
   if (r.pending) {
@@ -382,7 +394,7 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
   }
   if (static_cast<int>(asking.size()) < options_.min_replicas) return;
   if (!all_live_asked && now - first_ask < options_.join_timeout) return;
-  if (round_ == 0 && static_cast<int>(asking.size()) < options_.startup_replicas &&
+  if (starting_ && static_cast<int>(asking.size()) < options_.startup_replicas &&
       now - first_ask < options_.join_timeout) {
     return;
   }
@@ -413,6 +425,7 @@ void Lighthouse::form_quorum_if_ready(Clock::time_point now) {
   // Every member must still be waiting (a request withdrawn after a timeout
   // is not answered); otherwise look again at the next scan.
   if (!claim_answers(asking)) return;
+  starting_ = false;
   highest_step_ = newest;
   warned_stale_ = false;
   last_quorum_.clear();

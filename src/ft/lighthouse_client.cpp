@@ -37,12 +37,7 @@ LighthouseEndpoint lighthouse_from_env(const dist::EnvLookup& env) {
     return *value;
   };
   LighthouseEndpoint e;
-  const std::string address = get("DTRAIN_FT_LIGHTHOUSE");
-  const auto colon = address.rfind(':');
-  DTRAIN_CHECK(colon != std::string::npos && colon > 0, ConfigError,
-               "DTRAIN_FT_LIGHTHOUSE=" << address << " is not HOST:PORT.", "e.g. 127.0.0.1:29600");
-  e.host = address.substr(0, colon);
-  e.port = dist::detail::parse_int("DTRAIN_FT_LIGHTHOUSE port", address.substr(colon + 1), 1, 65535);
+  e.candidates = parse_lighthouse_addresses("DTRAIN_FT_LIGHTHOUSE", get("DTRAIN_FT_LIGHTHOUSE"));
   e.replicas = dist::detail::parse_int("DTRAIN_FT_REPLICAS", get("DTRAIN_FT_REPLICAS"), 1, 1 << 16);
   e.replica_id = dist::detail::parse_int("DTRAIN_FT_REPLICA_ID", get("DTRAIN_FT_REPLICA_ID"), 0, e.replicas - 1);
   return e;
@@ -60,8 +55,7 @@ LighthouseClient::LighthouseClient(dist::Store store, dist::Store heartbeat_stor
 }
 
 LighthouseClient::~LighthouseClient() {
-  stop_ = true;
-  if (heartbeat_.joinable()) heartbeat_.join();
+  stop_heartbeat();
   if (seq_ > 0) {
     // Its cost, for docs/fault_tolerance.md's "Store round trips per step"
     // (heartbeats, on their own connection, not included).
@@ -79,6 +73,12 @@ void LighthouseClient::register_once() {
     log::ScopedIdentity as(identity);
     beat();
   });
+}
+
+void LighthouseClient::stop_heartbeat() {
+  stop_ = true;
+  if (heartbeat_.joinable()) heartbeat_.join();
+  stop_ = false;
 }
 
 void LighthouseClient::beat() {
@@ -158,7 +158,11 @@ void LighthouseClient::withdraw_or_wait(const std::string& id) {
 void LighthouseClient::ask(std::int64_t step, bool fresh_group) {
   register_once();
   const std::string k = std::to_string(incarnation_);
-  const std::string join = std::to_string(++seq_) + " " + std::to_string(step) + " " + (fresh_group ? "1" : "0");
+  // The floors last: a lighthouse that took over starts its ids above them
+  // (Note [Lighthouse failover]).
+  const std::string join = std::to_string(++seq_) + " " + std::to_string(step) + " " + (fresh_group ? "1" : "0") + " " +
+                           std::to_string(last_quorum_id_) + " " + std::to_string(last_round_) + " " +
+                           std::to_string(newest_step_);
   store_.set("join/" + k, join);
   // The wake-up carries the request (Note [Quorum protocol]).
   store_.set("ev/" + std::to_string(store_.add("nev", 1)), k + " " + join);
@@ -167,7 +171,16 @@ void LighthouseClient::ask(std::int64_t step, bool fresh_group) {
 
 void LighthouseClient::ask_ahead(std::int64_t step) {
   DTRAIN_INTERNAL_ASSERT(!asked_, "replica " << options_.replica_id << " asked ahead twice");
-  ask(step, false);
+  if (lost_) return;  // quorum() reconnects and asks
+  try {
+    ask(step, false);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (candidates_.empty()) throw;
+    lost_ = e.what();  // the lighthouse's store is gone: quorum() asks the next one
+    asked_.reset();
+  }
 }
 
 Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
@@ -175,9 +188,37 @@ Quorum LighthouseClient::quorum(std::int64_t step, bool fresh_group) {
     DTRAIN_INTERNAL_ASSERT(asked_->step == step && asked_->fresh_group == fresh_group,
                            "replica " << options_.replica_id << " asked ahead at step " << asked_->step
                                       << " and now asks at step " << step << (fresh_group ? " for a fresh group" : ""));
-  } else {
-    ask(step, fresh_group);
   }
+  for (;;) {
+    if (lost_) {
+      reconnect(*lost_);
+      lost_.reset();
+      fresh_group = true;  // the group made in the lost store is gone with it
+    }
+    try {
+      Quorum q = quorum_once(step, fresh_group);
+      last_round_ = q.round;
+      last_quorum_id_ = q.quorum_id;
+      newest_step_ = std::max(newest_step_, q.max_step());
+      return q;
+    } catch (const TimeoutError&) {
+      throw;  // the quorum timeout: no quorum, though the lighthouse serves
+    } catch (const RendezvousError&) {
+      throw;  // the end of training, or its newest state lost
+    } catch (const InternalError&) {
+      throw;
+    } catch (const std::exception& e) {
+      // Its store failed (the launcher hosting it died), or its service
+      // stopped (CommunicationError): Note [Lighthouse failover].
+      if (candidates_.empty()) throw;
+      lost_ = e.what();
+      asked_.reset();
+    }
+  }
+}
+
+Quorum LighthouseClient::quorum_once(std::int64_t step, bool fresh_group) {
+  if (!asked_) ask(step, fresh_group);
   asked_.reset();
   const std::string id = std::to_string(incarnation_) + "/" + std::to_string(seq_);
   const std::string answer = "answer/" + id;
@@ -237,7 +278,16 @@ void LighthouseClient::throw_if_end_of_training(const std::string& text, std::in
 }
 
 void LighthouseClient::finish(std::int64_t step) {
-  store_.set("finished", std::to_string(step) + " " + std::to_string(options_.replica_id));
+  const std::string text = std::to_string(step) + " " + std::to_string(options_.replica_id);
+  try {
+    if (lost_) throw CommunicationError(*lost_, "");
+    store_.set("finished", text);
+  } catch (const std::exception& e) {
+    if (candidates_.empty()) throw;
+    reconnect(e.what());  // the next lighthouse must know it too
+    lost_.reset();
+    store_.set("finished", text);
+  }
   DTRAIN_LOG(kInfo) << "replica " << options_.replica_id << ": finished at step " << step;
 }
 
@@ -334,6 +384,26 @@ CommitVote commit_vote(std::int64_t sum, std::int64_t members) {
 }
 
 bool LighthouseClient::agree_commit(const Quorum& q, bool ok) {
+  if (candidates_.empty()) return vote(q, ok);
+  if (lost_) return false;
+  try {
+    return vote(q, ok);
+  } catch (const std::exception& e) {
+    // The lighthouse was lost while the vote was in flight: this member
+    // cannot read the decision and takes the step as aborted (Note
+    // [Lighthouse failover]: safe, since no member applies a step whose
+    // decision it did not read; one that read "commit" is ahead, and this
+    // one recovers from it at the next quorum).
+    const std::string why = e.what();
+    DTRAIN_LOG(kWarning) << "replica " << options_.replica_id << ": the lighthouse at "
+                         << candidates_[current_].to_string() << " was lost during the commit vote of " << q.describe()
+                         << " (" << why.substr(0, why.find('\n')) << "); taking the step as aborted";
+    lost_ = e.what();
+    return false;
+  }
+}
+
+bool LighthouseClient::vote(const Quorum& q, bool ok) {
   const std::string prefix = "commit/" + std::to_string(q.round) + "/";
   const std::string decision = prefix + "decision";
   const std::int64_t sum = store_.add(prefix + "votes", ok ? 1 : 1 + (std::int64_t{1} << kAbortShift));

@@ -52,7 +52,24 @@ std::string Lighthouse::end_of_training(Clock::time_point now) {
                       << " reached it); requests behind it are told so";
     return end_;
   }
-  if (up_to_date_.empty()) return {};
+  if (up_to_date_.empty()) {
+    // The newest step came from the requests' floors only (this lighthouse
+    // took over, or restarted: Note [Lighthouse failover]); its holders
+    // never registered here. They are given the join and heartbeat timeouts
+    // from this lighthouse's start to come, while no live replica that has
+    // not asked yet could be one.
+    if (highest_step_ == 0 || now - started_at_ < options_.heartbeat_timeout + options_.join_timeout) return {};
+    for (const auto& r : replicas_) {
+      if (!r->pending && now - r->last_beat < options_.heartbeat_timeout) return {};
+    }
+    end_ = "lost " + std::to_string(highest_step_) + " unknown to this lighthouse";
+    std::lock_guard lock(mutex_);
+    lost_ = "no replica group that held the newest step, " + std::to_string(highest_step_) +
+            " (reported by the groups' last quorums), came to this lighthouse since it started; the groups left "
+            "are behind it";
+    DTRAIN_LOG(kError) << "lighthouse: " << lost_;
+    return end_;
+  }
   std::vector<int> lost_ids;
   for (const auto& [incarnation, id] : up_to_date_) {
     const Replica* r = replica(incarnation);

@@ -56,6 +56,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <sstream>
 
 #include "dtrain/error.h"
 #include "dtrain/ft/replicas.h"
@@ -127,9 +128,40 @@ void FaultTolerantReplicas::start_step() {
                            << " (a recovery that did not complete everywhere); the group recovers again";
       step_ = agreed;
     }
+    // With the quorum, which lighthouse candidate gave it: the other ranks
+    // make its group in that one's store (Note [Lighthouse failover]).
+    // An answer that ends the group (Note [End of training]) reaches every
+    // rank too, instead of leaving the others in the broadcast.
     std::string text;
-    if (local_rank() == 0) text = client_.quorum(step_, want_fresh_).to_text();
-    quorum_ = Quorum::from_text(broadcast_text(*options_.replica_group, text));
+    std::exception_ptr ended;
+    if (local_rank() == 0) {
+      try {
+        const Quorum q = client_.quorum(step_, want_fresh_);
+        text = std::to_string(client_.connection()) + " " + std::to_string(client_.connections()) + " " + q.to_text();
+      } catch (const TrainingFinishedError& e) {
+        text = "finished\n" + e.message() + "\n" + e.hint();
+        ended = std::current_exception();
+      } catch (const ReplicaStateLostError& e) {
+        text = "lost\n" + e.message() + "\n" + e.hint();
+        ended = std::current_exception();
+      }
+    }
+    text = broadcast_text(*options_.replica_group, text);
+    if (ended) std::rethrow_exception(ended);
+    if (const auto nl = text.find('\n'); nl != std::string::npos) {
+      const auto nl2 = text.find('\n', nl + 1);
+      const std::string message = text.substr(nl + 1, nl2 - nl - 1), hint = text.substr(nl2 + 1);
+      if (text.rfind("finished", 0) == 0) throw TrainingFinishedError(message, hint);
+      throw ReplicaStateLostError(message, hint);
+    }
+    std::istringstream where(text);
+    std::size_t index = 0;
+    std::int64_t connections = 0;
+    where >> index >> connections;
+    if (local_rank() != 0) client_.follow(index, connections);
+    std::string rest;
+    std::getline(where >> std::ws, rest);
+    quorum_ = Quorum::from_text(rest);
     DTRAIN_CHECK(agreed == newest || quorum_.max_step() > agreed, RendezvousError,
                  "replica " << replica_id() << ": the ranks of this replica group hold the states of steps " << agreed
                             << " to " << newest

@@ -135,9 +135,7 @@ FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strat
       endpoint_(options.lighthouse ? *options.lighthouse : ft::lighthouse_from_env()) {
   auto client_options = options_.client;
   client_options.replica_id = endpoint_.replica_id;
-  client_ =
-      std::make_unique<ft::LighthouseClient>(ft::connect_lighthouse(endpoint_.host, endpoint_.port),
-                                             ft::connect_lighthouse(endpoint_.host, endpoint_.port), client_options);
+  client_ = std::make_unique<ft::LighthouseClient>(endpoint_.candidates, client_options);
   std::optional<dist::ProcessGroup> group = strategy_.group();
   if (group && group->size() == 1) group.reset();
   replicas_ = std::make_unique<ft::FaultTolerantReplicas>(

@@ -175,6 +175,23 @@ TEST(Chaos, FaultTolerantNodesSurviveANodeKill) {
   EXPECT_EQ(r["group_restarts"].get<int>(), 1) << out;  // the worker kill's; the node's groups start anew
 }
 
+// store_host_kill: node 0, the lighthouse's host, SIGKILLed (launcher and
+// workers); node 1's standby lighthouse serves once node 0's has been silent
+// for the failover timeout (2 s), node 1's groups reconnect to it and step
+// on without a restart, and node 0, started again once the standby serves,
+// hosts none and its groups recover live (Note [Lighthouse failover]); then
+// a worker kill. The job never restarts as a whole and finishes.
+TEST(Chaos, FaultTolerantNodesSurviveAStoreHostKill) {
+  if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
+  std::string out;
+  const auto r = ft_soak(
+      "--nodes 2 --ft-kinds store_host_kill,worker_kill --faults 2 --steps 900 --gap-min 1 --gap-max 2 --timeout 150 "
+      "--seed 2",
+      {"store_host_kill", "worker_kill"}, &out);
+  if (r.is_null()) return;
+  EXPECT_EQ(r["group_restarts"].get<int>(), 1) << out;  // the worker kill's; node 0's groups start anew
+}
+
 // disk_full: the checkpoint directory (a 16 MiB tmpfs the GPT checkpoints into
 // every 20 steps) filled until a checkpoint write has failed, then freed. The
 // writing group (the quorum's lowest) warns and trains on: no group restarts,

@@ -60,6 +60,67 @@ std::size_t ft_steps_logged(const fs::path& path) {
   return read_ft_log(path).steps.size();
 }
 
+// The replay: the same membership per step, gradients summed in replica
+// order and divided by the members (as the group's all-reduce does); every
+// rank's final parameters (final_<r>_<local>.pt in `dir`) must equal it bit
+// for bit.
+void expect_final_params_match_replay(const fs::path& dir, const std::vector<std::vector<int>>& membership,
+                                      const int kReplicas, const int k) {
+  const auto steps = static_cast<int>(membership.size());
+  at::set_num_threads(1);
+  auto model = ft_problem::make_model(0);
+  auto optimizer = ft_problem::make_optimizer(model);
+  auto params = model->parameters();
+  // A replica group's gradient: its ranks' summed in rank order, divided by k.
+  auto replica_gradients = [&](std::int64_t s, int m) {
+    std::vector<at::Tensor> g;
+    for (int local = 0; local < k; ++local) {
+      ft_problem::compute_gradients(model, s, m * k + local);
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        if (local == 0) {
+          g.push_back(params[i].grad().clone());
+        } else {
+          g[i].add_(params[i].grad());
+        }
+      }
+    }
+    if (k > 1) {
+      for (auto& t : g) t.div_(k);
+    }
+    return g;
+  };
+  for (int s = 0; s < steps; ++s) {
+    std::vector<at::Tensor> sum;
+    for (const int m : membership[s]) {
+      auto g = replica_gradients(s, m);
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        if (sum.size() < params.size()) {
+          sum.push_back(g[i]);
+        } else {
+          sum[i].add_(g[i]);
+        }
+      }
+    }
+    const auto n = static_cast<std::int64_t>(membership[s].size());
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (n > 1) sum[i].div_(n);
+      params[i].mutable_grad() = sum[i];
+    }
+    optimizer.step();
+  }
+  for (int r = 0; r < kReplicas; ++r) {
+    for (int local = 0; local < k; ++local) {
+      std::vector<at::Tensor> final_params;
+      torch::load(final_params, (dir / ("final_" + std::to_string(r) + "_" + std::to_string(local) + ".pt")).string());
+      ASSERT_EQ(final_params.size(), params.size());
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::equal(final_params[i], params[i]))
+            << "replica " << r << " rank " << local << " parameter " << i;
+      }
+    }
+  }
+}
+
 // `kReplicas` replica groups of `k` ranks; rank 0 of group kVictim is
 // SIGKILLed after 20 steps (with k > 1 the launcher then stops its other
 // ranks and restarts the whole group). `worker`: ft_worker.cpp's hand-written
@@ -101,60 +162,7 @@ void run_ft_kill_scenario(const int kReplicas, const int k, const std::string& w
                            .first_sample = [k](std::int64_t s, int m) { return ft_problem::first_sample(s, m * k); }});
   ASSERT_EQ(membership.size(), static_cast<std::size_t>(kSteps));
 
-  // The replay: the same membership per step, gradients summed in replica
-  // order and divided by the members (as the group's all-reduce does).
-  at::set_num_threads(1);
-  auto model = ft_problem::make_model(0);
-  auto optimizer = ft_problem::make_optimizer(model);
-  auto params = model->parameters();
-  // A replica group's gradient: its ranks' summed in rank order, divided by k.
-  auto replica_gradients = [&](std::int64_t s, int m) {
-    std::vector<at::Tensor> g;
-    for (int local = 0; local < k; ++local) {
-      ft_problem::compute_gradients(model, s, m * k + local);
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        if (local == 0) {
-          g.push_back(params[i].grad().clone());
-        } else {
-          g[i].add_(params[i].grad());
-        }
-      }
-    }
-    if (k > 1) {
-      for (auto& t : g) t.div_(k);
-    }
-    return g;
-  };
-  for (int s = 0; s < kSteps; ++s) {
-    std::vector<at::Tensor> sum;
-    for (const int m : membership[s]) {
-      auto g = replica_gradients(s, m);
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        if (sum.size() < params.size()) {
-          sum.push_back(g[i]);
-        } else {
-          sum[i].add_(g[i]);
-        }
-      }
-    }
-    const auto n = static_cast<std::int64_t>(membership[s].size());
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      if (n > 1) sum[i].div_(n);
-      params[i].mutable_grad() = sum[i];
-    }
-    optimizer.step();
-  }
-  for (int r = 0; r < kReplicas; ++r) {
-    for (int local = 0; local < k; ++local) {
-      std::vector<at::Tensor> final_params;
-      torch::load(final_params, (dir / ("final_" + std::to_string(r) + "_" + std::to_string(local) + ".pt")).string());
-      ASSERT_EQ(final_params.size(), params.size());
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        EXPECT_TRUE(at::equal(final_params[i], params[i]))
-            << "replica " << r << " rank " << local << " parameter " << i;
-      }
-    }
-  }
+  expect_final_params_match_replay(dir, membership, kReplicas, k);
 }
 
 // One whole `dtrain run --ft-replicas kReplicas` of the Trainer worker (k
@@ -412,6 +420,111 @@ TEST(FaultTolerance, NodeKillRestartsOnlyThatNodesReplicaGroups) {
       EXPECT_TRUE(at::equal(params[i], reference[i])) << "replica " << r << " parameter " << i;
     }
   }
+}
+
+// The lighthouse failover (Note [Lighthouse failover]): node 0, the host of
+// the lighthouse, is SIGKILLed mid-training (its launcher; its workers die
+// with it). Node 1's standby serves once node 0's lighthouse has been silent
+// for the failover timeout; node 1's groups reconnect to it and step on (one
+// process each, every step once: nothing restarted on node 1); node 0,
+// started again with the same command, finds the standby serving, hosts no
+// lighthouse, and its groups recover live from node 1's and rejoin. Every
+// step commits once with one membership, and every group's final parameters
+// equal the replay of that membership bit for bit.
+TEST(FaultTolerance, StoreHostKillFailsOverToTheStandbyLighthouse) {
+  constexpr int kSteps = 400;
+  Scratch scratch;
+  const fs::path dir = scratch.path();
+  ::setenv("FT_ZERO_STAGE", "0", 1);
+  ::setenv("FT_DIR", dir.c_str(), 1);
+  ::setenv("FT_STEPS", std::to_string(kSteps).c_str(), 1);
+  ::setenv("FT_STEP_MS", "20", 1);  // node 0 is back long before the others finish
+  ::setenv("FT_RESTART_DELAY_MS", "0", 1);
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
+  const std::string standby = "127.0.0.1:" + std::to_string(free_port());
+  auto node_args = [&](int node, const std::string& logs) {
+    return std::vector<std::string>{"--nnodes",
+                                    "2",
+                                    "--node-rank",
+                                    std::to_string(node),
+                                    "--rdzv-endpoint",
+                                    endpoint,
+                                    "--nproc-per-node",
+                                    "2",
+                                    "--ft-replicas",
+                                    "4",
+                                    "--max-restarts",
+                                    "2",
+                                    "--ft-heartbeat-timeout",
+                                    "0.5",
+                                    "--ft-lighthouse-standby",
+                                    standby,
+                                    "--ft-failover-timeout",
+                                    "2",
+                                    "--log-dir",
+                                    (dir / logs).string(),
+                                    kFtWorker};
+  };
+  auto node0 = std::make_unique<Launch>(node_args(0, "logs0"), scratch, "0");
+  Launch node1(node_args(1, "logs1"), scratch, "1");
+  const fs::path victim_log = dir / "replica_0.log";
+  ASSERT_TRUE(wait_for([&] { return ft_steps_logged(victim_log) >= 20; }, std::chrono::seconds(60)))
+      << node0->err() << node1.err();
+  const std::vector<int> node0_workers = node0->workers();
+  ASSERT_EQ(node0_workers.size(), 2u);
+  const std::size_t before = ft_steps_logged(dir / "replica_2.log");
+  ASSERT_EQ(::kill(node0->pid(), SIGKILL), 0);  // the store host: its workers die with it (PDEATHSIG)
+  ASSERT_TRUE(wait_for([&] { return !alive(node0_workers[0]) && !alive(node0_workers[1]); }, std::chrono::seconds(10)));
+  // Node 0 comes back once the standby serves, and node 1's groups stepped on without it.
+  ASSERT_TRUE(wait_for([&] { return node1.err().find("standby lighthouse: the lighthouse at") != std::string::npos; },
+                       std::chrono::seconds(30)))
+      << node1.err();
+  ASSERT_TRUE(wait_for([&] { return ft_steps_logged(dir / "replica_2.log") >= before + 20; }, std::chrono::seconds(30)))
+      << node1.err();
+  Launch node0_again(node_args(0, "logs0b"), scratch, "0b");
+  ASSERT_EQ(node0_again.wait(std::chrono::seconds(120)), 0) << node0_again.err();
+  ASSERT_EQ(node1.wait(std::chrono::seconds(120)), 0) << node1.err();
+  EXPECT_EQ(node1.err().find("restarting"), std::string::npos) << "node 1 restarted a group: " << node1.err();
+  EXPECT_NE(node0_again.err().find("this node hosts none"), std::string::npos) << node0_again.err();
+
+  std::map<int, FtReplicaLog> logs;
+  for (int r = 0; r < 4; ++r) logs[r] = read_ft_log(dir / ("replica_" + std::to_string(r) + ".log"));
+  for (int r = 2; r < 4; ++r) {  // node 1's: one process, every step once, through the failover
+    ASSERT_EQ(logs[r].steps.size(), static_cast<std::size_t>(kSteps)) << "replica " << r;
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_EQ(logs[r].steps[s].step, s) << "replica " << r;
+      EXPECT_EQ(logs[r].steps[s].pid, logs[r].steps.front().pid) << "replica " << r << " was restarted";
+    }
+    ASSERT_TRUE(logs[r].recovered && logs[r].recovered->empty()) << "replica " << r;
+  }
+  std::vector<std::vector<int>> membership(kSteps);
+  bool shrank = false;
+  for (int s = 0; s < kSteps; ++s) {
+    membership[s] = logs[2].steps[s].members;
+    shrank = shrank || membership[s].size() < 4;
+    for (const int m : membership[s]) {
+      const auto& ls = logs[m].steps;
+      const auto it = std::find_if(ls.begin(), ls.end(), [s](const FtStepLine& l) { return l.step == s; });
+      if (it == ls.end()) {
+        EXPECT_LT(m, 2) << "step " << s;  // a killed group at the step it died in
+        continue;
+      }
+      EXPECT_EQ(it->members, membership[s]) << "replicas disagree on step " << s << "'s members";
+    }
+  }
+  EXPECT_TRUE(shrank) << "no step ran without node 0's groups";
+  EXPECT_EQ(membership.back().size(), 4u) << "node 0's groups did not rejoin";
+  for (int r = 0; r < 2; ++r) {  // node 0's: two processes; the second recovered past the first's last step
+    std::set<int> pids;
+    for (const auto& l : logs[r].steps) pids.insert(l.pid);
+    EXPECT_EQ(pids.size(), 2u) << "replica " << r;
+    ASSERT_TRUE(logs[r].recovered && logs[r].recovered->size() == 1u) << "replica " << r;
+    for (std::size_t i = 1; i < logs[r].steps.size(); ++i) {
+      EXPECT_GT(logs[r].steps[i].step, logs[r].steps[i - 1].step) << "replica " << r << ": a step repeated";
+    }
+    EXPECT_EQ(logs[r].steps.back().step, kSteps - 1) << "replica " << r;
+  }
+  expect_final_params_match_replay(dir, membership, 4, 1);
 }
 
 }  // namespace

@@ -49,8 +49,7 @@ int main() {
       std::this_thread::sleep_for(std::chrono::milliseconds(std::stoi(env_or("FT_RESTART_DELAY_MS", "0"))));
     auto model = problem::make_model(restart == 0 ? 0 : 1000 + restart);
     auto optimizer = problem::make_optimizer(model);
-    ft::LighthouseClient client(ft::connect_lighthouse(endpoint.host, endpoint.port),
-                                ft::connect_lighthouse(endpoint.host, endpoint.port),
+    ft::LighthouseClient client(endpoint.candidates,
                                 {.replica_id = endpoint.replica_id, .commit_timeout = std::chrono::seconds(5)});
     const int k = std::stoi(env_or("WORLD_SIZE", "1"));
     std::optional<dtrain::dist::ProcessGroup> replica_group;

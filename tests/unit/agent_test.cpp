@@ -295,6 +295,60 @@ TEST(ReplicaAgent, LostNewestStateRestartsEveryGroupWithAFreshLighthouse) {
   }
 }
 
+// The lighthouse failover (Note [Lighthouse failover]): with a standby,
+// node 1 keeps it on the standby's port (bound only when it takes over:
+// no socket yet) and every worker gets both candidates, node 0's first;
+// node 0 started again while the standby serves hosts no lighthouse and
+// points its workers at the standby only.
+TEST(ReplicaAgent, StandbyOnNodeOneAndNodeZeroStartedAgainAfterTheFailover) {
+  struct Case {
+    int node;
+    bool standby_serves;
+  };
+  for (const Case c : {Case{1, false}, Case{0, false}, Case{0, true}}) {
+    FakeStoreHost lighthouse;
+    std::vector<SeenByGroup> seen(4);
+    std::vector<std::string> probed;
+    ReplicaAgent agent(
+        {.agent = {.nproc_per_node = 2, .monitor_interval = std::chrono::milliseconds(1)},
+         .replicas = 4,
+         .lighthouse_port = c.node == 0 ? 0 : 29777,
+         .nodes = 2,
+         .node_rank = c.node,
+         .lighthouse_host = "node0",
+         .standby_host = "node1",
+         .standby_port = 29801,
+         .lighthouse_serves =
+             [&](const std::string& host, int port) {
+               probed.push_back(host + ":" + std::to_string(port));
+               return c.standby_serves;
+             }},
+        [&seen](int replica) {
+          auto workers = std::make_unique<RecordedWorkers>(seen.at(replica));
+          workers->rounds = {{}};
+          return workers;
+        },
+        [] { return std::make_unique<FakeStoreHost>(); }, lighthouse);
+    std::atomic<int> interrupt{0};
+    EXPECT_EQ(agent.run(interrupt).state, AgentState::kSucceeded);
+    const std::string where = seen.at(c.node * 2).started.at(0).at(0).env.at("DTRAIN_FT_LIGHTHOUSE");
+    if (c.node == 1) {
+      ASSERT_EQ(lighthouse.served.size(), 1u);
+      EXPECT_EQ(lighthouse.served[0].port, 29801);
+      EXPECT_FALSE(lighthouse.served[0].listening) << "the standby's port was bound before it took over";
+      EXPECT_EQ(where, "node0:29777,node1:29801");
+      EXPECT_TRUE(probed.empty());
+    } else if (!c.standby_serves) {
+      ASSERT_EQ(lighthouse.served.size(), 1u);
+      EXPECT_EQ(where, "127.0.0.1:" + std::to_string(lighthouse.served[0].port) + ",node1:29801");
+      EXPECT_EQ(probed, (std::vector<std::string>{"node1:29801"}));
+    } else {
+      EXPECT_TRUE(lighthouse.served.empty()) << "node 0 hosted a second lighthouse beside the standby";
+      EXPECT_EQ(where, "node1:29801");
+    }
+  }
+}
+
 // Replica groups on several nodes (issue 27 item 3): node 1 of 2 runs groups
 // 2 and 3 of 4, points its workers at node 0's lighthouse and hosts none;
 // node 0 hosts it and serves it `linger` longer than its own groups ran.

@@ -140,7 +140,11 @@ TEST(FtReplicas, HalfRecoveredReplicaGroupRecoversAgainOnEveryRank) {
 // right after the half recovery, and the lighthouse restarts (forgetting the
 // newest step), so the next quorum is the half-recovered group alone, not
 // behind. Before the fix its ranks trained on from different states; now
-// every rank stops with a RendezvousError and commits nothing.
+// every rank stops with a RendezvousError and commits nothing. Since the
+// lighthouse failover the restarted lighthouse knows the newest step from
+// the group's request and refuses the quorum; no holder comes within its
+// join and heartbeat timeouts, and both ranks are told the state is lost
+// (ReplicaStateLostError, rank 0's answer shared with rank 1).
 TEST(FtReplicas, HalfRecoveredGroupWithNoPeerAheadStopsInsteadOfDiverging) {
   constexpr int kRanksPerGroup = 2;
   auto store = dist::Store::in_memory();
@@ -219,7 +223,10 @@ TEST(FtReplicas, HalfRecoveredGroupWithNoPeerAheadStopsInsteadOfDiverging) {
   });
   EXPECT_TRUE(load_failed_once.load());
   for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_NE(errors[rank].find("training on would leave the ranks diverged"), std::string::npos)
+    // The restarted lighthouse knows the newest step from the group's
+    // request (its last quorum's: Note [Lighthouse failover]) and refuses
+    // the quorum; once no holder came, both ranks are told the state is lost.
+    EXPECT_NE(errors[rank].find("no up-to-date replica group is left"), std::string::npos)
         << "rank " << rank << ": '" << errors[rank] << "'";
     EXPECT_EQ(commits_after_abort[rank], 0) << "rank " << rank << " trained on";
   }

@@ -213,6 +213,27 @@ TEST(FaultToleranceOptions, ReplicaGroupsAndTheirRefusals) {
   EXPECT_EQ(node1.fault_tolerance.lighthouse_port, 29777);
   EXPECT_EQ(node1.fault_tolerance.linger, std::chrono::milliseconds(1000));
   EXPECT_NE(node1.fault_tolerance.lighthouse_config.find("startup_replicas=4"), std::string::npos);
+  // The lighthouse failover: node 1 keeps the standby, whose first quorum
+  // waits for the groups outside node 0; every node knows its address.
+  const auto standby =
+      plan({"--nproc-per-node", "2", "--ft-replicas", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+            "h:29777", "--ft-lighthouse-standby", "g:29801", "--ft-failover-timeout", "3", "/bin/true"});
+  EXPECT_EQ(standby.fault_tolerance.standby_host, "g");
+  EXPECT_EQ(standby.fault_tolerance.standby_port, 29801);
+  EXPECT_NE(
+      standby.fault_tolerance.lighthouse_config.find(",startup_replicas=2,primary=h:29777,failover_timeout_ms=3000"),
+      std::string::npos)
+      << standby.fault_tolerance.lighthouse_config;
+  const auto node0 = plan({"--nproc-per-node", "2", "--ft-replicas", "4", "--nnodes", "2", "--node-rank", "0",
+                           "--rdzv-endpoint", "h:29777", "--ft-lighthouse-standby", "g:29801", "/bin/true"});
+  EXPECT_EQ(node0.fault_tolerance.standby_host, "g");
+  EXPECT_EQ(node0.fault_tolerance.lighthouse_config.find("primary="), std::string::npos);
+  expect_contains(
+      refusal({"--nproc-per-node", "2", "--ft-replicas", "2", "--ft-lighthouse-standby", "g:1", "/bin/true"}),
+      {"needs several nodes"});
+  expect_contains(refusal({"--nproc-per-node", "2", "--ft-replicas", "4", "--nnodes", "2", "--node-rank", "0",
+                           "--rdzv-endpoint", "h:1", "--ft-lighthouse-standby", "g", "/bin/true"}),
+                  {"is not HOST:PORT"});
 }
 
 TEST(ClusterLayout, OneLauncherPerNodeUnderSrun) {

@@ -13,6 +13,7 @@
 #include "dtrain/comm/env.h"
 #include "dtrain/comm/flight_recorder.h"
 #include "dtrain/error.h"
+#include "dtrain/ft/lighthouse_address.h"
 #include "dtrain/log.h"
 #include "torchrun_args.h"
 
@@ -176,6 +177,12 @@ void add_launch_options(CLI::App& run, LaunchOptions& o) {
                  "Seconds a quorum waits for live replica groups that have not asked for it yet")
       ->capture_default_str();
   run.add_option("--ft-lighthouse-port", o.ft_lighthouse_port, "The lighthouse's port (0: a free one)")
+      ->capture_default_str();
+  run.add_option("--ft-lighthouse-standby", o.ft_lighthouse_standby,
+                 "HOST:PORT of node 1, given on every node: node 1 keeps a standby lighthouse there that serves "
+                 "once node 0's has been silent for --ft-failover-timeout, so node 0's loss stops only its groups");
+  run.add_option("--ft-failover-timeout", o.ft_failover_timeout,
+                 "Seconds node 0's lighthouse may be silent before the standby (--ft-lighthouse-standby) serves")
       ->capture_default_str();
 }
 
@@ -380,6 +387,27 @@ LaunchPlan plan_launch(const LaunchOptions& given, const dist::EnvLookup& env) {
         ",heartbeat_timeout_ms=" +
         std::to_string(seconds_option("--ft-heartbeat-timeout", o.ft_heartbeat_timeout).count()) +
         ",join_timeout_ms=" + std::to_string(seconds_option("--ft-join-timeout", o.ft_join_timeout).count());
+    if (!o.ft_lighthouse_standby.empty()) {
+      // Note [Lighthouse failover] in src/ft/lighthouse_failover.cpp.
+      DTRAIN_CHECK(ft_nodes >= 2, ConfigError, "--ft-lighthouse-standby needs several nodes: node 1 keeps the standby.",
+                   "pass --nnodes N --node-rank I (N >= 2), or drop --ft-lighthouse-standby");
+      const auto standby = ft::parse_lighthouse_addresses("--ft-lighthouse-standby", o.ft_lighthouse_standby);
+      DTRAIN_CHECK(
+          standby.size() == 1, ConfigError,
+          "--ft-lighthouse-standby " << o.ft_lighthouse_standby << " names " << standby.size() << " addresses.",
+          "pass node 1's HOST:PORT only");
+      plan.fault_tolerance.standby_host = standby[0].host;
+      plan.fault_tolerance.standby_port = standby[0].port;
+      if (o.node_rank == 1) {
+        // The standby's lighthouse: its first quorum waits for the groups
+        // that outlive node 0 (a later key overrides an earlier one).
+        plan.fault_tolerance.lighthouse_config +=
+            ",startup_replicas=" + std::to_string(o.ft_replicas - o.ft_replicas / ft_nodes) +
+            ",primary=" + plan.fault_tolerance.lighthouse_host + ":" +
+            std::to_string(plan.fault_tolerance.lighthouse_port) + ",failover_timeout_ms=" +
+            std::to_string(seconds_option("--ft-failover-timeout", o.ft_failover_timeout).count());
+      }
+    }
   }
   plan.log_dir = o.log_dir;
   plan.tee = o.tee;

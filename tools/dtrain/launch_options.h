@@ -35,6 +35,8 @@ struct LaunchOptions {
   double ft_heartbeat_timeout = 2;
   double ft_join_timeout = 10;
   int ft_lighthouse_port = 0;
+  std::string ft_lighthouse_standby;  // HOST:PORT on node 1 (Note [Lighthouse failover]); "": none
+  double ft_failover_timeout = 10;
   // torchrun's (tools/dtrain/torchrun_args.h rewrites its spellings and PET_* variables):
   std::string rdzv_backend;  // "": c10d with --rdzv-endpoint, static with --master-addr/--master-port
   std::string master_addr;   // static backend; "" unset (127.0.0.1)
@@ -76,6 +78,9 @@ struct FaultTolerancePlan {
   int node_rank = 0;
   std::string lighthouse_host;
   std::chrono::milliseconds linger{0};  // node 0 serves on this long after its own groups finished
+  // --ft-lighthouse-standby: node 1's standby lighthouse (empty host: none).
+  std::string standby_host;
+  int standby_port = 0;
 };
 
 struct LaunchPlan {

@@ -65,7 +65,8 @@ Fn libdtrain_function(const char* name) {
 using ConnectFn = void (*)(const std::string*, int, long long, const std::string*, int,
                            std::shared_ptr<elastic::RendezvousStore>*);
 using HostFn = void (*)(int, int, std::shared_ptr<void>*);
-using LighthouseFn = void (*)(int, int, const std::string*, std::shared_ptr<void>*, std::function<void()>*);
+using LighthouseFn = void (*)(int, int, const std::string*, std::shared_ptr<void>*, std::function<void()>*,
+                              std::function<bool()>*);
 
 }  // namespace
 
@@ -91,6 +92,12 @@ int run_ckpt_folder_command(const std::vector<std::string>& args, std::ostream& 
   return command(&args, &out);
 }
 
+bool lighthouse_serves(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  using ServesFn = bool (*)(const std::string*, int, long long);
+  static const auto serves = libdtrain_function<ServesFn>("dtrain_lighthouse_serves");
+  return serves(&host, port, static_cast<long long>(timeout.count()));
+}
+
 BackgroundWorkerStore::~BackgroundWorkerStore() {
   stop();
 }
@@ -107,11 +114,14 @@ void BackgroundWorkerStore::serve(int listen_fd, int port) {
     std::shared_ptr<void> store;
     std::exception_ptr error;
     std::function<void()> check_service;
+    std::function<bool()> serving;
     std::function<void(int, int, std::shared_ptr<void>*)> host;
     try {
       if (lighthouse_) {
         host = [fn = libdtrain_function<LighthouseFn>("dtrain_host_lighthouse"), config = lighthouse_config_,
-                &check_service](int fd, int p, std::shared_ptr<void>* out) { fn(fd, p, &config, out, &check_service); };
+                &check_service, &serving](int fd, int p, std::shared_ptr<void>* out) {
+          fn(fd, p, &config, out, &check_service, &serving);
+        };
       } else {
         host = libdtrain_function<HostFn>("dtrain_host_worker_store");
       }
@@ -130,6 +140,7 @@ void BackgroundWorkerStore::serve(int listen_fd, int port) {
     store_ = std::move(store);
     error_ = error;
     check_service_ = std::move(check_service);
+    serving_ = std::move(serving);
   });
 }
 
@@ -137,8 +148,14 @@ void BackgroundWorkerStore::stop() {
   if (starter_.joinable()) starter_.join();
   const std::lock_guard lock(mutex_);
   check_service_ = nullptr;  // before the service it points into
+  serving_ = nullptr;
   store_.reset();
   error_ = nullptr;
+}
+
+bool BackgroundWorkerStore::serving() {
+  const std::lock_guard lock(mutex_);
+  return serving_ ? serving_() : !lighthouse_;  // a lighthouse not started yet serves nothing
 }
 
 void BackgroundWorkerStore::check() {

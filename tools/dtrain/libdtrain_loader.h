@@ -30,6 +30,9 @@ int run_ckpt_command(const std::vector<std::string>& args, std::ostream& out);
 // The same for dtrain's own checkpoint folders (src/trainer/ckpt_folder_command.cpp).
 int run_ckpt_folder_command(const std::vector<std::string>& args, std::ostream& out);
 
+// Whether a fault-tolerance lighthouse serves at host:port (src/ft/lighthouse_host.cpp).
+bool lighthouse_serves(const std::string& host, int port, std::chrono::milliseconds timeout);
+
 // Hosts the workers' store through libdtrain. serve() finds libdtrain at once
 // (ConfigError when there is none, before any worker starts) and then loads
 // it and starts the store on a background thread, while the agent starts the
@@ -50,6 +53,7 @@ class BackgroundWorkerStore : public elastic::WorkerStoreHost {
   void serve(int listen_fd, int port) override;
   void stop() override;
   void check() override;
+  bool serving() override;
 
  private:
   std::thread starter_;
@@ -58,6 +62,7 @@ class BackgroundWorkerStore : public elastic::WorkerStoreHost {
   std::exception_ptr error_;     // why it is not running; guarded by mutex_
   // The lighthouse's own health (its service thread): throws what stopped it.
   std::function<void()> check_service_;  // guarded by mutex_
+  std::function<bool()> serving_;        // guarded by mutex_
   std::string lighthouse_config_;
   bool lighthouse_ = false;
 };

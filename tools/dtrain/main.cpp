@@ -71,7 +71,13 @@ int run_replica_groups(const dtrain::tools::LaunchOptions& opt, const dtrain::to
        .nodes = plan.fault_tolerance.nodes,
        .node_rank = plan.fault_tolerance.node_rank,
        .lighthouse_host = plan.fault_tolerance.lighthouse_host,
-       .linger = plan.fault_tolerance.linger},
+       .linger = plan.fault_tolerance.linger,
+       .standby_host = plan.fault_tolerance.standby_host,
+       .standby_port = plan.fault_tolerance.standby_port,
+       .lighthouse_serves =
+           [](const std::string& host, int port) {
+             return dtrain::tools::lighthouse_serves(host, port, std::chrono::seconds(2));
+           }},
       [&plan](int replica) {
         const std::string sub = "/replica_" + std::to_string(replica);
         return std::make_unique<el::ProcessWorkerGroup>(

@@ -16,7 +16,8 @@
 // each; the run fails when one has none left). Note [Whole-job restart of
 // replica groups] in src/elastic/replica_agent.cpp.
 // On several nodes, each node's launcher runs its share of the groups, and
-// node 0 hosts the lighthouse: a node that dies takes only its groups down.
+// node 0 hosts the lighthouse: a node that dies takes only its groups down;
+// with a standby (node 1), node 0's loss stops nothing but node 0's groups.
 #pragma once
 
 #include <atomic>
@@ -47,6 +48,14 @@ struct ReplicaAgentOptions {
   // Node 0, once its own groups are done, serves the lighthouse this much
   // longer, so the other nodes' groups finish their last step with it.
   std::chrono::milliseconds linger{0};
+  // The standby lighthouse (Note [Lighthouse failover] in
+  // src/ft/lighthouse_failover.cpp; empty host: none): node 1 keeps it
+  // (`lighthouse` then serves as the standby, on standby_port), and every
+  // worker gets it as its second candidate. Node 0, started again after its
+  // loss, finds it serving (lighthouse_serves) and hosts none.
+  std::string standby_host;
+  int standby_port = 0;
+  std::function<bool(const std::string& host, int port)> lighthouse_serves;
 };
 
 class ReplicaAgent {
@@ -74,12 +83,18 @@ class ReplicaAgent {
   int local_replicas() const { return options_.replicas / options_.nodes; }
   int ranks_per_replica() const { return options_.agent.nproc_per_node / local_replicas(); }
   bool hosts_lighthouse() const { return options_.node_rank == 0; }
+  bool keeps_standby() const { return options_.node_rank == 1 && !options_.standby_host.empty(); }
+  // This node's lighthouse, hosted or standby: its check() and linger apply.
+  bool has_lighthouse() const { return (hosts_lighthouse() && !standby_serves_) || keeps_standby(); }
+  // Whether this node's lighthouse serves the other nodes' groups now.
+  bool serves_lighthouse() { return hosts_lighthouse() ? !standby_serves_ : keeps_standby() && lighthouse_.serving(); }
 
   ReplicaAgentOptions options_;
   MakeWorkers make_workers_;
   MakeStoreHost make_store_;
   WorkerStoreHost& lighthouse_;
   int lighthouse_port_ = 0;
+  bool standby_serves_ = false;  // node 0 started again after the standby took over
 };
 
 }  // namespace dtrain::elastic

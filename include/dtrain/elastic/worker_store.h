@@ -24,6 +24,9 @@ class WorkerStoreHost {
   // Throws the error that keeps the store from serving (e.g. libdtrain could
   // not be loaded), if any; called every monitor interval while workers run.
   virtual void check() = 0;
+  // Whether it serves now (a standby lighthouse: only once it took over;
+  // Note [Lighthouse failover] in src/ft/lighthouse_failover.cpp).
+  virtual bool serving() { return true; }
 };
 
 }  // namespace dtrain::elastic

@@ -25,6 +25,7 @@
 
 #include "dtrain/comm/env.h"
 #include "dtrain/comm/store.h"
+#include "dtrain/ft/lighthouse_address.h"
 #include "dtrain/ft/quorum.h"
 #include "dtrain/replica_errors.h"
 
@@ -35,7 +36,8 @@ struct LighthouseOptions {
   int min_replicas = 1;
   // The first quorum waits for this many replicas (up to join_timeout), so a
   // job's replica groups start together instead of the first one to load
-  // training alone and the others recovering from it (0: no such wait).
+  // training alone and the others recovering from it (0: no such wait). A
+  // standby that takes over waits so for the groups that survived node 0.
   int startup_replicas = 0;
   // A replica whose heartbeat has not moved for this long is dead: no quorum
   // waits for it (its process may still be running, stopped or cut off).
@@ -111,6 +113,8 @@ class Lighthouse {
   std::chrono::steady_clock::time_point last_full_scan_{};
   std::vector<std::string> garbage_;  // keys done with, deleted off the step's path
   std::map<std::int64_t, OpenRound> open_rounds_;
+  bool starting_ = false;  // no quorum formed yet on this (fresh) store
+  std::chrono::steady_clock::time_point started_at_ = std::chrono::steady_clock::now();
   std::int64_t round_ = 0;         // the store's "round": the last one given out, by this lighthouse or its predecessor
   std::int64_t quorum_id_ = 0;     // the store's "quorum_id", likewise
   std::string last_members_;       // "id:incarnation ..." of the last quorum
@@ -148,13 +152,20 @@ std::unique_ptr<HostedLighthouse> host_lighthouse(const HostedLighthouseOptions&
 dist::Store connect_lighthouse(const std::string& host, int port,
                                std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
+// Whether a lighthouse serves at `address` now: its store answers within
+// `timeout` and its service has not stopped (ft/failed). Never throws.
+bool lighthouse_serves(const LighthouseAddress& address, std::chrono::milliseconds timeout);
+// Logs only errors from c10d in this process (Note [Timed-out waits and
+// reverse DNS] in src/ft/lighthouse_failover.cpp).
+void quiet_c10d_warnings();
+
 // Where a worker of `dtrain run --ft-replicas N` finds the lighthouse, and
-// which replica group it belongs to: DTRAIN_FT_LIGHTHOUSE (HOST:PORT),
+// which replica group it belongs to: DTRAIN_FT_LIGHTHOUSE (HOST:PORT, or an
+// ordered list HOST:PORT,HOST:PORT: node 0's, then the standby's),
 // DTRAIN_FT_REPLICA_ID, DTRAIN_FT_REPLICAS. ConfigError when one is missing
 // or malformed.
 struct LighthouseEndpoint {
-  std::string host;
-  int port = 0;
+  std::vector<LighthouseAddress> candidates;  // in order; at least one
   int replica_id = 0;
   int replicas = 1;
 };
@@ -189,6 +200,11 @@ struct LighthouseClientOptions {
   // moved for this long is taken as dead (CommunicationError), as is one
   // that reports a failure (at once).
   std::chrono::milliseconds lighthouse_timeout{std::chrono::seconds(10)};
+  // A client made from candidates (Note [Lighthouse failover]): how long it
+  // looks for a serving one after losing its lighthouse (or at the start)
+  // before a CommunicationError, and how long it gives each one per try.
+  std::chrono::milliseconds failover_timeout{std::chrono::seconds(60)};
+  std::chrono::milliseconds candidate_timeout{std::chrono::seconds(1)};
 };
 
 // One replica group's side. Registers (a new incarnation) and starts
@@ -198,6 +214,10 @@ struct LighthouseClientOptions {
 class LighthouseClient {
  public:
   LighthouseClient(dist::Store store, dist::Store heartbeat_store, LighthouseClientOptions options);
+  // Connects itself to the first of `candidates` that serves a lighthouse,
+  // and, when that one is lost (its store fails, or its service stops),
+  // to the next that serves, registering again (Note [Lighthouse failover]).
+  LighthouseClient(std::vector<LighthouseAddress> candidates, LighthouseClientOptions options);
   ~LighthouseClient();
   LighthouseClient(const LighthouseClient&) = delete;
   LighthouseClient& operator=(const LighthouseClient&) = delete;
@@ -222,6 +242,16 @@ class LighthouseClient {
   int replica_id() const { return options_.replica_id; }
   // The lighthouse's store, for groups made per quorum (prefixes under "pg/").
   dist::Store& store() { return store_; }
+  // Which candidate this client is connected to (0 for one made from
+  // stores), and how many connections it has made (a move, or a new
+  // connection to the same candidate, counts); follow() makes a new
+  // connection to candidate `index` unless this client already followed
+  // `connections`: the other ranks of a replica group follow its rank 0, the
+  // one that talks to the lighthouse, so they make the quorum's group in the
+  // same store. CommunicationError when `index` does not serve.
+  std::size_t connection() const { return current_; }
+  std::int64_t connections() const { return connections_; }
+  void follow(std::size_t index, std::int64_t connections);
   // This replica's training reached its last step, `step` (the lighthouse
   // then answers a group that asks later, behind it, with
   // TrainingFinishedError instead of leaving it waiting).
@@ -249,6 +279,20 @@ class LighthouseClient {
  private:
   void register_once();
   void beat();
+  // The commit vote on the current connection (agree_commit takes a lost
+  // lighthouse as abort).
+  bool vote(const Quorum& q, bool ok);
+  // One quorum request on the current connection (quorum() retries it on
+  // the next candidate when the lighthouse is lost).
+  Quorum quorum_once(std::int64_t step, bool fresh_group);
+  // Connects to candidate `index`; false when it does not serve now.
+  bool connect(std::size_t index);
+  // The lighthouse at candidates_[current_] is lost (`why`): the heartbeat
+  // stops, and the next candidate that serves within failover_timeout is
+  // connected (this replica then registers again); CommunicationError naming
+  // every candidate otherwise.
+  void reconnect(const std::string& why);
+  void stop_heartbeat();
   // Writes request seq_ + 1 (join/<k> and its wake-up).
   void ask(std::int64_t step, bool fresh_group);
   // At the quorum timeout: withdraws request `id` ("<incarnation>/<seq>"),
@@ -281,6 +325,18 @@ class LighthouseClient {
   dist::Store store_;
   dist::Store heartbeat_store_;
   LighthouseClientOptions options_;
+  std::vector<LighthouseAddress> candidates_;  // empty: made from stores, no failover
+  std::size_t current_ = 0;
+  std::int64_t connections_ = 0;
+  std::int64_t followed_ = 0;  // the rank 0's connections() this client is connected after
+  // The lighthouse was lost outside quorum() (a vote, a request asked
+  // ahead): the next quorum() reconnects first.
+  std::optional<std::string> lost_;
+  // From the last quorum answered: the floors a lighthouse that takes over
+  // starts above (Note [Lighthouse failover]).
+  std::int64_t last_round_ = 0;
+  std::int64_t last_quorum_id_ = 0;
+  std::int64_t newest_step_ = 0;
   std::int64_t incarnation_ = 0;
   std::int64_t seq_ = 0;
   std::chrono::milliseconds peer_heartbeat_timeout_{0};  // the lighthouse's (read once)
@@ -288,8 +344,8 @@ class LighthouseClient {
     std::int64_t step = 0;
     bool fresh_group = false;
   };
-  std::optional<Asked> asked_;  // request seq_, asked ahead, not yet answered
-  std::atomic<bool> stop_{false};
+  std::optional<Asked> asked_;     // request seq_, asked ahead, not yet answered
+  std::atomic<bool> stop_{false};  // the heartbeat thread's
   std::thread heartbeat_;
 };
 

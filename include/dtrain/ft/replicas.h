@@ -3,8 +3,7 @@
 // step from the lighthouse's quorum, with a commit vote and live recovery.
 // See docs/fault_tolerance.md.
 //
-//   ft::LighthouseClient client(ft::connect_lighthouse(host, port), ft::connect_lighthouse(host, port),
-//                               {.replica_id = r});
+//   ft::LighthouseClient client(ft::lighthouse_from_env().candidates, {.replica_id = r});
 //   ft::FaultTolerantReplicas replicas(client, ft::module_and_optimizer_state(model, optimizer));
 //   while (replicas.step() < steps) {
 //     replicas.start_step();                       // quorum; recovers here if behind
