@@ -324,6 +324,92 @@ TEST(FaultTolerance, LosingEveryUpToDateGroupRestartsTheWholeJobFromItsCheckpoin
   }
 }
 
+// The launcher options of node `node` in the two-node tests: four replica
+// groups of two ranks, node I running groups 2I and 2I + 1; `extra` adds
+// options before the log directory and the worker.
+std::vector<std::string> two_node_args(int node, const std::string& endpoint, const fs::path& logs,
+                                       const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> args{"--nnodes",
+                                "2",
+                                "--node-rank",
+                                std::to_string(node),
+                                "--rdzv-endpoint",
+                                endpoint,
+                                "--nproc-per-node",
+                                "2",
+                                "--ft-replicas",
+                                "4",
+                                "--max-restarts",
+                                "2",
+                                "--ft-heartbeat-timeout",
+                                "0.5"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  args.insert(args.end(), {"--log-dir", logs.string(), kFtWorker});
+  return args;
+}
+
+// ft_worker's settings in the two-node tests: plain replicas of 20 ms steps,
+// so the killed node is back long before the others finish.
+void set_two_node_worker_env(const fs::path& dir, int steps) {
+  ::setenv("FT_ZERO_STAGE", "0", 1);
+  ::setenv("FT_DIR", dir.c_str(), 1);
+  ::setenv("FT_STEPS", std::to_string(steps).c_str(), 1);
+  ::setenv("FT_STEP_MS", "20", 1);
+  ::setenv("FT_RESTART_DELAY_MS", "0", 1);
+}
+
+// A two-node run whose node `killed` was SIGKILLed and started again: the
+// other node's groups ran as one process each, every step once, never behind;
+// every step's members agree on its membership; some step ran without the
+// killed node's groups and the last with all four; the killed node's groups
+// ran as two processes, the second recovered live past the first's last
+// step, none repeated. Returns each step's membership as the survivors saw it.
+std::vector<std::vector<int>> expect_node_kill_survived(const fs::path& dir, int killed, int steps) {
+  std::map<int, FtReplicaLog> logs;
+  for (int r = 0; r < 4; ++r) logs[r] = read_ft_log(dir / ("replica_" + std::to_string(r) + ".log"));
+  const int survivor = killed == 0 ? 2 : 0;
+  auto on_killed_node = [killed](int r) { return r / 2 == killed; };
+  for (int r = survivor; r < survivor + 2; ++r) {
+    EXPECT_EQ(logs[r].steps.size(), static_cast<std::size_t>(steps)) << "replica " << r;
+    for (int s = 0; s < std::min<int>(steps, static_cast<int>(logs[r].steps.size())); ++s) {
+      EXPECT_EQ(logs[r].steps[s].step, s) << "replica " << r;
+      EXPECT_EQ(logs[r].steps[s].pid, logs[r].steps.front().pid) << "replica " << r << " was restarted";
+    }
+    EXPECT_TRUE(logs[r].recovered && logs[r].recovered->empty()) << "replica " << r;
+  }
+  std::vector<std::vector<int>> membership(static_cast<std::size_t>(steps));
+  if (logs[survivor].steps.size() != static_cast<std::size_t>(steps)) return membership;
+  bool shrank = false;
+  for (int s = 0; s < steps; ++s) {
+    membership[s] = logs[survivor].steps[s].members;
+    shrank = shrank || membership[s].size() < 4;
+    for (const int m : membership[s]) {
+      const auto& ls = logs[m].steps;
+      const auto it = std::find_if(ls.begin(), ls.end(), [s](const FtStepLine& l) { return l.step == s; });
+      if (it == ls.end()) {
+        EXPECT_TRUE(on_killed_node(m)) << "step " << s;  // a killed group at the step it died in
+        continue;
+      }
+      EXPECT_EQ(it->members, membership[s]) << "replicas disagree on step " << s << "'s members";
+    }
+  }
+  EXPECT_TRUE(shrank) << "no step ran without node " << killed << "'s groups";
+  EXPECT_EQ(membership.back().size(), 4u) << "node " << killed << "'s groups did not rejoin";
+  for (int r = 2 * killed; r < 2 * killed + 2; ++r) {
+    std::set<int> pids;
+    for (const auto& l : logs[r].steps) pids.insert(l.pid);
+    EXPECT_EQ(pids.size(), 2u) << "replica " << r;
+    EXPECT_TRUE(logs[r].recovered && logs[r].recovered->size() == 1u) << "replica " << r;
+    for (std::size_t i = 1; i < logs[r].steps.size(); ++i) {
+      EXPECT_GT(logs[r].steps[i].step, logs[r].steps[i - 1].step) << "replica " << r << ": a step repeated";
+    }
+    if (!logs[r].steps.empty()) {
+      EXPECT_EQ(logs[r].steps.back().step, steps - 1) << "replica " << r;
+    }
+  }
+  return membership;
+}
+
 // Replica groups on several nodes (issue 27 item 3), two launchers on
 // loopback: node 0 runs groups 0-1 and hosts the lighthouse, node 1 runs
 // groups 2-3. Node 1 is SIGKILLed (its launcher; its workers die with it)
@@ -335,31 +421,9 @@ TEST(FaultTolerance, NodeKillRestartsOnlyThatNodesReplicaGroups) {
   constexpr int kSteps = 300;
   Scratch scratch;
   const fs::path dir = scratch.path();
-  ::setenv("FT_ZERO_STAGE", "0", 1);
-  ::setenv("FT_DIR", dir.c_str(), 1);
-  ::setenv("FT_STEPS", std::to_string(kSteps).c_str(), 1);
-  ::setenv("FT_STEP_MS", "20", 1);  // node 1 is back long before the others finish
-  ::setenv("FT_RESTART_DELAY_MS", "0", 1);
+  set_two_node_worker_env(dir, kSteps);
   const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
-  auto node_args = [&](int node, const std::string& logs) {
-    return std::vector<std::string>{"--nnodes",
-                                    "2",
-                                    "--node-rank",
-                                    std::to_string(node),
-                                    "--rdzv-endpoint",
-                                    endpoint,
-                                    "--nproc-per-node",
-                                    "2",
-                                    "--ft-replicas",
-                                    "4",
-                                    "--max-restarts",
-                                    "2",
-                                    "--ft-heartbeat-timeout",
-                                    "0.5",
-                                    "--log-dir",
-                                    (dir / logs).string(),
-                                    kFtWorker};
-  };
+  auto node_args = [&](int node, const std::string& logs) { return two_node_args(node, endpoint, dir / logs); };
   Launch node0(node_args(0, "logs0"), scratch, "0");
   auto node1 = std::make_unique<Launch>(node_args(1, "logs1"), scratch, "1");
   const fs::path victim_log = dir / "replica_2.log";
@@ -375,41 +439,7 @@ TEST(FaultTolerance, NodeKillRestartsOnlyThatNodesReplicaGroups) {
   ASSERT_EQ(node1_again.wait(std::chrono::seconds(120)), 0) << node1_again.err();
   EXPECT_EQ(node0.err().find("restarting"), std::string::npos) << "node 0 restarted a group: " << node0.err();
 
-  std::map<int, FtReplicaLog> logs;
-  for (int r = 0; r < 4; ++r) logs[r] = read_ft_log(dir / ("replica_" + std::to_string(r) + ".log"));
-  for (int r = 0; r < 2; ++r) {  // node 0's: one process, every step once
-    ASSERT_EQ(logs[r].steps.size(), static_cast<std::size_t>(kSteps)) << "replica " << r;
-    for (int s = 0; s < kSteps; ++s) {
-      EXPECT_EQ(logs[r].steps[s].step, s) << "replica " << r;
-      EXPECT_EQ(logs[r].steps[s].pid, logs[r].steps.front().pid) << "replica " << r << " was restarted";
-    }
-  }
-  bool shrank = false;
-  for (int s = 0; s < kSteps; ++s) {
-    const auto& members = logs[0].steps[s].members;
-    shrank = shrank || members.size() < 4;
-    for (const int m : members) {
-      const auto& ls = logs[m].steps;
-      const auto it = std::find_if(ls.begin(), ls.end(), [s](const FtStepLine& l) { return l.step == s; });
-      if (it == ls.end()) {
-        EXPECT_GE(m, 2) << "step " << s;  // a killed group at the step it died in
-        continue;
-      }
-      EXPECT_EQ(it->members, members) << "replicas disagree on step " << s << "'s members";
-    }
-  }
-  EXPECT_TRUE(shrank) << "no step ran without node 1's groups";
-  EXPECT_EQ(logs[0].steps.back().members.size(), 4u) << "node 1's groups did not rejoin";
-  for (int r = 2; r < 4; ++r) {  // node 1's: two processes; the second recovered past the first's last step
-    std::set<int> pids;
-    for (const auto& l : logs[r].steps) pids.insert(l.pid);
-    EXPECT_EQ(pids.size(), 2u) << "replica " << r;
-    ASSERT_TRUE(logs[r].recovered && logs[r].recovered->size() == 1u) << "replica " << r;
-    for (std::size_t i = 1; i < logs[r].steps.size(); ++i) {
-      EXPECT_GT(logs[r].steps[i].step, logs[r].steps[i - 1].step) << "replica " << r << ": a step repeated";
-    }
-    EXPECT_EQ(logs[r].steps.back().step, kSteps - 1) << "replica " << r;
-  }
+  expect_node_kill_survived(dir, 1, kSteps);
   std::vector<at::Tensor> reference;
   torch::load(reference, (dir / "final_0_0.pt").string());
   for (int r = 1; r < 4; ++r) {
@@ -435,35 +465,12 @@ TEST(FaultTolerance, StoreHostKillFailsOverToTheStandbyLighthouse) {
   constexpr int kSteps = 400;
   Scratch scratch;
   const fs::path dir = scratch.path();
-  ::setenv("FT_ZERO_STAGE", "0", 1);
-  ::setenv("FT_DIR", dir.c_str(), 1);
-  ::setenv("FT_STEPS", std::to_string(kSteps).c_str(), 1);
-  ::setenv("FT_STEP_MS", "20", 1);  // node 0 is back long before the others finish
-  ::setenv("FT_RESTART_DELAY_MS", "0", 1);
+  set_two_node_worker_env(dir, kSteps);
   const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
   const std::string standby = "127.0.0.1:" + std::to_string(free_port());
   auto node_args = [&](int node, const std::string& logs) {
-    return std::vector<std::string>{"--nnodes",
-                                    "2",
-                                    "--node-rank",
-                                    std::to_string(node),
-                                    "--rdzv-endpoint",
-                                    endpoint,
-                                    "--nproc-per-node",
-                                    "2",
-                                    "--ft-replicas",
-                                    "4",
-                                    "--max-restarts",
-                                    "2",
-                                    "--ft-heartbeat-timeout",
-                                    "0.5",
-                                    "--ft-lighthouse-standby",
-                                    standby,
-                                    "--ft-failover-timeout",
-                                    "2",
-                                    "--log-dir",
-                                    (dir / logs).string(),
-                                    kFtWorker};
+    return two_node_args(node, endpoint, dir / logs,
+                         {"--ft-lighthouse-standby", standby, "--ft-failover-timeout", "2"});
   };
   auto node0 = std::make_unique<Launch>(node_args(0, "logs0"), scratch, "0");
   Launch node1(node_args(1, "logs1"), scratch, "1");
@@ -487,43 +494,7 @@ TEST(FaultTolerance, StoreHostKillFailsOverToTheStandbyLighthouse) {
   EXPECT_EQ(node1.err().find("restarting"), std::string::npos) << "node 1 restarted a group: " << node1.err();
   EXPECT_NE(node0_again.err().find("this node hosts none"), std::string::npos) << node0_again.err();
 
-  std::map<int, FtReplicaLog> logs;
-  for (int r = 0; r < 4; ++r) logs[r] = read_ft_log(dir / ("replica_" + std::to_string(r) + ".log"));
-  for (int r = 2; r < 4; ++r) {  // node 1's: one process, every step once, through the failover
-    ASSERT_EQ(logs[r].steps.size(), static_cast<std::size_t>(kSteps)) << "replica " << r;
-    for (int s = 0; s < kSteps; ++s) {
-      EXPECT_EQ(logs[r].steps[s].step, s) << "replica " << r;
-      EXPECT_EQ(logs[r].steps[s].pid, logs[r].steps.front().pid) << "replica " << r << " was restarted";
-    }
-    ASSERT_TRUE(logs[r].recovered && logs[r].recovered->empty()) << "replica " << r;
-  }
-  std::vector<std::vector<int>> membership(kSteps);
-  bool shrank = false;
-  for (int s = 0; s < kSteps; ++s) {
-    membership[s] = logs[2].steps[s].members;
-    shrank = shrank || membership[s].size() < 4;
-    for (const int m : membership[s]) {
-      const auto& ls = logs[m].steps;
-      const auto it = std::find_if(ls.begin(), ls.end(), [s](const FtStepLine& l) { return l.step == s; });
-      if (it == ls.end()) {
-        EXPECT_LT(m, 2) << "step " << s;  // a killed group at the step it died in
-        continue;
-      }
-      EXPECT_EQ(it->members, membership[s]) << "replicas disagree on step " << s << "'s members";
-    }
-  }
-  EXPECT_TRUE(shrank) << "no step ran without node 0's groups";
-  EXPECT_EQ(membership.back().size(), 4u) << "node 0's groups did not rejoin";
-  for (int r = 0; r < 2; ++r) {  // node 0's: two processes; the second recovered past the first's last step
-    std::set<int> pids;
-    for (const auto& l : logs[r].steps) pids.insert(l.pid);
-    EXPECT_EQ(pids.size(), 2u) << "replica " << r;
-    ASSERT_TRUE(logs[r].recovered && logs[r].recovered->size() == 1u) << "replica " << r;
-    for (std::size_t i = 1; i < logs[r].steps.size(); ++i) {
-      EXPECT_GT(logs[r].steps[i].step, logs[r].steps[i - 1].step) << "replica " << r << ": a step repeated";
-    }
-    EXPECT_EQ(logs[r].steps.back().step, kSteps - 1) << "replica " << r;
-  }
+  const auto membership = expect_node_kill_survived(dir, 0, kSteps);
   expect_final_params_match_replay(dir, membership, 4, 1);
 }
 
