@@ -61,7 +61,7 @@ struct alignas(kCacheLine) Control {
   // system call only when someone sleeps (Note [Barrier waits]).
   std::atomic<std::uint32_t> word;
   std::atomic<std::uint32_t> waiters;
-  // Set once an operation failed on this rank (see fail_operation): its
+  // Set once an operation failed on this rank (Note [A failed operation]): its
   // phase stops there, and peers waiting for it fail instead of waiting out
   // the timeout or, worse, pairing its next operation with this one.
   std::atomic<std::uint32_t> failed;
@@ -174,33 +174,34 @@ void SharedMemoryTransport::barrier() {
   for (int r = 0; r < size_; ++r) {
     Control& peer = region_->control[r];
     auto arrived = [&] { return peer.phase.load(std::memory_order_acquire) >= phase_; };
-    auto check_failed = [&] {
-      if (peer.failed.load() != 0 && !arrived()) {
-        throw std::runtime_error("shared-memory transport: peer rank " + std::to_string(r) +
-                                 " failed an earlier shared-memory operation and will not arrive");
-      }
+    // Note [A failed operation]: a peer that failed stops short of this barrier.
+    auto failed_earlier = [&] {
+      return peer.failed.load() != 0 ? "shared-memory transport: peer rank " + std::to_string(r) +
+                                           " failed an earlier shared-memory operation and will not arrive"
+                                     : std::string();
     };
     for (int spins = 0; spins < kSpins && !arrived(); ++spins) {
     }
     if (arrived()) continue;
-    check_failed();
+    if (std::string failure = failed_earlier(); !failure.empty()) throw std::runtime_error(failure);
     peer.waiters.fetch_add(1);
     for (int naps = 1; !arrived(); ++naps) {
       const std::uint32_t seen = peer.word.load();
       if (arrived()) break;
       futex_wait(&peer.word, seen, kNap);
-      if (!arrived() && peer.failed.load() != 0) {
-        peer.waiters.fetch_sub(1);
-        check_failed();
-      }
-      if (arrived() || (naps & 7) != 0) continue;
-      std::string failure;
-      if (process_gone(peer.pid.load())) {
-        failure = "shared-memory transport: peer rank " + std::to_string(r) + " (pid " +
-                  std::to_string(peer.pid.load()) + ") exited";
-      } else if (std::chrono::steady_clock::now() > deadline) {
-        failure = "shared-memory transport: peer rank " + std::to_string(r) + " did not arrive within " +
-                  log::format_seconds(timeout_) + " (timed out; it hung or issued different collectives)";
+      if (arrived()) continue;
+      // A failed peer is checked after every nap (its failure wakes this
+      // one); its process and the deadline every 8th.
+      std::string failure = failed_earlier();
+      if (failure.empty()) {
+        if ((naps & 7) != 0) continue;
+        if (process_gone(peer.pid.load())) {
+          failure = "shared-memory transport: peer rank " + std::to_string(r) + " (pid " +
+                    std::to_string(peer.pid.load()) + ") exited";
+        } else if (std::chrono::steady_clock::now() > deadline) {
+          failure = "shared-memory transport: peer rank " + std::to_string(r) + " did not arrive within " +
+                    log::format_seconds(timeout_) + " (timed out; it hung or issued different collectives)";
+        }
       }
       if (!failure.empty()) {
         peer.waiters.fetch_sub(1);
