@@ -35,6 +35,15 @@ LighthouseOptions three_replicas_quick_heartbeats() {
           .scan_interval = milliseconds(10)};
 }
 
+// A lighthouse that forms a quorum of whoever asks, with a 1 s heartbeat
+// timeout: the live-recovery tests' (a restarted replica rejoins well within it).
+LighthouseOptions any_replicas_one_second_heartbeats() {
+  return {.min_replicas = 1,
+          .heartbeat_timeout = milliseconds(1000),
+          .join_timeout = milliseconds(5000),
+          .scan_interval = milliseconds(10)};
+}
+
 // Steps `replicas` until its step is `last`, each with a gradient of ones:
 // counts the aborted steps in `aborted` and calls `committed` after each
 // committed one.
@@ -67,10 +76,7 @@ TEST(FtReplicas, HalfRecoveredReplicaGroupRecoversAgainOnEveryRank) {
   constexpr int kSteps = 10;
   constexpr int kRanksPerGroup = 2;
   auto store = dist::Store::in_memory();
-  Lighthouse lighthouse(store, {.min_replicas = 1,
-                                .heartbeat_timeout = milliseconds(1000),
-                                .join_timeout = milliseconds(5000),
-                                .scan_interval = milliseconds(10)});
+  Lighthouse lighthouse(store, any_replicas_one_second_heartbeats());
   std::atomic<std::int64_t> b_step{0};
   std::atomic<bool> load_failed_once{false};
   std::atomic<bool> a_started{false};
@@ -364,10 +370,7 @@ TEST(FtReplicas, RecoveryInManyChunksIsExact) {
     for (const std::int64_t chunk : {std::int64_t{4093}, std::int64_t{1} << 20}) {
       SCOPED_TRACE(std::string(shared_memory ? "shared memory" : "gloo") + ", chunks of " + std::to_string(chunk));
       auto store = dist::Store::in_memory();
-      Lighthouse lighthouse(store, {.min_replicas = 1,
-                                    .heartbeat_timeout = milliseconds(1000),
-                                    .join_timeout = milliseconds(5000),
-                                    .scan_interval = milliseconds(10)});
+      Lighthouse lighthouse(store, any_replicas_one_second_heartbeats());
       std::atomic<std::int64_t> a_step{0};
       std::atomic<bool> b_started{false};
       std::vector<at::Tensor> final_w(2), final_m(2), loaded_w(2), source_w_at_join(2);
