@@ -10,7 +10,8 @@
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
 // "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
 // "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
-// collectives, bytes}, "samples": [{transport, op, ranks, bytes, seconds}]},
+// collectives, bytes}, "split_backward": {whole_seconds, split_seconds,
+// captured}, "layer_pipeline": {alone_seconds, together_seconds}, "samples": [{transport, op, ranks, bytes, seconds}]},
 // each figure the median of its repeats (time_sliced_work_seconds: a total,
 // the ranks' mean; alone_work_seconds: the same piece on rank 0 while the
 // others wait).
@@ -220,6 +221,118 @@ double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = 
   return mean.item<float>() / static_cast<double>(alone ? 1 : group.size());
 }
 
+// One pre-LayerNorm transformer layer of the GPT example's size (width 128,
+// 4 heads, inner 512, no biases; dtrain::nn::linear's products and
+// dtrain::nn::causal_attention, as examples/gpt/model.h runs them), for the
+// split backward's measurement below: 6 nodes whose output gradient the
+// split captures (2 norms, QKV, projection, MLP up and down).
+struct CalibrationLayerImpl : torch::nn::Module {
+  static constexpr std::int64_t kWidth = 128, kHeads = 4, kInner = 512;
+  CalibrationLayerImpl() {
+    auto weight = [&](const char* name, std::int64_t out, std::int64_t in) {
+      return register_parameter(name, at::randn({out, in}) * 0.05);
+    };
+    ln_1 = register_parameter("ln_1", at::ones({kWidth}));
+    ln_2 = register_parameter("ln_2", at::ones({kWidth}));
+    qkv = weight("qkv", 3 * kWidth, kWidth);
+    proj = weight("proj", kWidth, kWidth);
+    up = weight("up", kInner, kWidth);
+    down = weight("down", kWidth, kInner);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const std::int64_t b = x.size(0), t = x.size(1);
+    auto parts = dtrain::nn::linear(at::layer_norm(x, {kWidth}, ln_1), qkv).split(kWidth, 2);
+    auto heads = [&](const at::Tensor& m) { return m.view({b, t, kHeads, kWidth / kHeads}).transpose(1, 2); };
+    const at::Tensor y = dtrain::nn::causal_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]));
+    const at::Tensor h = x + dtrain::nn::linear(y.transpose(1, 2).contiguous().view({b, t, kWidth}), proj);
+    return h + dtrain::nn::linear(at::gelu(dtrain::nn::linear(at::layer_norm(h, {kWidth}, ln_2), up)), down);
+  }
+  at::Tensor ln_1, ln_2, qkv, proj, up, down;
+};
+TORCH_MODULE(CalibrationLayer);
+
+// Pipelines of GPT example layers, as the executor runs them (Note [Split
+// backward cost] and Note [Concurrency of pipeline stages] in
+// src/plan/calibration.cpp): each rank a pipeline of its own (a group of
+// one) with two stages of two CalibrationLayers each, 4 micro-batches of 6
+// sequences of 64 tokens. First rank 0 alone (the others wait in a barrier,
+// asleep) and then every rank at once, under the interleaved schedule (each
+// backward whole: B): the median step's compute (its traced F and B
+// actions, wall time). Then, every rank at once, by turns the interleaved
+// schedule and ZB-H1 (the second stage's backward split in I, with the
+// captured gradients, and W from them), 5 rounds of 4 steps each: the
+// medians over the timed micro-batches of the second stage's B and of its
+// I + W (the same micro-batch's). Each figure the ranks' mean (alone: rank
+// 0's); `captured`: the nodes the split captures on the second stage.
+struct LayerPipelineTimes {
+  double alone = 0, together = 0;  // a step's compute, seconds
+  double whole = 0, split = 0;     // the second stage's B, and I + W, per micro-batch
+  int captured = 0;
+};
+LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
+  using namespace dtrain::pipeline;
+  constexpr int kLayersPerStage = 2, kMicro = 4, kRounds = 5, kSteps = 4;
+  dtrain::dist::DeviceMesh mesh(world, {{"pp", 1}, {"dp_replicate", world.size()}});
+  torch::nn::Sequential stage_0, stage_1;
+  for (int l = 0; l < kLayersPerStage; ++l) {
+    stage_0->push_back(CalibrationLayer());
+    stage_1->push_back(CalibrationLayer());
+  }
+  auto make = [&](ScheduleKind kind) {
+    return Pipeline({{.module = stage_0}, {.module = stage_1}}, mesh["pp"],
+                    {.schedule = kind, .micro_batches = kMicro, .record_trace = true},
+                    [](const at::Tensor& out, const at::Tensor&) { return out.square().mean(); });
+  };
+  Pipeline whole = make(ScheduleKind::kInterleaved1F1B), split = make(ScheduleKind::kZeroBubble);
+  const at::Tensor x = at::randn({kMicro * 6, 64, CalibrationLayerImpl::kWidth}), y = at::zeros({kMicro * 6});
+  struct Sink {
+    std::vector<double> step, b, iw;
+  };
+  auto run = [&](Pipeline& pipe, Sink* sink) {
+    pipe.step(x, y);
+    for (auto& p : pipe.parameters()) p.mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
+    if (sink == nullptr) return;
+    std::vector<double> i_of(kMicro, 0), w_of(kMicro, 0);
+    double step = 0;
+    for (const TracedAction& t : pipe.trace()) {
+      const double s = std::chrono::duration<double>(t.end - t.start).count();
+      step += s;
+      if (t.action.stage != 1) continue;
+      if (t.action.kind == ActionKind::kBackward) sink->b.push_back(s);
+      if (t.action.kind == ActionKind::kBackwardInput) i_of[t.action.micro] = s;
+      if (t.action.kind == ActionKind::kBackwardWeight) w_of[t.action.micro] = s;
+    }
+    sink->step.push_back(step);
+    if (pipe.schedule().options.kind == ScheduleKind::kZeroBubble)
+      for (int i = 0; i < kMicro; ++i) sink->iw.push_back(i_of[i] + w_of[i]);
+  };
+  auto median_of = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  run(whole, nullptr);  // warm-up: first-touch pages, oneDNN's primitive cache
+  run(split, nullptr);
+  Sink alone, together, zb;
+  world.barrier();
+  if (world.rank() == 0)
+    for (int k = 0; k < kRounds * kSteps; ++k) run(whole, &alone);
+  world.barrier();
+  for (int r = 0; r < kRounds; ++r) {
+    for (int k = 0; k < kSteps; ++k) run(whole, &together);
+    for (int k = 0; k < kSteps; ++k) run(split, &zb);
+  }
+  at::Tensor all = at::tensor({static_cast<float>(median_of(together.step)), static_cast<float>(median_of(together.b)),
+                               static_cast<float>(median_of(zb.iw)), static_cast<float>(median_of(alone.step))},
+                              at::kFloat);
+  world.all_reduce(all).wait();
+  const double n = static_cast<double>(world.size());
+  return {.alone = all[3].item<float>(),  // rank 0's alone: the others added 0
+          .together = all[0].item<float>() / n,
+          .whole = all[1].item<float>() / n,
+          .split = all[2].item<float>() / n,
+          .captured = 6 * kLayersPerStage};
+}
+
 // Collectives as training meets them (Note [Collectives after compute] in
 // src/plan/calibration.cpp): every rank runs a piece of compute (~2 ms of
 // products), then a 16 KiB all_reduce, kPerRound times; and the same compute
@@ -352,6 +465,11 @@ int main(int argc, char** argv) {
     }
     result["alone_work_seconds"] = time_sliced_work_seconds(shm, /*alone=*/true);
     result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
+    {
+      const LayerPipelineTimes t = layer_pipeline_times(shm);
+      result["split_backward"] = {{"whole_seconds", t.whole}, {"split_seconds", t.split}, {"captured", t.captured}};
+      result["layer_pipeline"] = {{"alone_seconds", t.alone}, {"together_seconds", t.together}};
+    }
     {
       const auto [with_collectives, compute_only] = collectives_after_compute(shm);
       result["after_compute"] = {{"wall_seconds", with_collectives},
