@@ -254,19 +254,19 @@ TORCH_MODULE(CalibrationLayer);
 // Pipelines of GPT example layers, as the executor runs them (Note [Split
 // backward cost] and Note [Concurrency of pipeline stages] in
 // src/plan/calibration.cpp): each rank a pipeline of its own (a group of
-// one) with two stages of two CalibrationLayers each, 4 micro-batches of 6
-// sequences of 64 tokens. First rank 0 alone (the others wait in a barrier,
-// asleep) and then every rank at once, under the interleaved schedule (each
-// backward whole: B): the median step's compute (its traced F and B
-// actions, wall time). Then, every rank at once, by turns the interleaved
-// schedule and ZB-H1 (the second stage's backward split in I, with the
-// captured gradients, and W from them), 5 rounds of 4 steps each: the
-// medians over the timed micro-batches of the second stage's B and of its
-// I + W (the same micro-batch's). Each figure the ranks' mean (alone: rank
-// 0's); `captured`: the nodes the split captures on the second stage.
+// one: no sends, no waits) with two stages of two CalibrationLayers each, 4
+// micro-batches of 6 sequences of 64 tokens; a step timed in this thread's
+// CPU time (others' work on the host slows it much less than wall time).
+// First rank 0 alone (the others wait in a barrier, asleep) and then every
+// rank at once, under the interleaved schedule (each backward whole); then,
+// every rank at once, by turns the interleaved schedule and ZB-H1 (the
+// second stage's backward split in I, with the captured gradients, and W
+// from them), 5 rounds of 4 steps each. Medians; each the ranks' mean
+// (alone: rank 0's). `captured`: the nodes the split captures in a step (4
+// micro-batches x 12 on the second stage).
 struct LayerPipelineTimes {
-  double alone = 0, together = 0;  // a step's compute, seconds
-  double whole = 0, split = 0;     // the second stage's B, and I + W, per micro-batch
+  double alone = 0, together = 0;  // an interleaved step
+  double whole = 0, split = 0;     // an interleaved and a ZB step, every rank at once
   int captured = 0;
 };
 LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
@@ -279,32 +279,16 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
     stage_1->push_back(CalibrationLayer());
   }
   auto make = [&](ScheduleKind kind) {
-    return Pipeline({{.module = stage_0}, {.module = stage_1}}, mesh["pp"],
-                    {.schedule = kind, .micro_batches = kMicro, .record_trace = true},
+    return Pipeline({{.module = stage_0}, {.module = stage_1}}, mesh["pp"], {.schedule = kind, .micro_batches = kMicro},
                     [](const at::Tensor& out, const at::Tensor&) { return out.square().mean(); });
   };
   Pipeline whole = make(ScheduleKind::kInterleaved1F1B), split = make(ScheduleKind::kZeroBubble);
   const at::Tensor x = at::randn({kMicro * 6, 64, CalibrationLayerImpl::kWidth}), y = at::zeros({kMicro * 6});
-  struct Sink {
-    std::vector<double> step, b, iw;
-  };
-  auto run = [&](Pipeline& pipe, Sink* sink) {
+  auto run = [&](Pipeline& pipe, std::vector<double>* sink) {
+    const double start = thread_cpu_seconds();
     pipe.step(x, y);
     for (auto& p : pipe.parameters()) p.mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
-    if (sink == nullptr) return;
-    std::vector<double> i_of(kMicro, 0), w_of(kMicro, 0);
-    double step = 0;
-    for (const TracedAction& t : pipe.trace()) {
-      const double s = std::chrono::duration<double>(t.end - t.start).count();
-      step += s;
-      if (t.action.stage != 1) continue;
-      if (t.action.kind == ActionKind::kBackward) sink->b.push_back(s);
-      if (t.action.kind == ActionKind::kBackwardInput) i_of[t.action.micro] = s;
-      if (t.action.kind == ActionKind::kBackwardWeight) w_of[t.action.micro] = s;
-    }
-    sink->step.push_back(step);
-    if (pipe.schedule().options.kind == ScheduleKind::kZeroBubble)
-      for (int i = 0; i < kMicro; ++i) sink->iw.push_back(i_of[i] + w_of[i]);
+    if (sink != nullptr) sink->push_back(thread_cpu_seconds() - start);
   };
   auto median_of = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -312,7 +296,7 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
   };
   run(whole, nullptr);  // warm-up: first-touch pages, oneDNN's primitive cache
   run(split, nullptr);
-  Sink alone, together, zb;
+  std::vector<double> alone, together, zb;
   world.barrier();
   if (world.rank() == 0)
     for (int k = 0; k < kRounds * kSteps; ++k) run(whole, &alone);
@@ -321,16 +305,16 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
     for (int k = 0; k < kSteps; ++k) run(whole, &together);
     for (int k = 0; k < kSteps; ++k) run(split, &zb);
   }
-  at::Tensor all = at::tensor({static_cast<float>(median_of(together.step)), static_cast<float>(median_of(together.b)),
-                               static_cast<float>(median_of(zb.iw)), static_cast<float>(median_of(alone.step))},
+  at::Tensor all = at::tensor({static_cast<float>(median_of(together)), static_cast<float>(median_of(zb)),
+                               static_cast<float>(median_of(alone))},
                               at::kFloat);
   world.all_reduce(all).wait();
   const double n = static_cast<double>(world.size());
-  return {.alone = all[3].item<float>(),  // rank 0's alone: the others added 0
+  return {.alone = all[2].item<float>(),  // rank 0's: the others added 0
           .together = all[0].item<float>() / n,
-          .whole = all[1].item<float>() / n,
-          .split = all[2].item<float>() / n,
-          .captured = 6 * kLayersPerStage};
+          .whole = all[0].item<float>() / n,
+          .split = all[1].item<float>() / n,
+          .captured = kMicro * 6 * kLayersPerStage};
 }
 
 // Collectives as training meets them (Note [Collectives after compute] in
