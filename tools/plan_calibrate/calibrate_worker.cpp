@@ -261,7 +261,9 @@ TORCH_MODULE(CalibrationLayer);
 // rank at once, under the interleaved schedule (each backward whole); then,
 // every rank at once, by turns the interleaved schedule and ZB-H1 (the
 // second stage's backward split in I, with the captured gradients, and W
-// from them), 5 rounds of 4 steps each. Medians; each the ranks' mean
+// from them), 9 rounds of 4 steps each: the ZB step is the interleaved
+// one's median plus the median over rounds of each round's excess. Medians;
+// each the ranks' mean
 // (alone: rank 0's). `captured`: the nodes the split captures in a step (4
 // micro-batches x 12 on the second stage).
 struct LayerPipelineTimes {
@@ -271,7 +273,7 @@ struct LayerPipelineTimes {
 };
 LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
   using namespace dtrain::pipeline;
-  constexpr int kLayersPerStage = 2, kMicro = 4, kRounds = 5, kSteps = 4;
+  constexpr int kLayersPerStage = 2, kMicro = 4, kRounds = 9, kSteps = 4;
   dtrain::dist::DeviceMesh mesh(world, {{"pp", 1}, {"dp_replicate", world.size()}});
   torch::nn::Sequential stage_0, stage_1;
   for (int l = 0; l < kLayersPerStage; ++l) {
@@ -296,16 +298,22 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
   };
   run(whole, nullptr);  // warm-up: first-touch pages, oneDNN's primitive cache
   run(split, nullptr);
-  std::vector<double> alone, together, zb;
+  std::vector<double> alone, together, excess;
   world.barrier();
   if (world.rank() == 0)
     for (int k = 0; k < kRounds * kSteps; ++k) run(whole, &alone);
   world.barrier();
+  // ZB's excess per round (the difference of the round's medians, so that a
+  // drift of the host's speed between rounds cancels), its median over rounds.
   for (int r = 0; r < kRounds; ++r) {
-    for (int k = 0; k < kSteps; ++k) run(whole, &together);
-    for (int k = 0; k < kSteps; ++k) run(split, &zb);
+    std::vector<double> w, z;
+    for (int k = 0; k < kSteps; ++k) run(whole, &w);
+    for (int k = 0; k < kSteps; ++k) run(split, &z);
+    together.insert(together.end(), w.begin(), w.end());
+    excess.push_back(median_of(z) - median_of(w));
   }
-  at::Tensor all = at::tensor({static_cast<float>(median_of(together)), static_cast<float>(median_of(zb)),
+  const double whole_step = median_of(together);
+  at::Tensor all = at::tensor({static_cast<float>(whole_step), static_cast<float>(whole_step + median_of(excess)),
                                static_cast<float>(median_of(alone))},
                               at::kFloat);
   world.all_reduce(all).wait();
