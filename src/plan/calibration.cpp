@@ -84,11 +84,15 @@ double collectives_after_compute_latency(int ranks, double wall_seconds, double 
 // bench_pipeline on one process (two stages of two GPT example layers and
 // the output; 4 micro-batches of 6 sequences; 2026-11-25): the second
 // stage's I + W 4.67-4.69 ms against B 4.08-4.14 per micro-batch (+14 %),
-// its 14 captured nodes ~40 us each; every schedule's F and the first stage's
-// backward alike within 3 %. The calibration times the same on every rank
-// at once (calibrate_worker.cpp: interleaved against ZB-H1 on a pipeline of
-// one rank) and charges the difference per captured node to each W of a
-// stage with an input path (cost_model.cpp).
+// its 14 captured nodes ~40 us each; ZB's F and its first stage's W (the
+// whole backward) 2-4 % slower than the interleaved schedule's F and B (ZB
+// holds twice the activations). On 2 ranks the second stage's I + W was
+// 0.84 ms above its B (60 us per node). The calibration times a ZB step
+// against an interleaved step of the same layers on every rank at once, in
+// thread CPU time (calibrate_worker.cpp: a pipeline of one rank), so it
+// also carries the larger working set's cost (21-93 us per node over this
+// session's calibrations), and charges the excess per captured node to each
+// W of a stage with an input path (cost_model.cpp).
 // Note [Concurrency of pipeline stages]
 // DeviceSpec::concurrency_factor, a rank's time for the same work with every
 // core running a rank over with the host to itself, was measured on a piece
@@ -96,9 +100,11 @@ double collectives_after_compute_latency(int ranks, double wall_seconds, double 
 // GPT example's pipeline stages took 5-10 % longer per action with two ranks
 // computing at once than the same layers alone (traces of 1F1B, p = 2). The
 // calibration now measures it on what the stages run: a pipeline of GPT
-// example layers (attention, norms, the MLP; calibrate_worker.cpp), each
-// step's traced F and B in wall time, rank 0 alone against every rank at
-// once; the MLP piece stays the fallback and the time-slicing measure.
+// example layers (attention, norms, the MLP; calibrate_worker.cpp), a step
+// in thread CPU time, rank 0 alone against every rank at once (1.00-1.12
+// over session 14's calibrations; timed in wall time per traced action it
+// read 2.2 while other sessions' work ran); the MLP piece stays the
+// fallback and the time-slicing measure.
 double split_backward_overhead(double whole_seconds, double split_seconds, int captured) {
   DTRAIN_CHECK(captured >= 1 && whole_seconds > 0 && split_seconds > 0, ConfigError,
                "the split backward's calibration needs captured nodes and both times (got "
