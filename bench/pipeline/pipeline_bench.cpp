@@ -9,7 +9,11 @@
 //   formula, and each rank's peak activations in flight.
 // --mode gpt: one rank of the real GPT under a schedule (a process started by
 //   `dtrain run`), or the unpipelined model (--schedule none, one process);
-//   prints the mean step time as JSON.
+//   prints the mean step time as JSON. DTRAIN_BENCH_TRACE=1: each action
+//   kind's median and lowest time per stage over the timed steps, and the
+//   last step's actions. --stages-per-rank 2 on one process (zb against
+//   interleaved): the split backward's cost, ZB's I + W against B of the
+//   same stage (docs/planner.md, session 14).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
