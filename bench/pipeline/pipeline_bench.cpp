@@ -9,15 +9,21 @@
 //   formula, and each rank's peak activations in flight.
 // --mode gpt: one rank of the real GPT under a schedule (a process started by
 //   `dtrain run`), or the unpipelined model (--schedule none, one process);
-//   prints the mean step time as JSON.
+//   prints the mean step time as JSON. DTRAIN_BENCH_TRACE=1: each action
+//   kind's median and lowest time per stage over the timed steps, and the
+//   last step's actions. --stages-per-rank 2 on one process (zb against
+//   interleaved): the split backward's cost, ZB's I + W against B of the
+//   same stage (docs/planner.md, session 14).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/optim/sgd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -164,8 +170,15 @@ std::vector<std::size_t> parse_split(const std::string& text) {
   return out;
 }
 
-int gpt_mode(const std::string& schedule, int m, int batch, const std::string& split, int steps, int warmup,
-             const std::string& transport, int dp_shard) {
+struct GptOptions {
+  std::string schedule = "1f1b", split, transport = "shm";
+  int m = 4, batch = 16, steps = 2, warmup = 3, dp_shard = 1;
+  int stages_per_rank = 0;  // 0: 2 for the interleaved schedule, else 1
+};
+
+int gpt_mode(const GptOptions& o) {
+  const std::string &schedule = o.schedule, &split = o.split, &transport = o.transport;
+  const int m = o.m, batch = o.batch, steps = o.steps, warmup = o.warmup, dp_shard = o.dp_shard;
   at::set_num_threads(1);
   dtrain::retain_freed_host_memory();  // as examples/gpt does (host_memory.h)
   const gpt::GptConfig config{.vocab_size = 65, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128};
@@ -193,7 +206,7 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
     dtrain::dist::DeviceMesh mesh(world, {{"pp", world.size() / dp_shard}, {"dp_shard", dp_shard}});
     dtrain::dist::ProcessGroup group = mesh["pp"];
     const ScheduleKind kind = parse_schedule_kind(schedule);
-    const int v = kind == ScheduleKind::kInterleaved1F1B ? 2 : 1;
+    const int v = o.stages_per_rank > 0 ? o.stages_per_rank : kind == ScheduleKind::kInterleaved1F1B ? 2 : 1;
     const int p = group.size();
     PipelineOptions options{.schedule = kind, .micro_batches = m, .record_trace = true};
     at::Tensor xs = x, ys = y;
@@ -209,6 +222,8 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
     torch::optim::SGD opt(pipe.parameters(), 1e-3);
     double busy = 0;
     Clock::time_point last_start, last_end;
+    // Every timed step's compute actions, by kind and stage (DTRAIN_BENCH_TRACE).
+    std::map<std::pair<std::string, int>, std::vector<double>> by_kind;
     for (int step = 0; step < warmup + steps; ++step) {
       world.barrier();
       const auto start = Clock::now();
@@ -219,8 +234,11 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
       times.push_back(ms_since(start));
       last_start = start;
       last_end = Clock::now();
-      for (const TracedAction& t : pipe.trace())
-        busy += std::chrono::duration<double, std::milli>(t.end - t.start).count() / steps;
+      for (const TracedAction& t : pipe.trace()) {
+        const double ms = std::chrono::duration<double, std::milli>(t.end - t.start).count();
+        busy += ms / steps;
+        by_kind[{to_string(t.action.kind), t.action.stage}].push_back(ms);
+      }
     }
     std::fprintf(stderr, "rank %d: compute %.1f ms of each step\n", group.rank(), busy);
     if (std::getenv("DTRAIN_BENCH_TRACE") != nullptr) {
@@ -229,6 +247,13 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
       const auto origin = last_start;
       std::fprintf(stderr, "rank %d step ends at %.1f\n", group.rank(),
                    std::chrono::duration<double, std::milli>(last_end - origin).count());
+      // Per kind and stage over all timed steps: the median and the lowest
+      // (the action undisturbed by the other rank and the host's other work).
+      for (auto& [key, ms] : by_kind) {
+        std::sort(ms.begin(), ms.end());
+        std::fprintf(stderr, "rank %d %s stage %d: median %.2f min %.2f ms over %zu\n", group.rank(), key.first.c_str(),
+                     key.second, ms[ms.size() / 2], ms.front(), ms.size());
+      }
       for (const TracedAction& t : pipe.trace())
         std::fprintf(stderr, "rank %d %s at %.1f for %.1f\n", group.rank(), to_string(t.action).c_str(),
                      std::chrono::duration<double, std::milli>(t.start - origin).count(),
@@ -250,8 +275,11 @@ int gpt_mode(const std::string& schedule, int m, int batch, const std::string& s
 
 int main(int argc, char** argv) {
   CLI::App app{"pipeline schedules benchmark"};
-  std::string mode = "sleep", schedule = "1f1b", split, transport = "shm";
-  int p = 4, steps = 2, m = 4, batch = 16, warmup = 3, dp_shard = 1;
+  std::string mode = "sleep";
+  GptOptions g;
+  std::string &schedule = g.schedule, &split = g.split, &transport = g.transport;
+  int p = 4, steps = 2;
+  int &m = g.m, &batch = g.batch, &warmup = g.warmup, &dp_shard = g.dp_shard;
   double unit = 10;
   app.add_option("--mode", mode, "sleep | gpt");
   app.add_option("--ranks", p, "sleep: pipeline ranks");
@@ -264,7 +292,11 @@ int main(int argc, char** argv) {
   app.add_option("--split", split, "gpt: stage of each layer, comma-separated (default: planned)");
   app.add_option("--dp-shard", dp_shard, "gpt: pipeline replicas, each stage ZeRO-3 over them (world = pp x this)");
   app.add_option("--transport", transport, "gpt: shm (default: shared-memory send/recv on one host) | gloo");
+  app.add_option("--stages-per-rank", g.stages_per_rank,
+                 "gpt: stages per rank (interleaved, zb; default 2 for interleaved, else 1); with one process and 2, "
+                 "the split backward of zb against interleaved's B in one process");
   CLI11_PARSE(app, argc, argv);
   if (mode == "sleep") return sleep_mode(p, unit, steps);
-  return gpt_mode(schedule, m, batch, split, steps, warmup, transport, dp_shard);
+  g.steps = steps;
+  return gpt_mode(g);
 }

@@ -73,6 +73,46 @@ double collectives_after_compute_latency(int ranks, double wall_seconds, double 
   return std::max(0.0, (wall_seconds - compute_wall_seconds) / collectives - ring);
 }
 
+// Note [Split backward cost]
+// The pipeline executor's split backward (ZB's I and W; Note [Weight
+// backward from captured gradients] in split_backward.h) costs more than the
+// same backward run whole (B): I walks the stage's graph to find the nodes
+// whose output gradient W needs and hooks them (~0.03 ms per micro-batch
+// here), and W runs the autograd engine once per such node over the
+// retained graph (a graph task, the graph's dependencies counted again):
+// ~0.04 ms each beyond the weight gradient's own products. Measured with
+// bench_pipeline on one process (two stages of two GPT example layers and
+// the output; 4 micro-batches of 6 sequences; 2026-11-25): the second
+// stage's I + W 4.67-4.69 ms against B 4.08-4.14 per micro-batch (+14 %),
+// its 14 captured nodes ~40 us each; ZB's F and its first stage's W (the
+// whole backward) 2-4 % slower than the interleaved schedule's F and B (ZB
+// holds twice the activations). On 2 ranks the second stage's I + W was
+// 0.84 ms above its B (60 us per node). The calibration times a ZB step
+// against an interleaved step of the same layers on every rank at once, in
+// thread CPU time (calibrate_worker.cpp: a pipeline of one rank), so it
+// also carries the larger working set's cost (21-93 us per node over this
+// session's calibrations), and charges the excess per captured node to each
+// W of a stage with an input path (cost_model.cpp).
+// Note [Concurrency of pipeline stages]
+// DeviceSpec::concurrency_factor, a rank's time for the same work with every
+// core running a rank over with the host to itself, was measured on a piece
+// of four MLP blocks in thread CPU time (1.015-1.03 on quiet runs) while the
+// GPT example's pipeline stages took 5-10 % longer per action with two ranks
+// computing at once than the same layers alone (traces of 1F1B, p = 2). The
+// calibration now measures it on what the stages run: a pipeline of GPT
+// example layers (attention, norms, the MLP; calibrate_worker.cpp), a step
+// in thread CPU time, rank 0 alone against every rank at once (1.00-1.12
+// over session 14's calibrations; timed in wall time per traced action it
+// read 2.2 while other sessions' work ran); the MLP piece stays the
+// fallback and the time-slicing measure.
+double split_backward_overhead(double whole_seconds, double split_seconds, int captured) {
+  DTRAIN_CHECK(captured >= 1 && whole_seconds > 0 && split_seconds > 0, ConfigError,
+               "the split backward's calibration needs captured nodes and both times (got "
+                   << captured << ", " << whole_seconds << " s, " << split_seconds << " s).",
+               "calibrate again");
+  return std::max(0.0, split_seconds - whole_seconds) / captured;
+}
+
 namespace {
 
 nlohmann::json link_json(const Link& l) {
@@ -109,7 +149,8 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"cache_bandwidth", d.cache_bandwidth},
                    {"oversubscription_factor", d.oversubscription_factor},
                    {"concurrency_factor", d.concurrency_factor},
-                   {"oversubscribed_link", link_json(d.oversubscribed_link)}};
+                   {"oversubscribed_link", link_json(d.oversubscribed_link)},
+                   {"split_backward_overhead", d.split_backward_overhead}};
   return j.dump(2);
 }
 
@@ -137,6 +178,7 @@ DeviceSpec device_from_json(const std::string& text) {
   d.cache_bandwidth = j.value("cache_bandwidth", 0.0);
   d.oversubscription_factor = j.value("oversubscription_factor", 1.0);  // older files: not measured
   d.concurrency_factor = j.value("concurrency_factor", 1.0);            // older files: not measured
+  d.split_backward_overhead = j.value("split_backward_overhead", 0.0);  // older files: not measured
   if (j.contains("oversubscribed_link")) d.oversubscribed_link = link_from(j.at("oversubscribed_link"));
   return d;
 }

@@ -85,6 +85,16 @@ double layer_captured_gradient_bytes(const ModelSpec& m, const ActivationShape& 
   return tokens * e * (2 * h / r_div + (h + 2 * kv + (m.gated_mlp ? 2 : 1) * f) / t + 2 * h);
 }
 
+// The nodes of a layer whose output gradient the split backward captures
+// (as above): the two norms, QKV, the attention projection, the MLP's up
+// (and gate) and down GEMMs. The last stage adds the final norm and the
+// output layer (2).
+namespace {
+double captured_nodes_per_layer(const ModelSpec& m) {
+  return 6 + (m.gated_mlp ? 1 : 0);
+}
+}  // namespace
+
 // Note [Gradient lifetimes]
 // When gradients exist, under dtrain's engines (CostOptions::
 // ddp_buckets_copy_gradients; measured per phase on examples/gpt):
@@ -139,6 +149,7 @@ BytesPerParam bytes_per_param(const ParallelPlan& p, const CostOptions& o) {
 // layer shapes and takes the largest sum. The moments no other one
 // dominates are kept (a handful per rank).
 constexpr std::size_t kExecutorLookahead = 8;  // pipeline.cpp's kLookahead
+constexpr double kMetaBytes = 80;              // a pipeline step's small exchanges: ~10 int64 or one float
 
 struct Holding {
   int acts = 0;           // (stage, micro-batch) activation sets
@@ -295,6 +306,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
       dev.cache_bandwidth *= share;
       dev.kernel_overhead /= share;  // a CPU's launches are its cores' work too
       dev.gemm_overhead /= share;
+      dev.split_backward_overhead /= share;
       // Time slicing costs each rank CPU time of its own (calibrated).
       slowdown *= std::max(1.0, dev.oversubscription_factor);
       // ... and its collectives wait for peers switched out (calibrated).
@@ -307,6 +319,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     dev.cache_bandwidth /= slowdown;
     dev.kernel_overhead *= slowdown;
     dev.gemm_overhead *= slowdown;
+    dev.split_backward_overhead *= slowdown;
   }
   Cluster host = cluster;  // its links as this plan's ranks see them
   host.device = dev;
@@ -363,6 +376,8 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
 
   // Stages and their times per micro-batch.
   const int stages = plan.pp * v;
+  const bool split_backward =
+      pipelined && pipeline::parse_schedule_kind(plan.pipeline.schedule) == pipeline::ScheduleKind::kZeroBubble;
   const auto stage_layers = layers_per_stage(model.layers, stages);
   std::vector<StageTimes> times(stages);
   std::vector<TimeBreakdown> parts(stages);  // per micro-batch
@@ -385,6 +400,14 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
         (last ? out.backward_input + out.tp_backward : 0);
     t.backward_weight =
         n * layer.backward_weight + (first ? emb.backward_weight : 0) + (last ? out.backward_weight : 0);
+    if (split_backward && !first) {
+      // Note [Split backward cost] (calibration.cpp): W runs the engine once
+      // per node whose gradient I captured (Note [Captured gradients]); the
+      // first stage has no input path, its W is the whole backward.
+      const double split = (n * captured_nodes_per_layer(model) + (last ? 2 : 0)) * dev.split_backward_overhead;
+      t.backward_weight += split;
+      b.compute += split;
+    }
     if (plan.zero_stage == 3 && shard > 1) {
       // Every micro-batch gathers the stage's weights in forward and again in
       // backward, and reduce-scatters its gradients; prefetch hides them
@@ -601,6 +624,22 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     const double window = times[0].backward_input + times[0].backward_weight;
     const double bucket = sync * std::min(1.0, static_cast<double>(options.ddp_bucket_bytes) / grad_bytes);
     exposed = std::max(bucket, sync - window);
+  }
+  if (pipelined) {
+    // Note [Pipeline exchanges per step]
+    // Besides its schedule's sends, dtrain's pipeline step exchanges over the
+    // pipeline group: the micro-batch's shape, broadcast from the first
+    // stage before any F (Pipeline::Impl::check_batch), and after the flush
+    // the tied embedding's gradient between the first and the last stage
+    // (exchange_ties: a send each way), the global norm for clipping
+    // (one all-reduce) and the loss, broadcast from the last stage
+    // (PipelineStrategy::forward_backward). Each small and latency-bound;
+    // in a trace of 1F1B p = 2 here they took ~0.4 ms of the step. Megatron
+    // does the same (its embedding and norm all-reduces over pp).
+    const double small = detail::all_reduce_seconds(kMetaBytes, plan.pp, pp_link);
+    exposed += 3 * small;
+    if (model.tied_embeddings && stages > 1)
+      exposed += detail::p2p_seconds(static_cast<double>(model.vocab * model.hidden) / tp * bpp.grads, pp_link);
   }
   const double sharded_params = params / (plan.zero_stage >= 1 ? shard : 1);
   // AdamW moves 28 bytes per local parameter (weight, gradient, two moments

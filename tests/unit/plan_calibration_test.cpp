@@ -82,6 +82,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.oversubscription_factor = 1.22;
   d.concurrency_factor = 1.07;
   d.oversubscribed_link = {.bandwidth = 3.3e9, .latency = 91e-6, .call_latency = 420e-6};
+  d.split_backward_overhead = 41e-6;
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -99,6 +100,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.oversubscribed_link.latency, d.oversubscribed_link.latency);
   EXPECT_EQ(back.oversubscribed_link.bandwidth, d.oversubscribed_link.bandwidth);
   EXPECT_EQ(back.oversubscribed_link.call_latency, d.oversubscribed_link.call_latency);
+  EXPECT_EQ(back.split_backward_overhead, d.split_backward_overhead);
   EXPECT_EQ(back.intra_node.call_latency, 0);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
@@ -200,6 +202,52 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
 // costs each layer's backward two all-gathers more (the column layers'
 // inputs gathered again) and one small all-reduce per norm parameter; the
 // tp collectives also copy their tensors.
+// Note [Split backward cost]: ZB's I + W over B, per captured node; ZB's W
+// pays it per node of a stage with an input path (the first stage's input is
+// token ids: its W is the whole backward), and no other schedule does.
+TEST(PlanCalibration, ZeroBubbleWeightPassPaysTheSplitPerCapturedNode) {
+  EXPECT_NEAR(split_backward_overhead(4.1e-3, 4.7e-3, 12), 0.05e-3, 1e-12);
+  EXPECT_EQ(split_backward_overhead(4.7e-3, 4.1e-3, 12), 0);  // noise: none left over
+  EXPECT_THROW(split_backward_overhead(4.1e-3, 4.7e-3, 0), ConfigError);
+  DeviceSpec d = find_device("cpu-here");
+  d.compute_units = 2;
+  d.memory_bytes = 8LL << 30;
+  d.intra_node = {.bandwidth = 6e9, .latency = 60e-6};
+  const auto model = ModelSpec::parse(
+      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  auto run = [&](const DeviceSpec& dev, const std::string& schedule) {
+    ParallelPlan p{.pp = 2, .precision = "fp32", .global_batch = 24};
+    p.pipeline = {.schedule = schedule, .micro_batches = 4};
+    return estimate(p, model, {.device = dev, .gpus = 2, .gpus_per_node = dev.gpus_per_node});
+  };
+  DeviceSpec split = d, twice = d;
+  split.split_backward_overhead = 1e-3;  // large: the last stage's rank is the critical one
+  twice.split_backward_overhead = 2e-3;
+  // 4 micro-batches x (2 layers x 6 nodes + the final norm and the output layer).
+  EXPECT_NEAR(run(twice, "zb").time.compute - run(split, "zb").time.compute, 4 * (2 * 6 + 2) * 1e-3, 1e-9);
+  EXPECT_GT(run(split, "zb").step_seconds, run(d, "zb").step_seconds);
+  EXPECT_NEAR(run(split, "1f1b").step_seconds, run(d, "1f1b").step_seconds, 1e-12);
+}
+
+// Note [Pipeline exchanges per step]: the batch shape, the clipping norm and
+// the loss (three small collectives over pp) and the tied embedding's
+// gradient (a send each way) beside the schedule's own sends.
+TEST(PlanCalibration, PipelineStepsPayTheirSmallExchanges) {
+  DeviceSpec d = find_device("cpu-here");
+  d.compute_units = 2;
+  d.memory_bytes = 8LL << 30;
+  d.intra_node = {.bandwidth = 6e9, .latency = 60e-6, .call_latency = 0.2e-3};
+  const auto model = ModelSpec::parse(
+      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  ParallelPlan p{.pp = 2, .precision = "fp32", .global_batch = 24};
+  p.pipeline = {.schedule = "1f1b", .micro_batches = 4};
+  const auto e = estimate(p, model, {.device = d, .gpus = 2, .gpus_per_node = d.gpus_per_node});
+  const Link& l = d.intra_node;
+  const double small = l.call_latency + 2 * l.latency + 80 / l.bandwidth;
+  const double tie = l.call_latency + l.latency + 84.0 * 128 * 4 / l.bandwidth;
+  EXPECT_NEAR(e.time.grad_sync, 3 * small + tie, 1e-12);
+}
+
 TEST(PlanCalibration, SequenceParallelEagerKernelsCostTheirExtraCollectives) {
   DeviceSpec d = find_device("cpu-here");
   d.compute_units = 2;

@@ -177,6 +177,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<double> work_fitting, work_oversubscribed;  // time_sliced_work_seconds by ranks <= or > cores
   std::vector<double> work_alone;                         // alone_work_seconds of the runs with ranks <= cores
   std::vector<nlohmann::json> after_compute;              // collectives after compute, every run
+  std::vector<double> split_overhead;                     // per captured node, runs with ranks <= cores
+  std::vector<double> layers_alone, layers_together;      // layer pipelines' step compute, runs with ranks <= cores
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -187,6 +189,15 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
           .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
     (n <= d.compute_units ? work_fitting : work_oversubscribed).push_back(r.at("time_sliced_work_seconds"));
     if (n <= d.compute_units && r.contains("alone_work_seconds")) work_alone.push_back(r.at("alone_work_seconds"));
+    if (n <= d.compute_units && r.contains("split_backward")) {
+      const auto& sb = r.at("split_backward");
+      split_overhead.push_back(
+          plan::split_backward_overhead(sb.at("whole_seconds"), sb.at("split_seconds"), sb.at("captured")));
+    }
+    if (n <= d.compute_units && r.contains("layer_pipeline")) {
+      layers_alone.push_back(r.at("layer_pipeline").at("alone_seconds"));
+      layers_together.push_back(r.at("layer_pipeline").at("together_seconds"));
+    }
     if (r.contains("after_compute")) {
       nlohmann::json ac = r.at("after_compute");
       ac["ranks"] = n;
@@ -226,8 +237,16 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     d.oversubscription_factor = std::max(1.0, median(work_oversubscribed) / median(work_fitting));
   // Contention: a rank's CPU time for the same work with every rank of a
   // run with no more ranks than cores computing at once, over rank 0's alone.
-  if (!work_fitting.empty() && !work_alone.empty())
+  // Note [Concurrency of pipeline stages] (calibration.cpp): measured on
+  // pipelines of GPT example layers where the worker ran them, else on the
+  // MLP piece.
+  if (!layers_alone.empty() && !layers_together.empty()) {
+    d.concurrency_factor = std::max(1.0, median(layers_together) / median(layers_alone));
+  } else if (!work_fitting.empty() && !work_alone.empty()) {
     d.concurrency_factor = std::max(1.0, median(work_fitting) / median(work_alone));
+  }
+  // Note [Split backward cost] (calibration.cpp): ZB's I + W over B, per captured node.
+  if (!split_overhead.empty()) d.split_backward_overhead = median(split_overhead);
   // The node's link from the runs with no more ranks than cores; those with
   // more have their own (DeviceSpec::oversubscribed_link): time slicing
   // makes their collectives wait for peers switched out, which no single

@@ -10,7 +10,8 @@
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
 // "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
 // "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
-// collectives, bytes}, "samples": [{transport, op, ranks, bytes, seconds}]},
+// collectives, bytes}, "split_backward": {whole_seconds, split_seconds,
+// captured}, "layer_pipeline": {alone_seconds, together_seconds}, "samples": [{transport, op, ranks, bytes, seconds}]},
 // each figure the median of its repeats (time_sliced_work_seconds: a total,
 // the ranks' mean; alone_work_seconds: the same piece on rank 0 while the
 // others wait).
@@ -220,6 +221,110 @@ double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = 
   return mean.item<float>() / static_cast<double>(alone ? 1 : group.size());
 }
 
+// One pre-LayerNorm transformer layer of the GPT example's size (width 128,
+// 4 heads, inner 512, no biases; dtrain::nn::linear's products and
+// dtrain::nn::causal_attention, as examples/gpt/model.h runs them), for the
+// split backward's measurement below: 6 nodes whose output gradient the
+// split captures (2 norms, QKV, projection, MLP up and down).
+struct CalibrationLayerImpl : torch::nn::Module {
+  static constexpr std::int64_t kWidth = 128, kHeads = 4, kInner = 512;
+  CalibrationLayerImpl() {
+    auto weight = [&](const char* name, std::int64_t out, std::int64_t in) {
+      return register_parameter(name, at::randn({out, in}) * 0.05);
+    };
+    ln_1 = register_parameter("ln_1", at::ones({kWidth}));
+    ln_2 = register_parameter("ln_2", at::ones({kWidth}));
+    qkv = weight("qkv", 3 * kWidth, kWidth);
+    proj = weight("proj", kWidth, kWidth);
+    up = weight("up", kInner, kWidth);
+    down = weight("down", kWidth, kInner);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const std::int64_t b = x.size(0), t = x.size(1);
+    auto parts = dtrain::nn::linear(at::layer_norm(x, {kWidth}, ln_1), qkv).split(kWidth, 2);
+    auto heads = [&](const at::Tensor& m) { return m.view({b, t, kHeads, kWidth / kHeads}).transpose(1, 2); };
+    const at::Tensor y = dtrain::nn::causal_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]));
+    const at::Tensor h = x + dtrain::nn::linear(y.transpose(1, 2).contiguous().view({b, t, kWidth}), proj);
+    return h + dtrain::nn::linear(at::gelu(dtrain::nn::linear(at::layer_norm(h, {kWidth}, ln_2), up)), down);
+  }
+  at::Tensor ln_1, ln_2, qkv, proj, up, down;
+};
+TORCH_MODULE(CalibrationLayer);
+
+// Pipelines of GPT example layers, as the executor runs them (Note [Split
+// backward cost] and Note [Concurrency of pipeline stages] in
+// src/plan/calibration.cpp): each rank a pipeline of its own (a group of
+// one: no sends, no waits) with two stages of two CalibrationLayers each, 4
+// micro-batches of 6 sequences of 64 tokens; a step timed in this thread's
+// CPU time (others' work on the host slows it much less than wall time).
+// First rank 0 alone (the others wait in a barrier, asleep) and then every
+// rank at once, under the interleaved schedule (each backward whole); then,
+// every rank at once, by turns the interleaved schedule and ZB-H1 (the
+// second stage's backward split in I, with the captured gradients, and W
+// from them), 9 rounds of 4 steps each: the ZB step is the interleaved
+// one's median plus the median over rounds of each round's excess. Medians;
+// each the ranks' mean
+// (alone: rank 0's). `captured`: the nodes the split captures in a step (4
+// micro-batches x 12 on the second stage).
+struct LayerPipelineTimes {
+  double alone = 0, together = 0;  // an interleaved step
+  double whole = 0, split = 0;     // an interleaved and a ZB step, every rank at once
+  int captured = 0;
+};
+LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
+  using namespace dtrain::pipeline;
+  constexpr int kLayersPerStage = 2, kMicro = 4, kRounds = 9, kSteps = 4;
+  dtrain::dist::DeviceMesh mesh(world, {{"pp", 1}, {"dp_replicate", world.size()}});
+  torch::nn::Sequential stage_0, stage_1;
+  for (int l = 0; l < kLayersPerStage; ++l) {
+    stage_0->push_back(CalibrationLayer());
+    stage_1->push_back(CalibrationLayer());
+  }
+  auto make = [&](ScheduleKind kind) {
+    return Pipeline({{.module = stage_0}, {.module = stage_1}}, mesh["pp"], {.schedule = kind, .micro_batches = kMicro},
+                    [](const at::Tensor& out, const at::Tensor&) { return out.square().mean(); });
+  };
+  Pipeline whole = make(ScheduleKind::kInterleaved1F1B), split = make(ScheduleKind::kZeroBubble);
+  const at::Tensor x = at::randn({kMicro * 6, 64, CalibrationLayerImpl::kWidth}), y = at::zeros({kMicro * 6});
+  auto run = [&](Pipeline& pipe, std::vector<double>* sink) {
+    const double start = thread_cpu_seconds();
+    pipe.step(x, y);
+    for (auto& p : pipe.parameters()) p.mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
+    if (sink != nullptr) sink->push_back(thread_cpu_seconds() - start);
+  };
+  auto median_of = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  run(whole, nullptr);  // warm-up: first-touch pages, oneDNN's primitive cache
+  run(split, nullptr);
+  std::vector<double> alone, together, excess;
+  world.barrier();
+  if (world.rank() == 0)
+    for (int k = 0; k < kRounds * kSteps; ++k) run(whole, &alone);
+  world.barrier();
+  // ZB's excess per round (the difference of the round's medians, so that a
+  // drift of the host's speed between rounds cancels), its median over rounds.
+  for (int r = 0; r < kRounds; ++r) {
+    std::vector<double> w, z;
+    for (int k = 0; k < kSteps; ++k) run(whole, &w);
+    for (int k = 0; k < kSteps; ++k) run(split, &z);
+    together.insert(together.end(), w.begin(), w.end());
+    excess.push_back(median_of(z) - median_of(w));
+  }
+  const double whole_step = median_of(together);
+  at::Tensor all = at::tensor({static_cast<float>(whole_step), static_cast<float>(whole_step + median_of(excess)),
+                               static_cast<float>(median_of(alone))},
+                              at::kFloat);
+  world.all_reduce(all).wait();
+  const double n = static_cast<double>(world.size());
+  return {.alone = all[2].item<float>(),  // rank 0's: the others added 0
+          .together = all[0].item<float>() / n,
+          .whole = all[0].item<float>() / n,
+          .split = all[1].item<float>() / n,
+          .captured = kMicro * 6 * kLayersPerStage};
+}
+
 // Collectives as training meets them (Note [Collectives after compute] in
 // src/plan/calibration.cpp): every rank runs a piece of compute (~2 ms of
 // products), then a 16 KiB all_reduce, kPerRound times; and the same compute
@@ -352,6 +457,11 @@ int main(int argc, char** argv) {
     }
     result["alone_work_seconds"] = time_sliced_work_seconds(shm, /*alone=*/true);
     result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
+    {
+      const LayerPipelineTimes t = layer_pipeline_times(shm);
+      result["split_backward"] = {{"whole_seconds", t.whole}, {"split_seconds", t.split}, {"captured", t.captured}};
+      result["layer_pipeline"] = {{"alone_seconds", t.alone}, {"together_seconds", t.together}};
+    }
     {
       const auto [with_collectives, compute_only] = collectives_after_compute(shm);
       result["after_compute"] = {{"wall_seconds", with_collectives},

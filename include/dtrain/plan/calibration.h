@@ -39,6 +39,11 @@ Link fit_ring_link(const std::vector<CollectiveSample>& samples);
 double collectives_after_compute_latency(int ranks, double wall_seconds, double compute_wall_seconds, int collectives,
                                          double bytes, const Link& synchronised);
 
+// Note [Split backward cost] (calibration.cpp): the seconds the pipeline
+// executor's split backward costs beyond the same backward whole, per node
+// whose gradient it captures: (I + W - B) / captured, 0 when none is left.
+double split_backward_overhead(double whole_seconds, double split_seconds, int captured);
+
 // One device entry as JSON (every DeviceSpec field) and back; read_device_file
 // names the file and the field on a bad or missing one (ConfigError).
 std::string device_to_json(const DeviceSpec& device);

@@ -82,6 +82,15 @@ struct DeviceSpec {
   // `dtrain plan --calibrate` from its runs with more ranks than cores.
   // Bandwidth 0: none measured, intra_node serves.
   Link oversubscribed_link;
+  // Seconds the pipeline executor's split backward (ZB's I and W, Note
+  // [Weight backward from captured gradients] in split_backward.h) costs
+  // beyond the same backward run whole, per node whose output gradient it
+  // captures, per micro-batch: W runs the autograd engine once from each such
+  // node over the retained graph. Measured by `dtrain plan --calibrate` (Note
+  // [Split backward cost] in calibration.cpp: 40-60 us per node here, +14-18 %
+  // on a stage of two GPT example layers); 0: none (the GPU entries, whose
+  // host work runs ahead of the device's kernels; an uncalibrated host).
+  double split_backward_overhead = 0;
   // A CPU host's last-level cache (0: none modelled, as for the GPUs, whose
   // activations stream from HBM): an element-wise kernel whose operands fit
   // in a rank's share of `cache_bytes` streams at `cache_bandwidth`, not at
