@@ -38,6 +38,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/from_blob.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -149,6 +150,11 @@ std::unique_ptr<SharedMemoryTransport> SharedMemoryTransport::create(const ShmBo
   out->rank_ = b.rank;
   out->size_ = b.size;
   out->timeout_ = b.timeout;
+  // See Note [Barrier waits]; the ranks share this host, so its CPUs.
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int usable = ::sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  out->spin_ = b.size <= usable ? std::chrono::microseconds(50) : std::chrono::microseconds(1);
   return out;
 }
 
@@ -167,14 +173,15 @@ SharedMemoryTransport::~SharedMemoryTransport() = default;
 // The waiter increments `waiters` before reading the word, the arriver
 // stores the word before reading `waiters` (both sequentially consistent),
 // so either the waiter sees the new word or the arriver sees the waiter.
-// kSpin is 50 us, not the ~1 us it was: a wake-up of a sleeping waiter
-// (a futex wake of a vCPU that went idle) costs more than that on the
-// 2-core VM of issue 29, where 2-rank GPT DDP with the 50 us spin and the
-// half copy-in above ran 1.0-8.2 % faster in 8 of 8 interleaved rounds
-// (docs/performance.md); the spin is bounded, so a late peer costs at most
-// 50 us of CPU per barrier before the sleep.
+// The spin (spin_, set by create) is 50 us where every rank can have a CPU
+// of its own, not the ~1 us it was: a wake-up of a sleeping waiter (a futex
+// wake of a vCPU that went idle) costs more than that on the 2-core VM of
+// issue 29, where 2-rank GPT DDP with the 50 us spin and the half copy-in
+// above ran 1.0-8.2 % faster in 8 of 8 interleaved rounds
+// (docs/performance.md). It is bounded, so a late peer costs at most 50 us
+// of CPU per barrier before the sleep. With more ranks than CPUs a spinning
+// waiter would hold the CPU its peer needs to arrive, so there it stays ~1 us.
 void SharedMemoryTransport::barrier() {
-  constexpr std::chrono::microseconds kSpin{50};
   constexpr std::chrono::microseconds kNap{2000};
   ++phase_;
   Control& mine = region_->control[rank_];
@@ -192,7 +199,7 @@ void SharedMemoryTransport::barrier() {
                                      : std::string();
     };
     if (arrived()) continue;
-    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    const auto spin_until = std::chrono::steady_clock::now() + spin_;
     for (unsigned spins = 1; !arrived(); ++spins) {
       if ((spins & 255) == 0 && std::chrono::steady_clock::now() > spin_until) break;
     }
