@@ -5,10 +5,12 @@
 // one phase counter and one pid per rank, then one slot per rank of
 // kSlotBytes, used as two halves. Operations go stripe by stripe (a stripe
 // fills one half), in steps separated by barriers:
-//   all_reduce:     every rank copies its stripe into its half-slot | rank r
-//                   sums partition r over all half-slots, in rank order, into
-//                   its output and its own half-slot | every rank copies
-//                   partition j from rank j's half-slot
+//   all_reduce:     every rank copies its stripe into its half-slot (ranks 0
+//                   and 1 all of it but their own partition, which their sum
+//                   reads from their input) | rank r sums partition r over
+//                   all ranks, in rank order, into its output and its own
+//                   half-slot | every rank copies partition j from rank j's
+//                   half-slot
 //   reduce_scatter: every rank copies, for each destination d, its stripe of
 //                   slice d into part d of its half-slot | rank r sums part r
 //                   over all half-slots, in rank order, into its output
@@ -21,7 +23,10 @@
 // busy host; a third barrier per all-reduce was ~1/3 of their count.)
 // Each sum is done once, in a fixed order, so all ranks get bitwise the same
 // values; the arithmetic is ATen's (add_out, copy_) on tensors over the
-// shared memory, written straight into the output (no temporary).
+// shared memory, written straight into the output (no temporary). Ranks 0
+// and 1 are the sum's first two operands, read before the output (their own
+// input) is written, so they need not publish their own partition: on 2
+// ranks a quarter less copying per all-reduce (issue 29).
 // reduce_scatter and all_gather move each byte once each way, where
 // Gloo's reduce_scatter is an all-reduce plus a chunk (twice the traffic) and
 // both go through loopback TCP. Barriers spin briefly, then sleep on a futex
@@ -33,6 +38,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/from_blob.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -144,6 +150,11 @@ std::unique_ptr<SharedMemoryTransport> SharedMemoryTransport::create(const ShmBo
   out->rank_ = b.rank;
   out->size_ = b.size;
   out->timeout_ = b.timeout;
+  // See Note [Barrier waits]; the ranks share this host, so its CPUs.
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const int usable = ::sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  out->spin_ = b.size <= usable ? std::chrono::microseconds(50) : std::chrono::microseconds(1);
   return out;
 }
 
@@ -152,7 +163,7 @@ SharedMemoryTransport::~SharedMemoryTransport() = default;
 // Note [Barrier waits]
 // A rank arriving at a barrier publishes its phase, then waits for every
 // peer's. Most peers arrive within microseconds (the ranks run the same
-// collective), so a waiter first spins briefly; after that it sleeps on the
+// collective), so a waiter first spins (kSpin); after that it sleeps on the
 // peer's futex word, which the peer wakes when it arrives. That costs one
 // scheduler wake-up (tens of microseconds) instead of polling with sleeps,
 // whose granularity (timer slack, ~50 us) was the floor of every small
@@ -162,8 +173,18 @@ SharedMemoryTransport::~SharedMemoryTransport() = default;
 // The waiter increments `waiters` before reading the word, the arriver
 // stores the word before reading `waiters` (both sequentially consistent),
 // so either the waiter sees the new word or the arriver sees the waiter.
+// The spin (spin_, set by create) is 50 us where every rank can have a CPU
+// of its own, not the ~1 us it was: a wake-up of a sleeping waiter (a futex
+// wake of a vCPU that went idle) costs more than that on the 2-core VM of
+// issue 29, where 2-rank GPT DDP with the 50 us spin and the half copy-in
+// above ran 1.0-8.2 % faster in 8 of 8 interleaved rounds
+// (docs/performance.md). It is bounded, so a late peer costs at most 50 us
+// of CPU per barrier before the sleep, and it yields every 256 polls: a
+// waiter that kept the CPU while the peer's (or its own rank's) thread waited
+// for it made 4-64 KiB all-reduces 2x slower (bench collectives p50 0.07 ->
+// 0.16 ms; with the yield 0.085). With more ranks than CPUs a spinning
+// waiter would hold the CPU its peer needs to arrive, so there it stays ~1 us.
 void SharedMemoryTransport::barrier() {
-  constexpr int kSpins = 4000;
   constexpr std::chrono::microseconds kNap{2000};
   ++phase_;
   Control& mine = region_->control[rank_];
@@ -180,7 +201,12 @@ void SharedMemoryTransport::barrier() {
                                            " failed an earlier shared-memory operation and will not arrive"
                                      : std::string();
     };
-    for (int spins = 0; spins < kSpins && !arrived(); ++spins) {
+    if (arrived()) continue;
+    const auto spin_until = std::chrono::steady_clock::now() + spin_;
+    for (unsigned spins = 1; !arrived(); ++spins) {
+      if ((spins & 255) != 0) continue;
+      if (std::chrono::steady_clock::now() > spin_until) break;
+      std::this_thread::yield();  // a peer waiting for this CPU runs first
     }
     if (arrived()) continue;
     if (std::string failure = failed_earlier(); !failure.empty()) throw std::runtime_error(failure);
@@ -272,13 +298,24 @@ void SharedMemoryTransport::all_reduce_sum_unguarded(at::Tensor& tensor) {
     const int half = next_half();
     auto slot = [&](int r) { return at::from_blob(region_->slot(r, half), {count}, tensor.options()); };
     at::Tensor mine = flat.narrow(0, start, count);
-    slot(rank_).copy_(mine);
-    barrier();
     const auto [lo, len] = part(count, rank_, size_);
+    // Ranks 0 and 1 read their own partition from `mine` (see the Note).
+    const bool own_from_input = rank_ < 2;
+    if (own_from_input) {
+      if (lo > 0) slot(rank_).narrow(0, 0, lo).copy_(mine.narrow(0, 0, lo));
+      const std::int64_t rest = count - lo - len;
+      if (rest > 0) slot(rank_).narrow(0, lo + len, rest).copy_(mine.narrow(0, lo + len, rest));
+    } else {
+      slot(rank_).copy_(mine);
+    }
+    barrier();
     if (len > 0) {
-      // Straight into the output: the slots still hold every rank's input.
+      // Straight into the output: the slots still hold every other rank's
+      // input. The output may be an operand (ranks 0 and 1): elementwise, an
+      // exact alias of an input is read before it is written.
       at::Tensor result = mine.narrow(0, lo, len);
-      at::add_out(result, slot(0).narrow(0, lo, len), slot(1).narrow(0, lo, len));  // size_ >= 2 (see create)
+      auto operand = [&](int r) { return r == rank_ ? result : slot(r).narrow(0, lo, len); };
+      at::add_out(result, operand(0), operand(1));  // size_ >= 2 (see create)
       for (int r = 2; r < size_; ++r) result.add_(slot(r).narrow(0, lo, len));
       slot(rank_).narrow(0, lo, len).copy_(result);
     }

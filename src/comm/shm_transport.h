@@ -67,6 +67,7 @@ class SharedMemoryTransport {
   int half_ = 1;
   std::string broken_;  // why an operation failed here; empty while usable
   std::chrono::milliseconds timeout_{0};
+  std::chrono::microseconds spin_{1};  // a barrier's spin before it sleeps (Note [Barrier waits])
 };
 
 }  // namespace dtrain::dist::detail

@@ -83,6 +83,16 @@ TEST_P(Collectives, AllReduceEqualsGlooAndTheSum) {
     for (int r = 0; r < world; ++r) sum += input_of(r, c.n, c.dtype).to(at::kDouble);
     sums.push_back(sum);
   }
+  // The shared-memory sum's contract, bitwise on every rank: in rank order,
+  // in the dtype, one rounding per addition (ranks 0 and 1 read their own
+  // partition from their input, the others from their slot: same values).
+  std::vector<at::Tensor> rank_order_sums;
+  for (const Case& c : all) {
+    at::Tensor sum = input_of(0, c.n, c.dtype) + input_of(1 % world, c.n, c.dtype);
+    if (world == 1) sum = input_of(0, c.n, c.dtype);
+    for (int r = 2; r < world; ++r) sum += input_of(r, c.n, c.dtype);
+    rank_order_sums.push_back(sum);
+  }
   run_rank_threads(world, [&](int rank, dtrain::dist::Store store) {
     auto [shm, gloo] = make_groups(store, rank, world);
     for (std::size_t i = 0; i < all.size(); ++i) {
@@ -91,6 +101,9 @@ TEST_P(Collectives, AllReduceEqualsGlooAndTheSum) {
         at::Tensor a = input_of(rank, c.n, c.dtype), b = a.clone();
         shm.all_reduce(a, op).wait();
         gloo.all_reduce(b, op).wait();
+        if (op == ReduceOp::kSum) {
+          EXPECT_TRUE(at::equal(a, rank_order_sums[i])) << name(c) << " rank " << rank << ": not the rank-order sum";
+        }
         at::Tensor reference = sums[i].clone();
         if (op == ReduceOp::kAvg) {
           reference = at::isFloatingType(c.dtype) ? at::div(sums[i], world) : at::div(sums[i], world, "trunc");
