@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-LINE = re.compile(r"(step|recovered) (\d+)(?: members (\d+))? pid (\d+) t_ms (\d+)")
+LINE = re.compile(r"(step|recovered) (\d+)(?: members (\d+))? pid (\d+) t_ms (\d+(?:\.\d+)?)")
 
 
 def read_log(path):
@@ -46,7 +46,7 @@ def read_log(path):
                 if m:
                     kind, step, members, pid, t = m.groups()
                     out.append({"kind": kind, "step": int(step), "members": int(members or 0), "pid": int(pid),
-                                "t_ms": int(t)})
+                                "t_ms": float(t)})
     except FileNotFoundError:
         pass
     return out
@@ -75,7 +75,7 @@ def steady_ms(steps, skip=20):
     """Median interval between consecutive committed steps of one process."""
     intervals = [b["t_ms"] - a["t_ms"] for a, b in zip(steps, steps[1:])
                  if a["pid"] == b["pid"] and b["step"] == a["step"] + 1 and a["step"] >= skip]
-    return statistics.median(intervals) if intervals else float("nan")
+    return round(statistics.median(intervals), 2) if intervals else float("nan")
 
 
 def analyse(log_dir, replicas, victim, victim_pid, t_kill_ms, full):
