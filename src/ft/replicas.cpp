@@ -94,6 +94,16 @@ FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaSt
 }
 
 FaultTolerantReplicas::~FaultTolerantReplicas() {
+  if (ahead_.valid()) {
+    // A caller that stops before reading its asked-ahead quorum (an error
+    // elsewhere): its thread stops waiting within a slice.
+    client_.abandon_waits(true);
+    try {
+      ahead_.get();
+    } catch (const std::exception&) {
+    }
+    client_.abandon_waits(false);
+  }
   if (times_.steps == 0) return;
   const auto per_step = [this](double ms) {
     std::ostringstream out;
@@ -151,12 +161,13 @@ void FaultTolerantReplicas::start_step() {
     enter_quorum();
     return;
   }
-  if (options_.overlap_quorum && asked_ahead_) {
+  if (options_.overlap_quorum && asked_ahead_ && !answer_pending_) {
     asked_ahead_ = false;
     answer_pending_ = true;  // read by settle_quorum(), at the all-reduce
     return;
   }
   asked_ahead_ = false;
+  answer_pending_ = false;  // a caller that skipped the all-reduce and vote: read it now
   {
     Timed time(times_.quorum_ms);
     std::int64_t agreed = step_, newest = step_;
@@ -186,7 +197,7 @@ void FaultTolerantReplicas::start_step() {
 }
 
 Quorum FaultTolerantReplicas::join_quorum(std::int64_t agreed, std::int64_t newest) {
-  if (!shared_by_ranks()) return client_.quorum(step_, want_fresh_);
+  if (!shared_by_ranks()) return ask_quorum();
   // With the quorum, which lighthouse candidate gave it: the other ranks
   // make its group in that one's store (Note [Lighthouse failover]).
   // An answer that ends the group (Note [End of training]) reaches every
@@ -195,7 +206,7 @@ Quorum FaultTolerantReplicas::join_quorum(std::int64_t agreed, std::int64_t newe
   std::exception_ptr ended;
   if (local_rank() == 0) {
     try {
-      const Quorum q = client_.quorum(step_, want_fresh_);
+      const Quorum q = ask_quorum();
       text = std::to_string(client_.connection()) + " " + std::to_string(client_.connections()) + " " + q.to_text();
     } catch (const TrainingFinishedError& e) {
       text = "finished\n" + e.message() + "\n" + e.hint();
@@ -229,6 +240,11 @@ Quorum FaultTolerantReplicas::join_quorum(std::int64_t agreed, std::int64_t newe
                "the up-to-date replica groups are gone (or the lighthouse lost track of the newest step): restart "
                "the job from a checkpoint");
   return q;
+}
+
+Quorum FaultTolerantReplicas::ask_quorum() {
+  if (ahead_.valid()) return ahead_.get();
+  return client_.quorum(step_, want_fresh_);
 }
 
 void FaultTolerantReplicas::enter_quorum() {
@@ -583,7 +599,15 @@ bool FaultTolerantReplicas::should_commit() {
       asked_ahead_ = true;  // on every rank of the group alike
       if (local_rank() == 0) {
         Timed time(times_.ask_ahead_ms);
-        client_.ask_ahead(step_);
+        if (options_.overlap_quorum) {
+          ahead_ = std::async(std::launch::async, [this, step = step_, identity = log::identity()] {
+            log::ScopedIdentity as(identity);
+            client_.ask_ahead(step);
+            return client_.quorum(step, false);
+          });
+        } else {
+          client_.ask_ahead(step_);
+        }
       }
     }
   } else if (!failed_) {

@@ -35,6 +35,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <optional>
 #include <string>
 #include <utility>
@@ -178,6 +179,8 @@ class FaultTolerantReplicas {
   // goes on when it is the last quorum again; otherwise it is held for the
   // next start_step() and this step is redone.
   void settle_quorum();
+  // This step's answer: the one read ahead, or asked now (rank 0).
+  Quorum ask_quorum();
   void make_group();
   // Work::wait(), with the live members watched (Note [Collectives on a
   // silent member]); on a silent member, keeps the group in retired_ and
@@ -226,6 +229,9 @@ class FaultTolerantReplicas {
   bool answer_pending_ = false;  // start_step() left it to settle_quorum()
   bool redo_ = false;            // settle_quorum() found another quorum: this step runs again
   std::optional<Quorum> held_;   // that quorum, for the next start_step()
+  // Rank 0's request asked ahead and its answer, read on a thread of their
+  // own (overlap_quorum): the store's round trips leave the caller's thread.
+  std::future<Quorum> ahead_;
   // The all-reduce's flat buffer, kept across steps.
   at::Tensor flat_;
   FaultTolerantTimes times_;
