@@ -33,7 +33,8 @@ namespace {
 // few ms need the fraction.
 std::string unix_ms() {
   const auto us =
-      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   char text[32];
   std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(us / 1000), static_cast<long long>(us % 1000));
   return text;

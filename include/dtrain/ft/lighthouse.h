@@ -349,8 +349,8 @@ class LighthouseClient {
     std::int64_t step = 0;
     bool fresh_group = false;
   };
-  std::optional<Asked> asked_;     // request seq_, asked ahead, not yet answered
-  std::atomic<bool> stop_{false};  // the heartbeat thread's
+  std::optional<Asked> asked_;        // request seq_, asked ahead, not yet answered
+  std::atomic<bool> stop_{false};     // the heartbeat thread's
   std::atomic<bool> abandon_{false};  // abandon_waits()
   std::thread heartbeat_;
 };

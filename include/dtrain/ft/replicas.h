@@ -119,15 +119,15 @@ struct FaultTolerantOptions {
 // the caller's forward, backward and optimizer step. FaultTolerantReplicas
 // logs them when destroyed (docs/fault_tolerance.md, "Where the time goes").
 struct FaultTolerantTimes {
-  std::int64_t steps = 0;      // start_step() calls
-  double quorum_ms = 0;        // start_step(): the quorum (its answer's wait and read)
-  double group_ms = 0;         // start_step(): making a new quorum's group
-  double recovery_ms = 0;      // start_step() and after: live recovery, either side
-  double flatten_ms = 0;       // all_reduce_gradients(): gradients into the flat buffer
-  double all_reduce_ms = 0;    // all_reduce_gradients(): issuing and waiting for the all-reduce
-  double unflatten_ms = 0;     // all_reduce_gradients(): the mean back into the gradients
-  double vote_ms = 0;          // should_commit(): the commit vote
-  double ask_ahead_ms = 0;     // should_commit(): asking for the next quorum
+  std::int64_t steps = 0;    // start_step() calls
+  double quorum_ms = 0;      // start_step(): the quorum (its answer's wait and read)
+  double group_ms = 0;       // start_step(): making a new quorum's group
+  double recovery_ms = 0;    // start_step() and after: live recovery, either side
+  double flatten_ms = 0;     // all_reduce_gradients(): gradients into the flat buffer
+  double all_reduce_ms = 0;  // all_reduce_gradients(): issuing and waiting for the all-reduce
+  double unflatten_ms = 0;   // all_reduce_gradients(): the mean back into the gradients
+  double vote_ms = 0;        // should_commit(): the commit vote
+  double ask_ahead_ms = 0;   // should_commit(): asking for the next quorum
 };
 
 class FaultTolerantReplicas {
