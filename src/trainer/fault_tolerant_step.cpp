@@ -84,26 +84,6 @@ ft::ReplicaState Strategy::replica_state(torch::optim::Optimizer& optimizer, ft:
 
 namespace detail {
 
-// Note [Gradients kept across steps]
-// LibTorch's optimizer zero_grad sets the gradients to none, so backward
-// allocates them again every step. For a model of a few MB that is fresh
-// pages from the kernel each step: glibc serves blocks of that size from
-// mmap or trims them back from the heap top, and every page is faulted in
-// and zeroed again (bench/ft's MLP, one rank per replica group: ~1,400
-// minor faults per step, ~1.5 ms of its ~10 ms step on 2 cores, the optimizer
-// step's temporaries faulting too; plain DDP keeps its gradients as views of
-// its buckets and takes ~1 fault per step). A replica group of one process
-// (a strategy with no group: the cross-replica mean is the only reduction)
-// keeps them and zeroes them in place. The values are the same but for the
-// sign of an all-zero gradient (0 + -0 is +0), so the replay zeroes alike.
-void zero_grad_kept(Strategy& strategy, torch::optim::Optimizer& optimizer) {
-  if (strategy.group()) {
-    strategy.zero_grad(optimizer);
-    return;
-  }
-  optimizer.zero_grad(/*set_to_none=*/false);
-}
-
 void check_replay(const TrainerFtReplay& replay, std::int64_t max_steps) {
   DTRAIN_CHECK(
       static_cast<std::int64_t>(replay.members.size()) >= max_steps, ConfigError,
@@ -127,7 +107,7 @@ at::Tensor replay_gradients(const TrainerFtReplay& replay, std::int64_t step, St
   std::vector<at::Tensor> sum;
   at::Tensor loss;
   for (std::size_t i = 0; i < members.size(); ++i) {
-    if (i > 0) zero_grad_kept(strategy, optimizer);
+    if (i > 0) strategy.zero_grad(optimizer);
     loss = compute(members[i] * strategy.data_world() + strategy.data_rank());
     const auto grads = defined_gradients(strategy);
     if (i == 0) {

@@ -31,11 +31,6 @@ namespace detail {
 at::Tensor replay_gradients(const TrainerFtReplay& replay, std::int64_t step, Strategy& strategy,
                             torch::optim::Optimizer& optimizer,
                             const std::function<at::Tensor(int data_rank)>& compute);
-// zero_grad of a fault-tolerant step (and of its replay): a strategy with no
-// group of its own (one process per replica group) keeps its gradients'
-// memory and zeroes it (Note [Gradients kept across steps]); any other
-// strategy zeroes as it does.
-void zero_grad_kept(Strategy& strategy, torch::optim::Optimizer& optimizer);
 // ConfigError unless `replay` covers `max_steps` steps with members in range.
 void check_replay(const TrainerFtReplay& replay, std::int64_t max_steps);
 

@@ -468,11 +468,7 @@ struct Trainer::Run {
     last_lr = st.optimizer.param_groups().front().options().get_lr();
     {
       auto step_span = Tracer::span(tracer.get(), "step", "step");
-      if (ft || replay) {
-        detail::zero_grad_kept(s, st.optimizer);
-      } else {
-        s.zero_grad(st.optimizer);
-      }
+      s.zero_grad(st.optimizer);
       const auto micro_steps = [&] {
         at::Tensor sum;
         for (int m = 0; m < o.accumulate; ++m) {
