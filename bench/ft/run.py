@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-LINE = re.compile(r"(step|recovered) (\d+)(?: members (\d+))? pid (\d+) t_ms (\d+)")
+LINE = re.compile(r"(step|recovered) (\d+)(?: members (\d+))? pid (\d+) t_ms (\d+(?:\.\d+)?)")
 
 
 def read_log(path):
@@ -46,7 +46,7 @@ def read_log(path):
                 if m:
                     kind, step, members, pid, t = m.groups()
                     out.append({"kind": kind, "step": int(step), "members": int(members or 0), "pid": int(pid),
-                                "t_ms": int(t)})
+                                "t_ms": float(t)})
     except FileNotFoundError:
         pass
     return out
@@ -75,7 +75,7 @@ def steady_ms(steps, skip=20):
     """Median interval between consecutive committed steps of one process."""
     intervals = [b["t_ms"] - a["t_ms"] for a, b in zip(steps, steps[1:])
                  if a["pid"] == b["pid"] and b["step"] == a["step"] + 1 and a["step"] >= skip]
-    return statistics.median(intervals) if intervals else float("nan")
+    return round(statistics.median(intervals), 2) if intervals else float("nan")
 
 
 def analyse(log_dir, replicas, victim, victim_pid, t_kill_ms, full):
@@ -112,6 +112,15 @@ def run_case(name, args, kill=True):
     procs = {}
     lighthouse = None
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.malloc_threshold_mb > 0:
+        # glibc serves blocks above its mmap threshold (128 KiB at first,
+        # raised only when such a block is freed) from fresh pages: whether a
+        # rank's per-step temporaries of ~1 MB (the optimizer's, the
+        # activations) fault in every step then depends on what the process
+        # happened to free earlier (0 to ~1,400 minor faults per step seen
+        # here, for the same binary). Every case gets the same setting.
+        threshold = str(args.malloc_threshold_mb << 20)
+        env.update(MALLOC_MMAP_THRESHOLD_=threshold, MALLOC_TRIM_THRESHOLD_=str(2 * (args.malloc_threshold_mb << 20)))
     hb_s = args.heartbeat_timeout
     if name in ("ft", "ft_nofault"):
         cmd = [args.dtrain, "run", "--nproc-per-node", str(args.replicas), "--ft-replicas", str(args.replicas),
@@ -194,6 +203,8 @@ def main():
     p.add_argument("--join-timeout", type=float, default=10.0)
     p.add_argument("--case-timeout", type=float, default=400.0)
     p.add_argument("--cases", default="ft,restart,torchft,ft_nofault,ddp_nofault")
+    p.add_argument("--malloc-threshold-mb", type=int, default=0,
+                   help="glibc's mmap and trim thresholds for every process (0: glibc's defaults)")
     a = p.parse_args()
     params = a.depth * (a.width * a.width + a.width) + a.width * 16 + 16
     print(f"# MLP {a.depth} x {a.width} (+16 outputs), {params / 1e6:.2f} M parameters, batch {a.batch}; "

@@ -29,9 +29,15 @@
 
 namespace {
 
-std::int64_t unix_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+// Wall clock in ms, to the microsecond ("t_ms 1764089000123.456"): steps of a
+// few ms need the fraction.
+std::string unix_ms() {
+  const auto us =
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+  char text[32];
+  std::snprintf(text, sizeof text, "%lld.%03lld", static_cast<long long>(us / 1000), static_cast<long long>(us % 1000));
+  return text;
 }
 
 torch::nn::Sequential make_mlp(int width, int depth) {
@@ -114,7 +120,15 @@ int main(int argc, char** argv) {
             << std::endl;
       });
     }
-    trainer.fit();
+    const dtrain::TrainSummary summary = trainer.fit();
+    if (logs) {
+      // Where this rank's steps went outside the fault-tolerant calls (their
+      // own split is in the worker's log: FaultTolerantReplicas' last line).
+      const double n = static_cast<double>(std::max<std::int64_t>(1, summary.steps));
+      log << "times steps " << summary.steps << " forward_ms " << summary.step_times.forward * 1e3 / n
+          << " backward_ms " << summary.step_times.backward * 1e3 / n << " optimizer_ms "
+          << summary.step_times.optimizer * 1e3 / n << " train_ms " << summary.train_seconds * 1e3 / n << std::endl;
+    }
     return 0;
   });
 }

@@ -163,9 +163,10 @@ void LighthouseClient::ask(std::int64_t step, bool fresh_group) {
   const std::string join = std::to_string(++seq_) + " " + std::to_string(step) + " " + (fresh_group ? "1" : "0") + " " +
                            std::to_string(last_quorum_id_) + " " + std::to_string(last_round_) + " " +
                            std::to_string(newest_step_);
-  store_.set("join/" + k, join);
-  // The wake-up carries the request (Note [Quorum protocol]).
-  store_.set("ev/" + std::to_string(store_.add("nev", 1)), k + " " + join);
+  // The wake-up carries the request (Note [Quorum protocol]); both keys in
+  // one round trip after the count.
+  const std::string event = "ev/" + std::to_string(store_.add("nev", 1));
+  dist::multi_set(store_, {"join/" + k, event}, {join, k + " " + join});
   asked_ = Asked{.step = step, .fresh_group = fresh_group};
 }
 
@@ -239,6 +240,11 @@ Quorum LighthouseClient::quorum_once(std::int64_t step, bool fresh_group) {
     if (left <= slice) {
       withdraw_or_wait(id);
       break;
+    }
+    if (abandon_) {
+      throw TimeoutError("replica " + std::to_string(options_.replica_id) +
+                             ": the wait for its quorum was abandoned (its owner is going away).",
+                         "nothing to do");
     }
     check_lighthouse_alive(alive, alive_moved_at);
   }

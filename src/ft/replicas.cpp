@@ -57,6 +57,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <utility>
 
 #include "dtrain/error.h"
 #include "dtrain/ft/replicas.h"
@@ -67,6 +68,19 @@ namespace dtrain::ft {
 namespace {
 constexpr const char* kStepKey = "dtrain_ft/step";
 constexpr int kRecoveryTag = 27;
+
+// Adds the wall time of its scope to a FaultTolerantTimes field.
+class Timed {
+ public:
+  explicit Timed(double& into) : into_(into), start_(std::chrono::steady_clock::now()) {}
+  ~Timed() { into_ += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count(); }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  double& into_;
+  std::chrono::steady_clock::time_point start_;
+};
 }  // namespace
 
 FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaState state, FaultTolerantOptions options)
@@ -77,6 +91,31 @@ FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaSt
   DTRAIN_CHECK(options_.recovery_chunk_bytes > 0, ConfigError,
                "FaultTolerantOptions::recovery_chunk_bytes is " << options_.recovery_chunk_bytes << ".",
                "give a positive chunk size (the default is 1 MiB)");
+}
+
+FaultTolerantReplicas::~FaultTolerantReplicas() {
+  if (ahead_.valid()) {
+    // A caller that stops before reading its asked-ahead quorum (an error
+    // elsewhere): its thread stops waiting within a slice.
+    client_.abandon_waits(true);
+    try {
+      ahead_.get();
+    } catch (const std::exception&) {
+    }
+    client_.abandon_waits(false);
+  }
+  if (times_.steps == 0) return;
+  const auto per_step = [this](double ms) {
+    std::ostringstream out;
+    out.precision(3);
+    out << std::fixed << ms / static_cast<double>(times_.steps);
+    return out.str();
+  };
+  DTRAIN_LOG(kInfo) << "replica " << replica_id() << ": " << times_.steps << " steps; per step (ms): quorum "
+                    << per_step(times_.quorum_ms) << ", group " << per_step(times_.group_ms) << ", recovery "
+                    << per_step(times_.recovery_ms) << ", flatten " << per_step(times_.flatten_ms) << ", all-reduce "
+                    << per_step(times_.all_reduce_ms) << ", unflatten " << per_step(times_.unflatten_ms) << ", vote "
+                    << per_step(times_.vote_ms) << ", ask ahead " << per_step(times_.ask_ahead_ms);
 }
 
 void FaultTolerantReplicas::resume_at(std::int64_t step) {
@@ -110,79 +149,155 @@ std::string broadcast_text(dist::ProcessGroup& group, const std::string& text) {
 
 void FaultTolerantReplicas::start_step() {
   finish_serving();  // a caller that skipped the last step's all-reduce and vote
-  if (shared_by_ranks()) {
-    // The group asks with the step every one of its ranks has: after a
-    // recovery that one rank completed and another did not (the step
-    // aborted), the group is behind, and all of its ranks recover again from
-    // the same source step. Rank 0 asks; the others take its answer.
-    // See Note [Ranks at different steps].
-    at::Tensor group_steps = at::empty({2}, at::kLong);
-    group_steps[0].fill_(step_);
-    group_steps[1].fill_(-step_);
-    options_.replica_group->all_reduce(group_steps, dist::ReduceOp::kMin).wait();
-    const std::int64_t agreed = group_steps[0].item<std::int64_t>();
-    const std::int64_t newest = -group_steps[1].item<std::int64_t>();
-    if (agreed != newest) {
-      DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": this rank is at step " << step_
-                           << ", its group's ranks at steps " << agreed << " to " << newest
-                           << " (a recovery that did not complete everywhere); the group recovers again";
-      step_ = agreed;
-    }
-    // With the quorum, which lighthouse candidate gave it: the other ranks
-    // make its group in that one's store (Note [Lighthouse failover]).
-    // An answer that ends the group (Note [End of training]) reaches every
-    // rank too, instead of leaving the others in the broadcast.
-    std::string text;
-    std::exception_ptr ended;
-    if (local_rank() == 0) {
-      try {
-        const Quorum q = client_.quorum(step_, want_fresh_);
-        text = std::to_string(client_.connection()) + " " + std::to_string(client_.connections()) + " " + q.to_text();
-      } catch (const TrainingFinishedError& e) {
-        text = "finished\n" + e.message() + "\n" + e.hint();
-        ended = std::current_exception();
-      } catch (const ReplicaStateLostError& e) {
-        text = "lost\n" + e.message() + "\n" + e.hint();
-        ended = std::current_exception();
+  ++times_.steps;
+  failed_ = false;
+  recovered_ = false;
+  redo_ = false;
+  failure_.clear();
+  if (held_) {
+    // The answer read at the all-reduce changed the group or named a replica
+    // behind (Note [Quorum read at the all-reduce]): the same step again, in it.
+    quorum_ = *std::exchange(held_, std::nullopt);
+    enter_quorum();
+    return;
+  }
+  if (options_.overlap_quorum && asked_ahead_ && !answer_pending_) {
+    asked_ahead_ = false;
+    answer_pending_ = true;  // read by settle_quorum(), at the all-reduce
+    return;
+  }
+  asked_ahead_ = false;
+  answer_pending_ = false;  // a caller that skipped the all-reduce and vote: read it now
+  {
+    Timed time(times_.quorum_ms);
+    std::int64_t agreed = step_, newest = step_;
+    if (shared_by_ranks()) {
+      // The group asks with the step every one of its ranks has: after a
+      // recovery that one rank completed and another did not (the step
+      // aborted), the group is behind, and all of its ranks recover again from
+      // the same source step. Rank 0 asks; the others take its answer.
+      // See Note [Ranks at different steps].
+      at::Tensor group_steps = at::empty({2}, at::kLong);
+      group_steps[0].fill_(step_);
+      group_steps[1].fill_(-step_);
+      options_.replica_group->all_reduce(group_steps, dist::ReduceOp::kMin).wait();
+      agreed = group_steps[0].item<std::int64_t>();
+      newest = -group_steps[1].item<std::int64_t>();
+      if (agreed != newest) {
+        DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": this rank is at step " << step_
+                             << ", its group's ranks at steps " << agreed << " to " << newest
+                             << " (a recovery that did not complete everywhere); the group recovers again";
+        step_ = agreed;
       }
     }
-    text = broadcast_text(*options_.replica_group, text);
-    if (ended) std::rethrow_exception(ended);
-    if (const auto nl = text.find('\n'); nl != std::string::npos) {
-      const auto nl2 = text.find('\n', nl + 1);
-      const std::string message = text.substr(nl + 1, nl2 - nl - 1), hint = text.substr(nl2 + 1);
-      if (text.rfind("finished", 0) == 0) throw TrainingFinishedError(message, hint);
-      throw ReplicaStateLostError(message, hint);
-    }
-    std::istringstream where(text);
-    std::size_t index = 0;
-    std::int64_t connections = 0;
-    where >> index >> connections;
-    if (local_rank() != 0) client_.follow(index, connections);
-    std::string rest;
-    std::getline(where >> std::ws, rest);
-    quorum_ = Quorum::from_text(rest);
-    DTRAIN_CHECK(agreed == newest || quorum_.max_step() > agreed, RendezvousError,
-                 "replica " << replica_id() << ": the ranks of this replica group hold the states of steps " << agreed
-                            << " to " << newest
-                            << " (a live recovery completed on some of them only), and no member of "
-                            << quorum_.describe() << " is ahead of step " << agreed
-                            << " to recover all of them from; training on would leave the ranks diverged.",
-                 "the up-to-date replica groups are gone (or the lighthouse lost track of the newest step): restart "
-                 "the job from a checkpoint");
-  } else {
-    quorum_ = client_.quorum(step_, want_fresh_);
+    quorum_ = join_quorum(agreed, newest);
+    want_fresh_ = false;
   }
-  failed_ = false;
-  want_fresh_ = false;
-  recovered_ = false;
-  failure_.clear();
-  DTRAIN_INTERNAL_ASSERT(quorum_.index_of(replica_id()) >= 0,
-                         "replica " << replica_id() << " is not in its own " << quorum_.describe());
-  if (quorum_.quorum_id != group_quorum_id_) make_group();
-  if (!failed_) recover_or_serve();
+  enter_quorum();
 }
 
+Quorum FaultTolerantReplicas::join_quorum(std::int64_t agreed, std::int64_t newest) {
+  if (!shared_by_ranks()) return ask_quorum();
+  // With the quorum, which lighthouse candidate gave it: the other ranks
+  // make its group in that one's store (Note [Lighthouse failover]).
+  // An answer that ends the group (Note [End of training]) reaches every
+  // rank too, instead of leaving the others in the broadcast.
+  std::string text;
+  std::exception_ptr ended;
+  if (local_rank() == 0) {
+    try {
+      const Quorum q = ask_quorum();
+      text = std::to_string(client_.connection()) + " " + std::to_string(client_.connections()) + " " + q.to_text();
+    } catch (const TrainingFinishedError& e) {
+      text = "finished\n" + e.message() + "\n" + e.hint();
+      ended = std::current_exception();
+    } catch (const ReplicaStateLostError& e) {
+      text = "lost\n" + e.message() + "\n" + e.hint();
+      ended = std::current_exception();
+    }
+  }
+  text = broadcast_text(*options_.replica_group, text);
+  if (ended) std::rethrow_exception(ended);
+  if (const auto nl = text.find('\n'); nl != std::string::npos) {
+    const auto nl2 = text.find('\n', nl + 1);
+    const std::string message = text.substr(nl + 1, nl2 - nl - 1), hint = text.substr(nl2 + 1);
+    if (text.rfind("finished", 0) == 0) throw TrainingFinishedError(message, hint);
+    throw ReplicaStateLostError(message, hint);
+  }
+  std::istringstream where(text);
+  std::size_t index = 0;
+  std::int64_t connections = 0;
+  where >> index >> connections;
+  if (local_rank() != 0) client_.follow(index, connections);
+  std::string rest;
+  std::getline(where >> std::ws, rest);
+  Quorum q = Quorum::from_text(rest);
+  DTRAIN_CHECK(agreed == newest || q.max_step() > agreed, RendezvousError,
+               "replica " << replica_id() << ": the ranks of this replica group hold the states of steps " << agreed
+                          << " to " << newest << " (a live recovery completed on some of them only), and no member of "
+                          << q.describe() << " is ahead of step " << agreed
+                          << " to recover all of them from; training on would leave the ranks diverged.",
+               "the up-to-date replica groups are gone (or the lighthouse lost track of the newest step): restart "
+               "the job from a checkpoint");
+  return q;
+}
+
+Quorum FaultTolerantReplicas::ask_quorum() {
+  if (ahead_.valid()) return ahead_.get();
+  return client_.quorum(step_, want_fresh_);
+}
+
+void FaultTolerantReplicas::enter_quorum() {
+  DTRAIN_INTERNAL_ASSERT(quorum_.index_of(replica_id()) >= 0,
+                         "replica " << replica_id() << " is not in its own " << quorum_.describe());
+  if (quorum_.quorum_id != group_quorum_id_) {
+    Timed time(times_.group_ms);
+    make_group();
+  }
+  if (!failed_) {
+    Timed time(times_.recovery_ms);
+    recover_or_serve();
+  }
+}
+
+// Note [Quorum read at the all-reduce]
+// After a committed step the next step's request is already out (asked
+// ahead, Note [Commit vote]), and in the steady state its answer is the
+// last quorum again: same members, same group, nobody behind. With
+// FaultTolerantOptions::overlap_quorum, start_step() then does not wait for
+// it: the caller's forward and backward run while the lighthouse forms it
+// (on a busy host, waking the lighthouse and its store costs more than the
+// round trips themselves), and settle_quorum() reads it where the
+// all-reduce needs the group. When it is that quorum (the same quorum id,
+// every member at this step) the step goes on in the group made for it,
+// exactly as if start_step() had read it. Otherwise (a member dropped,
+// restarted or joined; a fresh group asked for) nothing was sent: the
+// step's gradients are dropped, should_commit() returns false without a
+// vote, and the next start_step() goes on with the answer held: makes the
+// new group, serves or receives a live recovery, and the caller runs the
+// step again, same step and data. Every member of the quorum read the same
+// answer, so every one that read it ahead decides alike; a member that
+// asked in start_step() (a restarted replica) simply waits for the others
+// at the group's making, one forward and backward longer. For the
+// lighthouse and the peers nothing changed but that delay: the round is
+// voted on once, after the step that ran in its group. The forward and
+// backward run for nothing are those of an aborted step (what they change
+// besides the gradients, a module's running statistics or a random
+// generator, stays changed, as after any aborted step); a replica that
+// asked ahead is never behind (it just committed), so it never has to
+// recover before its forward.
+void FaultTolerantReplicas::settle_quorum() {
+  if (!answer_pending_) return;
+  answer_pending_ = false;
+  Timed time(times_.quorum_ms);
+  Quorum q = join_quorum(step_, step_);
+  if (group_ && q.quorum_id == group_quorum_id_ && q.behind().empty()) {
+    quorum_ = std::move(q);
+    return;
+  }
+  held_ = std::move(q);
+  redo_ = true;
+}
 void FaultTolerantReplicas::make_group() {
   group_.reset();
   std::erase_if(retired_, [](const auto& retired) { return retired.second->completed(); });
@@ -329,6 +444,7 @@ void FaultTolerantReplicas::recover_from(int source) {
 
 void FaultTolerantReplicas::finish_serving() {
   if (serving_.sends.empty()) return;
+  Timed time(times_.recovery_ms);
   std::vector<dist::Work> sends = std::move(serving_.sends);
   serving_.sends.clear();
   // Every send is waited for (each wait bounded by the group timeout), also
@@ -362,20 +478,47 @@ void FaultTolerantReplicas::finish_serving() {
 
 void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensors) {
   finish_serving();
-  if (failed_ || tensors.empty()) return;
+  settle_quorum();
+  if (failed_ || redo_ || tensors.empty()) return;
   try {
+    std::optional<Timed> flatten_time(times_.flatten_ms);
     std::vector<at::Tensor> flat;
     flat.reserve(tensors.size());
-    for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
-    at::Tensor buffer = at::cat(flat);
-    dist::Work work = group_->all_reduce(buffer, dist::ReduceOp::kAvg);
-    wait_watching_members(work, "the gradient all-reduce");
+    std::int64_t total = 0;
+    bool alike = true;  // one dtype and device: the buffer kept from the last step fits
+    for (const auto& t : tensors) {
+      flat.push_back(t.reshape({-1}));
+      total += t.numel();
+      alike = alike && t.scalar_type() == tensors.front().scalar_type() && t.device() == tensors.front().device();
+    }
+    // The flat buffer is kept across steps: a fresh one of several MB is
+    // fresh pages from the kernel every step (their faults cost more than
+    // the copy: ~1 ms for bench/ft's 4 MB). No collective holds it between
+    // steps (one abandoned on a silent member may: flat_ is dropped then).
+    if (!alike) {
+      flat_ = at::cat(flat);
+    } else {
+      if (!flat_.defined() || flat_.numel() != total || flat_.scalar_type() != tensors.front().scalar_type() ||
+          flat_.device() != tensors.front().device()) {
+        flat_ = at::empty({total}, tensors.front().options());
+      }
+      at::cat_out(flat_, flat);
+    }
+    at::Tensor buffer = flat_;
+    flatten_time.reset();
+    {
+      Timed time(times_.all_reduce_ms);
+      dist::Work work = group_->all_reduce(buffer, dist::ReduceOp::kAvg);
+      wait_watching_members(work, "the gradient all-reduce");
+    }
+    Timed unflatten_time(times_.unflatten_ms);
     std::int64_t offset = 0;
     for (auto& t : tensors) {
       t.copy_(buffer.narrow(0, offset, t.numel()).view_as(t));
       offset += t.numel();
     }
   } catch (const std::exception& e) {
+    flat_ = at::Tensor();
     fail("the gradient all-reduce", e);
   }
 }
@@ -418,6 +561,9 @@ void FaultTolerantReplicas::finish() {
 
 bool FaultTolerantReplicas::should_commit() {
   finish_serving();
+  settle_quorum();
+  if (redo_) return false;  // nothing to vote on yet (Note [Quorum read at the all-reduce])
+  std::optional<Timed> vote_time(times_.vote_ms);
   bool commit = false;
   // Whether every rank of the group is at this step (always, after a
   // commit: see Note [Ranks at different steps]); the next quorum is asked
@@ -442,14 +588,27 @@ bool FaultTolerantReplicas::should_commit() {
   } else {
     commit = client_.agree_commit(quorum_, !failed_);
   }
+  vote_time.reset();
   if (commit) {
     ++step_;
     if (step_ == options_.max_steps) finish();
     // The lighthouse forms the next step's quorum while the caller applies
     // this one's update (Note [Commit vote]: every member commits, so each
     // asks at the same step as it would in start_step()).
-    if (step_ < options_.max_steps && same_step && !want_fresh_ && local_rank() == 0) {
-      client_.ask_ahead(step_);
+    if (step_ < options_.max_steps && same_step && !want_fresh_) {
+      asked_ahead_ = true;  // on every rank of the group alike
+      if (local_rank() == 0) {
+        Timed time(times_.ask_ahead_ms);
+        if (options_.overlap_quorum) {
+          ahead_ = std::async(std::launch::async, [this, step = step_, identity = log::identity()] {
+            log::ScopedIdentity as(identity);
+            client_.ask_ahead(step);
+            return client_.quorum(step, false);
+          });
+        } else {
+          client_.ask_ahead(step_);
+        }
+      }
     }
   } else if (!failed_) {
     DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": step " << step_ << " aborted (another member of "

@@ -140,8 +140,10 @@ FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strat
   if (group && group->size() == 1) group.reset();
   replicas_ = std::make_unique<ft::FaultTolerantReplicas>(
       *client_, strategy_.replica_state(optimizer, trainer_extra_state(scaler, std::move(schedule))),
-      ft::FaultTolerantOptions{
-          .replica_group = group, .group_timeout = options_.group_timeout, .max_steps = max_steps});
+      ft::FaultTolerantOptions{.replica_group = group,
+                               .group_timeout = options_.group_timeout,
+                               .max_steps = max_steps,
+                               .overlap_quorum = true});
 }
 
 FaultTolerantStep::~FaultTolerantStep() = default;

@@ -445,6 +445,83 @@ TEST(FtReplicas, RecoveryInManyChunksIsExact) {
   }
 }
 
+// Note [Quorum read at the all-reduce]: replica 0 trains alone with
+// overlap_quorum (its start_step() does not wait for the quorum asked ahead);
+// replica 1 joins behind. The answer replica 0 reads at its all-reduce then
+// has a new group and a member behind: that step's gradients are dropped,
+// should_commit() is false with no failure, and the step runs again in the
+// new group, where replica 0 serves replica 1's recovery. Every step commits
+// once on replica 0, and both end where the recorded membership, applied in
+// this thread (the mean summed in replica order, then divided), ends.
+TEST(FtReplicas, QuorumReadAtTheAllReduceRunsTheStepAgainInANewGroup) {
+  constexpr int kSteps = 8;
+  constexpr std::int64_t kJoinAt = 3;
+  auto gradient = [](int replica, std::int64_t step) {
+    return at::full({5}, static_cast<float>((replica + 1) * (step + 1)) / 7.0f);
+  };
+  auto apply = [](at::Tensor& w, const at::Tensor& mean) { w.sub_(mean * 0.01f); };
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, any_replicas_one_second_heartbeats());
+  std::atomic<std::int64_t> a_step{0};
+  std::atomic<bool> b_started{false};
+  std::vector<at::Tensor> final_w(2);
+  std::vector<int> members_of_step;  // replica 0's, per committed step
+  std::vector<int> redone(2, 0), failed(2, 0), recoveries(2, 0), commits(2, 0);
+  testing::run_rank_threads(2, [&](int replica, dist::Store) {
+    if (replica == 1) {
+      while (a_step.load() < kJoinAt) std::this_thread::sleep_for(milliseconds(5));
+    }
+    LighthouseClient client(store, store, {.replica_id = replica, .commit_timeout = milliseconds(3000)});
+    at::Tensor w = at::zeros({5});
+    if (replica == 1) w.fill_(7.0f);  // overwritten by the recovery
+    FaultTolerantReplicas replicas(client, state_of(w),
+                                   {.group_timeout = milliseconds(5000), .max_steps = kSteps, .overlap_quorum = true});
+    if (replica == 1) b_started = true;
+    bool waited = false;
+    while (replicas.step() < kSteps) {
+      replicas.start_step();
+      if (replicas.recovered()) ++recoveries[replica];
+      if (replica == 0 && replicas.step() >= kJoinAt && !waited) {
+        // Its next request (asked at this step's commit) meets replica 1's.
+        while (!b_started.load()) std::this_thread::sleep_for(milliseconds(5));
+        std::this_thread::sleep_for(milliseconds(200));
+        waited = true;
+      }
+      std::vector<at::Tensor> grads{gradient(replica, replicas.step())};
+      replicas.all_reduce_gradients(grads);
+      if (!replicas.should_commit()) {
+        ++(replicas.failure().empty() ? redone : failed)[replica];
+        continue;
+      }
+      ++commits[replica];
+      apply(w, grads[0]);
+      if (replica == 0) {
+        members_of_step.push_back(static_cast<int>(replicas.quorum().members.size()));
+        a_step = replicas.step();
+      }
+    }
+    final_w[replica] = w;
+  });
+  EXPECT_EQ(redone[0], 1) << "the step whose answer named the new group runs again, once";
+  EXPECT_EQ(failed[0], 0);
+  EXPECT_EQ(failed[1], 0);
+  EXPECT_EQ(commits[0], kSteps) << "every step commits once on replica 0";
+  EXPECT_EQ(recoveries[1], 1);
+  ASSERT_EQ(members_of_step.size(), static_cast<std::size_t>(kSteps));
+  at::Tensor ref = at::zeros({5});
+  for (std::int64_t step = 0; step < kSteps; ++step) {
+    const int members = members_of_step[static_cast<std::size_t>(step)];
+    EXPECT_EQ(members, step <= kJoinAt ? 1 : 2) << "step " << step;
+    at::Tensor mean = gradient(0, step);
+    if (members == 2) mean = (mean + gradient(1, step)).div_(2);
+    apply(ref, mean);
+  }
+  for (int replica = 0; replica < 2; ++replica) {
+    EXPECT_TRUE(at::equal(final_w[replica], ref)) << "replica " << replica;
+  }
+  lighthouse.check();
+}
+
 TEST(FtReplicas, NonPositiveRecoveryChunkIsAConfigError) {
   auto store = dist::Store::in_memory();
   Lighthouse lighthouse(store, {.min_replicas = 1});

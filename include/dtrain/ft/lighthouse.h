@@ -235,6 +235,11 @@ class LighthouseClient {
   // the same step, no fresh group), so the lighthouse forms it while this
   // replica finishes its step: after a committed step, when another follows.
   void ask_ahead(std::int64_t step);
+  // From another thread: a quorum() waiting for its answer gives up within
+  // a wait slice (TimeoutError), leaving its request to the lighthouse (its
+  // peers' next step then fails at the group and aborts). For an owner that
+  // is going away while its thread waits; clear it before asking again.
+  void abandon_waits(bool abandon) { abandon_ = abandon; }
   // The commit vote of a step run in quorum `q`: true when every member
   // voted ok; every member gets the same answer (Note [Commit vote]).
   bool agree_commit(const Quorum& q, bool ok);
@@ -344,8 +349,9 @@ class LighthouseClient {
     std::int64_t step = 0;
     bool fresh_group = false;
   };
-  std::optional<Asked> asked_;     // request seq_, asked ahead, not yet answered
-  std::atomic<bool> stop_{false};  // the heartbeat thread's
+  std::optional<Asked> asked_;        // request seq_, asked ahead, not yet answered
+  std::atomic<bool> stop_{false};     // the heartbeat thread's
+  std::atomic<bool> abandon_{false};  // abandon_waits()
   std::thread heartbeat_;
 };
 

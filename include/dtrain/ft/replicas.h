@@ -35,6 +35,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <optional>
 #include <string>
 #include <utility>
@@ -100,12 +101,40 @@ struct FaultTolerantOptions {
   // (Note [Live recovery] in src/ft/replicas.cpp); both sides need not agree
   // (the source announces its chunk size).
   std::int64_t recovery_chunk_bytes = 1 << 20;
+  // After a committed step (its next request asked ahead: max_steps above),
+  // start_step() does not wait for the quorum's answer: it is read in
+  // all_reduce_gradients() (or should_commit()), so the lighthouse forms it
+  // while the caller's forward and backward run. quorum() is then the last
+  // step's until the all-reduce. When the answer is not that quorum again (a
+  // member dropped or joined, one behind), the step's gradients are dropped,
+  // should_commit() returns false without a vote, and the next start_step()
+  // goes on in the new quorum: the step runs again, as after an abort (Note
+  // [Quorum read at the all-reduce] in src/ft/replicas.cpp). The Trainer
+  // turns it on.
+  bool overlap_quorum = false;
+};
+
+// Where this replica's calls spent their time, summed over its steps
+// (milliseconds of wall clock): what fault tolerance adds to a step beyond
+// the caller's forward, backward and optimizer step. FaultTolerantReplicas
+// logs them when destroyed (docs/fault_tolerance.md, "Where the time goes").
+struct FaultTolerantTimes {
+  std::int64_t steps = 0;    // start_step() calls
+  double quorum_ms = 0;      // start_step(): the quorum (its answer's wait and read)
+  double group_ms = 0;       // start_step(): making a new quorum's group
+  double recovery_ms = 0;    // start_step() and after: live recovery, either side
+  double flatten_ms = 0;     // all_reduce_gradients(): gradients into the flat buffer
+  double all_reduce_ms = 0;  // all_reduce_gradients(): issuing and waiting for the all-reduce
+  double unflatten_ms = 0;   // all_reduce_gradients(): the mean back into the gradients
+  double vote_ms = 0;        // should_commit(): the commit vote
+  double ask_ahead_ms = 0;   // should_commit(): asking for the next quorum
 };
 
 class FaultTolerantReplicas {
  public:
   // `client` and the state's tensors must outlive this object.
   FaultTolerantReplicas(LighthouseClient& client, ReplicaState state, FaultTolerantOptions options = {});
+  ~FaultTolerantReplicas();
 
   // Joins this step's quorum, makes its group when the quorum id changed,
   // and recovers (this replica behind) or sends state (a recovering member
@@ -138,8 +167,20 @@ class FaultTolerantReplicas {
   // Why this step will not commit (its group, the live recovery or the
   // all-reduce failed: what, and the error), or empty.
   const std::string& failure() const { return failure_; }
+  const FaultTolerantTimes& times() const { return times_; }
 
  private:
+  // The quorum of this step: asks (or reads the answer asked ahead) and, in
+  // a replica group of several ranks, shares rank 0's answer with the others.
+  Quorum join_quorum(std::int64_t agreed, std::int64_t newest);
+  // Makes quorum_'s group when its id changed, then recovers or serves.
+  void enter_quorum();
+  // Reads the answer start_step() left pending (overlap_quorum): the step
+  // goes on when it is the last quorum again; otherwise it is held for the
+  // next start_step() and this step is redone.
+  void settle_quorum();
+  // This step's answer: the one read ahead, or asked now (rank 0).
+  Quorum ask_quorum();
   void make_group();
   // Work::wait(), with the live members watched (Note [Collectives on a
   // silent member]); on a silent member, keeps the group in retired_ and
@@ -184,6 +225,16 @@ class FaultTolerantReplicas {
   bool failed_ = false;      // this step's group, transfer or all-reduce failed
   bool want_fresh_ = false;  // ask the next quorum for a fresh group
   bool recovered_ = false;
+  bool asked_ahead_ = false;     // the last commit asked for this step's quorum
+  bool answer_pending_ = false;  // start_step() left it to settle_quorum()
+  bool redo_ = false;            // settle_quorum() found another quorum: this step runs again
+  std::optional<Quorum> held_;   // that quorum, for the next start_step()
+  // Rank 0's request asked ahead and its answer, read on a thread of their
+  // own (overlap_quorum): the store's round trips leave the caller's thread.
+  std::future<Quorum> ahead_;
+  // The all-reduce's flat buffer, kept across steps.
+  at::Tensor flat_;
+  FaultTolerantTimes times_;
 };
 
 }  // namespace dtrain::ft
