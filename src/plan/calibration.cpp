@@ -87,12 +87,16 @@ double collectives_after_compute_latency(int ranks, double wall_seconds, double 
 // its 14 captured nodes ~40 us each; ZB's F and its first stage's W (the
 // whole backward) 2-4 % slower than the interleaved schedule's F and B (ZB
 // holds twice the activations). On 2 ranks the second stage's I + W was
-// 0.84 ms above its B (60 us per node). The calibration times a ZB step
-// against an interleaved step of the same layers on every rank at once, in
-// thread CPU time (calibrate_worker.cpp: a pipeline of one rank), so it
-// also carries the larger working set's cost (21-93 us per node over this
-// session's calibrations), and charges the excess per captured node to each
-// W of a stage with an input path (cost_model.cpp).
+// 0.84 ms above its B (60 us per node). The calibration times, on rank 0
+// alone (calibrate_worker.cpp: a pipeline of one rank), the second stage's
+// I + W against its B from the executor's trace, each action in thread CPU
+// time: ZB's slower forwards and first-stage W (its larger working set, not
+// a cost per node) stay out, and so does concurrency, which the cost model
+// applies through concurrency_factor. (Session 14's first version timed a
+// whole ZB step against an interleaved one with every rank computing: 21-93
+// us per node, the working set and concurrency counted in.) The excess per
+// captured node (the executor's own count) is charged to each W of a stage
+// with an input path (cost_model.cpp).
 // Note [Concurrency of pipeline stages]
 // DeviceSpec::concurrency_factor, a rank's time for the same work with every
 // core running a rank over with the host to itself, was measured on a piece
@@ -100,16 +104,20 @@ double collectives_after_compute_latency(int ranks, double wall_seconds, double 
 // GPT example's pipeline stages took 5-10 % longer per action with two ranks
 // computing at once than the same layers alone (traces of 1F1B, p = 2). The
 // calibration now measures it on what the stages run: a pipeline of GPT
-// example layers (attention, norms, the MLP; calibrate_worker.cpp), a step
-// in thread CPU time, rank 0 alone against every rank at once (1.00-1.12
+// example layers (attention, norms, the MLP; calibrate_worker.cpp), an
+// interleaved step in thread CPU time, rank 0 alone against every rank at
+// once, the same steps in both (before session 14's fix the "together"
+// phase alternated them with ZB steps; 1.00-1.12
 // over session 14's calibrations; timed in wall time per traced action it
 // read 2.2 while other sessions' work ran); the MLP piece stays the
 // fallback and the time-slicing measure.
 double split_backward_overhead(double whole_seconds, double split_seconds, int captured) {
-  DTRAIN_CHECK(captured >= 1 && whole_seconds > 0 && split_seconds > 0, ConfigError,
-               "the split backward's calibration needs captured nodes and both times (got "
-                   << captured << ", " << whole_seconds << " s, " << split_seconds << " s).",
-               "calibrate again");
+  // The worker asserts the executor's count itself: none here is dtrain's bug.
+  DTRAIN_INTERNAL_ASSERT(captured >= 1, "the split backward's calibration counted " << captured << " captured nodes");
+  DTRAIN_CHECK(
+      whole_seconds > 0 && split_seconds > 0, ConfigError,
+      "the split backward's calibration needs both times (got " << whole_seconds << " s, " << split_seconds << " s).",
+      "calibrate again");
   return std::max(0.0, split_seconds - whole_seconds) / captured;
 }
 

@@ -90,7 +90,7 @@ double layer_captured_gradient_bytes(const ModelSpec& m, const ActivationShape& 
 // (and gate) and down GEMMs. The last stage adds the final norm and the
 // output layer (2).
 namespace {
-double captured_nodes_per_layer(const ModelSpec& m) {
+int captured_nodes_per_layer(const ModelSpec& m) {
   return 6 + (m.gated_mlp ? 1 : 0);
 }
 }  // namespace
@@ -635,10 +635,14 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
     // (one all-reduce) and the loss, broadcast from the last stage
     // (PipelineStrategy::forward_backward). Each small and latency-bound;
     // in a trace of 1F1B p = 2 here they took ~0.4 ms of the step. Megatron
-    // does the same (its embedding and norm all-reduces over pp).
-    const double small = detail::all_reduce_seconds(kMetaBytes, plan.pp, pp_link);
-    exposed += 3 * small;
-    if (model.tied_embeddings && stages > 1)
+    // does the same (its embedding and norm all-reduces over pp). A
+    // broadcast costs like a gather ((p - 1) alpha), the all-reduce a ring's
+    // 2 (p - 1). Not charged (docs/planner.md, Limits): under ZeRO-3 the
+    // tied weight's send to its borrowers (refresh_borrowed_weights) and
+    // their copies' all_reduce_coalesced.
+    exposed += detail::all_reduce_seconds(kMetaBytes, plan.pp, pp_link) +
+               2 * detail::gather_seconds(kMetaBytes, plan.pp, pp_link);
+    if (model.tied_embeddings)
       exposed += detail::p2p_seconds(static_cast<double>(model.vocab * model.hidden) / tp * bpp.grads, pp_link);
   }
   const double sharded_params = params / (plan.zero_stage >= 1 ? shard : 1);

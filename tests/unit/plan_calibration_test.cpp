@@ -6,6 +6,7 @@
 // rate. The memory pre-flight refuses a plan over its limit with the bytes
 // it needs, the excess and the nearest plan that fits.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -104,6 +105,16 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.intra_node.call_latency, 0);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
+  // A file from before the split was calibrated charges none; so do the GPUs.
+  nlohmann::json older = nlohmann::json::parse(device_to_json(d));
+  ASSERT_EQ(older.erase("split_backward_overhead"), 1U);
+  EXPECT_EQ(device_from_json(older.dump()).split_backward_overhead, 0);
+  EXPECT_EQ(device_from_json(older.dump()).fp32_flops, d.fp32_flops);
+  for (const DeviceSpec& gpu : device_table()) {
+    if (gpu.compute_units == 0) {
+      EXPECT_EQ(gpu.split_backward_overhead, 0) << gpu.name;
+    }
+  }
 }
 
 TEST(PlanCalibration, HostRanksShareItsCoresAndMemory) {
@@ -208,7 +219,8 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
 TEST(PlanCalibration, ZeroBubbleWeightPassPaysTheSplitPerCapturedNode) {
   EXPECT_NEAR(split_backward_overhead(4.1e-3, 4.7e-3, 12), 0.05e-3, 1e-12);
   EXPECT_EQ(split_backward_overhead(4.7e-3, 4.1e-3, 12), 0);  // noise: none left over
-  EXPECT_THROW(split_backward_overhead(4.1e-3, 4.7e-3, 0), ConfigError);
+  EXPECT_THROW(split_backward_overhead(4.1e-3, 4.7e-3, 0), InternalError);
+  EXPECT_THROW(split_backward_overhead(0, 4.7e-3, 12), ConfigError);
   DeviceSpec d = find_device("cpu-here");
   d.compute_units = 2;
   d.memory_bytes = 8LL << 30;
@@ -227,6 +239,18 @@ TEST(PlanCalibration, ZeroBubbleWeightPassPaysTheSplitPerCapturedNode) {
   EXPECT_NEAR(run(twice, "zb").time.compute - run(split, "zb").time.compute, 4 * (2 * 6 + 2) * 1e-3, 1e-9);
   EXPECT_GT(run(split, "zb").step_seconds, run(d, "zb").step_seconds);
   EXPECT_NEAR(run(split, "1f1b").step_seconds, run(d, "1f1b").step_seconds, 1e-12);
+  // 5 layers: stage 0 holds 3 and its rank, ending last, is the critical
+  // one; its W is the whole backward (no input path), so it pays none.
+  const auto five = ModelSpec::parse(
+      "gpt:layers=5,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  auto run_five = [&](const DeviceSpec& dev) {
+    ParallelPlan p{.pp = 2, .precision = "fp32", .global_batch = 24};
+    p.pipeline = {.schedule = "zb", .micro_batches = 4};
+    return estimate(p, five, {.device = dev, .gpus = 2, .gpus_per_node = dev.gpus_per_node}).time.compute;
+  };
+  DeviceSpec small = d;
+  small.split_backward_overhead = 1e-6;  // stage 1's 4 x 14 us leave rank 0 the critical one
+  EXPECT_NEAR(run_five(small), run_five(d), 1e-12);
 }
 
 // Note [Pipeline exchanges per step]: the batch shape, the clipping norm and
@@ -243,9 +267,27 @@ TEST(PlanCalibration, PipelineStepsPayTheirSmallExchanges) {
   p.pipeline = {.schedule = "1f1b", .micro_batches = 4};
   const auto e = estimate(p, model, {.device = d, .gpus = 2, .gpus_per_node = d.gpus_per_node});
   const Link& l = d.intra_node;
-  const double small = l.call_latency + 2 * l.latency + 80 / l.bandwidth;
   const double tie = l.call_latency + l.latency + 84.0 * 128 * 4 / l.bandwidth;
-  EXPECT_NEAR(e.time.grad_sync, 3 * small + tie, 1e-12);
+  // The norm's all-reduce (a ring: 2 (p - 1) alpha) and the shape's and the
+  // loss's broadcasts ((p - 1) alpha each).
+  auto exchanges = [&](int pp) {
+    const double k = pp;
+    return (l.call_latency + 2 * (k - 1) * l.latency + 2 * (k - 1) / k * 80 / l.bandwidth) +
+           2 * (l.call_latency + (k - 1) * l.latency + (k - 1) / k * 80 / l.bandwidth);
+  };
+  EXPECT_NEAR(e.time.grad_sync, exchanges(2) + tie, 1e-12);
+  // Untied: no embedding gradient to send.
+  ModelSpec untied = model;
+  untied.tied_embeddings = false;
+  EXPECT_NEAR(estimate(p, untied, {.device = d, .gpus = 2, .gpus_per_node = d.gpus_per_node}).time.grad_sync,
+              exchanges(2), 1e-12);
+  // pp = 4, one host of 4 cores: the same exchanges over 4 ranks.
+  DeviceSpec four = d;
+  four.compute_units = 4;
+  ParallelPlan p4 = p;
+  p4.pp = 4;
+  EXPECT_NEAR(estimate(p4, model, {.device = four, .gpus = 4, .gpus_per_node = 4}).time.grad_sync, exchanges(4) + tie,
+              1e-12);
 }
 
 TEST(PlanCalibration, SequenceParallelEagerKernelsCostTheirExtraCollectives) {

@@ -247,6 +247,14 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   }
   // Note [Split backward cost] (calibration.cpp): ZB's I + W over B, per captured node.
   if (!split_overhead.empty()) d.split_backward_overhead = median(split_overhead);
+  // What no run measured, and why: both need a run whose ranks each have a
+  // core (with more, time slicing, not the work, would be timed).
+  const std::string why = std::string(" not measured: no run with at most ") + std::to_string(d.compute_units) +
+                          " processes (this host's cores) in --calibrate-ranks\n";
+  if (layers_alone.empty())
+    err << "dtrain plan --calibrate: concurrency_factor on the GPT-layer pipelines"
+        << (work_alone.empty() ? " (1, none)" : " (the MLP piece's instead)") << why;
+  if (split_overhead.empty()) err << "dtrain plan --calibrate: split_backward_overhead (0)" << why;
   // The node's link from the runs with no more ranks than cores; those with
   // more have their own (DeviceSpec::oversubscribed_link): time slicing
   // makes their collectives wait for peers switched out, which no single

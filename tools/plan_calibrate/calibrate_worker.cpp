@@ -14,7 +14,8 @@
 // captured}, "layer_pipeline": {alone_seconds, together_seconds}, "samples": [{transport, op, ranks, bytes, seconds}]},
 // each figure the median of its repeats (time_sliced_work_seconds: a total,
 // the ranks' mean; alone_work_seconds: the same piece on rank 0 while the
-// others wait).
+// others wait; split_backward: the second stage's B and I + W over a step
+// on rank 0 alone, see layer_pipeline_times).
 //
 //   dtrain run --nproc-per-node 2 dtrain_plan_calibrate --out F
 #include <ATen/ATen.h>
@@ -255,21 +256,25 @@ TORCH_MODULE(CalibrationLayer);
 // backward cost] and Note [Concurrency of pipeline stages] in
 // src/plan/calibration.cpp): each rank a pipeline of its own (a group of
 // one: no sends, no waits) with two stages of two CalibrationLayers each, 4
-// micro-batches of 6 sequences of 64 tokens; a step timed in this thread's
-// CPU time (others' work on the host slows it much less than wall time).
-// First rank 0 alone (the others wait in a barrier, asleep) and then every
-// rank at once, under the interleaved schedule (each backward whole); then,
-// every rank at once, by turns the interleaved schedule and ZB-H1 (the
+// micro-batches of 6 sequences of 64 tokens; timed in this thread's CPU time
+// (others' work on the host slows it much less than wall time).
+// Concurrency: interleaved steps (each backward whole), kRounds x kSteps of
+// them on rank 0 alone (the others wait in a barrier, asleep), then as many
+// on every rank at once; each the median step (together: the ranks' mean).
+// The split: on rank 0 alone (no concurrency: the cost model applies that
+// factor itself), by turns kSteps interleaved and kSteps ZB-H1 steps (the
 // second stage's backward split in I, with the captured gradients, and W
-// from them), 9 rounds of 4 steps each: the ZB step is the interleaved
-// one's median plus the median over rounds of each round's excess. Medians;
-// each the ranks' mean
-// (alone: rank 0's). `captured`: the nodes the split captures in a step (4
-// micro-batches x 12 on the second stage).
+// from them), kRounds rounds, with the executor's trace: the second stage's
+// sum of B over a step against its sum of I + W, each action in thread CPU
+// time, so ZB's other differences (its forwards over a larger working set,
+// the first stage's W) stay out. `whole`: the median ΣB; `split`: that plus
+// the median over rounds of each round's median excess (a drift of the
+// host's speed between rounds cancels). `captured`: the nodes the executor's
+// I captured on the second stage over a step.
 struct LayerPipelineTimes {
-  double alone = 0, together = 0;  // an interleaved step
-  double whole = 0, split = 0;     // an interleaved and a ZB step, every rank at once
-  int captured = 0;
+  double alone = 0, together = 0;  // an interleaved step: rank 0 alone, every rank at once
+  double whole = 0, split = 0;     // the second stage's ΣB and Σ(I + W) over a step, rank 0 alone
+  int captured = 0;                // rank 0's; 0 elsewhere
 };
 LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
   using namespace dtrain::pipeline;
@@ -281,16 +286,28 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
     stage_1->push_back(CalibrationLayer());
   }
   auto make = [&](ScheduleKind kind) {
-    return Pipeline({{.module = stage_0}, {.module = stage_1}}, mesh["pp"], {.schedule = kind, .micro_batches = kMicro},
+    return Pipeline({{.module = stage_0}, {.module = stage_1}}, mesh["pp"],
+                    {.schedule = kind, .micro_batches = kMicro, .record_trace = true},
                     [](const at::Tensor& out, const at::Tensor&) { return out.square().mean(); });
   };
   Pipeline whole = make(ScheduleKind::kInterleaved1F1B), split = make(ScheduleKind::kZeroBubble);
   const at::Tensor x = at::randn({kMicro * 6, 64, CalibrationLayerImpl::kWidth}), y = at::zeros({kMicro * 6});
+  int captured = 0;
+  // One step; returns the second stage's backward (B, or I + W) in thread CPU time.
   auto run = [&](Pipeline& pipe, std::vector<double>* sink) {
     const double start = thread_cpu_seconds();
     pipe.step(x, y);
     for (auto& p : pipe.parameters()) p.mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
     if (sink != nullptr) sink->push_back(thread_cpu_seconds() - start);
+    double backward = 0;
+    int nodes = 0;
+    for (const TracedAction& t : pipe.trace()) {
+      if (t.action.stage != 1 || t.action.kind == ActionKind::kForward) continue;
+      backward += t.cpu_seconds;
+      nodes += t.captured_nodes;
+    }
+    if (&pipe == &split) captured = nodes;
+    return backward;
   };
   auto median_of = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -298,31 +315,33 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
   };
   run(whole, nullptr);  // warm-up: first-touch pages, oneDNN's primitive cache
   run(split, nullptr);
-  std::vector<double> alone, together, excess;
+  std::vector<double> alone, together, b_sums, excess;
   world.barrier();
-  if (world.rank() == 0)
+  if (world.rank() == 0) {
     for (int k = 0; k < kRounds * kSteps; ++k) run(whole, &alone);
-  world.barrier();
-  // ZB's excess per round (the difference of the round's medians, so that a
-  // drift of the host's speed between rounds cancels), its median over rounds.
-  for (int r = 0; r < kRounds; ++r) {
-    std::vector<double> w, z;
-    for (int k = 0; k < kSteps; ++k) run(whole, &w);
-    for (int k = 0; k < kSteps; ++k) run(split, &z);
-    together.insert(together.end(), w.begin(), w.end());
-    excess.push_back(median_of(z) - median_of(w));
+    for (int r = 0; r < kRounds; ++r) {
+      std::vector<double> b, iw;
+      for (int k = 0; k < kSteps; ++k) b.push_back(run(whole, nullptr));
+      for (int k = 0; k < kSteps; ++k) iw.push_back(run(split, nullptr));
+      b_sums.insert(b_sums.end(), b.begin(), b.end());
+      excess.push_back(median_of(iw) - median_of(b));
+    }
+    // The executor's own count (Note [Captured gradients] in cost_model.cpp
+    // counts the same nodes: 6 per layer without a gated MLP).
+    DTRAIN_INTERNAL_ASSERT(captured == kMicro * 6 * kLayersPerStage,
+                           "the split backward captured " << captured << " nodes on the calibration's second stage, "
+                                                          << kMicro * 6 * kLayersPerStage << " expected");
   }
-  const double whole_step = median_of(together);
-  at::Tensor all = at::tensor({static_cast<float>(whole_step), static_cast<float>(whole_step + median_of(excess)),
-                               static_cast<float>(median_of(alone))},
-                              at::kFloat);
+  world.barrier();
+  for (int k = 0; k < kRounds * kSteps; ++k) run(whole, &together);
+  at::Tensor all = at::tensor({static_cast<float>(median_of(together))}, at::kFloat);
   world.all_reduce(all).wait();
-  const double n = static_cast<double>(world.size());
-  return {.alone = all[2].item<float>(),  // rank 0's: the others added 0
-          .together = all[0].item<float>() / n,
-          .whole = all[0].item<float>() / n,
-          .split = all[1].item<float>() / n,
-          .captured = kMicro * 6 * kLayersPerStage};
+  const double b_step = median_of(b_sums);
+  return {.alone = median_of(alone),
+          .together = all[0].item<float>() / static_cast<double>(world.size()),
+          .whole = b_step,
+          .split = b_step + median_of(excess),
+          .captured = world.rank() == 0 ? captured : 0};
 }
 
 // Collectives as training meets them (Note [Collectives after compute] in

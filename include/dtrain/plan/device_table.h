@@ -87,9 +87,10 @@ struct DeviceSpec {
   // beyond the same backward run whole, per node whose output gradient it
   // captures, per micro-batch: W runs the autograd engine once from each such
   // node over the retained graph. Measured by `dtrain plan --calibrate` (Note
-  // [Split backward cost] in calibration.cpp: 40-60 us per node here, +14-18 %
-  // on a stage of two GPT example layers); 0: none (the GPU entries, whose
-  // host work runs ahead of the device's kernels; an uncalibrated host).
+  // [Split backward cost] in calibration.cpp: 36-43 us per node here, the
+  // split stage alone, on a stage of two GPT example layers); 0: none (the
+  // GPU entries, whose host work runs ahead of the device's kernels; an
+  // uncalibrated host).
   double split_backward_overhead = 0;
   // A CPU host's last-level cache (0: none modelled, as for the GPUs, whose
   // activations stream from HBM): an element-wise kernel whose operands fit

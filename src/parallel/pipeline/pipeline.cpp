@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <ctime>
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -27,6 +28,12 @@
 namespace dtrain::pipeline {
 
 namespace {
+
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 // Shape and dtype of a tensor as exchanged on the wire: [ndim, dtype, dims...].
 constexpr int kMaxDims = 8;
@@ -116,6 +123,7 @@ struct Pipeline::Impl {
   bool training = true, exchange_meta = true;
   int in_flight = 0, peak = 0;
   std::vector<TracedAction> trace;
+  int last_captured = 0;  // the running I's captured nodes (TracedAction::captured_nodes)
 
   int tag(Tag kind, int stage, int micro) const { return 1 + (int(kind) * n + stage) * m + micro; }
   // Ties: one tag per (kind, owner stage, tie index), above every activation tag.
@@ -398,6 +406,8 @@ void Pipeline::Impl::run(const std::vector<Action>& actions) {
     action_index = k;
     post_ahead(actions, k);
     const auto start = std::chrono::steady_clock::now();
+    const double cpu_start = options.record_trace ? thread_cpu_seconds() : 0;
+    last_captured = 0;
     switch (a.kind) {
       case ActionKind::kForward: forward(a); break;
       case ActionKind::kBackward:
@@ -409,7 +419,11 @@ void Pipeline::Impl::run(const std::vector<Action>& actions) {
       case ActionKind::kRecvGradient: recv(a); break;
     }
     if (options.record_trace && a.is_compute())
-      trace.push_back({.action = a, .start = start, .end = std::chrono::steady_clock::now()});
+      trace.push_back({.action = a,
+                       .start = start,
+                       .end = std::chrono::steady_clock::now(),
+                       .cpu_seconds = thread_cpu_seconds() - cpu_start,
+                       .captured_nodes = last_captured});
   }
   for (auto& [work, tensor] : sends) work.wait();
   sends.clear();
@@ -470,6 +484,7 @@ void Pipeline::Impl::backward(const Action& a) {
   if (a.kind == ActionKind::kBackwardInput) {
     if (has_input) {
       mb.split = detail::SplitBackward::prepare(mb.output, mb.input, params);
+      last_captured = mb.split ? mb.split->captured_nodes() : 0;
       mb.grad_input = torch::autograd::grad({mb.output}, {mb.input}, grads, /*retain_graph=*/true)[0];
     }
     return;  // the graph stays for W

@@ -119,6 +119,10 @@ std::unique_ptr<SplitBackward> SplitBackward::prepare(const at::Tensor& output, 
   return std::unique_ptr<SplitBackward>(new SplitBackward(std::move(impl)));
 }
 
+int SplitBackward::captured_nodes() const {
+  return static_cast<int>(impl_->intermediates.size());
+}
+
 void SplitBackward::backward_weights() {
   auto& engine = torch::autograd::Engine::get_default_engine();
   for (auto& inter : impl_->intermediates) {

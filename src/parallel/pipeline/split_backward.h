@@ -32,6 +32,8 @@ class SplitBackward {
   ~SplitBackward();
   // W: accumulates the parameters' gradients from what I captured. Once.
   void backward_weights();
+  // The nodes whose output gradient I captures (W runs the engine once each).
+  int captured_nodes() const;
 
   struct Impl;
 

@@ -121,6 +121,13 @@ struct PipelineOptions {
 struct TracedAction {
   Action action;
   std::chrono::steady_clock::time_point start, end;
+  // The calling thread's CPU time the action took (CLOCK_THREAD_CPUTIME_ID):
+  // on a shared host, still one core's rate where wall time is not.
+  double cpu_seconds = 0;
+  // For I (ActionKind::kBackwardInput): the autograd nodes whose output
+  // gradient the split backward captured for W (0 where the stage has no
+  // input path and W runs the whole backward); 0 for other actions.
+  int captured_nodes = 0;
 };
 
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
