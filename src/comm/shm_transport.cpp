@@ -43,11 +43,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <random>
 #include <thread>
 
+#include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 #include "dtrain/log.h"
 #include "shm_util.h"
@@ -150,11 +152,19 @@ std::unique_ptr<SharedMemoryTransport> SharedMemoryTransport::create(const ShmBo
   out->rank_ = b.rank;
   out->size_ = b.size;
   out->timeout_ = b.timeout;
-  // See Note [Barrier waits]; the ranks share this host, so its CPUs.
+  // See Note [Barrier waits]; the ranks share this host, so its CPUs, and
+  // so may the launcher's other processes on it (a group of 2 among 4
+  // processes of a pipeline-and-data job on 2 cores).
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
   const int usable = ::sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  out->spin_ = b.size <= usable ? std::chrono::microseconds(50) : std::chrono::microseconds(1);
+  int processes = b.size;
+  try {
+    processes = std::max(processes, read_env_contract().local_world_size);
+  } catch (const ConfigError&) {
+    // No launcher's variables (ranks as threads of one process): the group's.
+  }
+  out->spin_ = processes <= usable ? std::chrono::microseconds(50) : std::chrono::microseconds(1);
   return out;
 }
 
@@ -163,7 +173,7 @@ SharedMemoryTransport::~SharedMemoryTransport() = default;
 // Note [Barrier waits]
 // A rank arriving at a barrier publishes its phase, then waits for every
 // peer's. Most peers arrive within microseconds (the ranks run the same
-// collective), so a waiter first spins (kSpin); after that it sleeps on the
+// collective), so a waiter first spins (spin_); after that it sleeps on the
 // peer's futex word, which the peer wakes when it arrives. That costs one
 // scheduler wake-up (tens of microseconds) instead of polling with sleeps,
 // whose granularity (timer slack, ~50 us) was the floor of every small
@@ -183,7 +193,10 @@ SharedMemoryTransport::~SharedMemoryTransport() = default;
 // waiter that kept the CPU while the peer's (or its own rank's) thread waited
 // for it made 4-64 KiB all-reduces 2x slower (bench collectives p50 0.07 ->
 // 0.16 ms; with the yield 0.085). With more ranks than CPUs a spinning
-// waiter would hold the CPU its peer needs to arrive, so there it stays ~1 us.
+// waiter would hold the CPU its peer needs to arrive, so there it stays ~1 us;
+// "ranks" counts the launcher's processes on this host (LOCAL_WORLD_SIZE)
+// when there are more of them than the group has. One spin per barrier, not
+// one per peer.
 void SharedMemoryTransport::barrier() {
   constexpr std::chrono::microseconds kNap{2000};
   ++phase_;
@@ -192,6 +205,7 @@ void SharedMemoryTransport::barrier() {
   mine.word.store(static_cast<std::uint32_t>(phase_));
   if (mine.waiters.load() > 0) futex_wake_all(&mine.word);
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  const auto spin_until = std::chrono::steady_clock::now() + spin_;
   for (int r = 0; r < size_; ++r) {
     Control& peer = region_->control[r];
     auto arrived = [&] { return peer.phase.load(std::memory_order_acquire) >= phase_; };
@@ -202,7 +216,6 @@ void SharedMemoryTransport::barrier() {
                                      : std::string();
     };
     if (arrived()) continue;
-    const auto spin_until = std::chrono::steady_clock::now() + spin_;
     for (unsigned spins = 1; !arrived(); ++spins) {
       if ((spins & 255) != 0) continue;
       if (std::chrono::steady_clock::now() > spin_until) break;

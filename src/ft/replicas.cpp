@@ -57,6 +57,7 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <system_error>
 #include <utility>
 
 #include "dtrain/error.h"
@@ -94,16 +95,7 @@ FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaSt
 }
 
 FaultTolerantReplicas::~FaultTolerantReplicas() {
-  if (ahead_.valid()) {
-    // A caller that stops before reading its asked-ahead quorum (an error
-    // elsewhere): its thread stops waiting within a slice.
-    client_.abandon_waits(true);
-    try {
-      ahead_.get();
-    } catch (const std::exception&) {
-    }
-    client_.abandon_waits(false);
-  }
+  drop_asked_ahead();
   if (times_.steps == 0) return;
   const auto per_step = [this](double ms) {
     std::ostringstream out;
@@ -116,6 +108,20 @@ FaultTolerantReplicas::~FaultTolerantReplicas() {
                     << per_step(times_.recovery_ms) << ", flatten " << per_step(times_.flatten_ms) << ", all-reduce "
                     << per_step(times_.all_reduce_ms) << ", unflatten " << per_step(times_.unflatten_ms) << ", vote "
                     << per_step(times_.vote_ms) << ", ask ahead " << per_step(times_.ask_ahead_ms);
+}
+
+void FaultTolerantReplicas::drop_asked_ahead() {
+  if (!ahead_.valid()) return;
+  // A caller that stops before reading its asked-ahead quorum (an error
+  // elsewhere, or finish() before max_steps): the thread stops waiting
+  // within a wait slice (or, inside a withdrawal or a failover search, at
+  // that call's own bound), and the client is this thread's again.
+  client_.abandon_waits(true);
+  try {
+    ahead_.get();
+  } catch (const std::exception&) {
+  }
+  client_.abandon_waits(false);
 }
 
 void FaultTolerantReplicas::resume_at(std::int64_t step) {
@@ -214,6 +220,14 @@ Quorum FaultTolerantReplicas::join_quorum(std::int64_t agreed, std::int64_t newe
     } catch (const ReplicaStateLostError& e) {
       text = "lost\n" + e.message() + "\n" + e.hint();
       ended = std::current_exception();
+    } catch (const std::exception& e) {
+      // The lighthouse did not answer (TimeoutError), no candidate is left
+      // (CommunicationError), ...: the other ranks must not wait in the
+      // broadcast below for a rank that is leaving.
+      text = std::string("error\nrank 0 of replica group ") + std::to_string(replica_id()) +
+             " could not get the step's quorum from the lighthouse: " + e.what() +
+             "\nsee rank 0's log; the launcher restarts the replica group";
+      ended = std::current_exception();
     }
   }
   text = broadcast_text(*options_.replica_group, text);
@@ -222,7 +236,8 @@ Quorum FaultTolerantReplicas::join_quorum(std::int64_t agreed, std::int64_t newe
     const auto nl2 = text.find('\n', nl + 1);
     const std::string message = text.substr(nl + 1, nl2 - nl - 1), hint = text.substr(nl2 + 1);
     if (text.rfind("finished", 0) == 0) throw TrainingFinishedError(message, hint);
-    throw ReplicaStateLostError(message, hint);
+    if (text.rfind("lost", 0) == 0) throw ReplicaStateLostError(message, hint);
+    throw CommunicationError(message, hint);
   }
   std::istringstream where(text);
   std::size_t index = 0;
@@ -556,6 +571,10 @@ void FaultTolerantReplicas::wait_watching_members(dist::Work& work, const std::s
 }
 
 void FaultTolerantReplicas::finish() {
+  // The client serves one thread at a time: a request asked ahead for a step
+  // that will not run is dropped first.
+  drop_asked_ahead();
+  asked_ahead_ = answer_pending_ = false;
   if (local_rank() == 0) client_.finish(step_);
 }
 
@@ -600,11 +619,19 @@ bool FaultTolerantReplicas::should_commit() {
       if (local_rank() == 0) {
         Timed time(times_.ask_ahead_ms);
         if (options_.overlap_quorum) {
-          ahead_ = std::async(std::launch::async, [this, step = step_, identity = log::identity()] {
-            log::ScopedIdentity as(identity);
-            client_.ask_ahead(step);
-            return client_.quorum(step, false);
-          });
+          try {
+            ahead_ = std::async(std::launch::async, [this, step = step_, identity = log::identity()] {
+              log::ScopedIdentity as(identity);
+              client_.ask_ahead(step);
+              return client_.quorum(step, false);
+            });
+          } catch (const std::system_error& e) {
+            // No thread to be had: the step is committed, so ask on this one
+            // (the answer is then read on it too, where it would have been).
+            DTRAIN_LOG(kWarning) << "replica " << replica_id()
+                                 << ": no thread for the quorum asked ahead, asking on the caller's: " << e.what();
+            client_.ask_ahead(step_);
+          }
         } else {
           client_.ask_ahead(step_);
         }

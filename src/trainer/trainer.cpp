@@ -440,11 +440,9 @@ struct Trainer::Run {
                         {"epoch", source.state().epoch},
                         {"step", position.step},
                         {"t_ns", t},
+                        {"pid", static_cast<std::int64_t>(::getpid())},
                         {"indices", step_indices}};
-    if (ft) {
-      line["replica"] = ft->replica_id();
-      line["pid"] = static_cast<std::int64_t>(::getpid());
-    }
+    if (ft) line["replica"] = ft->replica_id();
     if (ft || replay) line["members"] = step_members;
     sample_log << line.dump() << '\n' << std::flush;
     step_indices.clear();

@@ -462,14 +462,23 @@ TEST(FtReplicas, QuorumReadAtTheAllReduceRunsTheStepAgainInANewGroup) {
   auto apply = [](at::Tensor& w, const at::Tensor& mean) { w.sub_(mean * 0.01f); };
   auto store = dist::Store::in_memory();
   Lighthouse lighthouse(store, any_replicas_one_second_heartbeats());
-  std::atomic<std::int64_t> a_step{0};
   std::atomic<bool> b_started{false};
   std::vector<at::Tensor> final_w(2);
   std::vector<int> members_of_step;  // replica 0's, per committed step
   std::vector<int> redone(2, 0), failed(2, 0), recoveries(2, 0), commits(2, 0);
   testing::run_rank_threads(2, [&](int replica, dist::Store) {
     if (replica == 1) {
-      while (a_step.load() < kJoinAt) std::this_thread::sleep_for(milliseconds(5));
+      // Once step kJoinAt's quorum (replica 0's request asked ahead at its
+      // commit of step kJoinAt - 1) has been formed without replica 1: had
+      // replica 1 registered before the lighthouse answered that request,
+      // step kJoinAt would already have had both.
+      const auto formed = [&] {
+        for (const auto& q : lighthouse.history()) {
+          if (q.max_step() == kJoinAt) return true;
+        }
+        return false;
+      };
+      while (!formed()) std::this_thread::sleep_for(milliseconds(5));
     }
     LighthouseClient client(store, store, {.replica_id = replica, .commit_timeout = milliseconds(3000)});
     at::Tensor w = at::zeros({5});
@@ -497,7 +506,6 @@ TEST(FtReplicas, QuorumReadAtTheAllReduceRunsTheStepAgainInANewGroup) {
       apply(w, grads[0]);
       if (replica == 0) {
         members_of_step.push_back(static_cast<int>(replicas.quorum().members.size()));
-        a_step = replicas.step();
       }
     }
     final_w[replica] = w;

@@ -211,6 +211,10 @@ struct LighthouseClientOptions {
 // heartbeats at the first quorum(). `heartbeat_store` is a second connection
 // to the same store for the heartbeat thread (may be `store` itself for an
 // in-memory store), so heartbeats never queue behind a blocking wait.
+// Used by one thread at a time (its calls share the connection and the
+// lost-lighthouse state); abandon_waits() alone may come from another.
+// FaultTolerantReplicas owns it on its asking thread while a request asked
+// ahead is out, and takes it back (abandon_waits) before any other call.
 class LighthouseClient {
  public:
   LighthouseClient(dist::Store store, dist::Store heartbeat_store, LighthouseClientOptions options);
@@ -237,8 +241,10 @@ class LighthouseClient {
   void ask_ahead(std::int64_t step);
   // From another thread: a quorum() waiting for its answer gives up within
   // a wait slice (TimeoutError), leaving its request to the lighthouse (its
-  // peers' next step then fails at the group and aborts). For an owner that
-  // is going away while its thread waits; clear it before asking again.
+  // peers' next step then fails at the group and aborts); a call inside a
+  // withdrawal or a failover search ends at that call's own bound
+  // (quorum_timeout, failover_timeout). For an owner that is going away
+  // while its thread waits; clear it before asking again.
   void abandon_waits(bool abandon) { abandon_ = abandon; }
   // The commit vote of a step run in quorum `q`: true when every member
   // voted ok; every member gets the same answer (Note [Commit vote]).

@@ -120,7 +120,7 @@ struct FaultTolerantOptions {
 // logs them when destroyed (docs/fault_tolerance.md, "Where the time goes").
 struct FaultTolerantTimes {
   std::int64_t steps = 0;    // start_step() calls
-  double quorum_ms = 0;      // start_step(): the quorum (its answer's wait and read)
+  double quorum_ms = 0;      // the quorum, its answer's wait and read (start_step(), or at the all-reduce)
   double group_ms = 0;       // start_step(): making a new quorum's group
   double recovery_ms = 0;    // start_step() and after: live recovery, either side
   double flatten_ms = 0;     // all_reduce_gradients(): gradients into the flat buffer
@@ -143,7 +143,12 @@ class FaultTolerantReplicas {
   // does not answer.
   void start_step();
   // In place: the mean of `tensors` over the quorum's members (one flat
-  // all-reduce). Failures are recorded, not thrown (see should_commit).
+  // all-reduce). Failures of the group and the all-reduce are recorded, not
+  // thrown (see should_commit). With overlap_quorum the step's quorum may be
+  // read here, so the lighthouse's errors that start_step() throws
+  // (TimeoutError, CommunicationError when no candidate is left,
+  // TrainingFinishedError, ReplicaStateLostError) may come from here and
+  // from should_commit(), on every rank of a replica group alike.
   void all_reduce_gradients(std::vector<at::Tensor>& tensors);
   // The commit vote: true when every member's step succeeded; then apply
   // the optimizer step. step() counts the committed steps.
@@ -175,6 +180,9 @@ class FaultTolerantReplicas {
   Quorum join_quorum(std::int64_t agreed, std::int64_t newest);
   // Makes quorum_'s group when its id changed, then recovers or serves.
   void enter_quorum();
+  // Stops the thread of a request asked ahead that will not be read (the
+  // LighthouseClient serves one thread at a time).
+  void drop_asked_ahead();
   // Reads the answer start_step() left pending (overlap_quorum): the step
   // goes on when it is the last quorum again; otherwise it is held for the
   // next start_step() and this step is redone.

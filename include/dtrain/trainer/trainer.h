@@ -80,8 +80,10 @@ struct TrainerOptions {
   std::filesystem::path trace_file;       // Chrome trace, one per rank (trace.rank<R>.json)
   // Audit of the data each step trained on, for elastic and fault-injected
   // runs: rank R appends one JSON line per optimizer step to
-  // <stem>.rank<R><ext>: {"round","rank","world","epoch","step","t_ns","indices"}
-  // (round: the launcher's DTRAIN_RDZV_ROUND, -1 without one). The step a
+  // <stem>.rank<R><ext>: {"round","rank","world","epoch","step","t_ns","pid","indices"}
+  // (round: the launcher's DTRAIN_RDZV_ROUND, -1 without one; pid: which
+  // incarnation of the rank trained it, for audits of killed ranks; under
+  // fault tolerance also "replica" and "members"). The step a
   // run last executed is the one its checkpoints hold (bench/chaos checks it).
   std::filesystem::path sample_log;
 
