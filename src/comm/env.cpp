@@ -194,8 +194,10 @@ LinearKernel linear_kernel(const EnvLookup& env) {
   const auto raw = env("DTRAIN_LINEAR_KERNEL");
   if (!raw || raw->empty() || *raw == "auto") return LinearKernel::kAuto;
   if (*raw == "aten") return LinearKernel::kAten;
+  if (*raw == "onednn") return LinearKernel::kOneDnn;
   throw ConfigError("DTRAIN_LINEAR_KERNEL='" + *raw + "' is not a kernel choice.",
-                    "set it to 'aten' (at::linear everywhere) or 'auto', or unset it");
+                    "set it to 'aten' (at::linear everywhere), 'onednn' (oneDNN's matmul wherever it runs) or "
+                    "'auto' (the faster for this CPU), or unset it");
 }
 
 FlightRecorderOptions flight_recorder_options(const EnvLookup& env) {

@@ -5,8 +5,15 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+#include <cstring>
+
 #include "dtrain/comm/env.h"
 #include "dtrain/error.h"
+#include "dtrain/log.h"
 #include "onednn_matmul.h"
 
 namespace dtrain::nn {
@@ -78,10 +85,56 @@ bool onednn_matmul_available() {
   return available;
 }
 
+// Note [Kernel by CPU vendor]
+// Which fp32 product is faster depends on the CPU, not on the model: ATen's
+// at::mm is MKL's sgemm, which takes its fast code paths on Intel's CPUs
+// only. Measured (bench/matmul and the GPT's step, one thread; docs/
+// performance.md): AMD EPYC family 26 (Zen 5) oneDNN 2.2x MKL, the GPT
+// 1.4-1.8x; family 25 model 17 (Zen 4) about even; family 25 model 1 (Zen 3)
+// oneDNN's fp32 path does not run (onednn_matmul_available()); Intel Xeon
+// family 6 model 207 MKL 5-20 % faster per product and the GPT step 3-15 %
+// faster on ATen's kernels (2026-11-28). So "auto" takes oneDNN on x86 CPUs
+// other than Intel's and at::linear on Intel's and elsewhere (another
+// architecture has neither measurement). A rule on cpuid rather than a
+// timing at start-up: every process of a job, and every run of a test that
+// compares two runs bit for bit, must take the same kernel, which a timing
+// on a busy host would not promise.
+std::string cpu_vendor() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return {};
+  char vendor[12];
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  return {vendor, sizeof vendor};
+#else
+  return {};
+#endif
+}
+
+bool onednn_preferred_for(const std::string& vendor) {
+  return !vendor.empty() && vendor != "GenuineIntel";
+}
+
 bool onednn_linear_enabled() {
-  // Read once: a process compares kernels by being started twice, never by
-  // switching mid-run (a model's products would mix summation orders).
-  static const bool enabled = onednn_matmul_available() && dist::linear_kernel() != dist::LinearKernel::kAten;
+  // Decided once: a process compares kernels by being started twice, never
+  // by switching mid-run (a model's products would mix summation orders).
+  static const bool enabled = [] {
+    switch (dist::linear_kernel()) {
+      case dist::LinearKernel::kAten:
+        return false;
+      case dist::LinearKernel::kOneDnn:
+        if (!onednn_matmul_available()) {
+          DTRAIN_LOG(kWarning) << "DTRAIN_LINEAR_KERNEL=onednn, but LibTorch's oneDNN matmul does not run fp32 on "
+                                  "this CPU: dtrain::nn::linear runs at::linear";
+        }
+        return onednn_matmul_available();
+      case dist::LinearKernel::kAuto:
+        break;
+    }
+    return onednn_matmul_available() && onednn_preferred_for(cpu_vendor());
+  }();
   return enabled;
 }
 

@@ -131,13 +131,14 @@ TEST(DefaultTimeout, FallbackAndOverride) {
   }
 }
 
-TEST(LinearKernel, AutoByDefaultAtenOnRequestAndMalformedRefused) {
+TEST(LinearKernel, AutoByDefaultAtenOrOneDnnOnRequestAndMalformedRefused) {
   using dtrain::dist::LinearKernel;
   EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({})), LinearKernel::kAuto);
   EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", ""}})), LinearKernel::kAuto);
   EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", "auto"}})), LinearKernel::kAuto);
   EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", "aten"}})), LinearKernel::kAten);
-  for (const char* bad : {"ATen", "onednn", "mkl", " aten"}) {
+  EXPECT_EQ(dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", "onednn"}})), LinearKernel::kOneDnn);
+  for (const char* bad : {"ATen", "oneDNN", "mkl", " aten"}) {
     try {
       dtrain::dist::linear_kernel(fake_env({{"DTRAIN_LINEAR_KERNEL", bad}}));
       ADD_FAILURE() << "no error for " << bad;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dtrain/amp/autocast.h"
+#include "dtrain/comm/env.h"
 #include "dtrain/error.h"
 #include "dtrain/nn/linear.h"
 
@@ -35,10 +36,14 @@ Operands leaves(const Operands& o) {
   return copy;
 }
 
-// GTEST_SKIP returns from the function it is in: a macro, so that it ends the test.
-#define DTRAIN_SKIP_WITHOUT_ONEDNN()          \
-  if (!dtrain::nn::onednn_matmul_available()) \
-  GTEST_SKIP() << "LibTorch's oneDNN matmul does not run here (no oneDNN, or a CPU its fp32 path refuses)"
+// GTEST_SKIP returns from the function it is in: a macro, so that it ends the
+// test. ctest runs these tests twice: as unit.Linear.* with the process's
+// choice (on an Intel CPU at::linear, so they skip) and as
+// unit.onednn.Linear.* with DTRAIN_LINEAR_KERNEL=onednn (tests/CMakeLists.txt).
+#define DTRAIN_SKIP_WITHOUT_ONEDNN()         \
+  if (!dtrain::nn::onednn_linear_enabled())  \
+  GTEST_SKIP() << "linear() does not take oneDNN here (no oneDNN, a CPU its fp32 path refuses, or the kernel "  \
+                  "chosen for this CPU is at::linear: DTRAIN_LINEAR_KERNEL=onednn takes it)"
 
 }  // namespace
 
@@ -126,15 +131,40 @@ TEST(Linear, IsAtLinearWhereOneDnnDoesNotApply) {
 
 // Where oneDNN's matmul does not run (probed), linear() is at::linear and
 // onednn_mm() says so; where it runs, the probe agrees with a real product.
+// linear() takes it exactly where the kernel switch says.
 TEST(Linear, ProbeDecidesThePath) {
   const at::Tensor x = at::randn({4, 5}), w = at::randn({3, 5});
-  EXPECT_EQ(linear_uses_onednn(x, w), dtrain::nn::onednn_matmul_available());
+  EXPECT_EQ(linear_uses_onednn(x, w), dtrain::nn::onednn_linear_enabled());
   if (dtrain::nn::onednn_matmul_available()) {
     EXPECT_TRUE(at::allclose(dtrain::nn::onednn_mm(x, w.t()), at::mm(x, w.t()), 1e-5, 1e-6));
   } else {
+    EXPECT_FALSE(dtrain::nn::onednn_linear_enabled());
     EXPECT_TRUE(at::equal(dnn::linear(x, w), at::linear(x, w)));
     EXPECT_THROW(dtrain::nn::onednn_mm(x, w.t()), dtrain::ConfigError);
   }
+}
+
+// Note [Kernel by CPU vendor]: "auto" takes oneDNN on x86 CPUs other than
+// Intel's; the switch decides as DTRAIN_LINEAR_KERNEL says.
+TEST(Linear, KernelFollowsTheSwitchAndTheCpuVendor) {
+  EXPECT_TRUE(dtrain::nn::onednn_preferred_for("AuthenticAMD"));
+  EXPECT_TRUE(dtrain::nn::onednn_preferred_for("HygonGenuine"));
+  EXPECT_FALSE(dtrain::nn::onednn_preferred_for("GenuineIntel"));
+  EXPECT_FALSE(dtrain::nn::onednn_preferred_for(""));
+#if defined(__x86_64__)
+  EXPECT_EQ(dtrain::nn::cpu_vendor().size(), 12u) << dtrain::nn::cpu_vendor();
+#endif
+  const bool available = dtrain::nn::onednn_matmul_available();
+  bool expected = false;
+  switch (dtrain::dist::linear_kernel()) {
+    case dtrain::dist::LinearKernel::kAten: expected = false; break;
+    case dtrain::dist::LinearKernel::kOneDnn: expected = available; break;
+    case dtrain::dist::LinearKernel::kAuto:
+      expected = available && dtrain::nn::onednn_preferred_for(dtrain::nn::cpu_vendor());
+      break;
+  }
+  EXPECT_EQ(dtrain::nn::onednn_linear_enabled(), expected) << "vendor " << dtrain::nn::cpu_vendor();
+  EXPECT_STREQ(dtrain::nn::linear_kernel_name(), expected ? "onednn" : "aten");
 }
 
 TEST(OnednnMm, RejectsWhatItCannotMultiply) {

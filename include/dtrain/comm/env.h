@@ -16,8 +16,9 @@
 // and dtrain's own:
 //   DTRAIN_TIMEOUT_SECONDS   overrides the default timeout of blocking calls.
 //   DTRAIN_LINEAR_KERNEL     "aten": dtrain::nn::linear runs at::linear
-//                            (benchmarks' like-for-like runs); "auto" or
-//                            unset: its own kernel where it is faster.
+//                            (benchmarks' like-for-like runs); "onednn":
+//                            oneDNN's matmul wherever it runs; "auto" or
+//                            unset: the faster of the two for this CPU.
 // Without RANK and WORLD_SIZE, the contract comes from the job scheduler's or
 // MPI launcher's own variables: Slurm's, then Open MPI's, then MPICH/PMI's
 // (cluster_env.h). One log line per read says which was used.
@@ -90,11 +91,12 @@ std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallback = s
 
 // Which products dtrain::nn::linear runs (nn/linear.h).
 enum class LinearKernel {
-  kAuto,  // oneDNN's matmul where it runs (fp32 CPU), at::linear elsewhere
-  kAten,  // always at::linear: what a PyTorch program runs, for like-for-like comparisons
+  kAuto,    // the faster kernel for this CPU (nn/linear.h: oneDNN's matmul on non-Intel x86, at::linear elsewhere)
+  kAten,    // always at::linear: what a PyTorch program runs, for like-for-like comparisons
+  kOneDnn,  // oneDNN's matmul wherever it runs (fp32 CPU), e.g. to measure it on an Intel CPU
 };
-// DTRAIN_LINEAR_KERNEL: "auto" (also when unset or empty) or "aten". Throws
-// ConfigError naming the value otherwise.
+// DTRAIN_LINEAR_KERNEL: "auto" (also when unset or empty), "aten" or
+// "onednn". Throws ConfigError naming the value otherwise.
 LinearKernel linear_kernel(const EnvLookup& env = process_env());
 
 namespace detail {

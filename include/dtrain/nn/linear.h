@@ -4,17 +4,22 @@
 // Why: ATen's fp32 CPU matmul goes to MKL's sgemm, which on AMD processors
 // takes a code path far below the machine (on this project's AMD EPYC, family
 // 26, AVX-512: ~100 GFLOP/s on one core), while oneDNN's matmul, also shipped
-// inside LibTorch, reaches ~230 GFLOP/s on the same shapes. linear() runs the
-// forward product and both backward products (dx = dy W, dW = dy^T x) on
-// oneDNN's matmul when it can, and is at::linear otherwise. The results are
-// those of a different summation order: equal to at::linear's within fp32
+// inside LibTorch, reaches ~230 GFLOP/s on the same shapes. On Intel's CPUs
+// MKL takes its fast path and is the faster of the two (Note [Kernel by CPU
+// vendor] in src/nn/linear.cpp). linear() runs the forward product and both
+// backward products (dx = dy W, dW = dy^T x) on oneDNN's matmul when
+// onednn_linear_enabled(), and is at::linear otherwise. The results are those
+// of a different summation order: equal to at::linear's within fp32
 // rounding, not bit for bit. bench/matmul prints both kernels' figures.
-// DTRAIN_LINEAR_KERNEL=aten (comm/env.h) makes linear() at::linear
-// everywhere, so a benchmark can compare dtrain with a PyTorch program on the
-// same kernels and tell the kernel's gain from the distributed layer's.
+// DTRAIN_LINEAR_KERNEL (comm/env.h) overrides the choice: "aten" makes
+// linear() at::linear everywhere, so a benchmark can compare dtrain with a
+// PyTorch program on the same kernels and tell the kernel's gain from the
+// distributed layer's; "onednn" takes oneDNN wherever it runs.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <string>
 
 namespace dtrain::nn {
 
@@ -31,11 +36,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // AVX-NE-CONVERT, such as AMD Zen 3).
 bool onednn_matmul_available();
 
-// Whether linear() may take oneDNN's path at all: onednn_matmul_available()
-// and DTRAIN_LINEAR_KERNEL is not "aten" (read once, at the first call;
-// ConfigError when malformed). "onednn" or "aten", as benchmarks report it.
+// Whether linear() may take oneDNN's path at all, decided once per process
+// (at the first call; ConfigError when DTRAIN_LINEAR_KERNEL is malformed):
+// onednn_matmul_available(), and DTRAIN_LINEAR_KERNEL "onednn", or "auto"
+// (or unset) on a CPU where oneDNN is the faster kernel
+// (onednn_preferred_for(cpu_vendor())). "onednn" or "aten", as benchmarks
+// report it.
 bool onednn_linear_enabled();
 const char* linear_kernel_name();
+
+// The CPU's vendor string from cpuid ("GenuineIntel", "AuthenticAMD", ...);
+// empty where there is none (not x86).
+std::string cpu_vendor();
+// Whether "auto" takes oneDNN on a CPU of `vendor`: x86 CPUs other than
+// Intel's (Note [Kernel by CPU vendor]).
+bool onednn_preferred_for(const std::string& vendor);
 
 // True when linear() would use oneDNN for these tensors: onednn_linear_enabled()
 // (above), all are dense fp32 CPU tensors, weight is 2-D, and CPU autocast
