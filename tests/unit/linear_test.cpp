@@ -40,9 +40,9 @@ Operands leaves(const Operands& o) {
 // test. ctest runs these tests twice: as unit.Linear.* with the process's
 // choice (on an Intel CPU at::linear, so they skip) and as
 // unit.onednn.Linear.* with DTRAIN_LINEAR_KERNEL=onednn (tests/CMakeLists.txt).
-#define DTRAIN_SKIP_WITHOUT_ONEDNN()         \
-  if (!dtrain::nn::onednn_linear_enabled())  \
-  GTEST_SKIP() << "linear() does not take oneDNN here (no oneDNN, a CPU its fp32 path refuses, or the kernel "  \
+#define DTRAIN_SKIP_WITHOUT_ONEDNN()                                                                           \
+  if (!dtrain::nn::onednn_linear_enabled())                                                                    \
+  GTEST_SKIP() << "linear() does not take oneDNN here (no oneDNN, a CPU its fp32 path refuses, or the kernel " \
                   "chosen for this CPU is at::linear: DTRAIN_LINEAR_KERNEL=onednn takes it)"
 
 }  // namespace
