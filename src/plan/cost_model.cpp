@@ -256,12 +256,13 @@ std::vector<Holding> walk_holdings(const pipeline::Schedule& s, int rank) {
 }
 
 struct CachedSchedule {
-  pipeline::Schedule schedule;
+  ReplayProgram program;                       // Note [Compiled replay] (replay.cpp)
   std::vector<std::vector<Holding>> holdings;  // per rank: its undominated moments
 };
 
 // Generating (and validating) a schedule costs more than replaying it: the
-// search asks for the same few thousand again and again.
+// search asks for the same few thousand again and again. The schedule itself
+// is not kept: its holdings and its compiled replay are all a plan needs.
 const CachedSchedule& cached_schedule(pipeline::ScheduleKind kind, int p, int v, int m) {
   static std::mutex mu;
   static std::map<std::tuple<int, int, int, int>, CachedSchedule> cache;
@@ -269,8 +270,9 @@ const CachedSchedule& cached_schedule(pipeline::ScheduleKind kind, int p, int v,
   const auto key = std::make_tuple(static_cast<int>(kind), p, v, m);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    CachedSchedule c{pipeline::make_schedule({.kind = kind, .ranks = p, .stages_per_rank = v, .micro_batches = m}), {}};
-    for (int r = 0; r < p; ++r) c.holdings.push_back(walk_holdings(c.schedule, r));
+    const auto schedule = pipeline::make_schedule({.kind = kind, .ranks = p, .stages_per_rank = v, .micro_batches = m});
+    CachedSchedule c{compile_replay(schedule), {}};
+    for (int r = 0; r < p; ++r) c.holdings.push_back(walk_holdings(schedule, r));
     it = cache.emplace(key, std::move(c)).first;
   }
   return it->second;
@@ -459,7 +461,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
           static_cast<double>(est.micro_batch) * model.seq / cp * model.hidden * e / (plan.sequence_parallel ? tp : 1),
           pp_link);
       const auto r =
-          replay(cached.schedule, {.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p});
+          replay(cached.program, {.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p});
       makespan = r.makespan;
       busy = r.busy;
       critical = static_cast<int>(std::max_element(r.end.begin(), r.end.end()) - r.end.begin());
