@@ -12,6 +12,7 @@
 #include "dtrain/error.h"
 #include "dtrain/plan/replay.h"
 #include "layer_cost.h"
+#include "replay_memo.h"
 
 namespace dtrain::plan {
 
@@ -293,6 +294,11 @@ double PlanEstimate::peak() const {
 
 PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cluster& cluster,
                       const CostOptions& options) {
+  return detail::estimate(plan, model, cluster, options, nullptr);
+}
+
+PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, const Cluster& cluster,
+                              const CostOptions& options, ReplayMemo* memo) {
   plan.check_well_formed(
       {.world = cluster.gpus,
        .model = {.layers = model.layers, .heads = model.heads, .width = model.hidden, .seq = model.seq}});
@@ -447,26 +453,28 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   double makespan = 0;
   std::vector<double> busy(plan.pp, 0);
   // What each pipeline rank holds at its moments (Note [Pipeline memory from
-  // the action list]); without a pipeline, one moment: a micro-step's
+  // the action list]): the cached schedule's, read in place (a copy per plan
+  // was 4 % of a search); without a pipeline, one moment: a micro-step's
   // activations and logits at the start of its backward (the gradients of
   // earlier micro-steps there under accumulation).
-  std::vector<std::vector<Holding>> holdings(
-      plan.pp,
-      std::vector<Holding>{Holding{.acts = 1, .last_acts = 1, .backward = 2, .grads = micro_steps > 1 ? 1 : 0}});
+  std::vector<std::vector<Holding>> one_moment;
+  const std::vector<std::vector<Holding>>* holdings = &one_moment;
   if (pipelined) {
     const auto& cached = cached_schedule(pipeline::parse_schedule_kind(plan.pipeline.schedule), plan.pp, v, m);
-    holdings = cached.holdings;
+    holdings = &cached.holdings;
     if (!options.memory_only) {
       const double p2p = detail::p2p_seconds(
           static_cast<double>(est.micro_batch) * model.seq / cp * model.hidden * e / (plan.sequence_parallel ? tp : 1),
           pp_link);
+      const ReplayOptions replay_options{.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p};
       const auto r =
-          replay(cached.program, {.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p});
+          memo != nullptr ? memo->replay(cached.program, replay_options) : replay(cached.program, replay_options);
       makespan = r.makespan;
       busy = r.busy;
       critical = static_cast<int>(std::max_element(r.end.begin(), r.end.end()) - r.end.begin());
     }
   } else {
+    one_moment.assign(1, {Holding{.acts = 1, .last_acts = 1, .backward = 2, .grads = micro_steps > 1 ? 1 : 0}});
     makespan = micro_steps * (times[0].forward + times[0].backward_input + times[0].backward_weight);
     busy[0] = makespan;
   }
@@ -557,7 +565,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
         best = part;
       }
     };
-    for (const Holding& h : holdings[r]) {
+    for (const Holding& h : (*holdings)[r]) {
       MemoryBreakdown part;
       part.grads = grads_from_backward ? mem.grads * h.grads / v : mem.grads;
       part.activations = h.acts * per_stage_layers * kept_layer + (h.backward > 0 ? none_layer - kept_layer : 0);
