@@ -12,6 +12,7 @@
 #include "dtrain/error.h"
 #include "dtrain/plan/replay.h"
 #include "layer_cost.h"
+#include "replay_memo.h"
 
 namespace dtrain::plan {
 
@@ -167,6 +168,25 @@ struct Holding {
   }
 };
 
+// Note [Undominated moments]
+// A rank's moments (one per action) are kept when no other moment holds as
+// much of everything, and of equal moments only the first: moment k stays
+// unless an earlier one holds at least as much or a later one holds at least
+// as much and more of something. Kept as they come, that is a front: a new
+// moment is dropped when one on the front holds at least as much (the earlier
+// moment that did is on it, or was dropped for one that holds more still),
+// else it drops the front's moments it holds more than and joins at the end.
+// The front stays a handful long, so a rank of a long schedule costs its
+// length times that, not its length squared (71 % of the search's time for
+// GPT 145.6B on 1,024 GPUs: thousands of micro-batches on up to 64 ranks).
+// The kept moments and their order are those of comparing every pair.
+void keep_if_undominated(std::vector<Holding>& front, const Holding& h) {
+  for (const Holding& f : front)
+    if (h.dominated_by(f)) return;
+  std::erase_if(front, [&](const Holding& f) { return f.dominated_by(h); });
+  front.push_back(h);
+}
+
 std::vector<Holding> walk_holdings(const pipeline::Schedule& s, int rank) {
   using pipeline::ActionKind;
   const auto& list = s.actions[rank];
@@ -179,11 +199,11 @@ std::vector<Holding> walk_holdings(const pipeline::Schedule& s, int rank) {
     if (!has_grads[stage]) ++now.grads;
     has_grads[stage] = true;
   };
-  std::vector<Holding> moments;
+  std::vector<Holding> kept;  // the undominated moments so far, in the order they came
   auto record = [&](int backward) {
     Holding h = now;
     h.backward = backward;
-    moments.push_back(h);
+    keep_if_undominated(kept, h);
   };
   for (std::size_t k = 0; k < list.size(); ++k) {
     for (std::size_t j = k; j < std::min(list.size(), k + kExecutorLookahead); ++j) {
@@ -233,25 +253,17 @@ std::vector<Holding> walk_holdings(const pipeline::Schedule& s, int rank) {
     }
   }
   record(0);
-  std::vector<Holding> kept;
-  for (std::size_t k = 0; k < moments.size(); ++k) {
-    bool dominated = false;
-    for (std::size_t j = 0; j < moments.size() && !dominated; ++j) {
-      // Of equal moments keep the first.
-      dominated = j != k && moments[k].dominated_by(moments[j]) && (!moments[j].dominated_by(moments[k]) || j < k);
-    }
-    if (!dominated) kept.push_back(moments[k]);
-  }
   return kept;
 }
 
 struct CachedSchedule {
-  pipeline::Schedule schedule;
+  ReplayProgram program;                       // Note [Compiled replay] (replay.cpp)
   std::vector<std::vector<Holding>> holdings;  // per rank: its undominated moments
 };
 
 // Generating (and validating) a schedule costs more than replaying it: the
-// search asks for the same few thousand again and again.
+// search asks for the same few thousand again and again. The schedule itself
+// is not kept: its holdings and its compiled replay are all a plan needs.
 const CachedSchedule& cached_schedule(pipeline::ScheduleKind kind, int p, int v, int m) {
   static std::mutex mu;
   static std::map<std::tuple<int, int, int, int>, CachedSchedule> cache;
@@ -259,8 +271,9 @@ const CachedSchedule& cached_schedule(pipeline::ScheduleKind kind, int p, int v,
   const auto key = std::make_tuple(static_cast<int>(kind), p, v, m);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    CachedSchedule c{pipeline::make_schedule({.kind = kind, .ranks = p, .stages_per_rank = v, .micro_batches = m}), {}};
-    for (int r = 0; r < p; ++r) c.holdings.push_back(walk_holdings(c.schedule, r));
+    const auto schedule = pipeline::make_schedule({.kind = kind, .ranks = p, .stages_per_rank = v, .micro_batches = m});
+    CachedSchedule c{compile_replay(schedule), {}};
+    for (int r = 0; r < p; ++r) c.holdings.push_back(walk_holdings(schedule, r));
     it = cache.emplace(key, std::move(c)).first;
   }
   return it->second;
@@ -281,6 +294,11 @@ double PlanEstimate::peak() const {
 
 PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cluster& cluster,
                       const CostOptions& options) {
+  return detail::estimate(plan, model, cluster, options, nullptr);
+}
+
+PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, const Cluster& cluster,
+                              const CostOptions& options, ReplayMemo* memo) {
   plan.check_well_formed(
       {.world = cluster.gpus,
        .model = {.layers = model.layers, .heads = model.heads, .width = model.hidden, .seq = model.seq}});
@@ -435,26 +453,28 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
   double makespan = 0;
   std::vector<double> busy(plan.pp, 0);
   // What each pipeline rank holds at its moments (Note [Pipeline memory from
-  // the action list]); without a pipeline, one moment: a micro-step's
+  // the action list]): the cached schedule's, read in place (a copy per plan
+  // was 4 % of a search); without a pipeline, one moment: a micro-step's
   // activations and logits at the start of its backward (the gradients of
   // earlier micro-steps there under accumulation).
-  std::vector<std::vector<Holding>> holdings(
-      plan.pp,
-      std::vector<Holding>{Holding{.acts = 1, .last_acts = 1, .backward = 2, .grads = micro_steps > 1 ? 1 : 0}});
+  std::vector<std::vector<Holding>> one_moment;
+  const std::vector<std::vector<Holding>>* holdings = &one_moment;
   if (pipelined) {
     const auto& cached = cached_schedule(pipeline::parse_schedule_kind(plan.pipeline.schedule), plan.pp, v, m);
-    holdings = cached.holdings;
+    holdings = &cached.holdings;
     if (!options.memory_only) {
       const double p2p = detail::p2p_seconds(
           static_cast<double>(est.micro_batch) * model.seq / cp * model.hidden * e / (plan.sequence_parallel ? tp : 1),
           pp_link);
+      const ReplayOptions replay_options{.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p};
       const auto r =
-          replay(cached.schedule, {.stage = times, .p2p_seconds = p2p, .blocking_sends = options.blocking_p2p});
+          memo != nullptr ? memo->replay(cached.program, replay_options) : replay(cached.program, replay_options);
       makespan = r.makespan;
       busy = r.busy;
       critical = static_cast<int>(std::max_element(r.end.begin(), r.end.end()) - r.end.begin());
     }
   } else {
+    one_moment.assign(1, {Holding{.acts = 1, .last_acts = 1, .backward = 2, .grads = micro_steps > 1 ? 1 : 0}});
     makespan = micro_steps * (times[0].forward + times[0].backward_input + times[0].backward_weight);
     busy[0] = makespan;
   }
@@ -545,7 +565,7 @@ PlanEstimate estimate(const ParallelPlan& plan, const ModelSpec& model, const Cl
         best = part;
       }
     };
-    for (const Holding& h : holdings[r]) {
+    for (const Holding& h : (*holdings)[r]) {
       MemoryBreakdown part;
       part.grads = grads_from_backward ? mem.grads * h.grads / v : mem.grads;
       part.activations = h.acts * per_stage_layers * kept_layer + (h.backward > 0 ? none_layer - kept_layer : 0);

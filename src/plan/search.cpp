@@ -7,6 +7,7 @@
 
 #include "dtrain/error.h"
 #include "dtrain/parallel/pipeline/schedule.h"
+#include "replay_memo.h"
 
 namespace dtrain::plan {
 
@@ -164,6 +165,7 @@ SearchResult search(const ModelSpec& model, const Cluster& cluster, const Search
   SearchResult result;
   CostOptions memory_only = options.cost;
   memory_only.memory_only = true;
+  detail::ReplayMemo memo;  // Note [Replay memo]
   enumerate(model, cluster, options, [&](const ParallelPlan& p) {
     ++result.considered;
     PlanEstimate e = estimate(p, model, cluster, memory_only);
@@ -172,7 +174,7 @@ SearchResult search(const ModelSpec& model, const Cluster& cluster, const Search
       if (!result.smallest || e.peak() < result.smallest->peak()) result.smallest = e;
       return;
     }
-    result.fitting.push_back(estimate(p, model, cluster, options.cost));
+    result.fitting.push_back(detail::estimate(p, model, cluster, options.cost, &memo));
   });
   std::sort(result.fitting.begin(), result.fitting.end(), better);
   if (result.smallest && result.fitting.empty())

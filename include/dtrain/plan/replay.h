@@ -11,8 +11,15 @@
 //   auto s = pipeline::make_schedule({.kind = ScheduleKind::k1F1B, .ranks = 4, .micro_batches = 8});
 //   auto r = replay(s, {.stage = per_stage_costs, .p2p_seconds = 1e-4});
 //   r.makespan;  // seconds from the first forward to the last backward
+//
+// A caller replaying one schedule many times (the planner's search) compiles
+// it once and replays the program (Note [Compiled replay] in replay.cpp):
+//
+//   const auto program = compile_replay(s);
+//   auto r = replay(program, {.stage = per_stage_costs, .p2p_seconds = 1e-4});
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "dtrain/parallel/pipeline/schedule.h"
@@ -43,8 +50,31 @@ struct ReplayResult {
   std::vector<int> peak_in_flight;
 };
 
-// InternalError if the replay stalls (validate() proves generated schedules
-// cannot deadlock).
+// A schedule's actions in an order in which each one's inputs come before
+// it, each naming the earlier steps it waits for: what a replay needs of the
+// schedule, worked out once. Independent of any duration.
+struct ReplayProgram {
+  enum class Op : std::uint8_t { kForward, kBackward, kWeight, kSend, kRecv };
+  struct Step {
+    Op op = Op::kForward;
+    std::uint32_t rank = 0;
+    std::uint32_t duration = 0;  // index into the replay's table: stage * 4 + (F, B, I, W)
+    // Earlier steps whose finishing time this one waits for (1 + their
+    // index; 0: none, time 0). kForward, kWeight, kRecv read `after`,
+    // kBackward the later of both.
+    std::uint32_t after = 0, also_after = 0;
+  };
+  int ranks = 0, stages = 0;
+  std::vector<Step> steps;
+  std::vector<int> peak_in_flight;  // per rank, as ReplayResult's
+};
+
+// InternalError if the schedule stalls (validate() proves generated
+// schedules cannot deadlock).
+ReplayProgram compile_replay(const pipeline::Schedule& schedule);
+
+ReplayResult replay(const ReplayProgram& program, const ReplayOptions& options);
+// compile_replay, then replay: for one replay of a schedule.
 ReplayResult replay(const pipeline::Schedule& schedule, const ReplayOptions& options);
 
 }  // namespace dtrain::plan

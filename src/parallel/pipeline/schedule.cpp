@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <iomanip>
 #include <limits>
-#include <map>
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -195,53 +194,54 @@ SimulationResult validate(const Schedule& s) {
   const int p = s.options.ranks, n = s.stage_count(), m = s.options.micro_batches;
   DTRAIN_CHECK(int(s.actions.size()) == p, ConfigError,
                "schedule has action lists for " << s.actions.size() << " ranks, expected " << p, "one list per rank");
-  using Key = std::tuple<ActionKind, int, int>;
-  std::map<Key, int> count;
+  // How often each (kind, stage, micro-batch) appears; flat, since the
+  // planner validates schedules of thousands of micro-batches.
+  constexpr int kKinds = 8;
+  std::vector<int> count(static_cast<std::size_t>(kKinds) * n * m, 0);
+  auto cell = [&](ActionKind k, int st, int i) { return (static_cast<std::size_t>(k) * n + st) * m + i; };
   for (int r = 0; r < p; ++r) {
     for (const Action& a : s.actions[r]) {
-      const std::string where = to_string(a) + " on rank " + std::to_string(r);
+      // The message is built only when a check fails.
+      auto where = [&] { return to_string(a) + " on rank " + std::to_string(r); };
       DTRAIN_CHECK(a.stage >= 0 && a.stage < n && a.micro >= 0 && a.micro < m, ConfigError,
-                   where << " is out of range (" << n << " stages, " << m << " micro-batches)", "fix the schedule");
+                   where() << " is out of range (" << n << " stages, " << m << " micro-batches)", "fix the schedule");
       DTRAIN_CHECK(s.rank_of_stage(a.stage) == r, ConfigError,
-                   where << ": stage " << a.stage << " lives on rank " << s.rank_of_stage(a.stage),
+                   where() << ": stage " << a.stage << " lives on rank " << s.rank_of_stage(a.stage),
                    "put each stage's actions on its own rank");
       int peer_stage = -1;
       if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kRecvGradient) peer_stage = a.stage + 1;
       if (a.kind == ActionKind::kRecvActivation || a.kind == ActionKind::kSendGradient) peer_stage = a.stage - 1;
       if (!a.is_compute()) {
-        DTRAIN_CHECK(peer_stage >= 0 && peer_stage < n, ConfigError, where << " has no peer stage",
+        DTRAIN_CHECK(peer_stage >= 0 && peer_stage < n, ConfigError, where() << " has no peer stage",
                      "the first stage receives no activation, the last no gradient");
         DTRAIN_CHECK(s.rank_of_stage(peer_stage) != r, ConfigError,
-                     where << " would transfer between rank " << r << " and itself (stages " << a.stage << " and "
-                           << peer_stage << ")",
+                     where() << " would transfer between rank " << r << " and itself (stages " << a.stage << " and "
+                             << peer_stage << ")",
                      "stages on one rank hand data over without send/recv");
       }
-      ++count[{a.kind, a.stage, a.micro}];
+      ++count[cell(a.kind, a.stage, a.micro)];
     }
   }
-  auto n_of = [&](ActionKind k, int st, int i) {
-    auto it = count.find({k, st, i});
-    return it == count.end() ? 0 : it->second;
-  };
+  auto n_of = [&](ActionKind k, int st, int i) { return count[cell(k, st, i)]; };
   for (int st = 0; st < n; ++st) {
     for (int i = 0; i < m; ++i) {
-      const std::string id = std::to_string(st) + "." + std::to_string(i);
+      auto id = [&] { return std::to_string(st) + "." + std::to_string(i); };
       const int f = n_of(ActionKind::kForward, st, i), b = n_of(ActionKind::kBackward, st, i);
       const int bi = n_of(ActionKind::kBackwardInput, st, i), bw = n_of(ActionKind::kBackwardWeight, st, i);
-      DTRAIN_CHECK(f == 1, ConfigError, "F" << id << " appears " << f << " times", "every forward runs once");
+      DTRAIN_CHECK(f == 1, ConfigError, "F" << id() << " appears " << f << " times", "every forward runs once");
       DTRAIN_CHECK((b == 1 && bi == 0 && bw == 0) || (b == 0 && bi == 1 && bw == 1), ConfigError,
-                   "backward of " << id << ": B " << b << "x, I " << bi << "x, W " << bw << "x",
+                   "backward of " << id() << ": B " << b << "x, I " << bi << "x, W " << bw << "x",
                    "each micro-batch needs one B, or one I and one W, per stage");
       if (st + 1 < n) {
         const int sf = n_of(ActionKind::kSendActivation, st, i), rf = n_of(ActionKind::kRecvActivation, st + 1, i);
         DTRAIN_CHECK(
             sf == rf && sf <= 1, ConfigError,
-            "SEND_F" << id << " appears " << sf << " times but RECV_F" << st + 1 << "." << i << " " << rf << " times",
+            "SEND_F" << id() << " appears " << sf << " times but RECV_F" << st + 1 << "." << i << " " << rf << " times",
             "every send needs exactly one matching receive");
         const int sb = n_of(ActionKind::kSendGradient, st + 1, i), rb = n_of(ActionKind::kRecvGradient, st, i);
         DTRAIN_CHECK(
             sb == rb && sb <= 1, ConfigError,
-            "SEND_B" << st + 1 << "." << i << " appears " << sb << " times but RECV_B" << id << " " << rb << " times",
+            "SEND_B" << st + 1 << "." << i << " appears " << sb << " times but RECV_B" << id() << " " << rb << " times",
             "every send needs exactly one matching receive");
       }
     }
