@@ -122,16 +122,14 @@ bool onednn_linear_enabled() {
   // by switching mid-run (a model's products would mix summation orders).
   static const bool enabled = [] {
     switch (dist::linear_kernel()) {
-      case dist::LinearKernel::kAten:
-        return false;
+      case dist::LinearKernel::kAten: return false;
       case dist::LinearKernel::kOneDnn:
         if (!onednn_matmul_available()) {
           DTRAIN_LOG(kWarning) << "DTRAIN_LINEAR_KERNEL=onednn, but LibTorch's oneDNN matmul does not run fp32 on "
                                   "this CPU: dtrain::nn::linear runs at::linear";
         }
         return onednn_matmul_available();
-      case dist::LinearKernel::kAuto:
-        break;
+      case dist::LinearKernel::kAuto: break;
     }
     return onednn_matmul_available() && onednn_preferred_for(cpu_vendor());
   }();

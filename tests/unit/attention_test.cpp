@@ -55,9 +55,9 @@ Qkv qkv_views(const at::Tensor& base, std::int64_t heads) {
   return r;
 }
 
-#define DTRAIN_SKIP_WITHOUT_ONEDNN_ATTENTION() \
-  if (!dtrain::nn::onednn_linear_enabled())    \
-  GTEST_SKIP() << "linear() does not take oneDNN here (unavailable, or at::linear chosen for this CPU; "  \
+#define DTRAIN_SKIP_WITHOUT_ONEDNN_ATTENTION()                                                           \
+  if (!dtrain::nn::onednn_linear_enabled())                                                              \
+  GTEST_SKIP() << "linear() does not take oneDNN here (unavailable, or at::linear chosen for this CPU; " \
                   "unit.onednn.CausalAttention.* runs it with DTRAIN_LINEAR_KERNEL=onednn)"
 
 }  // namespace
