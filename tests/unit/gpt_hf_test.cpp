@@ -87,7 +87,13 @@ TEST(GptHuggingFace, ImportsTransformersModel) {
 
 // A GPT2LMHeadModel made by transformers (random, no download) imported and
 // trained 5 steps in dtrain under ZeRO-3 on 2 ranks (each half of every
-// batch) equals the same 5 steps in Python (AdamW on the whole batch), rtol 1e-5.
+// batch) equals the same 5 steps in Python (AdamW on the whole batch): every
+// element within rtol 1e-5, atol 1e-6, plus twice Python's own drift between
+// the whole batch and its two halves averaged at that element. Adam divides
+// each gradient by its own scale, so an element whose gradient nearly cancels
+// moves by rounding noise of up to lr a step, whatever the order of summation
+// (ATen's and oneDNN's kernels land such elements on either side of a fixed
+// atol); Python's two orders measure that noise for each element.
 TEST(GptHuggingFace, TransformersModelTrainedUnderZero3EqualsPython) {
   const auto dir = temp_dir("gpt-hf", "train");
   run_peer("hf_peer.py", "train " + dir.string());
@@ -111,14 +117,16 @@ TEST(GptHuggingFace, TransformersModelTrainedUnderZero3EqualsPython) {
     auto full = sdp.full_state_dict();
     if (rank == 0) trained = std::move(full);
   });
-  gpt::Gpt reference(config);
+  gpt::Gpt reference(config), halves(config);
   gpt::load_hf(*reference, config, dir / "trained");
+  gpt::load_hf(*halves, config, dir / "trained_halves");
+  const auto halves_params = halves->named_parameters();
   std::size_t compared = 0;
   for (const auto& item : reference->named_parameters()) {
     const auto it = trained.find(item.key());
     if (it == trained.end()) continue;  // the tied head: the embedding's
     ++compared;
-    at::Tensor ours = it->second, theirs = item.value();
+    at::Tensor ours = it->second, theirs = item.value(), drift = (halves_params[item.key()] - theirs).abs();
     if (item.key().find("c_attn.bias") != std::string::npos) {
       // The key bias's gradient is zero in exact arithmetic (q . b_k shifts a
       // whole row of scores; softmax ignores it), so both sides step it by
@@ -128,9 +136,12 @@ TEST(GptHuggingFace, TransformersModelTrainedUnderZero3EqualsPython) {
       EXPECT_LE((ours.narrow(0, d, d) - theirs.narrow(0, d, d)).abs().max().item<double>(), 5 * 1e-3) << item.key();
       ours = at::cat({ours.narrow(0, 0, d), ours.narrow(0, 2 * d, d)});
       theirs = at::cat({theirs.narrow(0, 0, d), theirs.narrow(0, 2 * d, d)});
+      drift = at::cat({drift.narrow(0, 0, d), drift.narrow(0, 2 * d, d)});
     }
-    EXPECT_TRUE(at::allclose(ours, theirs, 1e-5, 1e-6))
-        << item.key() << ": max |diff| " << (ours - theirs).abs().max().item<double>();
+    const at::Tensor excess = (ours - theirs).abs() - (1e-6 + 1e-5 * theirs.abs() + 2 * drift);
+    EXPECT_LE(excess.max().item<double>(), 0.0)
+        << item.key() << ": max |diff| " << (ours - theirs).abs().max().item<double>() << ", Python's drift there "
+        << drift.flatten()[excess.argmax()].item<double>();
   }
   EXPECT_EQ(compared, trained.size());
   fs::remove_all(dir);

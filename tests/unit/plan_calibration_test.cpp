@@ -40,6 +40,20 @@ std::vector<CollectiveSample> calibration_samples(const Link& link, double noise
   return out;
 }
 
+// This project's 2-core CPU host (cpu-here with 2 cores, 8 GiB and a
+// shared-memory link of 6 GB/s and 60 us) and the bench GPT's shape.
+DeviceSpec two_core_host() {
+  DeviceSpec d = find_device("cpu-here");
+  d.compute_units = 2;
+  d.memory_bytes = 8LL << 30;
+  d.intra_node = {.bandwidth = 6e9, .latency = 60e-6};
+  return d;
+}
+ModelSpec bench_gpt_model() {
+  return ModelSpec::parse(
+      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+}
+
 TEST(PlanCalibration, FitRecoversTheLinkThatMadeTheTimes) {
   const Link truth{.bandwidth = 1.5e9, .latency = 120e-6};
   const Link exact = fit_ring_link(calibration_samples(truth, 0, 0));
@@ -148,12 +162,8 @@ TEST(PlanCalibration, HostRanksShareItsCoresAndMemory) {
 // shared cores; with no core to spare, DDP's gradient all-reduce and the cp
 // ring add to the step instead of hiding behind backward and attention.
 TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
-  DeviceSpec d = find_device("cpu-here");
-  d.compute_units = 2;
-  d.memory_bytes = 8LL << 30;
-  d.intra_node = {.bandwidth = 6e9, .latency = 60e-6};
-  const auto model = ModelSpec::parse(
-      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  DeviceSpec d = two_core_host();
+  const auto model = bench_gpt_model();
   auto run = [&](const DeviceSpec& dev, ParallelPlan p, int ranks) {
     p.precision = "fp32";
     // Buckets of 256 KiB: the gradients (3.2 MB) fill several, so with
@@ -221,12 +231,8 @@ TEST(PlanCalibration, ZeroBubbleWeightPassPaysTheSplitPerCapturedNode) {
   EXPECT_EQ(split_backward_overhead(4.7e-3, 4.1e-3, 12), 0);  // noise: none left over
   EXPECT_THROW(split_backward_overhead(4.1e-3, 4.7e-3, 0), InternalError);
   EXPECT_THROW(split_backward_overhead(0, 4.7e-3, 12), ConfigError);
-  DeviceSpec d = find_device("cpu-here");
-  d.compute_units = 2;
-  d.memory_bytes = 8LL << 30;
-  d.intra_node = {.bandwidth = 6e9, .latency = 60e-6};
-  const auto model = ModelSpec::parse(
-      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  DeviceSpec d = two_core_host();
+  const auto model = bench_gpt_model();
   auto run = [&](const DeviceSpec& dev, const std::string& schedule) {
     ParallelPlan p{.pp = 2, .precision = "fp32", .global_batch = 24};
     p.pipeline = {.schedule = schedule, .micro_batches = 4};
@@ -257,12 +263,9 @@ TEST(PlanCalibration, ZeroBubbleWeightPassPaysTheSplitPerCapturedNode) {
 // the loss (three small collectives over pp) and the tied embedding's
 // gradient (a send each way) beside the schedule's own sends.
 TEST(PlanCalibration, PipelineStepsPayTheirSmallExchanges) {
-  DeviceSpec d = find_device("cpu-here");
-  d.compute_units = 2;
-  d.memory_bytes = 8LL << 30;
-  d.intra_node = {.bandwidth = 6e9, .latency = 60e-6, .call_latency = 0.2e-3};
-  const auto model = ModelSpec::parse(
-      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  DeviceSpec d = two_core_host();
+  d.intra_node.call_latency = 0.2e-3;
+  const auto model = bench_gpt_model();
   ParallelPlan p{.pp = 2, .precision = "fp32", .global_batch = 24};
   p.pipeline = {.schedule = "1f1b", .micro_batches = 4};
   const auto e = estimate(p, model, {.device = d, .gpus = 2, .gpus_per_node = d.gpus_per_node});

@@ -10,7 +10,8 @@
       logits on a batch in DIR/reference.safetensors
   hf_peer.py train DIR   the same model saved to DIR, then 5 AdamW steps on
       the batches in DIR/batches.safetensors (written here), the trained model
-      saved to DIR/trained
+      saved to DIR/trained; the same steps on each batch's two halves with
+      their gradients averaged saved to DIR/trained_halves
 """
 import logging
 import sys
@@ -84,14 +85,21 @@ def train(d):
         batches[f"x{s}"] = torch.randint(0, 65, (TRAIN_BATCH, 16), generator=gen)
         batches[f"y{s}"] = torch.randint(0, 65, (TRAIN_BATCH, 16), generator=gen)
     save_file(batches, f"{d}/batches.safetensors")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    model.train()
-    for s in range(TRAIN_STEPS):
-        opt.zero_grad()
-        logits = model(batches[f"x{s}"]).logits
-        torch.nn.functional.cross_entropy(logits.reshape(-1, 65), batches[f"y{s}"].reshape(-1)).backward()
-        opt.step()
-    model.save_pretrained(f"{d}/trained")
+    # The reference on the whole batch, and the same steps with each batch in
+    # two halves whose gradients are averaged (the arithmetic of 2 data-parallel
+    # ranks): their spread is how far two exact-in-theory orders of summation
+    # drift apart in 5 Adam steps, the test's allowance beyond its rtol.
+    for halves, out in ((1, "trained"), (2, "trained_halves")):
+        model = random_gpt2()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        model.train()
+        for s in range(TRAIN_STEPS):
+            opt.zero_grad()
+            for x, y in zip(batches[f"x{s}"].chunk(halves), batches[f"y{s}"].chunk(halves)):
+                logits = model(x).logits
+                (torch.nn.functional.cross_entropy(logits.reshape(-1, 65), y.reshape(-1)) / halves).backward()
+            opt.step()
+        model.save_pretrained(f"{d}/{out}")
     print(f"transformers: trained {TRAIN_STEPS} steps")
 
 
