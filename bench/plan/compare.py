@@ -147,8 +147,23 @@ def main():
                         "much less than the wall time, against the model without the links' call_latency, the "
                         "waits for peers that are wall time but no CPU time)")
     p.add_argument("--calibrate", action="store_true", help="calibrate into the device file even if it exists")
+    p.add_argument("--attempts", type=int, default=1,
+                   help="with --check-time: calibrate (with --calibrate) and measure again, up to this many times in "
+                        "all, while a step time is out of bounds (a shared VM's speed can move between the "
+                        "calibration and the runs: the same calibration's cache rate spread 25-35 GB/s here)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    rc = run_once(args)
+    for attempt in range(2, args.attempts + 1):
+        if rc == 0 or args.check_time <= 0:
+            break
+        print(f"\nattempt {attempt} of {args.attempts}: calibrating and measuring again", file=sys.stderr, flush=True)
+        print(f"\n## attempt {attempt}\n", flush=True)
+        rc = run_once(args)
+    return rc
+
+
+def run_once(args):
     if not args.memory_only:  # memory does not depend on the rates
         args.device_file = args.device_file or os.path.join(args.build, "plan-cpu-here.json")
         if args.calibrate or not os.path.exists(args.device_file):
