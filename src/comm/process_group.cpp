@@ -1,7 +1,11 @@
 // init_process_group and subgroups; the operations are in collectives.cpp and p2p.cpp.
 #include "dtrain/comm/process_group.h"
 
+#include <ATen/ops/exp.h>
+#include <ATen/ops/zeros.h>
+
 #include <algorithm>
+#include <mutex>
 #include <set>
 
 #include "backends.h"
@@ -112,7 +116,24 @@ std::vector<int> iota(int n) {
   return v;
 }
 
+// Note [Vector math warm-up]
+// MKL's vector math (VML: ATen's fp32/fp64 exp, log, tanh, ... on x86
+// CPUs) sets itself up at its first call in a process, and not
+// thread-safely: when several threads make the first calls at once (ranks
+// as threads of one process, or one large exp split over OpenMP threads),
+// now and then one call computes a low-accuracy exp (~7e-5 relative, once;
+// seen in context parallelism's softmax merge, about once in 20-50 fresh
+// processes of 2-4 rank threads: a run that is no longer bit for bit the
+// same as the next). So the first call is made once, here, by the first
+// rank to join a world, on a tensor too small to be split over threads; the
+// other ranks' threads wait for it (std::call_once).
+void warm_up_vector_math() {
+  static std::once_flag once;
+  std::call_once(once, [] { static_cast<void>(at::exp(at::zeros({16}, at::kFloat))); });
+}
+
 ProcessGroup make_world(const Store& store, int rank, int world_size, GroupOptions options) {
+  warm_up_vector_math();
   validate(EnvContract{.rank = rank, .world_size = world_size, .local_rank = 0, .local_world_size = 1});
   log::set_rank(rank, world_size);
   if (options.gloo_host.empty() && std::getenv("GLOO_SOCKET_IFNAME") == nullptr &&
