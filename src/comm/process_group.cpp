@@ -1,8 +1,17 @@
 // init_process_group and subgroups; the operations are in collectives.cpp and p2p.cpp.
 #include "dtrain/comm/process_group.h"
 
+#include <ATen/ops/cos.h>
+#include <ATen/ops/erf.h>
 #include <ATen/ops/exp.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/expm1.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/log.h>
+#include <ATen/ops/log1p.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/sin.h>
+#include <ATen/ops/sqrt.h>
+#include <ATen/ops/tanh.h>
 
 #include <algorithm>
 #include <mutex>
@@ -117,19 +126,29 @@ std::vector<int> iota(int n) {
 }
 
 // Note [Vector math warm-up]
-// MKL's vector math (VML: ATen's fp32/fp64 exp, log, tanh, ... on x86
-// CPUs) sets itself up at its first call in a process, and not
-// thread-safely: when several threads make the first calls at once (ranks
-// as threads of one process, or one large exp split over OpenMP threads),
-// now and then one call computes a low-accuracy exp (~7e-5 relative, once;
-// seen in context parallelism's softmax merge, about once in 20-50 fresh
-// processes of 2-4 rank threads: a run that is no longer bit for bit the
-// same as the next). So the first call is made once, here, by the first
-// rank to join a world, on a tensor too small to be split over threads; the
-// other ranks' threads wait for it (std::call_once).
+// MKL's vector math (VML: ATen's exp, log, tanh, erf, ... on x86 CPUs)
+// resolves each function's kernel, per precision, at that function's first
+// call in a process, and not thread-safely: when several threads make the
+// first calls at once (ranks as threads of one process, or one large exp
+// split over OpenMP threads), now and then one chunk runs the low-accuracy
+// kernel (~7e-5 relative, once; seen in context parallelism's softmax merge
+// in about 1 of 20-50 fresh processes of 2-4 rank threads: a run no longer
+// bit for bit the next; pytorch/pytorch#188792: oneMKL before 2025.0). So the
+// first calls of the functions dtrain's models use are made once, here, by
+// the first rank to join a world, in fp32 and fp64 on tensors too small to
+// be split over threads; the other ranks' threads wait (std::call_once).
 void warm_up_vector_math() {
   static std::once_flag once;
-  std::call_once(once, [] { static_cast<void>(at::exp(at::zeros({16}, at::kFloat))); });
+  std::call_once(once, [] {
+    using Unary = at::Tensor (*)(const at::Tensor&);
+    for (const auto dtype : {at::kFloat, at::kDouble}) {
+      const at::Tensor x = at::full({16}, 0.5, at::TensorOptions().dtype(dtype));
+      for (const Unary f :
+           {at::exp, at::log, at::log1p, at::expm1, at::tanh, at::erf, at::sqrt, at::rsqrt, at::sin, at::cos}) {
+        static_cast<void>(f(x));
+      }
+    }
+  });
 }
 
 ProcessGroup make_world(const Store& store, int rank, int world_size, GroupOptions options) {

@@ -8,8 +8,9 @@
 int main(int argc, char** argv) {
   at::set_num_threads(1);
   // MKL's vector math sets itself up at its first call, not thread-safely
-  // (Note [Vector math warm-up], src/comm/process_group.cpp): tests that start
-  // threads before any process group exists need the first call made here.
+  // (Note [Vector math warm-up], src/comm/process_group.cpp, which makes the
+  // first calls as a world forms): tests whose threads compute before any
+  // group exists need exp's, the one their merges take, made here.
   static_cast<void>(at::exp(at::zeros({16})));
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
