@@ -142,10 +142,12 @@ std::int64_t last_level_cache_bytes() {
 }
 
 // Note [Calibration]
-// The compute rates are per rank while every rank of the run computes at
-// once (as in training): from the runs with no more ranks than cores, so
-// that the entry is one rank's own core; the cost model divides the cores
-// when a plan puts more ranks on the host (DeviceSpec::compute_units). The
+// The compute rates are one rank's with the host to itself (rank 0 of a run
+// with no more ranks than cores, the others asleep), so that the entry is
+// one rank's own core: the cost model runs a one-process plan at them,
+// divides them by concurrency_factor where ranks compute at once, and
+// divides the cores when a plan puts more ranks on the host
+// (DeviceSpec::compute_units). The
 // measured rates are achieved rates, so the GEMM and memory efficiencies are
 // 1; the attention kernels' are their measured rates over the products'.
 // Each is the rate of the kernel dtrain runs in training (oneDNN's products,
@@ -179,6 +181,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<nlohmann::json> after_compute;              // collectives after compute, every run
   std::vector<double> split_overhead;                     // per captured node, runs with ranks <= cores
   std::vector<double> layers_alone, layers_together;      // layer pipelines' step compute, runs with ranks <= cores
+  std::vector<double> layers_quotient;                    // their per-round quotients' medians (newer workers)
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -197,6 +200,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     if (n <= d.compute_units && r.contains("layer_pipeline")) {
       layers_alone.push_back(r.at("layer_pipeline").at("alone_seconds"));
       layers_together.push_back(r.at("layer_pipeline").at("together_seconds"));
+      if (r.at("layer_pipeline").contains("together_over_alone"))
+        layers_quotient.push_back(r.at("layer_pipeline").at("together_over_alone"));
     }
     if (r.contains("after_compute")) {
       nlohmann::json ac = r.at("after_compute");
@@ -240,7 +245,9 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // Note [Concurrency of pipeline stages] (calibration.cpp): measured on
   // pipelines of GPT example layers where the worker ran them, else on the
   // MLP piece.
-  if (!layers_alone.empty() && !layers_together.empty()) {
+  if (!layers_quotient.empty()) {
+    d.concurrency_factor = std::max(1.0, median(layers_quotient));  // drift cancelled per round (the worker's)
+  } else if (!layers_alone.empty() && !layers_together.empty()) {
     d.concurrency_factor = std::max(1.0, median(layers_together) / median(layers_alone));
   } else if (!work_fitting.empty() && !work_alone.empty()) {
     d.concurrency_factor = std::max(1.0, median(work_fitting) / median(work_alone));

@@ -1,9 +1,11 @@
 // The worker `dtrain plan --calibrate` launches (plan_command.cpp), one
-// process per rank under `dtrain run`: every rank times, at once as in
-// training, one thread's fp32 and bf16 matrix products at the GPT example's
-// shapes (fp32: rate and per-call cost), its two attention kernels,
-// streaming adds (memory and cache bandwidth) and a chain of tiny
-// differentiable ops (per-kernel overhead); then all_reduce and all_gather
+// process per rank under `dtrain run`: rank 0 times, with the host to
+// itself (the other ranks asleep), one thread's fp32 and bf16 matrix
+// products at the GPT example's shapes (fp32: rate and per-call cost), its
+// two attention kernels, streaming adds (memory and cache bandwidth) and a
+// chain of tiny differentiable ops (per-kernel overhead); every rank then
+// times what ranks computing at once cost (time slicing, contention on GPT
+// layers, the split backward) and all_reduce and all_gather
 // of 16 KiB .. 4 MiB over the world, by shared memory and by Gloo over
 // loopback. Rank 0 writes one JSON object to --out: {"world", "fp32_flops",
 // "gemm_overhead", "bf16_flops", "attention_flops",
@@ -11,7 +13,8 @@
 // "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
 // "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
 // collectives, bytes}, "split_backward": {whole_seconds, split_seconds,
-// captured}, "layer_pipeline": {alone_seconds, together_seconds}, "samples": [{transport, op, ranks, bytes, seconds}]},
+// captured}, "layer_pipeline": {alone_seconds, together_seconds,
+// together_over_alone}, "samples": [{transport, op, ranks, bytes, seconds}]},
 // each figure the median of its repeats (time_sliced_work_seconds: a total,
 // the ranks' mean; alone_work_seconds: the same piece on rank 0 while the
 // others wait; split_backward: the second stage's B and I + W over a step
@@ -258,9 +261,15 @@ TORCH_MODULE(CalibrationLayer);
 // one: no sends, no waits) with two stages of two CalibrationLayers each, 4
 // micro-batches of 6 sequences of 64 tokens; timed in this thread's CPU time
 // (others' work on the host slows it much less than wall time).
-// Concurrency: interleaved steps (each backward whole), kRounds x kSteps of
-// them on rank 0 alone (the others wait in a barrier, asleep), then as many
-// on every rank at once; each the median step (together: the ranks' mean).
+// Concurrency: interleaved steps (each backward whole), kRounds rounds of
+// kSteps on rank 0 alone (the others wait in a barrier, asleep) followed by
+// kSteps on every rank at once; per round, the median step of each phase
+// (together: the ranks' mean), and `together_over_alone` the median over the
+// rounds of each round's quotient. A host whose speed drifts (a shared VM:
+// 10-20 % between runs of one program, and the alone and together phases
+// measured one after the other read a factor of 1.00 to 1.24 within
+// minutes, 2026-11-28) slows both phases of a round alike, so the quotient
+// cancels it; `alone` and `together` are the medians over all rounds.
 // The split: on rank 0 alone (no concurrency: the cost model applies that
 // factor itself), by turns kSteps interleaved and kSteps ZB-H1 steps (the
 // second stage's backward split in I, with the captured gradients, and W
@@ -273,6 +282,7 @@ TORCH_MODULE(CalibrationLayer);
 // I captured on the second stage over a step.
 struct LayerPipelineTimes {
   double alone = 0, together = 0;  // an interleaved step: rank 0 alone, every rank at once
+  double together_over_alone = 0;  // the median over rounds of each round's quotient
   double whole = 0, split = 0;     // the second stage's ΣB and Σ(I + W) over a step, rank 0 alone
   int captured = 0;                // rank 0's; 0 elsewhere
 };
@@ -316,9 +326,30 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
   run(whole, nullptr);  // warm-up: first-touch pages, oneDNN's primitive cache
   run(split, nullptr);
   std::vector<double> alone, together, b_sums, excess;
+  // Per round: rank 0's median alone and this rank's median together, summed
+  // over the ranks below (rank 0's alone is the only non-zero one).
+  at::Tensor rounds = at::zeros({2, kRounds}, at::kDouble);
+  for (int r = 0; r < kRounds; ++r) {
+    world.barrier();
+    if (world.rank() == 0) {
+      std::vector<double> mine;
+      for (int k = 0; k < kSteps; ++k) run(whole, &mine);
+      rounds[0][r] = median_of(mine);
+      alone.insert(alone.end(), mine.begin(), mine.end());
+    }
+    world.barrier();
+    std::vector<double> mine;
+    for (int k = 0; k < kSteps; ++k) run(whole, &mine);
+    rounds[1][r] = median_of(mine);
+    together.insert(together.end(), mine.begin(), mine.end());
+  }
+  world.all_reduce(rounds).wait();
+  std::vector<double> quotients;
+  for (int r = 0; r < kRounds; ++r) {
+    quotients.push_back(rounds[1][r].item<double>() / static_cast<double>(world.size()) / rounds[0][r].item<double>());
+  }
   world.barrier();
   if (world.rank() == 0) {
-    for (int k = 0; k < kRounds * kSteps; ++k) run(whole, &alone);
     for (int r = 0; r < kRounds; ++r) {
       std::vector<double> b, iw;
       for (int k = 0; k < kSteps; ++k) b.push_back(run(whole, nullptr));
@@ -332,13 +363,12 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
                            "the split backward captured " << captured << " nodes on the calibration's second stage, "
                                                           << kMicro * 6 * kLayersPerStage << " expected");
   }
-  world.barrier();
-  for (int k = 0; k < kRounds * kSteps; ++k) run(whole, &together);
-  at::Tensor all = at::tensor({static_cast<float>(median_of(together))}, at::kFloat);
+  at::Tensor all = at::tensor({median_of(together), world.rank() == 0 ? median_of(alone) : 0.0}, at::kDouble);
   world.all_reduce(all).wait();
   const double b_step = median_of(b_sums);
-  return {.alone = median_of(alone),
-          .together = all[0].item<float>() / static_cast<double>(world.size()),
+  return {.alone = all[1].item<double>(),
+          .together = all[0].item<double>() / static_cast<double>(world.size()),
+          .together_over_alone = median_of(quotients),
           .whole = b_step,
           .split = b_step + median_of(excess),
           .captured = world.rank() == 0 ? captured : 0};
@@ -347,13 +377,18 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
 // Collectives as training meets them (Note [Collectives after compute] in
 // src/plan/calibration.cpp): every rank runs a piece of compute (~2 ms of
 // products), then a 16 KiB all_reduce, kPerRound times; and the same compute
-// without the collectives, as often; 5 rounds of each in turn, in wall time.
+// without the collectives, as often; kAfterComputeRounds rounds of each in turn, in wall time.
 // The ranks do not enter the collectives together: where they time-slice
 // the cores each arrives when its own compute got its share, and waits for
-// peers switched out. Returns the medians over the rounds of the two wall
-// times, each the ranks' mean: their difference is what the collectives cost
-// (other work on the host slows both alike, so it cancels in the medians).
-constexpr int kPerRound = 8;
+// peers switched out. Returns the median over the rounds of the compute-only
+// round's wall time and that plus the median over the rounds of each
+// round's difference (with collectives less without), each the ranks' mean:
+// that difference is what the collectives cost. A round with and one
+// without run back to back, so a drift of the host's speed slows both
+// alike and cancels in the difference (the difference of the two medians,
+// before, read the 2-rank wait 0 to 0.82 ms per collective over three
+// calibrations within minutes on a shared VM, 2026-11-28).
+constexpr int kPerRound = 8, kAfterComputeRounds = 9;
 std::pair<double, double> collectives_after_compute(dtrain::dist::ProcessGroup& group) {
   const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
   at::Tensor small = at::ones({4096});  // 16 KiB
@@ -371,17 +406,20 @@ std::pair<double, double> collectives_after_compute(dtrain::dist::ProcessGroup& 
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
   work();
-  std::vector<double> with, without;
-  for (int r = 0; r < 5; ++r) {
+  std::vector<double> without, extra;
+  for (int r = 0; r < kAfterComputeRounds; ++r) {
     without.push_back(round(false));
-    with.push_back(round(true));
+    extra.push_back(round(true) - without.back());
   }
-  std::sort(with.begin(), with.end());
-  std::sort(without.begin(), without.end());
-  at::Tensor both = at::tensor({static_cast<float>(with[2]), static_cast<float>(without[2])}, at::kFloat);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double compute = median(without);
+  at::Tensor both = at::tensor({compute + median(extra), compute}, at::kDouble);
   group.all_reduce(both).wait();
   const double n = static_cast<double>(group.size());
-  return {both[0].item<float>() / n, both[1].item<float>() / n};
+  return {both[0].item<double>() / n, both[1].item<double>() / n};
 }
 
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
@@ -411,6 +449,40 @@ nlohmann::json time_collectives(dtrain::dist::ProcessGroup& group, const char* t
     }
   }
   return samples;
+}
+
+// Every rate of the device entry, on this rank alone (see main).
+void measure_rates(nlohmann::json& result) {
+  const GemmFit fp32 = fit_linear_products(at::kFloat);
+  result["fp32_flops"] = fp32.flops;
+  result["gemm_overhead"] = fp32.overhead;
+  const auto [bf16_seconds, bf16_flops] = linear_products(at::kBFloat16, 768);
+  result["bf16_flops"] = bf16_flops / bf16_seconds;
+  result["attention_flops"] = flash_attention_rate();
+  result["materialized_attention_flops"] = materialized_attention_rate();
+  {
+    // Memory: operands of 3 x 64 MiB, past any last-level cache. Cache:
+    // 3 x 1 MiB, one of the GPT example's activation-sized element-wise
+    // kernels.
+    result["memory_bandwidth"] = add_bandwidth(192LL << 20);
+    result["cache_bandwidth"] = add_bandwidth(3LL << 20);
+    // Per-kernel overhead as training pays it: one eager op of a
+    // differentiable chain (dispatch, a fresh output, autograd's node and
+    // saved tensors), forward; and per op of its backward (the engine's
+    // node, its kernels, the gradient buffers). A bare at::add of 4
+    // elements outside autograd costs ~1 us here; in training an op costs
+    // ~3x that, the GPT example's fixed ~2 ms per step.
+    constexpr int kOps = 64;
+    const at::Tensor x = at::ones({4}).requires_grad_(), c = at::ones({4});
+    auto chain = [&] {
+      at::Tensor y = x;
+      for (int i = 0; i < kOps / 2; ++i) y = y * c + c;
+      return y.sum();
+    };
+    result["kernel_overhead"] = median_seconds(51, [&] { chain(); }) / kOps;
+    const double both = median_seconds(51, [&] { chain().backward(); });
+    result["backward_kernel_overhead"] = both / kOps - result["kernel_overhead"].get<double>();
+  }
 }
 
 }  // namespace
@@ -443,43 +515,24 @@ int main(int argc, char** argv) {
         {.timeout = timeout, .gloo_host = "127.0.0.1", .name = "gloo", .intra_host_shared_memory = false});
     nlohmann::json result{{"world", shm.size()}};
     shm.barrier();
-    const GemmFit fp32 = fit_linear_products(at::kFloat);
-    result["fp32_flops"] = fp32.flops;
-    result["gemm_overhead"] = fp32.overhead;
-    const auto [bf16_seconds, bf16_flops] = linear_products(at::kBFloat16, 768);
-    result["bf16_flops"] = bf16_flops / bf16_seconds;
-    result["attention_flops"] = flash_attention_rate();
-    result["materialized_attention_flops"] = materialized_attention_rate();
-    {
-      // Memory: operands of 3 x 64 MiB, past any last-level cache (every
-      // rank streams at once). Cache: 3 x 1 MiB, one of the GPT example's
-      // activation-sized element-wise kernels, in the cache while the other
-      // ranks stream theirs.
-      result["memory_bandwidth"] = add_bandwidth(192LL << 20);
-      result["cache_bandwidth"] = add_bandwidth(3LL << 20);
-      // Per-kernel overhead as training pays it: one eager op of a
-      // differentiable chain (dispatch, a fresh output, autograd's node and
-      // saved tensors), forward; and per op of its backward (the engine's
-      // node, its kernels, the gradient buffers). A bare at::add of 4
-      // elements outside autograd costs ~1 us here; in training an op costs
-      // ~3x that, the GPT example's fixed ~2 ms per step.
-      constexpr int kOps = 64;
-      const at::Tensor x = at::ones({4}).requires_grad_(), c = at::ones({4});
-      auto chain = [&] {
-        at::Tensor y = x;
-        for (int i = 0; i < kOps / 2; ++i) y = y * c + c;
-        return y.sum();
-      };
-      result["kernel_overhead"] = median_seconds(51, [&] { chain(); }) / kOps;
-      const double both = median_seconds(51, [&] { chain().backward(); });
-      result["backward_kernel_overhead"] = both / kOps - result["kernel_overhead"].get<double>();
-    }
+    // The rates are one rank's with the host to itself: rank 0 times them
+    // while the others wait in a barrier (asleep); the cost model divides
+    // them by DeviceSpec::concurrency_factor, measured below on GPT layers,
+    // for plans whose ranks compute at once, and runs a one-process plan at
+    // them. (Timed with every rank computing at once, as until 2026-11-28,
+    // they carried that contention into one-process plans and, with the
+    // factor, twice into the others: on a shared Intel VM the products read
+    // 113-184 GFLOP/s against ~190 alone, and the suite's one-process GPT
+    // was predicted 35-44 % slow.)
+    if (contract.rank == 0) measure_rates(result);
+    shm.barrier();
     result["alone_work_seconds"] = time_sliced_work_seconds(shm, /*alone=*/true);
     result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
     {
       const LayerPipelineTimes t = layer_pipeline_times(shm);
       result["split_backward"] = {{"whole_seconds", t.whole}, {"split_seconds", t.split}, {"captured", t.captured}};
-      result["layer_pipeline"] = {{"alone_seconds", t.alone}, {"together_seconds", t.together}};
+      result["layer_pipeline"] = {
+          {"alone_seconds", t.alone}, {"together_seconds", t.together}, {"together_over_alone", t.together_over_alone}};
     }
     {
       const auto [with_collectives, compute_only] = collectives_after_compute(shm);
