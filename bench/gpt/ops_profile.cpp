@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "dtrain/amp/autocast.h"
+#include "dtrain/host_memory.h"
 #include "dtrain/nn/attention.h"
 #include "fused_adamw.h"
 #include "model.h"
@@ -130,6 +131,7 @@ int main(int argc, char** argv) {
   // "bf16": forward and loss under CPU autocast (as examples/gpt --amp bf16).
   const bool bf16 = argc > 2 && std::string(argv[2]) == "bf16";
   at::set_num_threads(1);
+  dtrain::retain_freed_host_memory();  // as examples/gpt: the step it profiles, not glibc's page faults
   gpt::GptConfig config;
   gpt::Gpt model(config);
   gpt::init_weights(*model, config.n_layer, 1337);
