@@ -154,14 +154,14 @@ def main():
                         "absolute speed, which on a shared VM moves between the calibration and the runs")
     p.add_argument("--calibrate", action="store_true", help="calibrate into the device file even if it exists")
     p.add_argument("--attempts", type=int, default=1,
-                   help="with --check-time or --check-relative: calibrate (with --calibrate) and measure again, up to this many times in "
-                        "all, while a step time is out of bounds (a shared VM's speed can move between the "
+                   help="with --check-time or --check-relative: calibrate (with --calibrate) and measure again, "
+                        "up to this many times in all, while a step time is out of bounds (a shared VM's speed can move between the "
                         "calibration and the runs: the same calibration's cache rate spread 25-35 GB/s here)")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    rc = run_once(args)
     if args.check_relative > 0 and "single" not in args.plans.split(","):
         raise SystemExit("--check-relative needs the plan 'single' among --plans (the reference quotient)")
+    rc = run_once(args)
     for attempt in range(2, args.attempts + 1):
         if rc == 0 or (args.check_time <= 0 and args.check_relative <= 0):
             break

@@ -180,8 +180,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<double> work_alone;                         // alone_work_seconds of the runs with ranks <= cores
   std::vector<nlohmann::json> after_compute;              // collectives after compute, every run
   std::vector<double> split_overhead;                     // per captured node, runs with ranks <= cores
-  std::vector<double> layers_alone, layers_together;      // layer pipelines' step compute, runs with ranks <= cores
-  std::vector<double> layers_quotient;                    // their per-round quotients' medians (newer workers)
+  std::vector<double> layers_quotient;                    // layer pipelines' together / alone, runs with ranks <= cores
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -198,10 +197,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
           plan::split_backward_overhead(sb.at("whole_seconds"), sb.at("split_seconds"), sb.at("captured")));
     }
     if (n <= d.compute_units && r.contains("layer_pipeline")) {
-      layers_alone.push_back(r.at("layer_pipeline").at("alone_seconds"));
-      layers_together.push_back(r.at("layer_pipeline").at("together_seconds"));
-      if (r.at("layer_pipeline").contains("together_over_alone"))
-        layers_quotient.push_back(r.at("layer_pipeline").at("together_over_alone"));
+      layers_quotient.push_back(r.at("layer_pipeline").at("together_over_alone"));
     }
     if (r.contains("after_compute")) {
       nlohmann::json ac = r.at("after_compute");
@@ -247,8 +243,6 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // MLP piece.
   if (!layers_quotient.empty()) {
     d.concurrency_factor = std::max(1.0, median(layers_quotient));  // drift cancelled per round (the worker's)
-  } else if (!layers_alone.empty() && !layers_together.empty()) {
-    d.concurrency_factor = std::max(1.0, median(layers_together) / median(layers_alone));
   } else if (!work_fitting.empty() && !work_alone.empty()) {
     d.concurrency_factor = std::max(1.0, median(work_fitting) / median(work_alone));
   }
@@ -258,7 +252,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // core (with more, time slicing, not the work, would be timed).
   const std::string why = std::string(" not measured: no run with at most ") + std::to_string(d.compute_units) +
                           " processes (this host's cores) in --calibrate-ranks\n";
-  if (layers_alone.empty())
+  if (layers_quotient.empty())
     err << "dtrain plan --calibrate: concurrency_factor on the GPT-layer pipelines"
         << (work_alone.empty() ? " (1, none)" : " (the MLP piece's instead)") << why;
   if (split_overhead.empty()) err << "dtrain plan --calibrate: split_backward_overhead (0)" << why;

@@ -50,6 +50,12 @@ double thread_cpu_seconds() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
+// The upper median of `v` (0 when empty).
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
 // Compute is timed in this thread's CPU time: on a host shared with other
 // work (a loaded machine) that is still one core's rate, which wall time is
 // not; on a quiet host the two agree. The cost model shares the cores among
@@ -319,10 +325,6 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
     if (&pipe == &split) captured = nodes;
     return backward;
   };
-  auto median_of = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
   run(whole, nullptr);  // warm-up: first-touch pages, oneDNN's primitive cache
   run(split, nullptr);
   std::vector<double> alone, together, b_sums, excess;
@@ -411,12 +413,8 @@ std::pair<double, double> collectives_after_compute(dtrain::dist::ProcessGroup& 
     without.push_back(round(false));
     extra.push_back(round(true) - without.back());
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  const double compute = median(without);
-  at::Tensor both = at::tensor({compute + median(extra), compute}, at::kDouble);
+  const double compute = median_of(without);
+  at::Tensor both = at::tensor({compute + median_of(extra), compute}, at::kDouble);
   group.all_reduce(both).wait();
   const double n = static_cast<double>(group.size());
   return {both[0].item<double>() / n, both[1].item<double>() / n};
