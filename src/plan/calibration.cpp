@@ -49,28 +49,40 @@ Link fit_ring_link(const std::vector<CollectiveSample>& samples) {
 }
 
 // Note [Collectives after compute]
-// A run of compute, then a collective, repeated, against the same compute
-// without the collectives, both in wall time on every rank at once: the
-// difference, per collective, is what a collective costs when it follows
-// compute, as in training (other work on the host slows both runs alike).
-// The synchronised samples (every rank entering together after a barrier)
-// give the link's alpha and beta but leave out the wait for a peer that is
-// not there yet: asleep, or, with more ranks than cores, switched out by
-// time slicing; on 2 cores the 4-rank plans measured 15-40 % slower than
-// predicted from them, HSDP (the most collectives per step) the most. That
-// wait comes once per collective whatever its hops (a 2-rank gather among 4
-// time-sliced ranks waits as a 4-rank all-reduce does), so it is the link's
-// `call_latency`: the cost per collective less what the synchronised link
-// charges for it.
-double collectives_after_compute_latency(int ranks, double wall_seconds, double compute_wall_seconds, int collectives,
-                                         double bytes, const Link& synchronised) {
-  DTRAIN_CHECK(ranks >= 2 && collectives >= 1 && synchronised.bandwidth > 0, ConfigError,
-               "collectives after compute need 2+ ranks, 1+ collectives and a fitted link (got "
-                   << ranks << ", " << collectives << ", " << synchronised.bandwidth << " B/s).",
+// Collectives that follow compute, as in training, against the same compute
+// without them, on every rank at once. The synchronised samples (every rank
+// entering together after a barrier) give the link's alpha and beta but
+// leave out the wait for a peer that is not there yet: asleep, or, with more
+// ranks than cores, switched out by time slicing; on 2 cores the 4-rank
+// plans measured 15-40 % slower than predicted from them, HSDP (the most
+// collectives per step) the most. That wait comes once per collective
+// whatever its hops (a 2-rank gather among 4 time-sliced ranks waits as a
+// 4-rank all-reduce does), so it is the link's `call_latency`: the seconds a
+// collective after compute adds to the step, less what the synchronised link
+// charges for it. What the calibration worker measures as "added"
+// (calibrate_worker.cpp, collectives_after_compute) depends on the regime:
+//  - a core per rank: per collective, the ranks' skew since the last one
+//    plus the time from the last arrival to the last return, the median over
+//    the run's collectives (`collective_seconds`). A waiting rank's core idles,
+//    so that is the step's added wall; the median leaves out a vCPU's rare
+//    stalls, which a sum over rounds does not: that sum read 9 to 666 us on
+//    an Intel Xeon 6/167 VM in five calibrations within minutes, the median
+//    92-147 us less the synchronised cost (2026-11-28), and the GPT's
+//    2-rank plans lose ~0.1 ms of wall beyond their CPU time per collective.
+//  - more ranks than cores: the whole run's wall time with the collectives
+//    beyond the same compute's without, per collective (`wall_seconds`,
+//    `compute_wall_seconds`). A waiting rank's core then runs a peer, so most
+//    of a wait is not added; the per-collective measure (2.5-4 ms for 4 ranks
+//    on 2 cores) would count it.
+double collectives_after_compute_latency(int ranks, double seconds_per_collective, double bytes,
+                                         const Link& synchronised) {
+  DTRAIN_CHECK(ranks >= 2 && synchronised.bandwidth > 0, ConfigError,
+               "collectives after compute need 2+ ranks and a fitted link (got " << ranks << ", "
+                                                                                 << synchronised.bandwidth << " B/s).",
                "time them on a run of two or more processes");
   const double k = ranks;
   const double ring = 2 * (k - 1) * synchronised.latency + 2 * (k - 1) / k * bytes / synchronised.bandwidth;
-  return std::max(0.0, (wall_seconds - compute_wall_seconds) / collectives - ring);
+  return std::max(0.0, seconds_per_collective - ring);
 }
 
 // Note [Split backward cost]

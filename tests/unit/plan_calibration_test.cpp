@@ -70,20 +70,20 @@ TEST(PlanCalibration, FitRefusesOneMessageSize) {
   EXPECT_THROW(fit_ring_link(one), ConfigError);
 }
 
-// Note [Collectives after compute]: the wall time beyond the same compute's
-// alone, per collective, less what the synchronised link charges for it.
-TEST(PlanCalibration, CollectivesAfterComputePayWhatTheComputeAloneDidNotTake) {
+// Note [Collectives after compute]: what a collective after compute added,
+// less what the synchronised link charges for it.
+TEST(PlanCalibration, CollectivesAfterComputePayWhatTheSynchronisedLinkDoesNotCharge) {
   const Link sync{.bandwidth = 4e9, .latency = 60e-6};
   const double bytes = 16 << 10;
-  // 4 ranks: 8 all-reduces, each its synchronised ring (6 hops) and 500 us more.
+  // 4 ranks: each all-reduce its synchronised ring (6 hops) and 500 us more.
   const double ring4 = 6 * sync.latency + 1.5 * bytes / sync.bandwidth;
-  EXPECT_NEAR(collectives_after_compute_latency(4, 0.1 + 8 * (ring4 + 500e-6), 0.1, 8, bytes, sync), 500e-6, 1e-12);
+  EXPECT_NEAR(collectives_after_compute_latency(4, ring4 + 500e-6, bytes, sync), 500e-6, 1e-12);
   // 2 ranks: 2 hops each, 30 us more.
   const double ring2 = 2 * sync.latency + bytes / sync.bandwidth;
-  EXPECT_NEAR(collectives_after_compute_latency(2, 0.05 + 8 * (ring2 + 30e-6), 0.05, 8, bytes, sync), 30e-6, 1e-12);
-  // Nothing left over (noise): no wait, never a negative one.
-  EXPECT_EQ(collectives_after_compute_latency(4, 0.1 + 8 * ring4 / 2, 0.1, 8, bytes, sync), 0);
-  EXPECT_THROW(collectives_after_compute_latency(1, 0.1, 0.05, 8, bytes, sync), ConfigError);
+  EXPECT_NEAR(collectives_after_compute_latency(2, ring2 + 30e-6, bytes, sync), 30e-6, 1e-12);
+  // Less than the ring (noise): no wait, never a negative one.
+  EXPECT_EQ(collectives_after_compute_latency(4, ring4 / 2, bytes, sync), 0);
+  EXPECT_THROW(collectives_after_compute_latency(1, 1e-3, bytes, sync), ConfigError);
 }
 
 TEST(PlanCalibration, DeviceFileRoundTrips) {

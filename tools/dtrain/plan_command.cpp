@@ -270,9 +270,14 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   for (const auto& ac : after_compute) {
     const int n = ac.at("ranks");
     const bool sliced = n > d.compute_units && !shm_oversubscribed.empty();
+    // A core per rank: the median collective's added wall; time slicing:
+    // the run's added wall per collective (the Note says why each).
+    const double added = sliced || !ac.contains("collective_seconds")
+                             ? (ac.at("wall_seconds").get<double>() - ac.at("compute_wall_seconds").get<double>()) /
+                                   ac.at("collectives").get<double>()
+                             : ac.at("collective_seconds").get<double>();
     (sliced ? sliced_waits : waits)
-        .push_back(plan::collectives_after_compute_latency(n, ac.at("wall_seconds"), ac.at("compute_wall_seconds"),
-                                                           ac.at("collectives"), ac.at("bytes"),
+        .push_back(plan::collectives_after_compute_latency(n, added, ac.at("bytes"),
                                                            sliced ? d.oversubscribed_link : d.intra_node));
   }
   if (!waits.empty()) d.intra_node.call_latency = median(waits);

@@ -12,7 +12,7 @@
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
 // "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
 // "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
-// collectives, bytes}, "split_backward": {whole_seconds, split_seconds,
+// collective_seconds, collectives, bytes}, "split_backward": {whole_seconds, split_seconds,
 // captured}, "layer_pipeline": {alone_seconds, together_seconds,
 // together_over_alone}, "samples": [{transport, op, ranks, bytes, seconds}]},
 // each figure the median of its repeats (time_sliced_work_seconds: a total,
@@ -379,30 +379,56 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
 // Collectives as training meets them (Note [Collectives after compute] in
 // src/plan/calibration.cpp): every rank runs a piece of compute (~2 ms of
 // products), then a 16 KiB all_reduce, kPerRound times; and the same compute
-// without the collectives, as often; kAfterComputeRounds rounds of each in turn, in wall time.
-// The ranks do not enter the collectives together: where they time-slice
-// the cores each arrives when its own compute got its share, and waits for
-// peers switched out. Returns the median over the rounds of the compute-only
-// round's wall time and that plus the median over the rounds of each
-// round's difference (with collectives less without), each the ranks' mean:
-// that difference is what the collectives cost. A round with and one
-// without run back to back, so a drift of the host's speed slows both
-// alike and cancels in the difference (the difference of the two medians,
-// before, read the 2-rank wait 0 to 0.82 ms per collective over three
-// calibrations within minutes on a shared VM, 2026-11-28).
+// without the collectives, as often; kAfterComputeRounds rounds of each in
+// turn, in wall time. The ranks do not enter the collectives together: where
+// they time-slice the cores each arrives when its own compute got its share,
+// and waits for peers switched out.
+//
+// Two measures of what a collective after compute costs:
+//  - `wall` and `compute_only`: the median over the rounds of the
+//    compute-only round's wall time, and that plus the median over the rounds
+//    of each round's difference (with collectives less without), each the
+//    ranks' mean. A round with and one without run back to back, so a drift
+//    of the host's speed cancels in the difference. It is the step's added
+//    wall time where ranks time-slice the cores (a waiting rank's core runs
+//    a peer, so most of its wait is not added), but a sum of heavy-tailed
+//    waits per round: with a core per rank it read 9 to 666 us per
+//    collective in five calibrations within minutes (Intel Xeon 6/167 VM,
+//    2026-11-28).
+//  - `per_collective`: per collective, from the ranks' clocks (one
+//    CLOCK_MONOTONIC on a host): the ranks' skew since the last collective
+//    (the slowest rank's piece less the mean piece: what the others wait)
+//    plus the time from the last rank's arrival to the last rank's return
+//    (the collective and its wake-ups); the median over all of them. With a
+//    core per rank that is the step's added wall per collective, and its
+//    median leaves out the rare stalls of a vCPU (the same runs: 164-233 us
+//    before the synchronised cost, means 299-632).
+struct AfterCompute {
+  double wall = 0, compute_only = 0, per_collective = 0;
+};
 constexpr int kPerRound = 8, kAfterComputeRounds = 9;
-std::pair<double, double> collectives_after_compute(dtrain::dist::ProcessGroup& group) {
+AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
   const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
   at::Tensor small = at::ones({4096});  // 16 KiB
   auto work = [&] {
     for (int i = 0; i < 12; ++i) (void)dtrain::nn::linear(a, b);
   };
+  // Per collective: the start of its piece, the piece's end, the return.
+  std::vector<double> starts, arrivals, returns;
+  auto seconds = [](Clock::time_point t) { return std::chrono::duration<double>(t.time_since_epoch()).count(); };
   auto round = [&](bool collectives) {
     group.barrier();
     const auto start = Clock::now();
     for (int i = 0; i < kPerRound; ++i) {
+      const auto piece = Clock::now();
       work();
-      if (collectives) group.all_reduce(small).wait();
+      if (collectives) {
+        const auto arrival = Clock::now();
+        group.all_reduce(small).wait();
+        starts.push_back(seconds(piece));
+        arrivals.push_back(seconds(arrival));
+        returns.push_back(seconds(Clock::now()));
+      }
     }
     if (!collectives) group.barrier();  // the compute ends when the last rank's does
     return std::chrono::duration<double>(Clock::now() - start).count();
@@ -414,10 +440,22 @@ std::pair<double, double> collectives_after_compute(dtrain::dist::ProcessGroup& 
     extra.push_back(round(true) - without.back());
   }
   const double compute = median_of(without);
+  const std::int64_t count = static_cast<std::int64_t>(arrivals.size());
+  at::Tensor clocks = at::zeros({3, group.size(), count}, at::kDouble);
+  clocks[0][group.rank()].copy_(at::tensor(starts, at::kDouble));
+  clocks[1][group.rank()].copy_(at::tensor(arrivals, at::kDouble));
+  clocks[2][group.rank()].copy_(at::tensor(returns, at::kDouble));
+  group.all_reduce(clocks).wait();
+  const at::Tensor piece = clocks[1] - clocks[0];
+  const at::Tensor skew = std::get<0>(piece.max(0)) - piece.mean(0);
+  const at::Tensor after_last = std::get<0>(clocks[2].max(0)) - std::get<0>(clocks[1].max(0));
+  const at::Tensor cost = skew + after_last;
   at::Tensor both = at::tensor({compute + median_of(extra), compute}, at::kDouble);
   group.all_reduce(both).wait();
   const double n = static_cast<double>(group.size());
-  return {both[0].item<double>() / n, both[1].item<double>() / n};
+  return {.wall = both[0].item<double>() / n,
+          .compute_only = both[1].item<double>() / n,
+          .per_collective = median_of(std::vector<double>(cost.data_ptr<double>(), cost.data_ptr<double>() + count))};
 }
 
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
@@ -533,9 +571,10 @@ int main(int argc, char** argv) {
           {"alone_seconds", t.alone}, {"together_seconds", t.together}, {"together_over_alone", t.together_over_alone}};
     }
     {
-      const auto [with_collectives, compute_only] = collectives_after_compute(shm);
-      result["after_compute"] = {{"wall_seconds", with_collectives},
-                                 {"compute_wall_seconds", compute_only},
+      const AfterCompute ac = collectives_after_compute(shm);
+      result["after_compute"] = {{"wall_seconds", ac.wall},
+                                 {"compute_wall_seconds", ac.compute_only},
+                                 {"collective_seconds", ac.per_collective},
                                  // the last all-reduce's wait is the compute-only round's final barrier's
                                  {"collectives", kPerRound - 1},
                                  {"bytes", 16 << 10}};

@@ -33,11 +33,10 @@ Link fit_ring_link(const std::vector<CollectiveSample>& samples);
 
 // Note [Collectives after compute] (calibration.cpp): the seconds each
 // all-reduce of `bytes` over `ranks` ranks that followed a piece of compute
-// paid beyond what the `synchronised` link charges for it: the wall seconds
-// of `collectives` (compute, then the collective) beyond the same compute's
-// alone, per collective (0 when none is left over).
-double collectives_after_compute_latency(int ranks, double wall_seconds, double compute_wall_seconds, int collectives,
-                                         double bytes, const Link& synchronised);
+// added to the run (`seconds_per_collective`, measured) beyond what the
+// `synchronised` link charges for it (0 when none is left over).
+double collectives_after_compute_latency(int ranks, double seconds_per_collective, double bytes,
+                                         const Link& synchronised);
 
 // Note [Split backward cost] (calibration.cpp): the seconds the pipeline
 // executor's split backward costs beyond the same backward whole, per node
