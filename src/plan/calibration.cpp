@@ -61,9 +61,10 @@ Link fit_ring_link(const std::vector<CollectiveSample>& samples) {
 // collective after compute adds to the step, less what the synchronised link
 // charges for it. What the calibration worker measures as "added"
 // (calibrate_worker.cpp, collectives_after_compute) depends on the regime:
-//  - a core per rank: per collective, the ranks' skew since the last one
-//    plus the time from the last arrival to the last return, the median over
-//    the run's collectives (`collective_seconds`). A waiting rank's core idles,
+//  - a core per rank: per collective, the time from the last rank's start
+//    of the compute before it to the last rank's return, less the ranks'
+//    mean compute (their skew, the collective and its wake-ups), the median
+//    over the run's collectives (`collective_seconds`). A waiting rank's core idles,
 //    so that is the step's added wall; the median leaves out a vCPU's rare
 //    stalls, which a sum over rounds does not: that sum read 9 to 666 us on
 //    an Intel Xeon 6/167 VM in five calibrations within minutes, the median
@@ -74,6 +75,18 @@ Link fit_ring_link(const std::vector<CollectiveSample>& samples) {
 //    `compute_wall_seconds`). A waiting rank's core then runs a peer, so most
 //    of a wait is not added; the per-collective measure (2.5-4 ms for 4 ranks
 //    on 2 cores) would count it.
+double collective_added_seconds(const AfterComputeRun& run, int cores) {
+  DTRAIN_CHECK(run.ranks >= 2 && cores >= 1, ConfigError,
+               "collectives after compute need 2+ ranks on 1+ cores (got " << run.ranks << " on " << cores << ").",
+               "time them on a run of two or more processes");
+  if (run.ranks <= cores) return run.collective_seconds;
+  DTRAIN_CHECK(
+      run.collectives >= 1, ConfigError,
+      "a time-sliced run's collectives after compute need 1+ collectives per round (got " << run.collectives << ").",
+      "rerun the calibration");
+  return (run.wall_seconds - run.compute_wall_seconds) / run.collectives;
+}
+
 double collectives_after_compute_latency(int ranks, double seconds_per_collective, double bytes,
                                          const Link& synchronised) {
   DTRAIN_CHECK(ranks >= 2 && synchronised.bandwidth > 0, ConfigError,

@@ -86,6 +86,28 @@ TEST(PlanCalibration, CollectivesAfterComputePayWhatTheSynchronisedLinkDoesNotCh
   EXPECT_THROW(collectives_after_compute_latency(1, 1e-3, bytes, sync), ConfigError);
 }
 
+// Note [Collectives after compute]: with a core per rank the clocks' median
+// collective, with more ranks than cores the rounds' wall difference.
+TEST(PlanCalibration, CollectiveAddedSecondsTakesTheMeasureOfItsRegime) {
+  const AfterComputeRun run{.ranks = 2,
+                            .collective_seconds = 150e-6,
+                            .wall_seconds = 0.05 + 7 * 600e-6,
+                            .compute_wall_seconds = 0.05,
+                            .collectives = 7,
+                            .bytes = 16 << 10};
+  EXPECT_DOUBLE_EQ(collective_added_seconds(run, 2), 150e-6);
+  EXPECT_DOUBLE_EQ(collective_added_seconds(run, 4), 150e-6);
+  EXPECT_NEAR(collective_added_seconds(run, 1), 600e-6, 1e-12);  // 2 ranks time-slice one core
+  AfterComputeRun four = run;
+  four.ranks = 4;
+  EXPECT_NEAR(collective_added_seconds(four, 2), 600e-6, 1e-12);
+  EXPECT_DOUBLE_EQ(collective_added_seconds(four, 4), 150e-6);
+  AfterComputeRun none = four;
+  none.collectives = 0;
+  EXPECT_THROW(collective_added_seconds(none, 2), ConfigError);
+  EXPECT_THROW(collective_added_seconds({.ranks = 1}, 2), ConfigError);
+}
+
 TEST(PlanCalibration, DeviceFileRoundTrips) {
   DeviceSpec d = find_device("cpu-here");
   d.fp32_flops = 31.5e9;

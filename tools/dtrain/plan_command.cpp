@@ -268,17 +268,19 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // per collective, beyond the synchronised fit; each link from its own runs.
   std::vector<double> waits, sliced_waits;
   for (const auto& ac : after_compute) {
-    const int n = ac.at("ranks");
-    const bool sliced = n > d.compute_units && !shm_oversubscribed.empty();
-    // A core per rank: the median collective's added wall; time slicing:
-    // the run's added wall per collective (the Note says why each).
-    const double added = sliced || !ac.contains("collective_seconds")
-                             ? (ac.at("wall_seconds").get<double>() - ac.at("compute_wall_seconds").get<double>()) /
-                                   ac.at("collectives").get<double>()
-                             : ac.at("collective_seconds").get<double>();
+    const plan::AfterComputeRun run{.ranks = ac.at("ranks"),
+                                    .collective_seconds = ac.at("collective_seconds"),
+                                    .wall_seconds = ac.at("wall_seconds"),
+                                    .compute_wall_seconds = ac.at("compute_wall_seconds"),
+                                    .collectives = ac.at("collectives"),
+                                    .bytes = ac.at("bytes")};
+    // The measure by the run's regime (more ranks than cores or not); the
+    // link it calibrates: the time-sliced one where such runs have their own.
+    const bool sliced = run.ranks > d.compute_units && !shm_oversubscribed.empty();
     (sliced ? sliced_waits : waits)
-        .push_back(plan::collectives_after_compute_latency(n, added, ac.at("bytes"),
-                                                           sliced ? d.oversubscribed_link : d.intra_node));
+        .push_back(plan::collectives_after_compute_latency(run.ranks,
+                                                           plan::collective_added_seconds(run, d.compute_units),
+                                                           run.bytes, sliced ? d.oversubscribed_link : d.intra_node));
   }
   if (!waits.empty()) d.intra_node.call_latency = median(waits);
   if (!sliced_waits.empty()) d.oversubscribed_link.call_latency = median(sliced_waits);

@@ -396,13 +396,12 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
 //    collective in five calibrations within minutes (Intel Xeon 6/167 VM,
 //    2026-11-28).
 //  - `per_collective`: per collective, from the ranks' clocks (one
-//    CLOCK_MONOTONIC on a host): the ranks' skew since the last collective
-//    (the slowest rank's piece less the mean piece: what the others wait)
-//    plus the time from the last rank's arrival to the last rank's return
-//    (the collective and its wake-ups); the median over all of them. With a
-//    core per rank that is the step's added wall per collective, and its
-//    median leaves out the rare stalls of a vCPU (the same runs: 164-233 us
-//    before the synchronised cost, means 299-632).
+//    CLOCK_MONOTONIC on a host), the time from the last rank's start of the
+//    piece before it (its return from the collective before, or the round's
+//    barrier) to the last rank's return, less the ranks' mean piece: the
+//    ranks' skew, the collective and its wake-ups; the median over all of
+//    them. With a core per rank that is the step's added wall per
+//    collective, and its median leaves out the rare stalls of a vCPU.
 struct AfterCompute {
   double wall = 0, compute_only = 0, per_collective = 0;
 };
@@ -425,9 +424,10 @@ AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
       if (collectives) {
         const auto arrival = Clock::now();
         group.all_reduce(small).wait();
+        const auto back = Clock::now();
         starts.push_back(seconds(piece));
         arrivals.push_back(seconds(arrival));
-        returns.push_back(seconds(Clock::now()));
+        returns.push_back(seconds(back));
       }
     }
     if (!collectives) group.barrier();  // the compute ends when the last rank's does
@@ -446,10 +446,11 @@ AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
   clocks[1][group.rank()].copy_(at::tensor(arrivals, at::kDouble));
   clocks[2][group.rank()].copy_(at::tensor(returns, at::kDouble));
   group.all_reduce(clocks).wait();
+  // From the last rank's start of the piece (its return from the collective
+  // before, or the round's barrier) to the last rank's return, less the
+  // ranks' mean piece: what the collective added to the compute.
   const at::Tensor piece = clocks[1] - clocks[0];
-  const at::Tensor skew = std::get<0>(piece.max(0)) - piece.mean(0);
-  const at::Tensor after_last = std::get<0>(clocks[2].max(0)) - std::get<0>(clocks[1].max(0));
-  const at::Tensor cost = skew + after_last;
+  const at::Tensor cost = std::get<0>(clocks[2].max(0)) - std::get<0>(clocks[0].max(0)) - piece.mean(0);
   at::Tensor both = at::tensor({compute + median_of(extra), compute}, at::kDouble);
   group.all_reduce(both).wait();
   const double n = static_cast<double>(group.size());

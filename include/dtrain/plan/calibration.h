@@ -31,9 +31,28 @@ struct CollectiveSample {
 // positive latency and bandwidth (then the samples are noise).
 Link fit_ring_link(const std::vector<CollectiveSample>& samples);
 
-// Note [Collectives after compute] (calibration.cpp): the seconds each
-// all-reduce of `bytes` over `ranks` ranks that followed a piece of compute
-// added to the run (`seconds_per_collective`, measured) beyond what the
+// One calibration run's collectives after compute (calibrate_worker.cpp's
+// "after_compute"): the median collective's added wall from the ranks'
+// clocks, and the median round's wall time with the collectives and
+// without (`collectives` more in the former).
+struct AfterComputeRun {
+  int ranks = 0;
+  double collective_seconds = 0;
+  double wall_seconds = 0;
+  double compute_wall_seconds = 0;
+  int collectives = 0;
+  double bytes = 0;
+};
+
+// Note [Collectives after compute] (calibration.cpp): the seconds a
+// collective after compute added to `run` on a host of `cores` cores: with a
+// core per rank the clocks' median, with more ranks than cores the rounds'
+// wall difference per collective.
+double collective_added_seconds(const AfterComputeRun& run, int cores);
+
+// Note [Collectives after compute] (calibration.cpp): what each all-reduce of
+// `bytes` over `ranks` ranks that followed a piece of compute added
+// (`seconds_per_collective`, collective_added_seconds) beyond what the
 // `synchronised` link charges for it (0 when none is left over).
 double collectives_after_compute_latency(int ranks, double seconds_per_collective, double bytes,
                                          const Link& synchronised);
