@@ -66,10 +66,11 @@ Link fit_ring_link(const std::vector<CollectiveSample>& samples) {
 //    mean compute (their skew, the collective and its wake-ups), the median
 //    over the run's collectives (`collective_seconds`). A waiting rank's core idles,
 //    so that is the step's added wall; the median leaves out a vCPU's rare
-//    stalls, which a sum over rounds does not: that sum read 9 to 666 us on
-//    an Intel Xeon 6/167 VM in five calibrations within minutes, the median
-//    92-147 us less the synchronised cost (2026-11-28), and the GPT's
-//    2-rank plans lose ~0.1 ms of wall beyond their CPU time per collective.
+//    stalls, which a sum over rounds does not: that sum (the time-sliced
+//    measure below) read 9 to 666 us less the synchronised cost on an Intel
+//    Xeon 6/167 VM in seven calibrations within minutes, the median 27-180
+//    us in five (2026-11-28), and the GPT's 2-rank plans lose ~0.1 ms of
+//    wall beyond their CPU time per collective.
 //  - more ranks than cores: the whole run's wall time with the collectives
 //    beyond the same compute's without, per collective (`wall_seconds`,
 //    `compute_wall_seconds`). A waiting rank's core then runs a peer, so most

@@ -384,24 +384,19 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
 // they time-slice the cores each arrives when its own compute got its share,
 // and waits for peers switched out.
 //
-// Two measures of what a collective after compute costs:
+// Two measures of what a collective after compute costs (which one the
+// planner takes, and why, is the Note's):
 //  - `wall` and `compute_only`: the median over the rounds of the
 //    compute-only round's wall time, and that plus the median over the rounds
 //    of each round's difference (with collectives less without), each the
 //    ranks' mean. A round with and one without run back to back, so a drift
-//    of the host's speed cancels in the difference. It is the step's added
-//    wall time where ranks time-slice the cores (a waiting rank's core runs
-//    a peer, so most of its wait is not added), but a sum of heavy-tailed
-//    waits per round: with a core per rank it read 9 to 666 us per
-//    collective in five calibrations within minutes (Intel Xeon 6/167 VM,
-//    2026-11-28).
+//    of the host's speed cancels in the difference.
 //  - `per_collective`: per collective, from the ranks' clocks (one
 //    CLOCK_MONOTONIC on a host), the time from the last rank's start of the
 //    piece before it (its return from the collective before, or the round's
 //    barrier) to the last rank's return, less the ranks' mean piece: the
 //    ranks' skew, the collective and its wake-ups; the median over all of
-//    them. With a core per rank that is the step's added wall per
-//    collective, and its median leaves out the rare stalls of a vCPU.
+//    them.
 struct AfterCompute {
   double wall = 0, compute_only = 0, per_collective = 0;
 };
