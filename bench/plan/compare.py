@@ -153,6 +153,9 @@ def main():
                         "--plans): the model's account of what a plan adds to one process, free of the host's "
                         "absolute speed, which on a shared VM moves between the calibration and the runs")
     p.add_argument("--calibrate", action="store_true", help="calibrate into the device file even if it exists")
+    p.add_argument("--calibrate-ranks", default="",
+                   help="with --calibrate: dtrain plan's --calibrate-ranks (default its own, 2 and 4); 2 is enough "
+                        "for plans of 1-2 ranks on 2 cores")
     p.add_argument("--attempts", type=int, default=1,
                    help="with --check-time or --check-relative: calibrate (with --calibrate) and measure again, "
                         "up to this many times in all, while a step time is out of bounds (a shared VM's speed can move between the "
@@ -176,7 +179,8 @@ def run_once(args):
         args.device_file = args.device_file or os.path.join(args.build, "plan-cpu-here.json")
         if args.calibrate or not os.path.exists(args.device_file):
             subprocess.run([os.path.join(args.build, "tools", "dtrain"), "plan", "--calibrate", "--device-file",
-                            args.device_file], check=True, stdout=subprocess.DEVNULL)
+                            args.device_file, *(["--calibrate-ranks", args.calibrate_ranks] if args.calibrate_ranks else [])],
+                           check=True, stdout=subprocess.DEVNULL)
     if args.vocab == 0:
         cache = os.environ.get("DTRAIN_CACHE", os.path.expanduser("~/.cache/dtrain"))
         with open(os.path.join(cache, "shakespeare_char", "meta.json")) as f:

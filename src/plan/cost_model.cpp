@@ -349,6 +349,9 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
   // context parallelism's ring exchange behind the attention core) adds to
   // the step here. A GPU (compute_units 0) overlaps as before.
   const bool overlap = dev.compute_units == 0 || std::min(cluster.gpus_per_node, cluster.gpus) < dev.compute_units;
+  // ... and with more ranks than cores a wait for a peer runs another rank
+  // (Note [Collectives issued ahead on time-sliced ranks]).
+  const bool time_sliced = dev.compute_units > 0 && std::min(cluster.gpus_per_node, cluster.gpus) > dev.compute_units;
   const bool pipelined = plan.pp > 1;
   const int m = pipelined ? plan.pipeline.micro_batches : 1;
   const int v = pipelined ? plan.pipeline.stages_per_rank : 1;
@@ -439,9 +442,35 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
       const double gather = n * unit + detail::gather_seconds(root / tp * e, shard, shard_link);
       const double scatter = n * detail::gather_seconds(layer_params * bpp.grads, shard, shard_link) +
                              detail::gather_seconds(root / tp * bpp.grads, shard, shard_link);
-      const double fwd_exposed = overlap ? std::max(0.0, gather - t.forward) + unit : gather;
-      const double bwd_exposed =
+      double fwd_exposed = overlap ? std::max(0.0, gather - t.forward) + unit : gather;
+      double bwd_exposed =
           overlap ? std::max(0.0, gather + scatter - t.backward_input - t.backward_weight) + unit : gather + scatter;
+      if (time_sliced && n >= 1) {
+        // Note [Collectives issued ahead on time-sliced ranks]
+        // With more ranks than cores (a CPU host), a rank that waits for a
+        // peer gives its core to another rank, so a collective costs the step
+        // its wait only where every rank must meet: where one is issued and
+        // waited for at once. dtrain's ZeRO-3 (src/parallel/zero) meets so
+        // at the root unit's gather (the first of forward), at the first
+        // layer's gather of each pass (issued as the pass reaches it) and at
+        // the end of backward (every reduction waited for); each other
+        // layer's gather is issued a unit ahead and each reduce-scatter runs
+        // beside the rest of backward, so they cost their transport's work
+        // (the bandwidth term; the cores are the ranks') and not the call's
+        // or the hops' latency. The root stays gathered through backward.
+        // Measured (Intel Xeon 6/167, 4 ranks on 2 cores, 2026-11-28):
+        // ZeRO-3 on 4 ranks stepped as fast as DDP on 4 (54.8-58.6 against
+        // 57.4-59.4 ms in three tables), where every collective charged whole
+        // put it 13-27 % above its measure; DDP's and HSDP's waits at the end
+        // of backward stay charged whole (grad_sync).
+        const double root_bytes = root / tp * e;
+        const double layer_work = detail::gather_work_seconds(layer_params * e, shard, shard_link);
+        const double scatter_work = n * detail::gather_work_seconds(layer_params * bpp.grads, shard, shard_link) +
+                                    detail::gather_work_seconds(root / tp * bpp.grads, shard, shard_link);
+        const double final_wait = shard_link.call_latency + (shard - 1) * shard_link.latency;
+        fwd_exposed = detail::gather_seconds(root_bytes, shard, shard_link) + unit + (n - 1) * layer_work;
+        bwd_exposed = unit + (n - 1) * layer_work + scatter_work + final_wait;
+      }
       t.forward += fwd_exposed;
       t.backward_input += bwd_exposed;
       b.zero3_comm = fwd_exposed + bwd_exposed;

@@ -17,6 +17,12 @@ double gather_seconds(double bytes, int ranks, const Link& link) {
   return link.call_latency + (k - 1) * link.latency + (k - 1) / k * bytes / link.bandwidth;
 }
 
+double gather_work_seconds(double bytes, int ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  const double k = ranks;
+  return (k - 1) / k * bytes / link.bandwidth;
+}
+
 double p2p_seconds(double bytes, const Link& link) {
   return bytes <= 0 ? 0 : link.call_latency + link.latency + bytes / link.bandwidth;
 }

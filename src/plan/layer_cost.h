@@ -16,6 +16,10 @@ namespace dtrain::plan::detail {
 double all_reduce_seconds(double bytes, int ranks, const Link& link);
 double gather_seconds(double bytes, int ranks, const Link& link);
 double p2p_seconds(double bytes, const Link& link);
+// A gather's (or reduce-scatter's) bandwidth term alone: the transport's
+// work, without the call's and the hops' latency (Note [Collectives issued
+// ahead on time-sliced ranks] in cost_model.cpp).
+double gather_work_seconds(double bytes, int ranks, const Link& link);
 
 struct LayerShape {
   std::int64_t micro_batch = 1;  // sequences

@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -379,10 +380,11 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
 // Collectives as training meets them (Note [Collectives after compute] in
 // src/plan/calibration.cpp): every rank runs a piece of compute (~2 ms of
 // products), then a 16 KiB all_reduce, kPerRound times; and the same compute
-// without the collectives, as often; kAfterComputeRounds rounds of each in
-// turn, in wall time. The ranks do not enter the collectives together: where
-// they time-slice the cores each arrives when its own compute got its share,
-// and waits for peers switched out.
+// without the collectives, as often; rounds of each in turn, in wall time
+// (kAfterComputeRounds with a core per rank, kTimeSlicedRounds with more
+// ranks than cores, see below). The ranks do not enter the collectives
+// together: where they time-slice the cores each arrives when its own
+// compute got its share, and waits for peers switched out.
 //
 // Two measures of what a collective after compute costs (which one the
 // planner takes, and why, is the Note's):
@@ -400,8 +402,18 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
 struct AfterCompute {
   double wall = 0, compute_only = 0, per_collective = 0;
 };
-constexpr int kPerRound = 8, kAfterComputeRounds = 9;
+// With more ranks than cores the planner takes the rounds' difference, and
+// one round's difference scatters widely: 4 ranks on 2 cores (Intel Xeon
+// 6/167, 2026-11-28), -0.8 to +4.0 ms per collective between rounds, so
+// the median of 9 rounds read 0.35 to 1.65 ms in consecutive blocks of one
+// run (and 0.33-1.17 ms less the ring in session 18's calibrations), while
+// the medians of 81 rounds in three runs read 0.74, 0.94 and 0.77 ms. 81
+// rounds there cost ~8 s of the calibration. With a core per rank the
+// clocks' median over 8 collectives a round is steady at 9 rounds.
+constexpr int kPerRound = 8, kAfterComputeRounds = 9, kTimeSlicedRounds = 81;
 AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
+  const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  const int rounds = group.size() > cores ? kTimeSlicedRounds : kAfterComputeRounds;
   const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
   at::Tensor small = at::ones({4096});  // 16 KiB
   auto work = [&] {
@@ -430,7 +442,7 @@ AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
   };
   work();
   std::vector<double> without, extra;
-  for (int r = 0; r < kAfterComputeRounds; ++r) {
+  for (int r = 0; r < rounds; ++r) {
     without.push_back(round(false));
     extra.push_back(round(true) - without.back());
   }
@@ -556,8 +568,22 @@ int main(int argc, char** argv) {
     // factor, twice into the others: on a shared Intel VM the products read
     // 113-184 GFLOP/s against ~190 alone, and the suite's one-process GPT
     // was predicted 35-44 % slow.)
-    if (contract.rank == 0) measure_rates(result);
-    shm.barrier();
+    //
+    // Rank 0 times them three times, spread over the run (its start, its
+    // middle, its end), and keeps each rate's median: on a shared VM one
+    // timing (~3 s) samples one state of the host, whose speed moves over
+    // tens of seconds. On the Intel Xeon 6/167 VM (2026-11-28) eight timings
+    // in a row read 147-156 GFLOP/s and a 3 MiB add 27-34 GB/s, while single
+    // timings in three calibrations minutes apart read 144-165 GFLOP/s and
+    // 24-32 GB/s, and the one-process GPT they predicted came out -3 to
+    // +24 % against steps that measured 81-84 ms every time.
+    std::vector<nlohmann::json> rates;
+    auto time_rates = [&] {
+      shm.barrier();
+      if (contract.rank == 0) measure_rates(rates.emplace_back());
+      shm.barrier();
+    };
+    time_rates();
     result["alone_work_seconds"] = time_sliced_work_seconds(shm, /*alone=*/true);
     result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
     {
@@ -566,6 +592,7 @@ int main(int argc, char** argv) {
       result["layer_pipeline"] = {
           {"alone_seconds", t.alone}, {"together_seconds", t.together}, {"together_over_alone", t.together_over_alone}};
     }
+    time_rates();
     {
       const AfterCompute ac = collectives_after_compute(shm);
       result["after_compute"] = {{"wall_seconds", ac.wall},
@@ -579,7 +606,14 @@ int main(int argc, char** argv) {
     for (auto& s : time_collectives(gloo, "gloo")) samples.push_back(s);
     result["samples"] = samples;
     result["shared_memory"] = shm.uses_shared_memory();
-    shm.barrier();
+    time_rates();
+    if (contract.rank == 0) {
+      for (const auto& [key, value] : rates.front().items()) {
+        std::vector<double> each;
+        for (const auto& r : rates) each.push_back(r.at(key).get<double>());
+        result[key] = median_of(each);
+      }
+    }
     if (contract.rank == 0) {
       std::ofstream file(out);
       file << result.dump() << "\n";
