@@ -115,6 +115,7 @@ struct Options {
   std::string checkpoint_dir;
   std::string sample_log;  // TrainerOptions::sample_log
   std::string ft_replay;   // a fault-tolerant job's membership to replay (TrainerFtReplay)
+  int ft_max_retries = -1;  // TrainerFaultTolerance::max_retries (-1: no limit)
   std::int64_t sample_tokens = 500;
   double temperature = 0.8;
   std::int64_t top_k = 200;
@@ -320,7 +321,10 @@ std::optional<dtrain::TrainerFaultTolerance> fault_tolerance(const Options& opt)
         .replay = dtrain::TrainerFtReplay{.replicas = j.at("replicas").get<int>(),
                                           .members = j.at("members").get<std::vector<std::vector<int>>>()}};
   }
-  if (dtrain::ft::launched_fault_tolerant()) return dtrain::TrainerFaultTolerance{};
+  if (dtrain::ft::launched_fault_tolerant()) {
+    return dtrain::TrainerFaultTolerance{
+        .max_retries = opt.ft_max_retries < 0 ? std::nullopt : std::optional<int>(opt.ft_max_retries)};
+  }
   return std::nullopt;
 }
 
@@ -604,6 +608,11 @@ int main(int argc, char** argv) {
                  "Append what each step trained on to FILE (one file per data rank, JSON lines)");
   app.add_option("--ft-replay", opt.ft_replay,
                  "Replay a fault-tolerant job's per-step membership from this JSON file (its reference run)");
+  app.add_option("--ft-max-retries", opt.ft_max_retries,
+                 "Under dtrain run --ft-replicas: stop with an error once more than N steps in a row fail to "
+                 "commit (-1: retry without limit)")
+      ->check(CLI::Range(-1, 1 << 30))
+      ->capture_default_str();
   app.add_option("--sample-tokens", opt.sample_tokens, "Characters to generate at the end (0: none)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();

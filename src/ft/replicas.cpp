@@ -92,6 +92,9 @@ FaultTolerantReplicas::FaultTolerantReplicas(LighthouseClient& client, ReplicaSt
   DTRAIN_CHECK(options_.recovery_chunk_bytes > 0, ConfigError,
                "FaultTolerantOptions::recovery_chunk_bytes is " << options_.recovery_chunk_bytes << ".",
                "give a positive chunk size (the default is 1 MiB)");
+  DTRAIN_CHECK(!options_.max_retries || *options_.max_retries >= 0, ConfigError,
+               "FaultTolerantOptions::max_retries is " << options_.max_retries.value_or(0) << ".",
+               "give 0 or more steps in a row that may fail (unset: no limit)");
 }
 
 FaultTolerantReplicas::~FaultTolerantReplicas() {
@@ -581,7 +584,10 @@ void FaultTolerantReplicas::finish() {
 bool FaultTolerantReplicas::should_commit() {
   finish_serving();
   settle_quorum();
-  if (redo_) return false;  // nothing to vote on yet (Note [Quorum read at the all-reduce])
+  if (redo_) {  // nothing to vote on yet (Note [Quorum read at the all-reduce])
+    count_uncommitted("it runs again in a new quorum");
+    return false;
+  }
   std::optional<Timed> vote_time(times_.vote_ms);
   bool commit = false;
   // Whether every rank of the group is at this step (always, after a
@@ -641,7 +647,22 @@ bool FaultTolerantReplicas::should_commit() {
     DTRAIN_LOG(kWarning) << "replica " << replica_id() << ": step " << step_ << " aborted (another member of "
                          << quorum_.describe() << " failed)";
   }
+  if (commit) {
+    uncommitted_ = 0;
+  } else {
+    count_uncommitted(failed_ ? failure_ : "another member of " + quorum_.describe() + " failed");
+  }
   return commit;
+}
+
+void FaultTolerantReplicas::count_uncommitted(const std::string& why) {
+  ++uncommitted_;
+  DTRAIN_CHECK(!options_.max_retries || uncommitted_ <= *options_.max_retries, CommunicationError,
+               "replica " << replica_id() << ": " << uncommitted_ << " steps in a row did not commit (step " << step_
+                          << ", the last: " << why << "), more than FaultTolerantOptions::max_retries ("
+                          << options_.max_retries.value_or(0) << "); giving up, nothing of them applied.",
+               "find the member that fails them (each rank's log, the flight recorder's report: `dtrain trace "
+               "analyze`), or raise max_retries");
 }
 
 }  // namespace dtrain::ft

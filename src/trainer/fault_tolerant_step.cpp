@@ -143,7 +143,8 @@ FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strat
       ft::FaultTolerantOptions{.replica_group = group,
                                .group_timeout = options_.group_timeout,
                                .max_steps = max_steps,
-                               .overlap_quorum = true});
+                               .overlap_quorum = true,
+                               .max_retries = options_.max_retries});
 }
 
 FaultTolerantStep::~FaultTolerantStep() = default;

@@ -530,6 +530,67 @@ TEST(FtReplicas, QuorumReadAtTheAllReduceRunsTheStepAgainInANewGroup) {
   lighthouse.check();
 }
 
+// FaultTolerantOptions::max_retries (as torchft's Manager): replica 1
+// reaches the lighthouse and votes, but in some steps never enters the
+// gradient all-reduce (a hung member), so replica 0's all-reduce fails at the
+// group timeout and every member's step aborts. With max_retries 2, the
+// pattern commit, hang, hang, commit, hang, hang, hang stops both replicas
+// at the third abort in a row (step 2: the commit in between reset the
+// count; without the reset they would stop at the third abort in all),
+// with a CommunicationError that says how many and what failed last, and
+// nothing of the aborted steps applied. A negative max_retries is refused.
+TEST(FtReplicas, MaxRetriesStopsEveryMemberWhenStepsKeepAborting) {
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, {.min_replicas = 2,
+                                .startup_replicas = 2,
+                                .heartbeat_timeout = milliseconds(3000),
+                                .join_timeout = milliseconds(5000),
+                                .scan_interval = milliseconds(10)});
+  constexpr auto kGroupTimeout = milliseconds(300);
+  const std::vector<bool> enters{true, false, false, true, false, false, false};  // replica 1, per step tried
+  std::vector<std::string> error(2);
+  std::vector<std::int64_t> committed(2, 0), stopped_at(2, -1);
+  std::vector<at::Tensor> weights(2);
+  testing::run_rank_threads(2, [&](int rank, dist::Store) {
+    at::Tensor w = at::zeros({2});
+    LighthouseClient client(store, store, {.replica_id = rank});
+    FaultTolerantReplicas replicas(client, state_of(w), {.group_timeout = kGroupTimeout, .max_retries = 2});
+    try {
+      for (std::size_t i = 0; i < enters.size() + 3; ++i) {
+        replicas.start_step();
+        std::vector<at::Tensor> grads{at::ones({2})};
+        if (rank == 0 || enters.at(std::min(i, enters.size() - 1))) {
+          replicas.all_reduce_gradients(grads);
+        } else {
+          std::this_thread::sleep_for(2 * kGroupTimeout);  // hung: never enters this step's all-reduce
+        }
+        if (replicas.should_commit()) {
+          w.sub_(grads[0]);
+          ++committed[rank];
+        }
+      }
+    } catch (const CommunicationError& e) {
+      error[rank] = e.what();
+      stopped_at[rank] = replicas.step();
+    }
+    weights[rank] = w;
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(committed[rank], 2) << "rank " << rank;
+    EXPECT_EQ(stopped_at[rank], 2) << "rank " << rank << ": " << error[rank];
+    EXPECT_NE(error[rank].find("3 steps in a row did not commit"), std::string::npos) << error[rank];
+    EXPECT_NE(error[rank].find("max_retries (2)"), std::string::npos) << error[rank];
+    EXPECT_TRUE(weights[rank].equal(at::full({2}, -2.0))) << "rank " << rank << ": " << weights[rank];
+  }
+  // Replica 0 names its own failure (the all-reduce); replica 1, whose own
+  // steps did not fail, the member that did.
+  EXPECT_NE(error[0].find("all-reduce"), std::string::npos) << error[0];
+  EXPECT_NE(error[1].find("another member of"), std::string::npos) << error[1];
+  LighthouseClient client(store, store, {.replica_id = 0});
+  at::Tensor w = at::zeros({2});
+  EXPECT_THROW(FaultTolerantReplicas(client, state_of(w), {.max_retries = -1}), ConfigError);
+}
+
 TEST(FtReplicas, NonPositiveRecoveryChunkIsAConfigError) {
   auto store = dist::Store::in_memory();
   Lighthouse lighthouse(store, {.min_replicas = 1});

@@ -55,6 +55,10 @@ struct TrainerFaultTolerance {
   // Each quorum's group: rendezvous and operation timeout (a member that died
   // between the quorum and the group fails that step, which runs again).
   std::chrono::milliseconds group_timeout{std::chrono::seconds(10)};
+  // Set: more than this many steps in a row that do not commit stop the
+  // Trainer with a CommunicationError (ft::FaultTolerantOptions::max_retries);
+  // unset: retry without limit.
+  std::optional<int> max_retries;
   // Called on every rank after each committed step with that step (0-based)
   // and its quorum: the replica groups whose gradients it averaged.
   std::function<void(std::int64_t step, const ft::Quorum& quorum)> on_commit;
