@@ -113,8 +113,8 @@ struct Options {
   std::uint64_t seed = 1337;
   std::string data_dir = gpt::default_data_dir();
   std::string checkpoint_dir;
-  std::string sample_log;  // TrainerOptions::sample_log
-  std::string ft_replay;   // a fault-tolerant job's membership to replay (TrainerFtReplay)
+  std::string sample_log;   // TrainerOptions::sample_log
+  std::string ft_replay;    // a fault-tolerant job's membership to replay (TrainerFtReplay)
   int ft_max_retries = -1;  // TrainerFaultTolerance::max_retries (-1: no limit)
   std::int64_t sample_tokens = 500;
   double temperature = 0.8;
