@@ -609,8 +609,8 @@ int main(int argc, char** argv) {
   app.add_option("--ft-replay", opt.ft_replay,
                  "Replay a fault-tolerant job's per-step membership from this JSON file (its reference run)");
   app.add_option("--ft-max-retries", opt.ft_max_retries,
-                 "Under dtrain run --ft-replicas: stop with an error once more than N steps in a row fail to "
-                 "commit (-1: retry without limit)")
+                 "Under dtrain run --ft-replicas: stop with an error once more than N steps in a row abort "
+                 "(-1: retry without limit)")
       ->check(CLI::Range(-1, 1 << 30))
       ->capture_default_str();
   app.add_option("--sample-tokens", opt.sample_tokens, "Characters to generate at the end (0: none)")

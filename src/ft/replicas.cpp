@@ -584,10 +584,9 @@ void FaultTolerantReplicas::finish() {
 bool FaultTolerantReplicas::should_commit() {
   finish_serving();
   settle_quorum();
-  if (redo_) {  // nothing to vote on yet (Note [Quorum read at the all-reduce])
-    count_uncommitted("it runs again in a new quorum");
-    return false;
-  }
+  // Nothing to vote on yet (Note [Quorum read at the all-reduce]): a new
+  // quorum, not a failure, so max_retries does not count it.
+  if (redo_) return false;
   std::optional<Timed> vote_time(times_.vote_ms);
   bool commit = false;
   // Whether every rank of the group is at this step (always, after a
@@ -658,7 +657,7 @@ bool FaultTolerantReplicas::should_commit() {
 void FaultTolerantReplicas::count_uncommitted(const std::string& why) {
   ++uncommitted_;
   DTRAIN_CHECK(!options_.max_retries || uncommitted_ <= *options_.max_retries, CommunicationError,
-               "replica " << replica_id() << ": " << uncommitted_ << " steps in a row did not commit (step " << step_
+               "replica " << replica_id() << ": " << uncommitted_ << " steps in a row aborted (step " << step_
                           << ", the last: " << why << "), more than FaultTolerantOptions::max_retries ("
                           << options_.max_retries.value_or(0) << "); giving up, nothing of them applied.",
                "find the member that fails them (each rank's log, the flight recorder's report: `dtrain trace "

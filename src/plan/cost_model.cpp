@@ -452,24 +452,24 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
         // its wait only where every rank must meet: where one is issued and
         // waited for at once. dtrain's ZeRO-3 (src/parallel/zero) meets so
         // at the root unit's gather (the first of forward), at the first
-        // layer's gather of each pass (issued as the pass reaches it) and at
-        // the end of backward (every reduction waited for); each other
-        // layer's gather is issued a unit ahead and each reduce-scatter runs
-        // beside the rest of backward, so they cost their transport's work
-        // (the bandwidth term; the cores are the ranks') and not the call's
-        // or the hops' latency. The root stays gathered through backward.
+        // layer's gather (issued as forward reaches it) and at the end of
+        // backward (every reduction waited for); each other layer's gather
+        // is issued a unit ahead and each reduce-scatter runs beside the rest
+        // of backward, so they cost their transport's work (the bandwidth
+        // term; the cores are the ranks') and not the call's or the hops'
+        // latency. Backward gathers the layers but the last (which stays
+        // gathered from forward, and whose backward prefetches the next);
+        // the root stays gathered through backward.
         // Measured (Intel Xeon 6/167, 4 ranks on 2 cores, 2026-11-28):
         // ZeRO-3 on 4 ranks stepped as fast as DDP on 4 (54.8-58.6 against
         // 57.4-59.4 ms in three tables), where every collective charged whole
         // put it 13-27 % above its measure; DDP's and HSDP's waits at the end
         // of backward stay charged whole (grad_sync).
-        const double root_bytes = root / tp * e;
         const double layer_work = detail::gather_work_seconds(layer_params * e, shard, shard_link);
         const double scatter_work = n * detail::gather_work_seconds(layer_params * bpp.grads, shard, shard_link) +
                                     detail::gather_work_seconds(root / tp * bpp.grads, shard, shard_link);
-        const double final_wait = shard_link.call_latency + (shard - 1) * shard_link.latency;
-        fwd_exposed = detail::gather_seconds(root_bytes, shard, shard_link) + unit + (n - 1) * layer_work;
-        bwd_exposed = unit + (n - 1) * layer_work + scatter_work + final_wait;
+        fwd_exposed = detail::gather_seconds(root / tp * e, shard, shard_link) + unit + (n - 1) * layer_work;
+        bwd_exposed = (n - 1) * layer_work + scatter_work + detail::gather_latency_seconds(shard, shard_link);
       }
       t.forward += fwd_exposed;
       t.backward_input += bwd_exposed;

@@ -13,8 +13,12 @@ double all_reduce_seconds(double bytes, int ranks, const Link& link) {
 
 double gather_seconds(double bytes, int ranks, const Link& link) {
   if (ranks <= 1 || bytes <= 0) return 0;
-  const double k = ranks;
-  return link.call_latency + (k - 1) * link.latency + (k - 1) / k * bytes / link.bandwidth;
+  return gather_latency_seconds(ranks, link) + gather_work_seconds(bytes, ranks, link);
+}
+
+double gather_latency_seconds(int ranks, const Link& link) {
+  if (ranks <= 1) return 0;
+  return link.call_latency + (ranks - 1) * link.latency;
 }
 
 double gather_work_seconds(double bytes, int ranks, const Link& link) {

@@ -20,6 +20,8 @@ double p2p_seconds(double bytes, const Link& link);
 // work, without the call's and the hops' latency (Note [Collectives issued
 // ahead on time-sliced ranks] in cost_model.cpp).
 double gather_work_seconds(double bytes, int ranks, const Link& link);
+// ... and its latency alone: the call's and the hops'.
+double gather_latency_seconds(int ranks, const Link& link);
 
 struct LayerShape {
   std::int64_t micro_batch = 1;  // sequences

@@ -535,10 +535,11 @@ TEST(FtReplicas, QuorumReadAtTheAllReduceRunsTheStepAgainInANewGroup) {
 // gradient all-reduce (a hung member), so replica 0's all-reduce fails at the
 // group timeout and every member's step aborts. With max_retries 2, the
 // pattern commit, hang, hang, commit, hang, hang, hang stops both replicas
-// at the third abort in a row (step 2: the commit in between reset the
-// count; without the reset they would stop at the third abort in all),
-// with a CommunicationError that says how many and what failed last, and
-// nothing of the aborted steps applied. A negative max_retries is refused.
+// at the seventh try, the third abort in a row (the commit in between reset
+// the count; without the reset they would stop at the fifth try, the third
+// abort in all), with a CommunicationError that says how many and what
+// failed last, and nothing of the aborted steps applied. A negative
+// max_retries is refused.
 TEST(FtReplicas, MaxRetriesStopsEveryMemberWhenStepsKeepAborting) {
   auto store = dist::Store::in_memory();
   Lighthouse lighthouse(store, {.min_replicas = 2,
@@ -549,7 +550,7 @@ TEST(FtReplicas, MaxRetriesStopsEveryMemberWhenStepsKeepAborting) {
   constexpr auto kGroupTimeout = milliseconds(300);
   const std::vector<bool> enters{true, false, false, true, false, false, false};  // replica 1, per step tried
   std::vector<std::string> error(2);
-  std::vector<std::int64_t> committed(2, 0), stopped_at(2, -1);
+  std::vector<std::int64_t> committed(2, 0), stopped_at(2, -1), tries(2, 0);
   std::vector<at::Tensor> weights(2);
   testing::run_rank_threads(2, [&](int rank, dist::Store) {
     at::Tensor w = at::zeros({2});
@@ -557,6 +558,7 @@ TEST(FtReplicas, MaxRetriesStopsEveryMemberWhenStepsKeepAborting) {
     FaultTolerantReplicas replicas(client, state_of(w), {.group_timeout = kGroupTimeout, .max_retries = 2});
     try {
       for (std::size_t i = 0; i < enters.size() + 3; ++i) {
+        ++tries[rank];
         replicas.start_step();
         std::vector<at::Tensor> grads{at::ones({2})};
         if (rank == 0 || enters.at(std::min(i, enters.size() - 1))) {
@@ -577,8 +579,9 @@ TEST(FtReplicas, MaxRetriesStopsEveryMemberWhenStepsKeepAborting) {
   });
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_EQ(committed[rank], 2) << "rank " << rank;
+    EXPECT_EQ(tries[rank], 7) << "rank " << rank << ": " << error[rank];
     EXPECT_EQ(stopped_at[rank], 2) << "rank " << rank << ": " << error[rank];
-    EXPECT_NE(error[rank].find("3 steps in a row did not commit"), std::string::npos) << error[rank];
+    EXPECT_NE(error[rank].find("3 steps in a row aborted"), std::string::npos) << error[rank];
     EXPECT_NE(error[rank].find("max_retries (2)"), std::string::npos) << error[rank];
     EXPECT_TRUE(weights[rank].equal(at::full({2}, -2.0))) << "rank " << rank << ": " << weights[rank];
   }

@@ -113,14 +113,16 @@ struct FaultTolerantOptions {
   // turns it on.
   bool overlap_quorum = false;
   // Set: should_commit() throws a CommunicationError once more than this
-  // many steps in a row did not commit (aborted, or run again in a new
-  // quorum), as torchft's Manager(max_retries=...); a commit resets the
-  // count. A failure that repeats every step (a member that reaches the
-  // lighthouse but never completes the all-reduce, a group that cannot be
-  // made) then stops the replica with what failed last, instead of
-  // retrying forever. Every member of a quorum sees the same decisions, so
-  // they give up at the same step; nothing of the failed steps is applied.
-  // Unset (the default): retry without limit.
+  // many steps in a row aborted (the commit vote failed), as torchft's
+  // Manager(max_retries=...); a commit resets the count, and a step run
+  // again because a new quorum was read at the all-reduce (overlap_quorum:
+  // a member joined or left) neither counts nor resets. A failure that
+  // repeats every step (a member that reaches the lighthouse but never
+  // completes the all-reduce, a group that cannot be made) then stops the
+  // replica with what failed last, instead of retrying forever. The
+  // members that were in the quorum for all of those steps saw the same
+  // votes, so they give up at the same step; nothing of the aborted steps
+  // is applied. Unset (the default): retry without limit.
   std::optional<int> max_retries;
 };
 
@@ -213,7 +215,7 @@ class FaultTolerantReplicas {
   // gradient all-reduce, the vote and the next step.
   void finish_serving();
   void fail(const std::string& what, const std::exception& e);
-  // One more step that did not commit (why: for the error); throws past
+  // One more step aborted (why: for the error); throws past
   // FaultTolerantOptions::max_retries.
   void count_uncommitted(const std::string& why);
   bool shared_by_ranks() const { return options_.replica_group && options_.replica_group->size() > 1; }
@@ -249,7 +251,7 @@ class FaultTolerantReplicas {
   bool asked_ahead_ = false;     // the last commit asked for this step's quorum
   bool answer_pending_ = false;  // start_step() left it to settle_quorum()
   bool redo_ = false;            // settle_quorum() found another quorum: this step runs again
-  int uncommitted_ = 0;          // should_commit() false in a row (FaultTolerantOptions::max_retries)
+  int uncommitted_ = 0;          // steps aborted in a row (FaultTolerantOptions::max_retries)
   std::optional<Quorum> held_;   // that quorum, for the next start_step()
   // Rank 0's request asked ahead and its answer, read on a thread of their
   // own (overlap_quorum): the store's round trips leave the caller's thread.

@@ -55,8 +55,8 @@ struct TrainerFaultTolerance {
   // Each quorum's group: rendezvous and operation timeout (a member that died
   // between the quorum and the group fails that step, which runs again).
   std::chrono::milliseconds group_timeout{std::chrono::seconds(10)};
-  // Set: more than this many steps in a row that do not commit stop the
-  // Trainer with a CommunicationError (ft::FaultTolerantOptions::max_retries);
+  // Set: more than this many steps in a row that abort stop the Trainer
+  // with a CommunicationError (ft::FaultTolerantOptions::max_retries);
   // unset: retry without limit.
   std::optional<int> max_retries;
   // Called on every rank after each committed step with that step (0-based)
