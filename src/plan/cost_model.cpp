@@ -309,10 +309,10 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
                "choose a tp dividing all three");
   // A CPU host's ranks share its cores: more ranks than cores divide them.
   DeviceSpec dev = cluster.device;
+  const int local = std::min(cluster.gpus_per_node, cluster.gpus);  // this plan's ranks on one host
   // ... and its last-level cache, whatever their number.
-  if (dev.compute_units > 0) dev.cache_bytes /= std::min(cluster.gpus_per_node, cluster.gpus);
+  if (dev.compute_units > 0) dev.cache_bytes /= local;
   if (dev.compute_units > 0) {
-    const int local = std::min(cluster.gpus_per_node, cluster.gpus);  // this plan's ranks on one host
     // Ranks computing at once slow each other (calibrated; one process runs alone).
     double slowdown = local >= 2 ? std::max(1.0, dev.concurrency_factor) : 1.0;
     const double share = static_cast<double>(dev.compute_units) / local;
@@ -348,10 +348,10 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
   // GPU overlaps (DDP's buckets during backward, ZeRO-3's prefetched gathers,
   // context parallelism's ring exchange behind the attention core) adds to
   // the step here. A GPU (compute_units 0) overlaps as before.
-  const bool overlap = dev.compute_units == 0 || std::min(cluster.gpus_per_node, cluster.gpus) < dev.compute_units;
+  const bool overlap = dev.compute_units == 0 || local < dev.compute_units;
   // ... and with more ranks than cores a wait for a peer runs another rank
   // (Note [Collectives issued ahead on time-sliced ranks]).
-  const bool time_sliced = dev.compute_units > 0 && std::min(cluster.gpus_per_node, cluster.gpus) > dev.compute_units;
+  const bool time_sliced = dev.compute_units > 0 && local > dev.compute_units;
   const bool pipelined = plan.pp > 1;
   const int m = pipelined ? plan.pipeline.micro_batches : 1;
   const int v = pipelined ? plan.pipeline.stages_per_rank : 1;
@@ -638,8 +638,7 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
                                      est.peak_memory_bytes.begin());
   est.memory = memory[worst];
   // A host's ranks share its memory (compute_units > 0: a CPU host).
-  est.device_memory_bytes =
-      dev.compute_units > 0 ? dev.memory_bytes / std::min(cluster.gpus_per_node, cluster.gpus) : dev.memory_bytes;
+  est.device_memory_bytes = dev.compute_units > 0 ? dev.memory_bytes / local : dev.memory_bytes;
   est.fits = est.peak() <= static_cast<double>(est.device_memory_bytes);
   if (options.memory_only) return est;
 

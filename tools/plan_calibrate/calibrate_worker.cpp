@@ -25,7 +25,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <time.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -41,6 +40,7 @@
 #include "dtrain/dtrain.h"
 #include "dtrain/nn/attention.h"
 #include "dtrain/nn/linear.h"
+#include "dtrain/plan/device_table.h"
 
 namespace {
 
@@ -413,7 +413,8 @@ struct AfterCompute {
 // clocks' median over 8 collectives a round is steady at 9 rounds.
 constexpr int kPerRound = 8, kAfterComputeRounds = 9, kTimeSlicedRounds = 81;
 AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
-  const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  // The regime as `dtrain plan --calibrate` sorts the runs (its cpu-here entry's cores).
+  const int cores = dtrain::plan::find_device("cpu-here").compute_units;
   const int rounds = group.size() > cores ? kTimeSlicedRounds : kAfterComputeRounds;
   const at::Tensor a = at::randn({256, 256}), b = at::randn({256, 256});
   at::Tensor small = at::ones({4096});  // 16 KiB
@@ -614,8 +615,6 @@ int main(int argc, char** argv) {
         return a.at("fp32_flops").get<double>() < b.at("fp32_flops").get<double>();
       });
       result.update(rates[rates.size() / 2]);
-    }
-    if (contract.rank == 0) {
       std::ofstream file(out);
       file << result.dump() << "\n";
       if (!file.good()) {
