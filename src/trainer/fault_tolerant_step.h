@@ -74,6 +74,7 @@ class FaultTolerantStep {
   // membership after commit() returned true).
   std::vector<int> members() const;
   int replica_id() const { return endpoint_.replica_id; }
+  int replicas() const { return endpoint_.replicas; }
 
  private:
   TrainerFaultTolerance options_;

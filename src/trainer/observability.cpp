@@ -219,7 +219,9 @@ void Tracer::write() {
                         {"args", {{"step", e.step}}}});
     }
   }
-  const fs::path tmp = file_.string() + ".tmp";
+  // The temporary file is this process's own: two writers of one trace
+  // (a path given to several processes) must not rename each other's.
+  const fs::path tmp = file_.string() + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();

@@ -285,12 +285,14 @@ struct Trainer::Run {
     if (!o.checkpoint_dir.empty()) resume();
     if (ft && position.step > 0) ft->resume_at(position.step);
     st.step = position.step;
+    // Under fault tolerance every replica group has a rank 0, so each
+    // rank's files are named by its place among all groups' ranks: rank r of
+    // group g writes sample log and trace g * W + r (W the group's ranks; the
+    // data rank under DDP and ZeRO, one file per stage under a pipeline).
+    const int file_rank = ft ? ft->replica_id() * world + rank : rank;
+    const int file_world = ft ? ft->replicas() * world : world;
     if (!o.sample_log.empty()) {
       const auto& f = o.sample_log;
-      // Under fault tolerance every replica group has a rank 0: rank r of
-      // group g writes file g * W + r (W the group's ranks; the data rank
-      // under DDP and ZeRO, and one file per stage under a pipeline).
-      const int file_rank = ft ? ft->replica_id() * world + rank : rank;
       const auto path =
           f.parent_path() / (f.stem().string() + ".rank" + std::to_string(file_rank) + f.extension().string());
       sample_log.open(path, std::ios::app);
@@ -298,11 +300,23 @@ struct Trainer::Run {
                    "check that the sample log's folder exists and is writable");
     }
     if (!o.trace_file.empty()) {
-      tracer = std::make_unique<Tracer>(per_rank_path(o.trace_file, rank, world), rank);
+      tracer = std::make_unique<Tracer>(per_rank_path(o.trace_file, file_rank, file_world), file_rank);
       s.set_tracer(tracer.get());
     }
     if (want_metrics && rank == 0) {
-      metrics.emplace(MetricsOptions{.jsonl = o.metrics_jsonl, .tensorboard_dir = o.tensorboard_dir});
+      // A replica group's metrics are its own (its ranks' mean loss over its
+      // data), and groups come and go: each group's rank 0 writes them to a
+      // file and a TensorBoard run of its own (metrics.jsonl ->
+      // metrics.replica<g>.jsonl, <dir>/replica<g>), which one that restarts
+      // appends to.
+      MetricsOptions m{.jsonl = o.metrics_jsonl, .tensorboard_dir = o.tensorboard_dir};
+      if (ft) {
+        const std::string suffix = "replica" + std::to_string(ft->replica_id());
+        if (!m.jsonl.empty())
+          m.jsonl = m.jsonl.parent_path() / (m.jsonl.stem().string() + "." + suffix + m.jsonl.extension().string());
+        if (!m.tensorboard_dir.empty()) m.tensorboard_dir /= suffix;
+      }
+      metrics.emplace(m);
     }
     DTRAIN_LOG(kDebug) << s.name() << " training on " << source.epoch_examples() / s.data_world()
                        << " examples per rank and epoch (0: a stream), " << o.epochs << " epochs, micro-batch "

@@ -11,7 +11,9 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -226,6 +228,39 @@ void run_ft_checkpoint_resume(int kReplicas, int k, int zero_stage) {
     for (std::size_t p = 0; p < whole[i].size(); ++p) {
       EXPECT_TRUE(at::equal(resumed[i][p], whole[i][p])) << "rank " << i << " parameter " << p;
     }
+  }
+}
+
+// Observability under fault tolerance: every replica group has a rank 0,
+// so each group's rank 0 writes a metrics file of its own and every rank a
+// trace named by its place among all groups' ranks (before, the groups'
+// rank 0 appended to one metrics file, each step once per group, and their
+// traces overwrote each other).
+TEST(FaultTolerance, TrainerWritesEachReplicaGroupsMetricsAndEveryRanksTrace) {
+  constexpr int kReplicas = 2, k = 2, kSteps = 20;
+  Scratch scratch;
+  ::setenv("FT_OBSERVE", "1", 1);
+  run_ft_trainer_job(scratch, "observe", kSteps, "", kReplicas, k, /*zero_stage=*/0);
+  ::unsetenv("FT_OBSERVE");
+  const fs::path dir = scratch.path() / "observe";
+  EXPECT_FALSE(fs::exists(dir / "metrics.jsonl"));
+  for (int g = 0; g < kReplicas; ++g) {
+    std::ifstream in(dir / ("metrics.replica" + std::to_string(g) + ".jsonl"));
+    ASSERT_TRUE(in.good()) << "replica group " << g << " wrote no metrics file";
+    std::vector<std::int64_t> steps;
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("train/loss")) steps.push_back(j.at("step").get<std::int64_t>());
+    }
+    EXPECT_EQ(steps, (std::vector<std::int64_t>{5, 10, 15, 20})) << "replica group " << g;
+  }
+  for (int r = 0; r < kReplicas * k; ++r) {
+    std::ifstream in(dir / ("trace.rank" + std::to_string(r) + ".json"));
+    ASSERT_TRUE(in.good()) << "no trace of rank " << r;
+    const auto trace = nlohmann::json::parse(in);
+    std::set<std::int64_t> pids;
+    for (const auto& e : trace.at("traceEvents")) pids.insert(e.at("pid").get<std::int64_t>());
+    EXPECT_EQ(pids, std::set<std::int64_t>{r}) << "trace.rank" << r << ".json";
   }
 }
 

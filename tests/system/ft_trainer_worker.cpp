@@ -8,7 +8,8 @@
 // of replica r data rank r * k + i. A restarted replica
 // (TORCHELASTIC_RESTART_COUNT > 0) starts from another seed. FT_CKPT_DIR
 // (and FT_CKPT_EVERY): the Trainer's checkpoints, written by one replica
-// group, resumed by all when the whole job starts again.
+// group, resumed by all when the whole job starts again. FT_OBSERVE=1: the
+// Trainer's metrics (FT_DIR/metrics.jsonl) and trace (FT_DIR/trace.json).
 #include <unistd.h>
 
 #include <chrono>
@@ -94,6 +95,8 @@ int main() {
                 log << "recovered " << step << " pid " << ::getpid() << " t_ms " << ft_trainer_unix_ms() << std::endl;
               }
             }};
+    // FT_OBSERVE=1: metrics every 5 steps and a trace, as a user would ask for them.
+    const bool observe = ft_trainer_env("FT_OBSERVE", "0") == "1";
     auto optimizer = problem::make_optimizer(strategy->parameters());
     dtrain::Trainer trainer(strategy, optimizer, stream,
                             {.max_steps = steps,
@@ -101,7 +104,9 @@ int main() {
                              .checkpoint_dir = ft_trainer_env("FT_CKPT_DIR", ""),
                              .checkpoint_every = std::stoi(ft_trainer_env("FT_CKPT_EVERY", "0")),
                              .progress = false,
-                             .log_every = 1000,
+                             .log_every = observe ? 5 : 1000,
+                             .metrics_jsonl = observe ? dir + "/metrics.jsonl" : "",
+                             .trace_file = observe ? dir + "/trace.json" : "",
                              .fault_tolerance = ft});
     trainer.fit();
     auto full = strategy->full_parameters();  // ZeRO: gathers the stepped chunks (collective)

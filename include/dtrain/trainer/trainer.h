@@ -74,7 +74,10 @@ struct TrainerOptions {
   bool progress = true;         // the bar / progress lines on rank 0 (stderr)
   std::int64_t log_every = 20;  // steps between progress updates and metric records
 
-  // Observability, off by default.
+  // Observability, off by default. Under fault_tolerance each replica group
+  // G of W ranks keeps its own: metrics <stem>.replica<G><ext> and
+  // <tensorboard_dir>/replica<G> from its rank 0, and rank r's trace
+  // trace.rank<G * W + r>.json (as its sample log).
   std::filesystem::path metrics_jsonl;    // JSON lines, rank 0
   std::filesystem::path tensorboard_dir;  // TensorBoard event file, rank 0
   std::filesystem::path trace_file;       // Chrome trace, one per rank (trace.rank<R>.json)
