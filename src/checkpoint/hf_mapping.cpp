@@ -3,13 +3,13 @@
 
 #include <torch/serialize/archive.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
 
 #include "dtrain/checkpoint/checkpoint_reader.h"
 #include "dtrain/checkpoint/checkpointer.h"
 #include "dtrain/error.h"
+#include "file_io.h"
 
 namespace dtrain::checkpoint {
 
@@ -76,10 +76,12 @@ void save_hf_folder(const fs::path& dir, const HfMapping& mapping, const NamedTe
                     const ShardedSafetensorsOptions& options) {
   fs::create_directories(dir);
   save_safetensors_sharded(dir, mapping.apply(tensors), options);
-  std::ofstream out(dir / "config.json");
-  out << nlohmann::json::parse(mapping.config_json).dump(2) << "\n";
-  DTRAIN_CHECK(out.good(), ConfigError, "cannot write " << (dir / "config.json").string() << ".",
-               "check free space and permissions");
+  // Atomic as the weights are: an export that stops midway leaves no
+  // truncated config.json, and several writers of one folder (each replica
+  // group's rank 0 under fault tolerance) each replace it whole.
+  const std::string config = nlohmann::json::parse(mapping.config_json).dump(2) + "\n";
+  detail::write_file_atomically(dir / "config.json", options.durable,
+                                [&](const detail::ChunkSink& sink) { sink(config.data(), config.size()); });
 }
 
 namespace {
