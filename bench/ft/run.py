@@ -52,7 +52,7 @@ def read_log(path):
     try:
         with open(path) as f:
             for line in f:
-                m = LINE.match(line)
+                m = LINE.match(line) if line.endswith("\n") else None  # else still being written
                 if m:
                     kind, step, members, pid, t = m.groups()
                     out.append({"kind": kind, "step": int(step), "members": int(members or 0), "pid": int(pid),
@@ -70,7 +70,9 @@ def read_sample_log(path, world):
     try:
         with open(path) as f:
             for line in f:
-                if not line.startswith("{"):
+                # A line without its newline is still being written (the
+                # case's end is polled while its ranks train).
+                if not line.startswith("{") or not line.endswith("\n"):
                     continue
                 j = json.loads(line)  # "step": steps done, so the committed step's index + 1
                 out.append({"kind": "step", "step": j["step"] - 1, "members": len(j.get("members", [])) or world,
