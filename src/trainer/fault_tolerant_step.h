@@ -74,6 +74,8 @@ class FaultTolerantStep {
   // membership after commit() returned true).
   std::vector<int> members() const;
   int replica_id() const { return endpoint_.replica_id; }
+  // The job's replica groups (--ft-replicas), not the live quorum's: what
+  // numbers each rank's files stably across quorums.
   int replicas() const { return endpoint_.replicas; }
 
  private:

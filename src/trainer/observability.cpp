@@ -225,7 +225,12 @@ void Tracer::write() {
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
-    DTRAIN_CHECK(out.good(), ConfigError, "cannot write the trace " << file_.string() << ".",
+    out.close();
+    if (out.fail()) {
+      std::error_code ignored;
+      fs::remove(tmp, ignored);  // each writer's own: a failed one must not pile up
+    }
+    DTRAIN_CHECK(!out.fail(), ConfigError, "cannot write the trace " << file_.string() << ".",
                  "check that --trace points to a writable path");
   }
   fs::rename(tmp, file_);

@@ -77,7 +77,8 @@ struct TrainerOptions {
   // Observability, off by default. Under fault_tolerance each replica group
   // G of W ranks keeps its own: metrics <stem>.replica<G><ext> and
   // <tensorboard_dir>/replica<G> from its rank 0, and rank r's trace
-  // trace.rank<G * W + r>.json (as its sample log).
+  // trace.rank<G * W + r>.json (as its sample log; trace.json when the job
+  // is one group of one rank).
   std::filesystem::path metrics_jsonl;    // JSON lines, rank 0
   std::filesystem::path tensorboard_dir;  // TensorBoard event file, rank 0
   std::filesystem::path trace_file;       // Chrome trace, one per rank (trace.rank<R>.json)
