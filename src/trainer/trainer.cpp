@@ -32,6 +32,12 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// `file` with ".<tag>" before its extension (samples.jsonl, rank3 ->
+// samples.rank3.jsonl).
+std::filesystem::path tagged(const std::filesystem::path& file, const std::string& tag) {
+  return file.parent_path() / (file.stem().string() + "." + tag + file.extension().string());
+}
+
 }  // namespace
 
 struct Trainer::State {
@@ -292,9 +298,7 @@ struct Trainer::Run {
     const int file_rank = ft ? ft->replica_id() * world + rank : rank;
     const int file_world = ft ? ft->replicas() * world : world;
     if (!o.sample_log.empty()) {
-      const auto& f = o.sample_log;
-      const auto path =
-          f.parent_path() / (f.stem().string() + ".rank" + std::to_string(file_rank) + f.extension().string());
+      const auto path = tagged(o.sample_log, "rank" + std::to_string(file_rank));
       sample_log.open(path, std::ios::app);
       DTRAIN_CHECK(sample_log.good(), ConfigError, "cannot open the sample log " << path.string() << ".",
                    "check that the sample log's folder exists and is writable");
@@ -311,10 +315,9 @@ struct Trainer::Run {
       // appends to.
       MetricsOptions m{.jsonl = o.metrics_jsonl, .tensorboard_dir = o.tensorboard_dir};
       if (ft) {
-        const std::string suffix = "replica" + std::to_string(ft->replica_id());
-        if (!m.jsonl.empty())
-          m.jsonl = m.jsonl.parent_path() / (m.jsonl.stem().string() + "." + suffix + m.jsonl.extension().string());
-        if (!m.tensorboard_dir.empty()) m.tensorboard_dir /= suffix;
+        const std::string tag = "replica" + std::to_string(ft->replica_id());
+        if (!m.jsonl.empty()) m.jsonl = tagged(m.jsonl, tag);
+        if (!m.tensorboard_dir.empty()) m.tensorboard_dir /= tag;
       }
       metrics.emplace(m);
     }
