@@ -53,6 +53,24 @@ double p2p_seconds(double bytes, const Link& link) {
 //    a rank's share of it streams at the cache's bandwidth: the GPT
 //    example's activations (0.4-3 MiB) never leave this CPU's L3, and costed
 //    at DRAM's rate its element-wise work came out 2.7x the profiled time.
+// Note [Element-wise passes]
+// Eager kernels (one per PyTorch op, as dtrain's GPT and torchtitan run
+// them) in the norms' and residuals' region per token and layer: each
+// native LayerNorm reads and writes its row (2 x 2h elements), each
+// residual add reads two and writes one (2 x 3h), 20 bytes x h at 2 bytes
+// per element. The model charged that region 80 bytes x h, ~4x those
+// passes (torch.profiler over the Python peer's GPT step: LayerNorm 2.9 ms
+// and the adds 1.7 ms of 86 ms, Intel Xeon 6/167, 2026-11-29), and with
+// it the one-process GPT's steps came out right: the rest stands for what
+// an eager training step pays per token beyond its kernels' passes (the
+// allocator, dispatch, operands gone cold between kernels; `perf` put ~20 %
+// of a dtrain GPT step's samples there). Until 2026-11-29 all 80 were
+// divided by sequence parallelism, which predicted tp 2 with SP level with
+// tp 2 (0 to -1.7 ms) where it measured 5-8 ms slower: SP halves the
+// norms' passes, not the step's per-token rest. Now only the 20 are; the
+// 60 stay with every token of the rank. (Measured against the same runs,
+// five tables of bench/plan/compare.py: SP's gap to tp 2 predicted +2.6 to
+// +4.8 ms for +5.0 to +7.6 measured; the rest of the model unchanged.)
 // Tensor parallelism divides the GEMMs' parallel dimension and the heads;
 // the norms and residual work divide only with sequence parallelism; context
 // parallelism divides the tokens.
@@ -111,12 +129,16 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
     attn_fwd = core + roof.traffic(score_elements * per_score, score_set);
     attn_bwd = 2 * core + roof.traffic(score_elements * per_score * 1.5, score_set);
   }
-  // Element-wise traffic per token, in bytes at 2 bytes per element.
-  const double replicated = eager ? 80 * h : (m.dropout ? 22 : 20) * h;
+  // Element-wise traffic per token, in bytes at 2 bytes per element (Note
+  // [Element-wise passes]): the norms' and residuals' region (divided by
+  // sequence parallelism), eager training's per-token rest (divided by
+  // nothing), and the work split over tp.
+  const double replicated = eager ? 20 * h : (m.dropout ? 22 : 20) * h;
+  const double eager_rest = eager ? 60 * h : 0;
   const double split =
       eager ? 20 * (h + kv) + 4 * (h + 2 * kv) + (m.gated_mlp ? 10 : 8) * f : (m.gated_mlp ? 6 : 4) * f;
   const double replicated_tokens = sh.sequence_parallel ? tokens / t : tokens;
-  const double ew_bytes = (replicated * replicated_tokens + split * tokens / t) * e / 2;
+  const double ew_bytes = (replicated * replicated_tokens + eager_rest * tokens + split * tokens / t) * e / 2;
   const double kernels = (eager ? 45 : 15) * dev.kernel_overhead;
   // The largest element-wise kernel: a residual add (two inputs, one output
   // of tokens x h) or the MLP's activation function (tokens x ffn in and

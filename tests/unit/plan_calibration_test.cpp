@@ -380,6 +380,42 @@ TEST(PlanCalibration, CpuCallCostAndCacheAreTheGptExamplesTerms) {
   EXPECT_NEAR(step(large, cached, 8), step(large, d, 8), 1e-12);
 }
 
+// Note [Element-wise passes]: sequence parallelism halves the norms' and
+// residuals' passes, not an eager step's per-token rest, so its extra
+// copies and collectives make tp 2 with SP slower than without on the GPT
+// example (measured 5-8 ms per step on 2 cores, Intel 6/167, 2026-11-29;
+// the model that divided the whole region put SP level or ahead); fused
+// kernels (Megatron's) have no rest, so SP saves them the same passes.
+TEST(PlanCalibration, SequenceParallelHalvesTheNormsPassesNotTheEagerRest) {
+  DeviceSpec d = two_core_host();
+  d.fp32_flops = d.bf16_flops = 140e9;
+  d.memory_bandwidth = 20e9;
+  d.cache_bytes = 32LL << 20;
+  d.cache_bandwidth = 30e9;
+  d.kernel_overhead = 3e-6;
+  d.gemm_overhead = 8e-6;
+  d.attention_efficiency = 0.4;
+  auto seconds = [&](const std::string& kernels, bool sp) {
+    const auto model = ModelSpec::parse(
+        "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=" + kernels + ",dropout=0,bias=0");
+    const ParallelPlan p{.tp = 2, .sequence_parallel = sp, .precision = "fp32", .global_batch = 24};
+    return estimate(p, model, {.device = d, .gpus = 2, .gpus_per_node = d.gpus_per_node}).time.compute;
+  };
+  // Compute alone: SP saves the norms' and residuals' 20 bytes x h per
+  // token on half the tokens, 3 passes (forward, backward twice), fp32.
+  const double tokens = 24.0 * 64, region = 20 * 128 * 2;
+  const double saved = 4 * 3 * region * tokens / 2 / d.cache_bandwidth;
+  EXPECT_NEAR(seconds("eager", false) - seconds("eager", true), saved, 1e-12);
+  EXPECT_NEAR(seconds("fused", false) - seconds("fused", true), saved, 1e-12);
+  const auto eager = ModelSpec::parse(
+      "gpt:layers=4,hidden=128,heads=4,seq=64,vocab=84,attention=flash,kernels=eager,dropout=0,bias=0");
+  auto step = [&](bool sp) {
+    const ParallelPlan p{.tp = 2, .sequence_parallel = sp, .precision = "fp32", .global_batch = 24};
+    return estimate(p, eager, {.device = d, .gpus = 2, .gpus_per_node = d.gpus_per_node}).step_seconds;
+  };
+  EXPECT_GT(step(true), step(false));
+}
+
 TEST(PlanCalibration, Fp8PlansRunTheirGemmsAtTheFp8Rate) {
   const auto model =
       ModelSpec::parse("llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=8192,vocab=128256");
