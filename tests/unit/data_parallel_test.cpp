@@ -36,7 +36,27 @@ struct NetImpl : torch::nn::Cloneable<NetImpl> {
 };
 TORCH_MODULE(Net);
 
+// LibTorch's first kernels on a fresh thread, racing with other threads'
+// first ones, can take another code path on a loaded host (a one-time lazy
+// initialisation below ATen's ops; reproduced without dtrain: the first
+// autograd step of this net on 3 fresh threads differed by up to 9e-5 from
+// the same step after, on 1 of 150-200 fresh processes while other
+// processes loaded both cores, and on none of 200 after one step on the
+// main thread; 2026-11-29, Intel 6/167). This suite compares replicas'
+// sums with one thread's results at 1e-5, so every test runs the net's
+// ops once on the main thread first, as a program does before its first
+// DataParallel step.
+void warm_up_kernels() {
+  static const bool done = [] {
+    NetImpl net;
+    net.forward(at::ones({2, 10}).requires_grad_(true)).sum().backward();
+    return true;
+  }();
+  (void)done;
+}
+
 Net make_net(bool with_norm = false) {
+  warm_up_kernels();
   torch::manual_seed(7);
   return Net(with_norm);
 }
