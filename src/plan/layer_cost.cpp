@@ -68,9 +68,10 @@ double p2p_seconds(double bytes, const Link& link) {
 // divided by sequence parallelism, which predicted tp 2 with SP level with
 // tp 2 (0 to -1.7 ms) where it measured 5-8 ms slower: SP halves the
 // norms' passes, not the step's per-token rest. Now only the 20 are; the
-// 60 stay with every token of the rank. (Measured against the same runs,
-// five tables of bench/plan/compare.py: SP's gap to tp 2 predicted +2.6 to
-// +4.8 ms for +5.0 to +7.6 measured; the rest of the model unchanged.)
+// 60 stay with every token of the rank. (Six tables of
+// bench/plan/compare.py, each model against the same runs: SP's gap to tp
+// 2 predicted +2.6 to +5.0 ms for +4.5 to +7.6 measured; docs/planner.md,
+// Session 21.)
 // Tensor parallelism divides the GEMMs' parallel dimension and the heads;
 // the norms and residual work divide only with sequence parallelism; context
 // parallelism divides the tokens.
