@@ -45,6 +45,7 @@
 #include "dtrain/comm/process_group.h"
 #include "dtrain/error.h"
 #include "dtrain/nn/context_parallel.h"
+#include "dtrain/nn/gelu.h"
 #include "model.h"
 
 namespace gpt {
@@ -200,7 +201,7 @@ struct CpBlockImpl : torch::nn::Module {
     x = x + attn->forward(ln_1(x), masks);
     if (!masks.mlp.defined()) return x + mlp(ln_2(x));
     const at::Tensor h = apply_linear(mlp->c_fc, ln_2(x));
-    return x + apply_linear(mlp->c_proj, at::gelu(h, gelu_tanh ? "tanh" : "none")) * masks.mlp;
+    return x + apply_linear(mlp->c_proj, dtrain::nn::gelu(h, gelu_tanh ? "tanh" : "none")) * masks.mlp;
   }
 
   dtrain::Recompute recompute;

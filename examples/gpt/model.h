@@ -5,7 +5,8 @@
 //   block i  x + attn(ln_1(x)), then x + mlp(ln_2(x)): pre-LayerNorm causal
 //            self-attention (dtrain::nn::causal_attention: oneDNN's products
 //            for short sequences, at::scaled_dot_product_attention else) and
-//            a GELU MLP of width 4 x n_embd
+//            a GELU MLP of width 4 x n_embd (dtrain::nn::gelu: the derivative
+//            written in forward, backward one multiplication)
 //   head     final LayerNorm and logits = x @ wte^T (the output projection is
 //            the token embedding: one parameter, trained by both ends)
 //
@@ -32,6 +33,7 @@
 
 #include "dtrain/nn/attention.h"
 #include "dtrain/nn/checkpoint.h"
+#include "dtrain/nn/gelu.h"
 #include "dtrain/nn/linear.h"
 #include "dtrain/plan/plan.h"
 
@@ -144,7 +146,7 @@ struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
     drop = register_module("drop", torch::nn::Dropout(config.dropout));
   }
   at::Tensor forward(const at::Tensor& x) {
-    return drop(apply_linear(c_proj, at::gelu(apply_linear(c_fc, x), config.gelu_tanh ? "tanh" : "none")));
+    return drop(apply_linear(c_proj, dtrain::nn::gelu(apply_linear(c_fc, x), config.gelu_tanh ? "tanh" : "none")));
   }
 
   GptConfig config;

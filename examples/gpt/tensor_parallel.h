@@ -61,6 +61,7 @@
 #include "dtrain/dist/parameter_layouts.h"
 #include "dtrain/error.h"
 #include "dtrain/nn/context_parallel.h"
+#include "dtrain/nn/gelu.h"
 #include "dtrain/nn/linear.h"
 #include "dtrain/nn/parallel_linear.h"
 #include "dtrain/nn/rng_tracker.h"
@@ -290,7 +291,7 @@ struct TpMlpImpl : torch::nn::Module {
     c_proj->copy_from_full(full.c_proj->weight, detail::bias_of(full.c_proj));
   }
   at::Tensor forward(const at::Tensor& x) {
-    return drop(c_proj(at::gelu(c_fc(x), gelu_tanh ? "tanh" : "none")), is_training());
+    return drop(c_proj(dtrain::nn::gelu(c_fc(x), gelu_tanh ? "tanh" : "none")), is_training());
   }
 
   bool gelu_tanh;  // the full MLP's GELU (model.h)

@@ -29,6 +29,7 @@
 #include "dtrain/ft/replicas.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/log.h"
+#include "dtrain/nn/gelu.h"
 #include "dtrain/nn/linear.h"
 #include "dtrain/nn/parallel_linear.h"
 #include "dtrain/nn/tp_comm.h"

@@ -89,10 +89,10 @@ bool launched_by_launcher(const EnvLookup& env = process_env());
 std::chrono::milliseconds default_timeout(std::chrono::milliseconds fallback = std::chrono::minutes(30),
                                           const EnvLookup& env = process_env());
 
-// Which products dtrain::nn::linear runs (nn/linear.h).
+// Which kernels dtrain::nn runs (nn/linear.h; attention.h and gelu.h follow it).
 enum class LinearKernel {
   kAuto,    // the faster kernel for this CPU (nn/linear.h: oneDNN's matmul on non-Intel x86, at::linear elsewhere)
-  kAten,    // always at::linear: what a PyTorch program runs, for like-for-like comparisons
+  kAten,    // always ATen's kernels (at::linear, ...): what a PyTorch program runs, for like-for-like comparisons
   kOneDnn,  // oneDNN's matmul wherever it runs (fp32 CPU), e.g. to measure it on an Intel CPU
 };
 // DTRAIN_LINEAR_KERNEL: "auto" (also when unset or empty), "aten" or
