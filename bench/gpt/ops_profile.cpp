@@ -6,9 +6,9 @@
 // (time inside the op minus the ops it calls) and calls per step, then a total:
 //   {"op": "aten::gelu", "self_us_per_step": ..., "calls_per_step": ..., "share": ...}
 // Self times make the non-matmul share of a step visible (issue 29, item 3).
-// Last, one layer's attention alone, ATen's kernel against dtrain's (medians
-// of 200 runs):
-//   {"op": "causal_attention", "impl": "aten" | "dtrain", "forward_us": ..., "forward_backward_us": ...}
+// Last, one layer's attention and one layer's GELU alone, ATen's kernel
+// against dtrain's (medians of 200 runs):
+//   {"op": "causal_attention" | "gelu", "impl": "aten" | "dtrain", "forward_us": ..., "forward_backward_us": ...}
 // The profiler adds ~1 us per op: compare figures of this tool with each
 // other, and step times with bench/gpt's.
 #include <ATen/ATen.h>
@@ -29,6 +29,7 @@
 #include "dtrain/amp/autocast.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/nn/attention.h"
+#include "dtrain/nn/gelu.h"
 #include "fused_adamw.h"
 #include "model.h"
 
@@ -124,6 +125,27 @@ void print_attention_timing(const gpt::GptConfig& c, std::int64_t batch) {
   }
 }
 
+// One layer's GELU at the model's shape ([B, T, 4C], the fc product's
+// output), the training forward (with autograd recording) and forward +
+// backward: ATen's (at::gelu) and dtrain::nn::gelu, which writes the
+// derivative in forward and multiplies by it in backward.
+void print_gelu_timing(const gpt::GptConfig& c, std::int64_t batch) {
+  const at::Tensor x = at::randn({batch, c.block_size, 4 * c.n_embd}).requires_grad_();
+  const at::Tensor dy = at::randn(x.sizes());
+  const auto form = c.gelu_tanh ? "tanh" : "none";
+  auto aten = [&] { return at::gelu(x, form); };
+  auto ours = [&] { return dtrain::nn::gelu(x, form); };
+  for (const auto& [name, f] : {std::pair<const char*, std::function<at::Tensor()>>{"aten", aten}, {"dtrain", ours}}) {
+    const double fwd = median_us([&] { (void)f(); });
+    const double both = median_us([&] {
+      f().backward(dy);
+      x.mutable_grad().reset();
+    });
+    std::printf("{\"op\": \"gelu\", \"impl\": \"%s\", \"forward_us\": %.1f, \"forward_backward_us\": %.1f}\n", name,
+                fwd, both);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -178,5 +200,6 @@ int main(int argc, char** argv) {
       "{\"op\": \"total\", \"profiled_ms_per_step\": %.2f, \"step_ms_unprofiled\": %.2f, \"linear_kernel\": \"%s\"}\n",
       total / 1e6 / steps, plain_ms, dtrain::nn::linear_kernel_name());
   print_attention_timing(config, 12);
+  print_gelu_timing(config, 12);
   return 0;
 }
