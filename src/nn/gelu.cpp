@@ -20,11 +20,15 @@ namespace dtrain::nn {
 // exp(-x^2 / 2) again per element to form dy (Phi(x) + x phi(x)). Its forward
 // already evaluates that exp: its vector erf is 1 - P(t) exp(-z^2) (Abramowitz
 // and Stegun 7.1.26), and with z = x / sqrt 2, exp(-z^2) is GELU's Gaussian.
-// So one pass can write y and the derivative d = Phi(x) + x phi(x) for the
-// cost of ATen's forward plus a store (the tanh form likewise: one tanh gives
-// both), and backward is dy * d, a memory-bound multiplication in place of a
-// compute-bound pass (on the Intel VM of session 20 ATen's GELU backward ran
-// 1.93 ns per element against its forward's 1.16). d is saved in place of x,
+// So one pass can write y and the derivative d = Phi(x) + x phi(x) (the tanh
+// form likewise: one tanh gives both), and backward is dy * d, a memory-bound
+// multiplication in place of a compute-bound pass (on the Intel VM of session
+// 20 ATen's GELU backward ran 1.93 ns per element against its forward's
+// 1.16). Measured on AMD EPYC 25/17 (docs/performance.md, session 22): one
+// layer of the GPT, forward + backward 365 us against ATen's 533-723; the
+// forward alone 280-304 against 187-213 (the derivative's store, and this
+// kernel's output alone, 250-310 us, is slower than ATen's compiled forward:
+// not traced). d is saved in place of x,
 // and x, which nothing else keeps (the fc product's backward needs its input,
 // not its output), is freed: the activation memory is ATen's.
 //
