@@ -1,4 +1,5 @@
-// What linear.cpp and attention.cpp share to run products on oneDNN.
+// What linear.cpp and attention.cpp share to run products on oneDNN (and
+// gelu.cpp its tensor check).
 #pragma once
 
 #include <ATen/ATen.h>
