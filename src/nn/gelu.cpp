@@ -28,9 +28,9 @@ namespace dtrain::nn {
 // layer of the GPT, forward + backward 365 us against ATen's 533-723; the
 // forward alone 280-304 against 187-213 (the derivative's store, and this
 // kernel's output alone, 250-310 us, is slower than ATen's compiled forward:
-// not traced). d is saved in place of x,
-// and x, which nothing else keeps (the fc product's backward needs its input,
-// not its output), is freed: the activation memory is ATen's.
+// not traced). d is saved in place of x, and x, which nothing else keeps (the
+// fc product's backward needs its input, not its output), is freed: the
+// activation memory is ATen's.
 //
 // Where no gradient is wanted (evaluation, a recompute's first pass) the same
 // kernel writes y alone: the output's bits do not depend on grad mode, so a
@@ -63,24 +63,27 @@ bool is_tanh(std::string_view approximate) {
   return approximate == "tanh";
 }
 
-// y (and d where defined) of x, a contiguous fp32 tensor, over the intra-op threads.
-void run_kernel(const at::Tensor& x, at::Tensor& y, at::Tensor* d, bool tanh) {
-  const float* px = x.const_data_ptr<float>();
+// gelu(x) over the intra-op threads, and into *d (x's shape) its derivative
+// where d is given: the one place either path runs the kernel.
+at::Tensor gelu_output(const at::Tensor& x, at::Tensor* d, bool tanh) {
+  RECORD_FUNCTION("dtrain::nn::gelu", std::vector<c10::IValue>());
+  const at::Tensor in = x.contiguous();
+  at::Tensor y = at::empty_like(in);
+  if (d != nullptr) *d = at::empty_like(in);
+  const float* px = in.const_data_ptr<float>();
   float* py = y.mutable_data_ptr<float>();
   float* pd = d != nullptr ? d->mutable_data_ptr<float>() : nullptr;
   const detail::GeluKernel kernel = kernel_for_this_cpu();
-  at::parallel_for(0, x.numel(), at::internal::GRAIN_SIZE, [&](std::int64_t begin, std::int64_t end) {
+  at::parallel_for(0, in.numel(), at::internal::GRAIN_SIZE, [&](std::int64_t begin, std::int64_t end) {
     kernel(px + begin, py + begin, pd != nullptr ? pd + begin : nullptr, end - begin, tanh);
   });
+  return y;
 }
 
 struct FusedGelu : torch::autograd::Function<FusedGelu> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, bool tanh) {
-    RECORD_FUNCTION("dtrain::nn::gelu", std::vector<c10::IValue>());
-    const at::Tensor in = x.contiguous();
-    at::Tensor y = at::empty_like(in);
-    at::Tensor d = at::empty_like(in);
-    run_kernel(in, y, &d, tanh);
+    at::Tensor d;
+    at::Tensor y = gelu_output(x, &d, tanh);
     ctx->save_for_backward({d});
     return y;
   }
@@ -106,11 +109,7 @@ at::Tensor gelu(const at::Tensor& x, std::string_view approximate) {
   const bool tanh = is_tanh(approximate);
   if (!gelu_uses_fused_kernel(x)) return at::gelu(x, tanh ? "tanh" : "none");
   if (at::GradMode::is_enabled() && x.requires_grad()) return FusedGelu::apply(x, tanh);
-  RECORD_FUNCTION("dtrain::nn::gelu", std::vector<c10::IValue>());
-  const at::Tensor in = x.contiguous();
-  at::Tensor y = at::empty_like(in);
-  run_kernel(in, y, nullptr, tanh);
-  return y;
+  return gelu_output(x, nullptr, tanh);
 }
 
 }  // namespace dtrain::nn
