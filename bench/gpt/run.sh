@@ -17,8 +17,17 @@
 # Every process uses one intra-op thread (DTRAIN_BENCH_THREADS for the single
 # cases): on a 2-core machine shared with builds, two OpenMP threads per
 # process measure the neighbours more than the program.
+#   scaling: what separates a 2-rank step from a single process's, on the
+#   same GPT with SGD and 16 sequences per rank (bench_pipeline --schedule
+#   none): one process; 2 ranks each training alone with one barrier per step
+#   ("lockstep": the machine's ceiling, i.e. the cores' contention and each
+#   step waiting for the slower rank); 2 ranks under dtrain's DDP. Rounds of
+#   the three, alternating (DTRAIN_BENCH_ROUNDS, default 5); medians of
+#   ceiling = lockstep / (2 x single), efficiency = ddp / (2 x single) and
+#   ddp / lockstep (the distributed layer's own share). dtrain only: torch has
+#   no lockstep mode to compare.
 # DTRAIN_BENCH_QUICK=1: 200 steps; DTRAIN_BENCH_STEPS=N: N steps (the suite's
-# short run); DTRAIN_BENCH_CASES="single" (default "single ddp2");
+# short run); DTRAIN_BENCH_CASES="single" (default "single ddp2 scaling");
 # DTRAIN_BENCH_COMPILE=0: no torch.compile peer (it compiles for ~25 s).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,7 +35,7 @@ iters=2000
 if [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ]; then iters=200; fi
 iters="${DTRAIN_BENCH_STEPS:-$iters}"
 threads="${DTRAIN_BENCH_THREADS:-1}"
-cases="${DTRAIN_BENCH_CASES:-single ddp2}"
+cases="${DTRAIN_BENCH_CASES:-single ddp2 scaling}"
 model=(--n-layer 4 --n-head 4 --n-embd 128 --block-size 64)
 config=(--max-iters "$iters" --eval-interval 250 --eval-iters 20 --batch-size 12 "${model[@]}"
   --dropout 0 --lr 1e-3 --seed 1337)
@@ -83,12 +92,32 @@ for case in $cases; do
       done
       OMP_NUM_THREADS=1 run_case ddp2 "$tmp/peer.jsonl" "$DTRAIN_PYTHON" -m torch.distributed.run \
         --nproc-per-node 2 --standalone "$here/peer.py" "${config[@]}" ;;
-    *) echo "bench gpt: unknown case '$case' in DTRAIN_BENCH_CASES (single, ddp2)" >&2; exit 2 ;;
+    scaling)
+      scaling_steps=60
+      [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ] && scaling_steps=30
+      scaling_steps="${DTRAIN_BENCH_STEPS:-$scaling_steps}"
+      bp="$DTRAIN_BUILD/bench/bench_pipeline"
+      : >"$tmp/scaling.jsonl"
+      for round in $(seq "${DTRAIN_BENCH_ROUNDS:-5}"); do
+        echo "# scaling round $round" >&2
+        OMP_NUM_THREADS=1 "$bp" --mode gpt --schedule none --steps "$scaling_steps" | grep '^{' >>"$tmp/scaling.jsonl"
+        for dp in lockstep ddp; do
+          OMP_NUM_THREADS=1 "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 "$bp" --mode gpt --schedule none \
+            --data-parallel "$dp" --steps "$scaling_steps" 2>"$tmp/err" | grep '^{' >>"$tmp/scaling.jsonl" ||
+            { cat "$tmp/err" >&2; exit 1; }
+        done
+      done ;;
+    *) echo "bench gpt: unknown case '$case' in DTRAIN_BENCH_CASES (single, ddp2, scaling)" >&2; exit 2 ;;
   esac
 done
 
 echo "# raw results"
 cat "$tmp/peak.jsonl" "$tmp/dtrain.jsonl" "$tmp/dtrain_aten.jsonl" "$tmp/peer.jsonl" "$tmp/compile.jsonl"
+if [ -s "$tmp/scaling.jsonl" ]; then
+  cat "$tmp/scaling.jsonl"
+  echo "# scaling: per round single / lockstep / ddp tokens/s, then the medians"
+  "$DTRAIN_PYTHON" "$here/scaling_report.py" "$tmp/scaling.jsonl"
+fi
 "$DTRAIN_PYTHON" "$here/report.py" --dir "$tmp" --threads "$threads" "${model[@]}"
 echo "# comparisons (ratio > 1: dtrain better; ratio_like_for_like: dtrain on ATen's kernels)"
 for peer in peer compile; do

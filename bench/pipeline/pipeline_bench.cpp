@@ -14,6 +14,14 @@
 //   last step's actions. --stages-per-rank 2 on one process (zb against
 //   interleaved): the split backward's cost, ZB's I + W against B of the
 //   same stage (docs/planner.md, session 14).
+// --mode gpt --schedule none --data-parallel lockstep|ddp, on 2 or more
+//   processes (`dtrain run`): what separates a data-parallel step from a
+//   single process's (issue 29). Every rank trains the whole model on its own
+//   batch; "lockstep" joins the ranks with one barrier per step and exchanges
+//   nothing (the machine's ceiling: the cores' contention plus each step
+//   waiting for the slowest rank), "ddp" adds dtrain's DistributedDataParallel
+//   (its bucketed gradient all-reduce). Step time: wall time over the timed
+//   steps (barrier included on both), from rank 0.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -24,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -34,6 +43,7 @@
 #include "dtrain/comm/process_group.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/nn/linear.h"
+#include "dtrain/parallel/ddp/ddp.h"
 #include "dtrain/parallel/pipeline/pipeline.h"
 
 using namespace dtrain::pipeline;
@@ -171,7 +181,7 @@ std::vector<std::size_t> parse_split(const std::string& text) {
 }
 
 struct GptOptions {
-  std::string schedule = "1f1b", split, transport = "shm";
+  std::string schedule = "1f1b", split, transport = "shm", data_parallel = "none";
   int m = 4, batch = 16, steps = 2, warmup = 3, dp_shard = 1;
   int stages_per_rank = 0;  // 0: 2 for the interleaved schedule, else 1
 };
@@ -188,6 +198,29 @@ int gpt_mode(const GptOptions& o) {
   const at::Tensor x = at::randint(config.vocab_size, {batch, config.block_size}, gen, at::kLong);
   const at::Tensor y = at::randint(config.vocab_size, {batch, config.block_size}, gen, at::kLong);
   std::vector<double> times;
+  if (schedule == "none" && o.data_parallel != "none") {
+    auto world = dtrain::dist::init_process_group({.intra_host_shared_memory = transport != "gloo"});
+    std::optional<dtrain::DistributedDataParallel<torch::nn::Sequential>> ddp;
+    if (o.data_parallel == "ddp") ddp.emplace(layers, world);
+    torch::optim::SGD opt(layers->parameters(), 1e-3);
+    Clock::time_point start;
+    for (int step = 0; step < warmup + steps; ++step) {
+      world.barrier();
+      if (step == warmup) start = Clock::now();
+      opt.zero_grad();
+      gpt::lm_loss(ddp ? ddp->forward(x) : layers->forward(x), y).backward();
+      opt.step();
+    }
+    world.barrier();
+    const double mean = ms_since(start) / steps;
+    if (world.rank() != 0) return 0;
+    std::printf(
+        "{\"impl\":\"dtrain\",\"schedule\":\"none\",\"data_parallel\":\"%s\",\"world\":%d,\"batch\":%d,"
+        "\"step_ms\":%.2f,\"tokens_per_second\":%.0f,\"linear_kernel\":\"%s\"}\n",
+        o.data_parallel.c_str(), world.size(), batch, mean, world.size() * batch * 64 * 1000.0 / mean,
+        dtrain::nn::linear_kernel_name());
+    return 0;
+  }
   if (schedule == "none") {
     torch::optim::SGD opt(layers->parameters(), 1e-3);
     for (int step = 0; step < warmup + steps; ++step) {
@@ -291,6 +324,9 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch, "gpt: sequences per step");
   app.add_option("--split", split, "gpt: stage of each layer, comma-separated (default: planned)");
   app.add_option("--dp-shard", dp_shard, "gpt: pipeline replicas, each stage ZeRO-3 over them (world = pp x this)");
+  app.add_option("--data-parallel", g.data_parallel,
+                 "gpt, --schedule none: none (one process) | lockstep (each rank alone, a barrier per step) | ddp")
+      ->check(CLI::IsMember({"none", "lockstep", "ddp"}));
   app.add_option("--transport", transport, "gpt: shm (default: shared-memory send/recv on one host) | gloo");
   app.add_option("--stages-per-rank", g.stages_per_rank,
                  "gpt: stages per rank (interleaved, zb; default 2 for interleaved, else 1); with one process and 2, "
