@@ -16,8 +16,9 @@
 //   same stage (docs/planner.md, session 14).
 // --mode gpt --schedule none --data-parallel lockstep|ddp, on 2 or more
 //   processes (`dtrain run`): what separates a data-parallel step from a
-//   single process's (issue 29). Every rank trains the whole model on its own
-//   batch; "lockstep" joins the ranks with one barrier per step and exchanges
+//   single process's (issue 29). Every rank trains the whole model on a batch
+//   of --batch sequences (the same ones on every rank: only time is measured);
+//   "lockstep" joins the ranks with one barrier per step and exchanges
 //   nothing (the machine's ceiling: the cores' contention plus each step
 //   waiting for the slowest rank), "ddp" adds dtrain's DistributedDataParallel
 //   (its bucketed gradient all-reduce). Step time: wall time over the timed
@@ -332,6 +333,11 @@ int main(int argc, char** argv) {
                  "gpt: stages per rank (interleaved, zb; default 2 for interleaved, else 1); with one process and 2, "
                  "the split backward of zb against interleaved's B in one process");
   CLI11_PARSE(app, argc, argv);
+  if (g.data_parallel != "none" && (mode != "gpt" || schedule != "none")) {
+    std::fprintf(stderr, "bench_pipeline: --data-parallel %s needs --mode gpt --schedule none\n",
+                 g.data_parallel.c_str());
+    return 2;
+  }
   if (mode == "sleep") return sleep_mode(p, unit, steps);
   g.steps = steps;
   return gpt_mode(g);
