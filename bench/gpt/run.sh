@@ -24,8 +24,9 @@
 #   step waiting for the slower rank); 2 ranks under dtrain's DDP. Rounds of
 #   the three, alternating (DTRAIN_BENCH_ROUNDS, default 5); medians of
 #   ceiling = lockstep / (2 x single), efficiency = ddp / (2 x single) and
-#   ddp / lockstep (the distributed layer's own share). dtrain only: torch has
-#   no lockstep mode to compare.
+#   ddp / lockstep (the distributed layer's own share); the same three for
+#   torch in the same rounds (bench/pipeline/peer.py: one process, torchrun
+#   lockstep, torch DDP), so DDP / lockstep compares the two DDPs alone.
 # DTRAIN_BENCH_QUICK=1: 200 steps; DTRAIN_BENCH_STEPS=N: N steps (the suite's
 # short run); DTRAIN_BENCH_CASES="single" (default "single ddp2 scaling");
 # DTRAIN_BENCH_COMPILE=0: no torch.compile peer (it compiles for ~25 s).
@@ -106,6 +107,14 @@ for case in $cases; do
             --data-parallel "$dp" --steps "$scaling_steps" 2>"$tmp/err" | grep '^{' >>"$tmp/scaling.jsonl" ||
             { cat "$tmp/err" >&2; exit 1; }
         done
+        pp="$here/../pipeline/peer.py"
+        OMP_NUM_THREADS=1 "$DTRAIN_PYTHON" "$pp" --schedule none --steps "$scaling_steps" 2>"$tmp/err" |
+          grep '^{' >>"$tmp/scaling.jsonl" || { cat "$tmp/err" >&2; exit 1; }
+        for dp in lockstep ddp; do
+          OMP_NUM_THREADS=1 "$DTRAIN_PYTHON" -m torch.distributed.run --nproc-per-node 2 --standalone "$pp" \
+            --schedule none --data-parallel "$dp" --steps "$scaling_steps" 2>"$tmp/err" |
+            grep '^{' >>"$tmp/scaling.jsonl" || { cat "$tmp/err" >&2; exit 1; }
+        done
       done ;;
     *) echo "bench gpt: unknown case '$case' in DTRAIN_BENCH_CASES (single, ddp2, scaling)" >&2; exit 2 ;;
   esac
@@ -115,7 +124,7 @@ echo "# raw results"
 cat "$tmp/peak.jsonl" "$tmp/dtrain.jsonl" "$tmp/dtrain_aten.jsonl" "$tmp/peer.jsonl" "$tmp/compile.jsonl"
 if [ -s "$tmp/scaling.jsonl" ]; then
   cat "$tmp/scaling.jsonl"
-  echo "# scaling: per round single / lockstep / ddp tokens/s, then the medians"
+  echo "# scaling: per round and side single / lockstep / ddp tokens/s, then the medians"
   "$DTRAIN_PYTHON" "$here/scaling_report.py" "$tmp/scaling.jsonl"
 fi
 "$DTRAIN_PYTHON" "$here/report.py" --dir "$tmp" --threads "$threads" "${model[@]}"

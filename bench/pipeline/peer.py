@@ -9,6 +9,11 @@ schedule of the same name and micro-batches, SGD, one intra-op thread.
         (2 pipeline replicas, each stage under FSDP2 fully_shard over its
         dp_shard group with reshard_after_forward=False, as torchtitan does
         under pipelining; each replica trains on its half of the batch)
+    torchrun --nproc-per-node 2 peer.py --schedule none --data-parallel lockstep|ddp
+        (bench gpt's scaling case, as bench_pipeline's: every rank trains the
+        whole model on the same batch, one barrier per step; ddp wraps it in
+        torch.nn.parallel.DistributedDataParallel; wall time over the timed
+        steps from rank 0, {"impl": "torch", "data_parallel": ..., "world": ...})
 
 Prints {"impl":"torch.distributed.pipelining","step_ms":...} from the last stage's rank.
 Differences: the head's output projection is not synchronised with the first
@@ -40,7 +45,10 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dp-shard", type=int, default=1)
+    ap.add_argument("--data-parallel", default="none", choices=["none", "lockstep", "ddp"])
     a = ap.parse_args()
+    if a.data_parallel != "none" and a.schedule != "none":
+        ap.error("--data-parallel needs --schedule none")
     torch.set_num_threads(1)
     cfg = argparse.Namespace(block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False)
     model = gpt.Gpt(gpt.Config(cfg, 65))
@@ -49,6 +57,28 @@ def main():
     x = torch.randint(65, (a.batch, 64), generator=gen)
     y = torch.randint(65, (a.batch, 64), generator=gen)
     times = []
+    if a.data_parallel != "none":
+        dist.init_process_group("gloo")
+        net = model
+        if a.data_parallel == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(a.warmup + a.steps):
+            dist.barrier()
+            if step == a.warmup:
+                start = time.perf_counter()
+            opt.zero_grad()
+            gpt.lm_loss(net(x), y).backward()
+            opt.step()
+        dist.barrier()
+        mean = (time.perf_counter() - start) / a.steps * 1000
+        world = dist.get_world_size()
+        if dist.get_rank() == 0:
+            print(json.dumps({"impl": "torch", "schedule": "none", "data_parallel": a.data_parallel, "world": world,
+                              "batch": a.batch, "step_ms": round(mean, 2),
+                              "tokens_per_second": round(world * a.batch * 64 * 1000 / mean)}), flush=True)
+        dist.destroy_process_group()
+        return
     if a.schedule == "none":
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         for step in range(a.warmup + a.steps):

@@ -12,8 +12,9 @@ against the lines' own figures:
   linear_kernel "aten") and the default one on what nn::linear picks here;
 - an MFU line per run, against a measured peak, between 0 and 1;
 - the scaling case (one round): a single-process, a 2-rank lockstep and a
-  2-rank DDP run, and a summary whose ceiling, efficiency and
-  ddp_over_lockstep are the quotients of those runs' tokens/s.
+  2-rank DDP run on each side (dtrain, torch), and a summary whose ceiling,
+  efficiency and ddp_over_lockstep (dtrain's, and the peer's) are the
+  quotients of those runs' tokens/s.
 
     bench_json_test.py --source SRC --build BUILD --python VENV_PYTHON
 """
@@ -85,19 +86,21 @@ def main():
         if not 0 < l["mfu"] < 1 or l["peak_gflops"] <= 0 or l["machine"]["cpu"] != cpu_model():
             fail(f"implausible MFU line {l}")
 
-    runs = {l.get("data_parallel", "none"): l for l in lines if l.get("schedule") == "none" and "step_ms" in l}
-    if sorted(runs) != ["ddp", "lockstep", "none"]:
-        fail(f"expected one single, one lockstep and one ddp scaling run; got {sorted(runs)}")
-    if runs["lockstep"]["world"] != 2 or runs["ddp"]["world"] != 2:
-        fail(f"the scaling runs are not on 2 ranks: {runs}")
     summary = [l for l in lines if l.get("case") == "scaling"]
     if len(summary) != 1 or summary[0]["rounds"] != 1 or summary[0]["machine"]["cpu"] != cpu_model():
         fail(f"expected one scaling summary of one round on this CPU; got {summary}")
-    single, lock, ddp = (runs[k]["tokens_per_second"] for k in ("none", "lockstep", "ddp"))
-    for key, expected in (("ceiling", lock / (2 * single)), ("efficiency", ddp / (2 * single)),
-                          ("ddp_over_lockstep", ddp / lock)):
-        if abs(summary[0][key] - expected) > 1e-3 * max(1.0, expected):
-            fail(f"scaling {key} {summary[0][key]} is not the quotient {expected:.4f} of the runs' tokens/s")
+    for side, figures in (("dtrain", summary[0]), ("torch", summary[0].get("peer") or {})):
+        runs = {l.get("data_parallel", "none"): l for l in lines if l.get("schedule") == "none" and "step_ms" in l
+                and (l["impl"] == "dtrain") == (side == "dtrain")}
+        if sorted(runs) != ["ddp", "lockstep", "none"]:
+            fail(f"expected one {side} single, lockstep and ddp scaling run; got {sorted(runs)}")
+        if runs["lockstep"]["world"] != 2 or runs["ddp"]["world"] != 2:
+            fail(f"the {side} scaling runs are not on 2 ranks: {runs}")
+        single, lock, ddp = (runs[k]["tokens_per_second"] for k in ("none", "lockstep", "ddp"))
+        for key, expected in (("ceiling", lock / (2 * single)), ("efficiency", ddp / (2 * single)),
+                              ("ddp_over_lockstep", ddp / lock)):
+            if abs(figures.get(key, -1) - expected) > 1e-3 * max(1.0, expected):
+                fail(f"{side} scaling {key} {figures.get(key)} is not the quotient {expected:.4f} of its runs")
     print("bench gpt JSON: machine, both ratios, MFU and the scaling decomposition present and consistent")
 
 
