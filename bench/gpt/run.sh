@@ -67,6 +67,12 @@ print(json.dumps(done))
 PY
 }
 
+# scaling_run CMD...: runs CMD on one intra-op thread and appends its JSON
+# lines to the scaling case's file; on a failure shows its errors and stops.
+scaling_run() {
+  OMP_NUM_THREADS=1 "$@" 2>"$tmp/err" | grep '^{' >>"$tmp/scaling.jsonl" || { cat "$tmp/err" >&2; exit 1; }
+}
+
 # The matmul peak first, on an otherwise idle program (every core: no OMP limit).
 env -u OMP_NUM_THREADS "$DTRAIN_BUILD/bench/bench_matmul" --peak >"$tmp/peak.jsonl"
 gpt="$DTRAIN_BUILD/examples/gpt"
@@ -98,22 +104,19 @@ for case in $cases; do
       [ "${DTRAIN_BENCH_QUICK:-0}" = 1 ] && scaling_steps=30
       scaling_steps="${DTRAIN_BENCH_STEPS:-$scaling_steps}"
       bp="$DTRAIN_BUILD/bench/bench_pipeline"
+      pp="$here/../pipeline/peer.py"
       : >"$tmp/scaling.jsonl"
       for round in $(seq "${DTRAIN_BENCH_ROUNDS:-5}"); do
         echo "# scaling round $round" >&2
-        OMP_NUM_THREADS=1 "$bp" --mode gpt --schedule none --steps "$scaling_steps" | grep '^{' >>"$tmp/scaling.jsonl"
+        scaling_run "$bp" --mode gpt --schedule none --steps "$scaling_steps"
         for dp in lockstep ddp; do
-          OMP_NUM_THREADS=1 "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 "$bp" --mode gpt --schedule none \
-            --data-parallel "$dp" --steps "$scaling_steps" 2>"$tmp/err" | grep '^{' >>"$tmp/scaling.jsonl" ||
-            { cat "$tmp/err" >&2; exit 1; }
+          scaling_run "$DTRAIN_BUILD/tools/dtrain" run --nproc-per-node 2 "$bp" --mode gpt --schedule none \
+            --data-parallel "$dp" --steps "$scaling_steps"
         done
-        pp="$here/../pipeline/peer.py"
-        OMP_NUM_THREADS=1 "$DTRAIN_PYTHON" "$pp" --schedule none --steps "$scaling_steps" 2>"$tmp/err" |
-          grep '^{' >>"$tmp/scaling.jsonl" || { cat "$tmp/err" >&2; exit 1; }
+        scaling_run "$DTRAIN_PYTHON" "$pp" --schedule none --steps "$scaling_steps"
         for dp in lockstep ddp; do
-          OMP_NUM_THREADS=1 "$DTRAIN_PYTHON" -m torch.distributed.run --nproc-per-node 2 --standalone "$pp" \
-            --schedule none --data-parallel "$dp" --steps "$scaling_steps" 2>"$tmp/err" |
-            grep '^{' >>"$tmp/scaling.jsonl" || { cat "$tmp/err" >&2; exit 1; }
+          scaling_run "$DTRAIN_PYTHON" -m torch.distributed.run --nproc-per-node 2 --standalone "$pp" \
+            --schedule none --data-parallel "$dp" --steps "$scaling_steps"
         done
       done ;;
     *) echo "bench gpt: unknown case '$case' in DTRAIN_BENCH_CASES (single, ddp2, scaling)" >&2; exit 2 ;;
