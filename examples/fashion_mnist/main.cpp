@@ -7,7 +7,7 @@
 //                 [--batch-size 64] [--lr 1e-3] [--seed 0] [--dropout 0.25]
 //                 [--amp off|bf16|fp16] [--accumulate 1] [--clip-norm 0]
 //                 [--checkpoint-dir DIR [--checkpoint-every N]] [--tensorboard DIR] [--trace FILE]
-//                 [--sample-log FILE]
+//                 [--sample-log FILE] [--train-limit N] [--test-limit N]
 //                 [--data-dir /usr/share/datasets/fashion-mnist]
 //
 // Strategies (--devices picks the devices; on CPU repeat cpu, e.g. cpu,cpu):
@@ -69,6 +69,7 @@ struct Options {
   std::uint64_t seed = 0;
   std::string data_dir = dtrain::data::kFashionMnistDefaultDir;
   std::int64_t train_limit = 0;  // 0: the whole training set
+  std::int64_t test_limit = 0;   // 0: the whole test set
   int num_workers = 0;
   bool tune_workers = false;
   std::string checkpoint_dir;         // resume from / save to here ("" = no checkpoints)
@@ -173,6 +174,12 @@ int run(Options opt) {
                            .train_limit = opt.train_limit,
                            .amp_dtype = amp,
                            .clip_norm = opt.clip_norm,
+                           // 256, not the Trainer's 1000: this CNN's activations at 1000 images
+                           // (100 MB for conv1's) leave the caches; one CPU thread evaluates the
+                           // 10,000 test images in ~3.4 s at 100-250 against ~5.9 s at 1000
+                           // (torch 2.15, AMD EPYC Zen 4, 2026-12-02).
+                           .eval_batch_size = 256,
+                           .eval_limit = opt.test_limit,
                            .checkpoint_dir = opt.checkpoint_dir,
                            .checkpoint_every = opt.checkpoint_every,
                            .tensorboard_dir = opt.tensorboard,
@@ -255,6 +262,9 @@ int main(int argc, char** argv) {
   app.add_option("--trace", opt.trace, "Write a Chrome trace timeline (one file per rank: NAME.rank<R>.json)");
   app.add_option("--sample-log", opt.sample_log,
                  "Append the examples each step trained on (JSON lines, one file per rank: NAME.rank<R>.EXT)");
+  app.add_option("--test-limit", opt.test_limit, "Evaluate on the first N test examples only (0: all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--train-limit", opt.train_limit, "Train on the first N examples only (0: all)")
       ->check(CLI::NonNegativeNumber);
   try {

@@ -81,13 +81,13 @@ Trainer::Trainer(std::shared_ptr<Strategy> strategy, torch::optim::Optimizer& op
   DTRAIN_CHECK(strategy_ != nullptr && state_->source != nullptr, ConfigError,
                "the Trainer needs a strategy and a training set (or batch source).", "pass both");
   DTRAIN_CHECK(o.epochs >= 1 && o.batch_size >= 1 && o.accumulate >= 1 && o.eval_batch_size >= 1 && o.log_every >= 1 &&
-                   o.max_steps >= 0 && o.clip_norm >= 0,
+                   o.max_steps >= 0 && o.clip_norm >= 0 && o.eval_limit >= 0,
                ConfigError,
                "TrainerOptions: epochs " << o.epochs << ", batch_size " << o.batch_size << ", accumulate "
                                          << o.accumulate << ", eval_batch_size " << o.eval_batch_size << ", log_every "
                                          << o.log_every << ", max_steps " << o.max_steps << ", clip_norm "
-                                         << o.clip_norm << ".",
-               "counts must be at least 1 (max_steps and clip_norm at least 0)");
+                                         << o.clip_norm << ", eval_limit " << o.eval_limit << ".",
+               "counts must be at least 1 (max_steps, clip_norm and eval_limit at least 0)");
   DTRAIN_CHECK(!strategy_->fuses_loss() || o.accumulate == 1, ConfigError,
                "TrainerOptions::accumulate is " << o.accumulate << ", but strategy '" << strategy_->name()
                                                 << "' splits each batch into micro-batches itself",
@@ -138,16 +138,17 @@ struct EvalPlan {
 };
 
 // This rank's evaluation batches: a contiguous share of the eval dataset in
-// batches of eval_batch_size (every example exactly once), or the fixed
-// batches r, r + w, ... of set_eval_batches.
+// batches of eval_batch_size (every example of the first `limit`, 0: all,
+// exactly once), or the fixed batches r, r + w, ... of set_eval_batches.
 EvalPlan eval_plan(const std::shared_ptr<const data::Dataset<data::TensorExample>>& set, std::int64_t batch_count,
-                   const Trainer::EvalBatchFn& batch, std::int64_t eval_batch_size, int rank, int world) {
+                   const Trainer::EvalBatchFn& batch, std::int64_t eval_batch_size, std::int64_t limit, int rank,
+                   int world) {
   if (batch) {
     const std::int64_t count = (batch_count - rank + world - 1) / world;
     return {.count = count,
             .load = [&batch, rank, world, count](std::int64_t k) { return batch(k < count ? k * world + rank : 0); }};
   }
-  const std::int64_t n = set->size();
+  const std::int64_t n = limit > 0 ? std::min(limit, set->size()) : set->size();
   const std::int64_t begin = n * rank / world;
   const std::int64_t end = n * (rank + 1) / world;
   const std::int64_t count = (end - begin + eval_batch_size - 1) / eval_batch_size;
@@ -169,7 +170,7 @@ EvalResult Trainer::evaluate() {
   const auto& o = state_->options;
   auto group = s.group();
   const EvalPlan plan = eval_plan(state_->eval_set, state_->eval_batch_count, state_->eval_batch, o.eval_batch_size,
-                                  s.data_rank(), s.data_world());
+                                  o.eval_limit, s.data_rank(), s.data_world());
   // A collective forward runs as often on every rank: the most any rank has.
   std::int64_t rounds = plan.count;
   if (s.collective_forward() && group) {

@@ -26,7 +26,8 @@ using dtrain::testing::SlurmCluster;
 using dtrain::testing::slurp;
 
 // Short: 16 steps per rank.
-const std::string kTrain = "--strategy ddp --epochs 1 --train-limit 1024 --batch-size 32 --devices cpu --seed 5";
+const std::string kTrain =
+    "--strategy ddp --epochs 1 --train-limit 1024 --test-limit 1000 --batch-size 32 --devices cpu --seed 5";
 
 bool have_dataset() {
   return fs::exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");

@@ -66,8 +66,8 @@ TEST(FashionMnistExample, DdpWithoutLauncherFailsClearly) {
 
 TEST(FashionMnistExample, SameSeedSameResult) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
-  const auto a = run("--epochs 1 --train-limit 1024 --batch-size 128 --seed 3 --devices cpu");
-  const auto b = run("--epochs 1 --train-limit 1024 --batch-size 128 --seed 3 --devices cpu");
+  const auto a = run("--epochs 1 --train-limit 1024 --test-limit 1000 --batch-size 128 --seed 3 --devices cpu");
+  const auto b = run("--epochs 1 --train-limit 1024 --test-limit 1000 --batch-size 128 --seed 3 --devices cpu");
   ASSERT_EQ(a.exit_code, 0) << a.stderr_text;
   ASSERT_EQ(b.exit_code, 0) << b.stderr_text;
   EXPECT_EQ(last_json_line(a.stdout_text)["test_accuracy"], last_json_line(b.stdout_text)["test_accuracy"]);
@@ -77,7 +77,7 @@ TEST(FashionMnistExample, SameSeedSameResult) {
 // dropout masks as the single-device module, so it must end bit-identical.
 TEST(FashionMnistExample, ModelParallelEqualsSingleDevice) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
-  const std::string common = "--epochs 1 --train-limit 1024 --batch-size 64 --seed 4 ";
+  const std::string common = "--epochs 1 --train-limit 1024 --test-limit 1000 --batch-size 64 --seed 4 ";
   const auto single = run(common + "--devices cpu");
   const auto split = run(common + "--strategy model-parallel --devices cpu,cpu,cpu");
   ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
@@ -89,7 +89,7 @@ TEST(FashionMnistExample, ModelParallelEqualsSingleDevice) {
 // The hybrid (DDP over each rank's model-parallel split) equals plain DDP.
 TEST(FashionMnistExample, HybridEqualsDdp) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
-  const std::string common = "--epochs 1 --train-limit 1024 --batch-size 32 --seed 5 ";
+  const std::string common = "--epochs 1 --train-limit 1024 --test-limit 1000 --batch-size 32 --seed 5 ";
   const auto ddp = run(common + "--strategy ddp --devices cpu", kLaunch + " 2");
   const auto hybrid = run(common + "--strategy ddp-model-parallel --devices cpu,cpu", kLaunch + " 2");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.stderr_text;
@@ -105,7 +105,7 @@ TEST(FashionMnistExample, HybridEqualsDdp) {
 // The same through the plan flags, and HSDP against DDP on 4 ranks.
 TEST(FashionMnistExample, ZeroStagesEqualDdp) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
-  const std::string common = "--epochs 1 --train-limit 512 --batch-size 32 --seed 5 --devices cpu ";
+  const std::string common = "--epochs 1 --train-limit 512 --test-limit 2000 --batch-size 32 --seed 5 --devices cpu ";
   const auto ddp = run(common + "--strategy ddp", kLaunch + " 2");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.stderr_text;
   for (const std::string stage : {"zero1", "zero2", "zero3"}) {
@@ -123,7 +123,7 @@ TEST(FashionMnistExample, ZeroStagesEqualDdp) {
   // HSDP, 2 replicas x 2 shards, against DDP on 4 ranks with the same global
   // batch: the reductions round differently (reduce-scatter, then all-reduce
   // over replicas), so the check is the accuracy, not the bits.
-  const std::string four = "--epochs 1 --train-limit 512 --seed 5 --devices cpu ";
+  const std::string four = "--epochs 1 --train-limit 512 --test-limit 2000 --seed 5 --devices cpu ";
   const auto ddp4 = run(four + "--strategy ddp --batch-size 16", kLaunch + " 4");
   ASSERT_EQ(ddp4.exit_code, 0) << ddp4.stderr_text;
   const auto hsdp = run(four + "--dp-replicate 2 --dp-shard 2 --global-batch-size 64", kLaunch + " 4");
@@ -140,8 +140,9 @@ TEST(FashionMnistExample, ZeroStagesEqualDdp) {
 // PipelineTrainer.*), and a batch that does not split into the micro-batches is a clear error.
 TEST(FashionMnistExample, PipelineTrains) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
-  const auto r =
-      run("--strategy pipeline --micro-batches 4 --devices cpu --epochs 1 --train-limit 6000 --seed 1", kLaunch + " 2");
+  const auto r = run(
+      "--strategy pipeline --micro-batches 4 --devices cpu --epochs 1 --train-limit 6000 --test-limit 2000 --seed 1",
+      kLaunch + " 2");
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   const auto done = last_json_line(r.stdout_text);
   EXPECT_EQ(done["strategy"], "pipeline");
@@ -149,12 +150,13 @@ TEST(FashionMnistExample, PipelineTrains) {
   // 2 x 2: two pipelines, their stages sharded over the replicas (ZeRO-2).
   const auto mesh =
       run("--strategy pipeline --pp-size 2 --dp-reduce zero2 --micro-batches 4 --devices cpu --epochs 1 "
-          "--train-limit 6000 --batch-size 32 --seed 1",
+          "--train-limit 6000 --test-limit 2000 --batch-size 32 --seed 1",
           kLaunch + " 4");
   ASSERT_EQ(mesh.exit_code, 0) << mesh.stderr_text;
   EXPECT_GE(last_json_line(mesh.stdout_text)["test_accuracy"].get<double>(), 0.72) << mesh.stdout_text;
   const auto bad =
-      run("--strategy pipeline --micro-batches 5 --devices cpu --epochs 1 --train-limit 256 --seed 1", kLaunch + " 2");
+      run("--strategy pipeline --micro-batches 5 --devices cpu --epochs 1 --train-limit 256 --test-limit 1000 --seed 1",
+          kLaunch + " 2");
   EXPECT_NE(bad.exit_code, 0);
   // Refused before any step (plan_cli.h), not by the schedule at the first batch.
   EXPECT_NE(bad.stderr_text.find("5 micro-batches do not divide a pipeline's batch of 64"), std::string::npos)
@@ -168,7 +170,8 @@ TEST(FashionMnistExample, PipelineTrains) {
 // order of the reductions differs, so the bound is rounding's.
 TEST(FashionMnistExample, PlansEndWhereSingleDoes) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
-  const std::string common = "--epochs 1 --train-limit 512 --seed 5 --devices cpu --dropout 0 --global-batch-size 64 ";
+  const std::string common =
+      "--epochs 1 --train-limit 512 --test-limit 2000 --seed 5 --devices cpu --dropout 0 --global-batch-size 64 ";
   const auto single = run(common);
   ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
   const auto want = last_json_line(single.stdout_text);
@@ -189,7 +192,7 @@ TEST(FashionMnistExample, PlansEndWhereSingleDoes) {
 // covered by the unit tests on a dropout-free model).
 TEST(FashionMnistExample, DataParallelTrains) {
   if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
-  const auto r = run("--strategy dp --devices cpu,cpu --epochs 1 --train-limit 6000 --seed 1");
+  const auto r = run("--strategy dp --devices cpu,cpu --epochs 1 --train-limit 6000 --test-limit 2000 --seed 1");
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
   EXPECT_GE(last_json_line(r.stdout_text)["test_accuracy"].get<double>(), 0.72) << r.stdout_text;
   EXPECT_NE(r.stderr_text.find("dp training on cpu,cpu"), std::string::npos) << r.stderr_text;

@@ -230,9 +230,9 @@ TEST(Launcher, LibdtrainThatCannotBeLoadedIsReportedClearly) {
 TEST(Launcher, KilledDdpWorkerRecoversToTheSameFinalModel) {
   if (!fs::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no Fashion-MNIST";
   Scratch s;
-  const std::vector<std::string> train = {kExample, "--strategy",   "ddp", "--epochs",  "2",   "--train-limit",
-                                          "2048",   "--batch-size", "32",  "--devices", "cpu", "--checkpoint-every",
-                                          "8"};
+  const std::vector<std::string> train = {kExample, "--strategy",         "ddp",  "--epochs",     "2",  "--train-limit",
+                                          "2048",   "--test-limit",       "1000", "--batch-size", "32", "--devices",
+                                          "cpu",    "--checkpoint-every", "8"};
   auto run_args = [&](const std::string& ckpt, int restarts) {
     std::vector<std::string> args{"--nproc-per-node",   "2",   "--max-restarts", std::to_string(restarts),
                                   "--monitor-interval", "0.05"};

@@ -29,10 +29,10 @@ std::string done_field(const std::string& out, const std::string& field) {
 
 TEST(TrainerExample, ResumesBitExactAfterSigkillUnderTheLauncher) {
   if (!have_dataset()) GTEST_SKIP() << "no Fashion-MNIST";
-  const std::vector<std::string> train = {kExample, "--strategy",   "ddp", "--epochs",    "1",   "--train-limit",
-                                          "2048",   "--batch-size", "32",  "--devices",   "cpu", "--amp",
-                                          "bf16",   "--accumulate", "2",   "--clip-norm", "0.5", "--checkpoint-every",
-                                          "4"};
+  const std::vector<std::string> train = {
+      kExample, "--strategy",   "ddp", "--epochs",           "1",   "--train-limit", "2048", "--test-limit",
+      "1000",   "--batch-size", "32",  "--devices",          "cpu", "--amp",         "bf16", "--accumulate",
+      "2",      "--clip-norm",  "0.5", "--checkpoint-every", "4"};
   auto run_args = [&](const fs::path& ckpt, int restarts) {
     std::vector<std::string> args{"--nproc-per-node",   "2",   "--max-restarts", std::to_string(restarts),
                                   "--monitor-interval", "0.05"};

@@ -293,6 +293,50 @@ TEST(Trainer, AnErrorNamesTheStep) {
 }
 
 namespace {
+// The first `n` examples of `all`.
+class FirstOf : public dtrain::data::Dataset<dtrain::data::TensorExample> {
+ public:
+  FirstOf(std::shared_ptr<const Blobs> all, std::int64_t n) : all_(std::move(all)), n_(n) {}
+  std::int64_t size() const override { return n_; }
+  dtrain::data::TensorExample get(std::int64_t i) const override { return all_->get(i); }
+
+ private:
+  std::shared_ptr<const Blobs> all_;
+  std::int64_t n_;
+};
+}  // namespace
+
+// eval_limit evaluates the first N examples only, in batches that do not
+// divide them: the same loss, accuracy and count as the whole of a set of
+// those N; a limit past the set's size is the whole set; a negative one is
+// refused.
+TEST(Trainer, EvalLimitEvaluatesTheFirstExamplesOnly) {
+  torch::manual_seed(0);
+  Net net(0.0);
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  auto strategy = std::make_shared<dtrain::SingleDeviceStrategy<Net>>(net, c10::kCPU);
+  const auto all = std::make_shared<Blobs>(50);
+  auto evaluate = [&](std::shared_ptr<const dtrain::data::Dataset<dtrain::data::TensorExample>> set,
+                      std::int64_t limit) {
+    dtrain::Trainer trainer(strategy, opt, std::make_shared<Blobs>(8),
+                            {.eval_batch_size = 7, .eval_limit = limit, .progress = false});
+    trainer.set_eval_dataset(std::move(set));
+    return trainer.evaluate();
+  };
+  const auto limited = evaluate(all, 17);
+  const auto want = evaluate(std::make_shared<FirstOf>(all, 17), 0);
+  EXPECT_EQ(limited.examples, 17);
+  EXPECT_EQ(want.examples, 17);
+  EXPECT_DOUBLE_EQ(limited.loss, want.loss);
+  EXPECT_DOUBLE_EQ(limited.accuracy, want.accuracy);
+  const auto whole = evaluate(all, 0);
+  EXPECT_EQ(whole.examples, 50);
+  EXPECT_NE(whole.loss, limited.loss);
+  EXPECT_EQ(evaluate(all, 500).examples, 50);
+  EXPECT_THROW(evaluate(all, -1), dtrain::ConfigError);
+}
+
+namespace {
 // Parameter counts 416 and 165: not divisible by 2 or 3 ranks.
 torch::nn::Sequential zero_net() {
   return torch::nn::Sequential(torch::nn::Linear(12, 32), torch::nn::ReLU(), torch::nn::Linear(32, 5));

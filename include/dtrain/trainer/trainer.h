@@ -66,6 +66,7 @@ struct TrainerOptions {
   std::int64_t eval_every = 0;  // steps between evaluations (0: at the end of each epoch)
   bool eval_at_start = false;   // also evaluate before the first step of a run that starts at step 0
   std::int64_t eval_batch_size = 1000;
+  std::int64_t eval_limit = 0;  // evaluate on the first N examples of set_eval_dataset's set only (0: all)
 
   std::filesystem::path checkpoint_dir;  // "" = no checkpoints
   std::int64_t checkpoint_every = 0;     // steps between checkpoints (0: at the end of each epoch)
