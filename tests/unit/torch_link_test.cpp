@@ -1,6 +1,5 @@
 // A program that links all of LibTorch (dtrain_torch_link: what programs that
-// put tensors on CUDA devices link, the GPT example and the GPU tests among
-// them) uses std::filesystem safely, in its own code and in libdtrain's:
+// use CUDA themselves link, the GPU tests among them) uses std::filesystem safely, in its own code and in libdtrain's:
 // Note [no libtorch.so] in cmake/DtrainTorch.cmake. Linked through
 // libtorch.so, the 2.11 CUDA wheel's partial libstdc++ copies made these
 // calls jump to address 0 (SIGSEGV, seen on an H100 and without a GPU); CI's
