@@ -3,18 +3,18 @@
 // driver sees a device, and, where it loads it, gets CUDA from LibTorch as a
 // program linked with all of it does: the CUDA kernels registered and the
 // real CUDA hooks (not the stub LibTorch keeps for good once asked without
-// them). This binary is such a program; the second test runs it again with
+// them). This binary is such a program; the last test runs it again with
 // DTRAIN_TORCH_CUDA=load, which loads the CUDA part without a device.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 #include <torch/utils.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
 
+#include "../system/example_run.h"
 #include "dtrain/comm/device.h"
 #include "dtrain/comm/torch_cuda.h"
 #include "proc_maps.h"
@@ -59,14 +59,8 @@ TEST(TorchCudaOnDemand, LoadedWhenAskedFor) {
 #endif
   if (std::getenv("DTRAIN_TORCH_CUDA") != nullptr) GTEST_SKIP() << "the child";
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  const std::string command =
-      "DTRAIN_TORCH_CUDA=load " + self + " --gtest_filter=TorchCudaOnDemand.ForcedLoadGivesLibTorchItsCudaPart 2>&1";
-  FILE* child = ::popen(command.c_str(), "r");
-  ASSERT_NE(child, nullptr);
-  std::string out;
-  char buffer[4096];
-  while (const std::size_t n = std::fread(buffer, 1, sizeof buffer, child)) out.append(buffer, n);
-  const int status = ::pclose(child);
-  EXPECT_EQ(status, 0) << out;
-  EXPECT_NE(out.find("[  PASSED  ] 1 test"), std::string::npos) << out;
+  const auto child = dtrain::testing::run_example(
+      self, "--gtest_filter=TorchCudaOnDemand.ForcedLoadGivesLibTorchItsCudaPart", "DTRAIN_TORCH_CUDA=load");
+  EXPECT_EQ(child.exit_code, 0) << child.stdout_text << child.stderr_text;
+  EXPECT_NE(child.stdout_text.find("[  PASSED  ] 1 test"), std::string::npos) << child.stdout_text << child.stderr_text;
 }
