@@ -129,6 +129,30 @@ struct PlanCli {
   }
 };
 
+// --strategy auto (the examples' default): the plan's own strategy where
+// --plan or a degree flag is given (resolve_run), else ddp over a launched
+// world of more than one rank, else single. So `dtrain run --nproc-per-node 2
+// gpt` trains one model on two ranks, not two unrelated copies.
+inline std::string strategy_for(const std::string& strategy, const PlanCli& cli, int world) {
+  if (strategy != "auto") return strategy;
+  return world > 1 && !cli.given() ? "ddp" : "single";
+}
+
+// An in-process strategy (single, dp, model-parallel: `distributed` false)
+// asked for under a launched world of more than one rank trains a copy of
+// the model per rank, each with its own data and no gradient shared: said
+// once, by rank 0, as it is rarely what was meant.
+inline void warn_if_unshared(const std::string& strategy, bool distributed, int world) {
+  if (distributed || world <= 1 || !dtrain::dist::launched_by_launcher() ||
+      dtrain::dist::read_env_contract().rank != 0) {
+    return;
+  }
+  DTRAIN_LOG(kWarning) << "--strategy " << strategy << " under a launched world of " << world
+                       << " ranks: each rank trains a copy of its own and no gradient is shared; for one model over "
+                       << "the ranks leave --strategy out (ddp) or give a distributed one (ddp, zero1-3, pipeline, "
+                       << "or a plan)";
+}
+
 // What the examples run for their flags: the strategy a plan names (pp > 1:
 // pipeline, of the tp/cp split where tp or cp > 1, its replicas reduced by
 // ZeRO where dp_shard > 1, else DDP; tp > 1: tp, with cp inside it, ZeRO

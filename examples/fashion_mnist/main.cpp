@@ -1,6 +1,6 @@
 // Trains a small CNN on Fashion-MNIST with dtrain::Trainer and reports test accuracy.
 //
-//   fashion_mnist [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline]
+//   fashion_mnist [--strategy auto|single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline]
 //                 [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
 //                 [--dp-reduce ddp|zero1|zero2|zero3|allreduce] [--devices all] [--epochs 2]
 //                 [--plan FILE | --dp-replicate N --dp-shard N --pp N --zero-stage K] [--global-batch-size G]
@@ -58,7 +58,7 @@
 namespace {
 
 struct Options {
-  std::string strategy = "single";
+  std::string strategy = "auto";  // plan_cli.h, strategy_for
   std::string devices = "all";
   examples::PipelineCli pipeline;  // --strategy pipeline
   examples::PlanCli plan;          // --plan or the degrees; --global-batch-size
@@ -100,6 +100,7 @@ std::string params_fingerprint(torch::nn::Module& model) {
 
 int run(Options opt) {
   const int launched_world = dtrain::dist::launched_by_launcher() ? dtrain::dist::read_env_contract().world_size : 1;
+  opt.strategy = examples::strategy_for(opt.strategy, opt.plan, launched_world);
   const auto resolved = examples::resolve_run(opt.plan, opt.strategy, opt.pipeline, opt.batch_size, opt.accumulate,
                                               launched_world, distributed(opt.strategy),
                                               {.layers = static_cast<std::int64_t>(small_cnn_layers()->size())});
@@ -114,6 +115,7 @@ int run(Options opt) {
                "cp " << resolved.cp << ": this example's images have no sequence to split.",
                "set cp 1; examples/gpt trains under --cp");
   opt.strategy = resolved.strategy;
+  examples::warn_if_unshared(opt.strategy, distributed(opt.strategy), launched_world);
   opt.pipeline = resolved.pipeline;
   opt.batch_size = resolved.batch_size;
   if (resolved.plan && dtrain::dist::launched_by_launcher() && dtrain::dist::read_env_contract().rank == 0) {
@@ -221,9 +223,11 @@ int run(Options opt) {
 int main(int argc, char** argv) {
   CLI::App app{"Train a small CNN on Fashion-MNIST with dtrain."};
   Options opt;
-  app.add_option("--strategy", opt.strategy, "Parallelism strategy")
-      ->check(CLI::IsMember(
-          {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
+  app.add_option("--strategy", opt.strategy,
+                 "Parallelism strategy (auto: a plan's own, else ddp under a launcher of more than one rank, else "
+                 "single)")
+      ->check(CLI::IsMember({"auto", "single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2",
+                             "zero3", "pipeline"}))
       ->capture_default_str();
   opt.pipeline.add_to(app);
   opt.plan.add_to(app);

@@ -1,7 +1,7 @@
 // Trains a character-level GPT (nanoGPT's shakespeare_char) on the complete
 // works of Shakespeare and prints a generated sample and the val loss.
 //
-//   gpt [--strategy single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
+//   gpt [--strategy auto|single|dp|model-parallel|ddp|ddp-model-parallel|zero1|zero2|zero3|pipeline] [--devices all]
 //       [--pp-schedule gpipe|1f1b|interleaved|zb] [--micro-batches 4] [--pp-size 0]
 //       [--dp-reduce ddp|zero1|zero2|zero3|allreduce] (pipeline_cli.h)
 //       [--plan FILE | --dp-replicate N --dp-shard N --pp N --tp N [--sequence-parallel] --cp N --zero-stage K]
@@ -93,7 +93,7 @@
 namespace {
 
 struct Options {
-  std::string strategy = "single";
+  std::string strategy = "auto";  // plan_cli.h, strategy_for
   std::string devices = "all";
   std::int64_t max_iters = 2000;
   std::int64_t eval_interval = 250;
@@ -477,6 +477,7 @@ int launched_world() {
 // A plan given by --plan or the degree flags picks the strategy that runs it
 // (plan_cli.h); a global batch sets the per-rank batch.
 void apply_plan(Options& opt) {
+  opt.strategy = examples::strategy_for(opt.strategy, opt.plan, launched_world());
   const auto r = examples::resolve_run(opt.plan, opt.strategy, opt.pipeline, opt.batch_size, opt.accumulate,
                                        launched_world(), distributed(opt.strategy),
                                        {.layers = opt.model.n_layer + 2,
@@ -484,6 +485,7 @@ void apply_plan(Options& opt) {
                                         .width = opt.model.n_embd,
                                         .seq = opt.model.block_size});
   opt.strategy = r.strategy;
+  examples::warn_if_unshared(opt.strategy, distributed(opt.strategy), launched_world());
   opt.pipeline = r.pipeline;
   opt.sequence_parallel = r.sequence_parallel;
   opt.batch_size = r.batch_size;
@@ -544,9 +546,11 @@ int main(int argc, char** argv) {
   CLI::App app{"Train a character-level GPT on Shakespeare with dtrain (nanoGPT's shakespeare_char)."};
   Options opt;
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // scripts add defaults, users override
-  app.add_option("--strategy", opt.strategy, "Parallelism strategy")
-      ->check(CLI::IsMember(
-          {"single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2", "zero3", "pipeline"}))
+  app.add_option("--strategy", opt.strategy,
+                 "Parallelism strategy (auto: a plan's own, else ddp under a launcher of more than one rank, else "
+                 "single)")
+      ->check(CLI::IsMember({"auto", "single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2",
+                             "zero3", "pipeline"}))
       ->capture_default_str();
   opt.pipeline.add_to(app);
   opt.plan.add_to(app);

@@ -57,10 +57,6 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
-std::string binary_dir() {
-  return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
-}
-
 void run_rank_threads(int world, const std::function<void(int, dist::Store)>& body, const ThreadRanksOptions& options) {
   auto store = dist::Store::in_memory();
   std::mutex mutex;

@@ -53,7 +53,4 @@ std::vector<RankOutcome> run_rank_processes(int world, const std::function<void(
 // A TCP port on 127.0.0.1 that was free a moment ago.
 int free_port();
 
-// The directory holding this test binary (to find sibling programs).
-std::string binary_dir();
-
 }  // namespace dtrain::testing

@@ -22,6 +22,7 @@
 #include "dtrain/comm/traffic.h"
 #include "dtrain/error.h"
 #include "ranks.h"
+#include "test_paths.h"
 
 using dtrain::dist::OpKind;
 using dtrain::dist::ProcessGroup;
@@ -271,7 +272,7 @@ TEST(FlightAnalysis, TraceAnalyzeCommandPrintsTheSameReport) {
   ASSERT_EQ(report.findings.size(), 1u) << report.text();
   EXPECT_NE(report.findings[0].find("rank 1 never entered broadcast(root 0) #1 of group world; rank 0 waited 1.5 s"),
             std::string::npos);
-  const std::string command = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain trace analyze " + dir.string();
+  const std::string command = dtrain::testing::binary_dir() + "/tools/dtrain trace analyze " + dir.string();
   FILE* pipe = ::popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
   std::string out;
@@ -297,8 +298,7 @@ TEST(FlightAnalysis, TraceAnalyzeRejectsMalformedDumpsClearly) {
     const fs::path dir = fresh_dir("malformed-" + name);
     std::ofstream(dir / "rank_0.json") << text;
     EXPECT_THROW(dtrain::dist::analyze_flight_dumps(dir.string()), dtrain::DataError) << name;
-    const std::string command =
-        std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain trace analyze " + dir.string() + " 2>&1";
+    const std::string command = dtrain::testing::binary_dir() + "/tools/dtrain trace analyze " + dir.string() + " 2>&1";
     FILE* pipe = ::popen(command.c_str(), "r");
     ASSERT_NE(pipe, nullptr);
     std::string out;

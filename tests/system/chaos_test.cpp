@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 std::string run_and_capture(const std::string& command, int* status) {
@@ -48,8 +49,8 @@ std::string unsupported() {
 // null, with a failure holding the output, when there is none.
 nlohmann::json run_chaos(const std::string& mode, const std::string& bench, const std::string& args, std::string* out,
                          int* status) {
-  *out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/chaos/chaos.py " + mode +
-                             "--build " + DTRAIN_BINARY_DIR + " " + args + " 2>&1",
+  *out = run_and_capture(std::string(DTRAIN_PYTHON) + " " + dtrain::testing::source_dir() + "/bench/chaos/chaos.py " +
+                             mode + "--build " + dtrain::testing::binary_dir() + " " + args + " 2>&1",
                          status);
   const auto at = out->rfind("{\"bench\": \"" + bench + "\"");
   if (at == std::string::npos) {

@@ -14,11 +14,12 @@
 
 #include "launch_helpers.h"
 #include "ranks.h"
+#include "test_paths.h"
 
 using namespace dtrain::testing;
 
 namespace {
-const std::string kWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_elastic_worker";
+const std::string kWorker = dtrain::testing::binary_dir() + "/tests/dtrain_elastic_worker";
 
 // Fast failure detection for tests; the defaults suit real clusters better.
 const std::string kConf = "last_call_timeout=1,heartbeat_interval=0.25,heartbeat_timeout=3";

@@ -12,13 +12,14 @@
 #include <string>
 
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 using Result = dtrain::testing::ExampleResult;
 using dtrain::testing::last_json_line;
 
-const std::string kFashionMnist = std::string(DTRAIN_BINARY_DIR) + "/examples/fashion_mnist";
-const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node";
+const std::string kFashionMnist = dtrain::testing::binary_dir() + "/examples/fashion_mnist";
+const std::string kLaunch = dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node";
 
 // Runs the example (through `launcher` when given); stderr goes to a file.
 Result run(const std::string& args, const std::string& launcher = "") {
@@ -97,6 +98,26 @@ TEST(FashionMnistExample, HybridEqualsDdp) {
   EXPECT_EQ(last_json_line(hybrid.stdout_text)["params_fnv"], last_json_line(ddp.stdout_text)["params_fnv"]);
   EXPECT_NE(hybrid.stderr_text.find("[rank 1/2] ddp-model-parallel training on cpu,cpu"), std::string::npos)
       << hybrid.stderr_text;
+}
+
+// No --strategy under a launcher of 2 ranks is DDP over both (bit for bit
+// --strategy ddp's parameters), not two unrelated single-process copies;
+// --strategy single asked for there trains such copies and says so.
+TEST(FashionMnistExample, LaunchedDefaultIsDdp) {
+  if (!have_dataset()) GTEST_SKIP() << "dataset-fashion-mnist not installed";
+  const std::string common = "--epochs 1 --train-limit 512 --test-limit 500 --batch-size 32 --seed 5 --devices cpu ";
+  const auto ddp = run(common + "--strategy ddp", kLaunch + " 2");
+  const auto plain = run(common, kLaunch + " 2");
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.stderr_text;
+  ASSERT_EQ(plain.exit_code, 0) << plain.stderr_text;
+  EXPECT_EQ(last_json_line(plain.stdout_text)["strategy"], "ddp");
+  EXPECT_EQ(last_json_line(plain.stdout_text)["params_fnv"], last_json_line(ddp.stdout_text)["params_fnv"]);
+  const auto single = run(common + "--strategy single", kLaunch + " 2");
+  ASSERT_EQ(single.exit_code, 0) << single.stderr_text;
+  EXPECT_NE(single.stderr_text.find("--strategy single under a launched world of 2 ranks: each rank trains a copy"),
+            std::string::npos)
+      << single.stderr_text;
+  EXPECT_EQ(plain.stderr_text.find("each rank trains a copy"), std::string::npos) << plain.stderr_text;
 }
 
 // ZeRO stages 1-3 train to DDP's parameters, bit for bit: the same

@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "launch_helpers.h"
+#include "test_paths.h"
 
 using namespace dtrain::testing;
 
@@ -27,7 +28,7 @@ HangRun run_hang_worker(const Scratch& s, const std::string& mode, int culprit) 
   ::setenv("HANG_RANK", std::to_string(culprit).c_str(), 1);
   const auto start = Clock::now();
   Launch launch({"--nproc-per-node", "3", "--log-dir", (s.path() / "logs").string(), "--stop-grace", "1",
-                 std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_hang_worker"},
+                 dtrain::testing::binary_dir() + "/tests/dtrain_hang_worker"},
                 s);
   HangRun run;
   run.code = launch.wait(std::chrono::seconds(120));

@@ -23,13 +23,14 @@
 #include "ft_model.h"
 #include "launch_helpers.h"
 #include "ranks.h"
+#include "test_paths.h"
 
 namespace dtrain::testing {
 namespace {
 
-const std::string kFtWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_ft_worker";
+const std::string kFtWorker = dtrain::testing::binary_dir() + "/tests/dtrain_ft_worker";
 // The same replica group trained by dtrain::Trainer (TrainerOptions::fault_tolerance).
-const std::string kFtTrainerWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_ft_trainer_worker";
+const std::string kFtTrainerWorker = dtrain::testing::binary_dir() + "/tests/dtrain_ft_trainer_worker";
 
 FtReplicaLog read_ft_log(const fs::path& path) {
   FtReplicaLog log;

@@ -18,14 +18,15 @@
 #include <vector>
 
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kComposeExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kComposeExample = dtrain::testing::binary_dir() + "/examples/gpt";
 std::string compose_launch(int ranks) {
-  return std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
+  return dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
 }
 
 // Four AdamW steps of a small GPT (tied embedding; 65 characters split 33 +

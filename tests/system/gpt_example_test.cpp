@@ -16,6 +16,7 @@
 
 #include <vector>
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -25,8 +26,8 @@ using dtrain::testing::read_floats;
 using Result = dtrain::testing::ExampleResult;
 using dtrain::testing::last_json_line;
 
-const std::string kGpt = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
-const std::string kGptLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
+const std::string kGpt = dtrain::testing::binary_dir() + "/examples/gpt";
+const std::string kGptLaunch = dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node 2";
 
 Result run_gpt(const std::string& args, const std::string& launcher = "") {
   return dtrain::testing::run_example(kGpt, args, launcher);
@@ -36,11 +37,11 @@ Result run_gpt(const std::string& args, const std::string& launcher = "") {
 
 // Four AdamW steps of a small GPT on the same global batch of 4 sequences:
 // one device, gradient accumulation, DataParallel over two CPU replicas, the
-// blocks over three CPU "devices", 2-rank DDP, and 2-rank DDP of 2-stage
-// models. Summation order differs (a batch mean vs an average of rank means),
-// so equality is up to float rounding, which Adam's normalisation can lift to
-// ~lr x 1e-3 on an element whose gradient is near zero: hence the 1e-6
-// absolute floor beside rtol 1e-5 per element, and a normwise rtol 1e-5.
+// blocks over three CPU "devices", 2-rank DDP, 2-rank DDP of 2-stage
+// models, and 2 ranks launched without --strategy (DDP, not two copies). Summation order differs (a batch mean vs an
+// average of rank means), so equality is up to float rounding, which Adam's normalisation can lift to ~lr x 1e-3 on an
+// element whose gradient is near zero: hence the 1e-6 absolute floor beside rtol 1e-5 per element, and a normwise rtol
+// 1e-5.
 TEST(GptExample, EveryStrategyMatchesSingle) {
   if (!dtrain::testing::have_gpt_corpus()) GTEST_SKIP() << "no corpus: run scripts/setup.sh";
   const auto dir = fs::temp_directory_path() / ("dtrain-gpt-strategies-" + std::to_string(::getpid()));
@@ -59,6 +60,8 @@ TEST(GptExample, EveryStrategyMatchesSingle) {
       {"ddp", "--strategy ddp --batch-size 2 --devices cpu", kGptLaunch},
       {"ddp-recompute", "--strategy ddp --batch-size 2 --devices cpu --recompute selective", kGptLaunch},
       {"ddp-model-parallel", "--strategy ddp-model-parallel --batch-size 2 --devices cpu,cpu", kGptLaunch},
+      // No --strategy under a launcher: ddp over its ranks (plan_cli.h, strategy_for).
+      {"launched-default", "--batch-size 2 --devices cpu", kGptLaunch},
   };
   std::vector<float> reference;
   for (const auto& c : cases) {

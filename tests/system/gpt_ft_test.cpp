@@ -21,11 +21,12 @@
 #include "example_run.h"
 #include "ft_audit.h"
 #include "launch_helpers.h"
+#include "test_paths.h"
 
 namespace dtrain::testing {
 namespace {
 
-const std::string kGpt = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kGpt = dtrain::testing::binary_dir() + "/examples/gpt";
 
 // A GPT small enough for 8 processes on 2 cores; gradients clipped (the
 // replay clips the same shards the same way), a warm-up then cosine decay;

@@ -17,14 +17,15 @@
 
 #include "dtrain/checkpoint/safetensors.h"
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 namespace ck = dtrain::checkpoint;
 
-const std::string kHfExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
-const std::string kHfLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
+const std::string kHfExample = dtrain::testing::binary_dir() + "/examples/gpt";
+const std::string kHfLaunch = dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node 2";
 const std::string kHfCommon =
     "--strategy zero3 --max-iters 3 --eval-interval 3 --eval-iters 2 --sample-tokens 0 --seed 5 --devices cpu "
     "--batch-size 2 ";
@@ -79,7 +80,7 @@ TEST(GptHfExample, Zero3ExportsWhatItTrainedAndResumesFromIt) {
 
   // The run's checkpoint (step 3, its last) records the GPT's mapping:
   // `dtrain ckpt convert --to hf` writes the same folder, tensor for tensor.
-  const std::string convert = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain ckpt convert --to hf " +
+  const std::string convert = dtrain::testing::binary_dir() + "/tools/dtrain ckpt convert --to hf " +
                               (dir / "ckpt").string() + " " + (dir / "converted").string() + " > /dev/null";
   ASSERT_EQ(std::system(convert.c_str()), 0) << convert;
   const auto converted = ck::load_safetensors_dir(dir / "converted").tensors;
@@ -128,8 +129,7 @@ TEST(GptHfExample, PipelineAndTpStartFromHfAsSingleAndExportWhatTheyTrained) {
     const auto r = dtrain::testing::run_example(
         kHfExample,
         from + args + " --save-params " + (dir / (name + ".f32")).string() + " --export-hf " + (dir / name).string(),
-        ranks > 1 ? std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks)
-                  : "");
+        ranks > 1 ? dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks) : "");
     EXPECT_EQ(r.exit_code, 0) << name << ": " << r.stderr_text;
     EXPECT_EQ(dtrain::testing::last_json_line(r.stdout_text).value("steps", 0), 3) << name << r.stdout_text;
   };

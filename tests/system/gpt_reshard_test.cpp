@@ -14,15 +14,16 @@
 #include <vector>
 
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using dtrain::testing::read_floats;
 
-const std::string kReshardExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kReshardExample = dtrain::testing::binary_dir() + "/examples/gpt";
 std::string reshard_launch(int ranks) {
-  return std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
+  return dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
 }
 
 // Three AdamW steps per run of a small GPT with clipping and a cosine

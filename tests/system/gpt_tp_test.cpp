@@ -12,15 +12,16 @@
 #include <vector>
 
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using dtrain::testing::read_floats;
 
-const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kExample = dtrain::testing::binary_dir() + "/examples/gpt";
 std::string launch(int ranks) {
-  return std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
+  return dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
 }
 
 // Four AdamW steps of a small GPT (tied embedding; 65 characters split

@@ -11,15 +11,16 @@
 #include <vector>
 
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using dtrain::testing::read_floats;
 
-const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
-const std::string kLaunch = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2";
-const std::string kLaunchOne = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 1";
+const std::string kExample = dtrain::testing::binary_dir() + "/examples/gpt";
+const std::string kLaunch = dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node 2";
+const std::string kLaunchOne = dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node 1";
 
 // Four AdamW steps of a small GPT with clipping and a cosine schedule,
 // evaluation included; --save-params FILE goes last.
@@ -84,7 +85,7 @@ TEST(GptZero, PlansEqualSingleAndBadPlansAreRefused) {
   };
   const std::vector<Case> cases{
       {"hsdp", "--dp-replicate 2 --dp-shard 2 --batch-size 1",
-       std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 4"},
+       dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node 4"},
       {"plan-file", "--plan " + (dir / "zero2.json").string() + " --global-batch-size 4", kLaunch},
       {"plan-file-global-batch", "--plan " + (dir / "zero2-batch4.json").string(), kLaunch},
   };
@@ -160,7 +161,7 @@ TEST(GptZero, CheckpointResumesOnAnotherWorldSize) {
   const std::string hsdp_ckpt = "--checkpoint-dir " + (dir / "hsdp").string() + " ";
   const auto hsdp = dtrain::testing::run_example(
       kExample, common + hsdp_ckpt + "--dp-replicate 2 --dp-shard 2 --batch-size 1 --max-iters 3",
-      std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 4");
+      dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node 4");
   ASSERT_EQ(hsdp.exit_code, 0) << hsdp.stderr_text;
   const auto after_hsdp = dtrain::testing::run_example(
       kExample, common + hsdp_ckpt + "--batch-size 2 --max-iters 6 --save-params " + (dir / "hsdp.f32").string(),

@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "test_paths.h"
 
 extern char** environ;
 
@@ -23,8 +24,8 @@ namespace dtrain::testing {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-inline const std::string kDtrain = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain";
-inline const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/fashion_mnist";
+inline const std::string kDtrain = dtrain::testing::binary_dir() + "/tools/dtrain";
+inline const std::string kExample = dtrain::testing::binary_dir() + "/examples/fashion_mnist";
 
 inline std::string slurp(const fs::path& p) {
   std::ifstream in(p);

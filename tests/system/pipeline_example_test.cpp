@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -22,9 +23,9 @@ namespace fs = std::filesystem;
 using dtrain::testing::last_json_line;
 using dtrain::testing::read_floats;
 
-const std::string kExample = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kExample = dtrain::testing::binary_dir() + "/examples/gpt";
 std::string launch(int ranks) {
-  return std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
+  return dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node " + std::to_string(ranks);
 }
 
 }  // namespace

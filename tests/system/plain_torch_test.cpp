@@ -9,12 +9,13 @@
 
 #include "launch_helpers.h"
 #include "ranks.h"
+#include "test_paths.h"
 
 using namespace dtrain::testing;
 
 namespace {
 const std::string kPython = DTRAIN_PYTHON;
-const std::string kScript = std::string(DTRAIN_SOURCE_DIR) + "/tests/system/plain_ddp.py";
+const std::string kScript = dtrain::testing::source_dir() + "/tests/system/plain_ddp.py";
 // Python workers start slowly (importing torch) on a loaded machine.
 constexpr auto kRunTimeout = std::chrono::seconds(240);
 

@@ -17,6 +17,7 @@
 #include "dtrain/nn/attention.h"
 #include "dtrain/plan/preflight.h"
 #include "example_run.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -28,7 +29,7 @@ std::int64_t preflight_corpus_vocab() {
   return nlohmann::json::parse(meta_file).at("vocab_size").get<std::int64_t>();
 }
 
-const std::string kPreflightGpt = std::string(DTRAIN_BINARY_DIR) + "/examples/gpt";
+const std::string kPreflightGpt = dtrain::testing::binary_dir() + "/examples/gpt";
 const std::string kPreflightArgs =
     "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --batch-size 4 --max-iters 1 --eval-interval 100 "
     "--eval-iters 1 --devices cpu --sample-tokens 0 --dp-replicate 1";
@@ -86,7 +87,7 @@ TEST(PlanPreflight, PipelineCostsItsMicroBatchesAsASplitOfTheBatch) {
   const std::string limit = std::to_string(needed / 2);
   const auto refused = dtrain::testing::run_example(
       kPreflightGpt, kPreflightArgs + " --pp 2 --pp-schedule gpipe --micro-batches 4",
-      "DTRAIN_MEMORY_LIMIT=" + limit + " " + std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2");
+      "DTRAIN_MEMORY_LIMIT=" + limit + " " + dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node 2");
   EXPECT_NE(refused.exit_code, 0);
   EXPECT_NE(refused.stderr_text.find("(" + std::to_string(needed) + " bytes)"), std::string::npos)
       << refused.stderr_text;
@@ -113,7 +114,7 @@ TEST(PlanPreflight, RanksRefuseTogetherWhenOneRankHasTooLittle) {
   std::string args = kPreflightArgs;
   args.replace(args.find("--dp-replicate 1"), 16, "--dp-replicate 2");
   const auto r = dtrain::testing::run_example(
-      script.string(), args, "timeout 120 " + std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain run --nproc-per-node 2");
+      script.string(), args, "timeout 120 " + dtrain::testing::binary_dir() + "/tools/dtrain run --nproc-per-node 2");
   std::filesystem::remove(script);
   const std::string all = r.stdout_text + r.stderr_text;
   EXPECT_NE(r.exit_code, 0) << all;

@@ -11,13 +11,14 @@
 
 #include "launch_helpers.h"
 #include "ranks.h"
+#include "test_paths.h"
 #include "zero_helpers.h"
 
 using namespace dtrain::testing;
 
 namespace {
 
-const std::string kZeroWorker = std::string(DTRAIN_BINARY_DIR) + "/tests/dtrain_zero_elastic_worker";
+const std::string kZeroWorker = dtrain::testing::binary_dir() + "/tests/dtrain_zero_elastic_worker";
 
 // (world size, last step) per line of steps.log.
 std::vector<std::pair<int, int>> progress(const fs::path& dir) {

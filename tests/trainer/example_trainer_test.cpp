@@ -9,6 +9,7 @@
 
 #include "../system/example_run.h"
 #include "../system/launch_helpers.h"
+#include "test_paths.h"
 
 using namespace dtrain::testing;
 
@@ -63,7 +64,7 @@ TEST(TrainerExample, ResumesBitExactAfterSigkillUnderTheLauncher) {
 
 TEST(TrainerExample, Bf16IsWithinOnePointOfFp32) {
   if (!have_dataset()) GTEST_SKIP() << "no Fashion-MNIST";
-  const std::string common = std::string(DTRAIN_BINARY_DIR) + "/examples/fashion_mnist";
+  const std::string common = dtrain::testing::binary_dir() + "/examples/fashion_mnist";
   const std::string args = "--devices cpu --epochs 1 --train-limit 12000 --batch-size 64 --seed 2 ";
   const auto fp32 = run_example(common, args);
   const auto bf16 = run_example(common, args + "--amp bf16");

@@ -11,10 +11,11 @@
 
 #include "dtrain/error.h"
 #include "dtrain/trainer/lr_schedule.h"
+#include "test_paths.h"
 
 namespace {
 nlohmann::json reference() {
-  std::ifstream in(std::string(DTRAIN_SOURCE_DIR) + "/tests/data/lr_schedules/lr_schedules.json");
+  std::ifstream in(dtrain::testing::source_dir() + "/tests/data/lr_schedules/lr_schedules.json");
   return nlohmann::json::parse(in);
 }
 

@@ -17,6 +17,7 @@
 
 #include "dtrain/amp/autocast.h"
 #include "dtrain/error.h"
+#include "test_paths.h"
 
 using dtrain::amp::Autocast;
 namespace F = torch::nn::functional;
@@ -129,7 +130,7 @@ void expect_same_dtypes(const Recorded& ours, const nlohmann::json& python) {
 }  // namespace
 
 TEST(AutocastVsPython, OutputDtypesMatchTorchAutocastCpuBf16) {
-  std::ifstream in(std::string(DTRAIN_SOURCE_DIR) + "/tests/data/amp/autocast_dtypes.json");
+  std::ifstream in(dtrain::testing::source_dir() + "/tests/data/amp/autocast_dtypes.json");
   ASSERT_TRUE(in.good());
   const auto python = nlohmann::json::parse(in);
   auto t = inputs();

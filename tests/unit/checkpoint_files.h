@@ -14,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include "test_paths.h"
 
 namespace dtrain::testing::ckfiles {
 
@@ -29,8 +30,8 @@ inline std::filesystem::path temp_dir(const std::string& prefix, const std::stri
 // Runs tests/data/checkpoint/<script> with `args` in the project's Python;
 // fails the test if it exits non-zero.
 inline void run_peer(const std::string& script, const std::string& args) {
-  const std::string cmd =
-      std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/tests/data/checkpoint/" + script + " " + args;
+  const std::string cmd = std::string(DTRAIN_PYTHON) + " " + dtrain::testing::source_dir() + "/tests/data/checkpoint/" +
+                          script + " " + args;
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
 }
 

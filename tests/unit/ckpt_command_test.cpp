@@ -12,6 +12,7 @@
 
 #include "dtrain/checkpoint/safetensors.h"
 #include "dtrain/checkpoint/torch_file.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -20,7 +21,7 @@ namespace ck = dtrain::checkpoint;
 
 int dtrain_cli(const std::string& args, const fs::path& output) {
   const std::string cmd =
-      std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain ckpt " + args + " > " + output.string() + " 2>&1";
+      dtrain::testing::binary_dir() + "/tools/dtrain ckpt " + args + " > " + output.string() + " 2>&1";
   const int status = std::system(cmd.c_str());
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }

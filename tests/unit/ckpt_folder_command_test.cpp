@@ -20,6 +20,7 @@
 #include "dtrain/parallel/zero/sharded_checkpoint.h"
 #include "dtrain/parallel/zero/sharded_data_parallel.h"
 #include "ranks.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -28,7 +29,7 @@ namespace ck = dtrain::checkpoint;
 
 // `dtrain ckpt ARGS`, output into `log`; the exit status.
 int ckpt_folder_cli(const std::string& args, const fs::path& log) {
-  const std::string cmd = std::string("DTRAIN_PYTHON=") + DTRAIN_PYTHON + " " + DTRAIN_BINARY_DIR +
+  const std::string cmd = std::string("DTRAIN_PYTHON=") + DTRAIN_PYTHON + " " + dtrain::testing::binary_dir() +
                           "/tools/dtrain ckpt " + args + " > " + log.string() + " 2>&1";
   const int status = std::system(cmd.c_str());
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;

@@ -26,6 +26,7 @@
 #include "hf_export.h"
 #include "model.h"
 #include "ranks.h"
+#include "test_paths.h"
 #include "zero_strategy.h"
 
 namespace {
@@ -35,7 +36,7 @@ namespace ck = dtrain::checkpoint;
 
 // Runs `dtrain ckpt ...`; its exit status and what it printed (both streams).
 std::pair<int, std::string> run_dtrain_ckpt(const std::string& args) {
-  const std::string cmd = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain ckpt " + args + " 2>&1";
+  const std::string cmd = dtrain::testing::binary_dir() + "/tools/dtrain ckpt " + args + " 2>&1";
   std::string text;
   FILE* pipe = ::popen(cmd.c_str(), "r");
   std::array<char, 4096> buf{};

@@ -18,6 +18,7 @@
 #include "dtrain/host_memory.h"
 #include "fused_adamw.h"
 #include "model.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -44,8 +45,8 @@ TEST(GptModel, MatchesPythonPeer) {
   const auto dir = temp_dir("gpt-test", "peer");
   const auto ref_file = dir / "reference.pt";
   const std::string model_args = "--n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --batch-size 4 --seed 7";
-  const std::string cmd = std::string(DTRAIN_PYTHON) + " " + DTRAIN_SOURCE_DIR + "/bench/gpt/peer.py --export " +
-                          ref_file.string() + " " + model_args;
+  const std::string cmd = std::string(DTRAIN_PYTHON) + " " + dtrain::testing::source_dir() +
+                          "/bench/gpt/peer.py --export " + ref_file.string() + " " + model_args;
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
   std::ifstream in(ref_file, std::ios::binary);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -18,6 +18,7 @@
 
 #include "dtrain/amp/grad_scaler.h"
 #include "dtrain/error.h"
+#include "test_paths.h"
 
 using dtrain::amp::GradScaler;
 using dtrain::amp::GradScalerOptions;
@@ -27,7 +28,7 @@ using nlohmann::json;
 namespace {
 
 json load_reference(const std::string& name) {
-  std::ifstream in(std::string(DTRAIN_SOURCE_DIR) + "/tests/data/amp/" + name);
+  std::ifstream in(dtrain::testing::source_dir() + "/tests/data/amp/" + name);
   EXPECT_TRUE(in.good()) << "missing test data " << name;
   return json::parse(in);
 }

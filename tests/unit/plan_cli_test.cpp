@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include "test_paths.h"
 
 namespace {
 
@@ -20,7 +21,7 @@ struct Output {
 };
 
 Output run_plan(const std::string& args) {
-  const std::string cmd = std::string(DTRAIN_BINARY_DIR) + "/tools/dtrain plan " + args + " 2>&1";
+  const std::string cmd = dtrain::testing::binary_dir() + "/tools/dtrain plan " + args + " 2>&1";
   Output out;
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (pipe == nullptr) return out;
