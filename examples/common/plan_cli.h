@@ -138,15 +138,23 @@ inline std::string strategy_for(const std::string& strategy, const PlanCli& cli,
   return world > 1 && !cli.given() ? "ddp" : "single";
 }
 
+// --strategy, the same names in both examples (a plan's degrees describe
+// any other; default auto, strategy_for).
+inline void add_strategy_option(CLI::App& app, std::string& strategy) {
+  app.add_option("--strategy", strategy,
+                 "Parallelism strategy (auto: a plan's own, else ddp under a launcher of more than one rank, else "
+                 "single)")
+      ->check(CLI::IsMember({"auto", "single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2",
+                             "zero3", "pipeline"}))
+      ->capture_default_str();
+}
+
 // An in-process strategy (single, dp, model-parallel: `distributed` false)
 // asked for under a launched world of more than one rank trains a copy of
 // the model per rank, each with its own data and no gradient shared: said
 // once, by rank 0, as it is rarely what was meant.
 inline void warn_if_unshared(const std::string& strategy, bool distributed, int world) {
-  if (distributed || world <= 1 || !dtrain::dist::launched_by_launcher() ||
-      dtrain::dist::read_env_contract().rank != 0) {
-    return;
-  }
+  if (distributed || world <= 1 || dtrain::dist::read_env_contract().rank != 0) return;
   DTRAIN_LOG(kWarning) << "--strategy " << strategy << " under a launched world of " << world
                        << " ranks: each rank trains a copy of its own and no gradient is shared; for one model over "
                        << "the ranks leave --strategy out (ddp) or give a distributed one (ddp, zero1-3, pipeline, "

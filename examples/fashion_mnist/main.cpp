@@ -223,12 +223,7 @@ int run(Options opt) {
 int main(int argc, char** argv) {
   CLI::App app{"Train a small CNN on Fashion-MNIST with dtrain."};
   Options opt;
-  app.add_option("--strategy", opt.strategy,
-                 "Parallelism strategy (auto: a plan's own, else ddp under a launcher of more than one rank, else "
-                 "single)")
-      ->check(CLI::IsMember({"auto", "single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2",
-                             "zero3", "pipeline"}))
-      ->capture_default_str();
+  examples::add_strategy_option(app, opt.strategy);
   opt.pipeline.add_to(app);
   opt.plan.add_to(app);
   app.add_option("--devices", opt.devices,

@@ -546,12 +546,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Train a character-level GPT on Shakespeare with dtrain (nanoGPT's shakespeare_char)."};
   Options opt;
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // scripts add defaults, users override
-  app.add_option("--strategy", opt.strategy,
-                 "Parallelism strategy (auto: a plan's own, else ddp under a launcher of more than one rank, else "
-                 "single)")
-      ->check(CLI::IsMember({"auto", "single", "dp", "model-parallel", "ddp", "ddp-model-parallel", "zero1", "zero2",
-                             "zero3", "pipeline"}))
-      ->capture_default_str();
+  examples::add_strategy_option(app, opt.strategy);
   opt.pipeline.add_to(app);
   opt.plan.add_to(app);
   app.add_option(
