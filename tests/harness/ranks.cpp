@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -41,20 +42,37 @@ std::string read_file(const std::string& path) {
 }
 }  // namespace
 
+// Note [Ports below the ephemeral range]: a port the kernel hands out for
+// bind(0) is released again before the child binds it, and in that window the
+// kernel may give the same port to any outgoing connection of a test running
+// beside this one (ctest -j2: every Gloo pair and store client takes one), so
+// "the port is already in use" came back now and then. Ports below
+// ip_local_port_range are never handed out implicitly; this picks one there,
+// from a sequence seeded by the pid so that concurrent test binaries walk
+// different ports, and checks that it binds (a port still held or in
+// TIME_WAIT is skipped). It leaves out 29000-30999, where torchrun's and
+// dtrain run's default ports (29400, 29500) live.
 int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    if (fd >= 0) ::close(fd);
-    throw std::runtime_error("free_port: cannot bind a loopback socket");
+  int ephemeral_low = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> ephemeral_low;
+  constexpr int kLowest = 10000;
+  if (ephemeral_low <= kLowest + 1000) ephemeral_low = 65536;  // an unusual range: use the ports above 10000
+  const int span = ephemeral_low - kLowest;
+  static std::atomic<unsigned> next{static_cast<unsigned>(::getpid()) * 2654435761u};
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int port = kLowest + static_cast<int>(next.fetch_add(7919u) % static_cast<unsigned>(span));
+    if (port >= 29000 && port < 31000) continue;
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    if (bound) return port;
   }
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  throw std::runtime_error("free_port: no loopback port between 10000 and the ephemeral range binds");
 }
 
 void run_rank_threads(int world, const std::function<void(int, dist::Store)>& body, const ThreadRanksOptions& options) {

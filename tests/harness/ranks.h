@@ -50,7 +50,9 @@ struct RankOutcome {
 std::vector<RankOutcome> run_rank_processes(int world, const std::function<void(int rank)>& body,
                                             const ProcessRanksOptions& options = {});
 
-// A TCP port on 127.0.0.1 that was free a moment ago.
+// A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's
+// ephemeral range so that no outgoing connection takes it meanwhile (Note
+// [Ports below the ephemeral range] in ranks.cpp).
 int free_port();
 
 }  // namespace dtrain::testing

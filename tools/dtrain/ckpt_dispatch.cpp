@@ -38,18 +38,18 @@ std::string quoted(const std::string& s) {
   return out + "'";
 }
 
-// python/dtrain_dcp.py: $DTRAIN_DCP_CONVERTER, else the source tree's, else
-// share/dtrain/ next to an installed bin/dtrain.
+// python/dtrain_dcp.py: $DTRAIN_DCP_CONVERTER, else share/dtrain/ beside this
+// binary's folder (bin/dtrain installed; tools/dtrain in the build tree, where
+// tools/CMakeLists.txt copies it).
 std::string converter_path() {
   if (const char* env = std::getenv("DTRAIN_DCP_CONVERTER")) return env;
-  const fs::path source = fs::path(DTRAIN_SOURCE_DIR) / "python" / "dtrain_dcp.py";
-  if (fs::exists(source)) return source.string();
   std::error_code ec;
-  const fs::path installed =
+  const fs::path found =
       fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path() / "share" / "dtrain" / "dtrain_dcp.py";
-  DTRAIN_CHECK(fs::exists(installed), ConfigError, "python/dtrain_dcp.py (the DCP converter) was not found.",
-               "set DTRAIN_DCP_CONVERTER to its path");
-  return installed.string();
+  DTRAIN_CHECK(!ec && fs::exists(found), ConfigError,
+               "the DCP converter dtrain_dcp.py was not found at " << found.string() << ".",
+               "set DTRAIN_DCP_CONVERTER to the path of python/dtrain_dcp.py (or reinstall dtrain)");
+  return found.string();
 }
 
 void run_converter(const std::string& mode, const fs::path& src, const fs::path& dst, std::ostream& out) {
