@@ -12,9 +12,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -63,7 +65,7 @@ int free_port() {
     const int port = kLowest + static_cast<int>(next.fetch_add(7919u) % static_cast<unsigned>(span));
     if (port >= 29000 && port < 31000) continue;
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) break;
+    if (fd < 0) throw std::runtime_error("free_port: cannot open a socket: " + std::string(std::strerror(errno)));
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
