@@ -137,6 +137,28 @@ double collectives_after_compute_latency(int ranks, double seconds_per_collectiv
 // over session 14's calibrations; timed in wall time per traced action it
 // read 2.2 while other sessions' work ran); the MLP piece stays the
 // fallback and the time-slicing measure.
+// Note [Meetings of time-sliced ranks]
+// With more ranks on a CPU host than cores, every point where all of a
+// plan's ranks must meet after a step's compute costs more than the
+// collective there: the ranks arrive as their share of the cores let them,
+// and while the first wait (asleep), the cores do not stay full until the
+// last arrives; after the meeting, all wake at once and the scheduler
+// spreads them again. The collectives' `call_latency` (Note [Collectives
+// after compute]) is measured after ~2 ms pieces of compute, where the ranks
+// barely drift apart; a step's compute is tens of ms. bench_pipeline's GPT
+// on 4 ranks of 2 cores (AMD EPYC 25/17, 2026-12-03; 3 rounds each):
+// independent runs 57 ms a step (batch 6), the same 4 ranks with one barrier
+// per step (--data-parallel lockstep) 62.5-63.6 ms, i.e. 5-8 ms a meeting at
+// batch 2, 6 and 12 (25-110 ms steps), where the synchronised barrier is
+// ~0.1 ms; DDP added 4.4 ms more, what the model charges its gradient sync
+// (3.4 ms). The calibration worker (meeting_seconds) times a piece of ~26 ms
+// wall per iteration in rounds with a barrier after each iteration against
+// rounds with one at the end, in turn; per barrier the difference, the
+// median over rounds. `dtrain plan --calibrate` takes it from the runs with
+// more ranks than cores (DeviceSpec::oversubscribed_meeting); the cost model
+// charges it once per step to a plan whose ranks time-slice (every such
+// plan's ranks meet at least once a step: the gradients' reduction, a
+// pipeline's flush, tp's and cp's collectives).
 double split_backward_overhead(double whole_seconds, double split_seconds, int captured) {
   // The worker asserts the executor's count itself: none here is dtrain's bug.
   DTRAIN_INTERNAL_ASSERT(captured >= 1, "the split backward's calibration counted " << captured << " captured nodes");
@@ -184,6 +206,7 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"oversubscription_factor", d.oversubscription_factor},
                    {"concurrency_factor", d.concurrency_factor},
                    {"oversubscribed_link", link_json(d.oversubscribed_link)},
+                   {"oversubscribed_meeting", d.oversubscribed_meeting},
                    {"split_backward_overhead", d.split_backward_overhead}};
   return j.dump(2);
 }
@@ -213,6 +236,7 @@ DeviceSpec device_from_json(const std::string& text) {
   d.oversubscription_factor = j.value("oversubscription_factor", 1.0);  // older files: not measured
   d.concurrency_factor = j.value("concurrency_factor", 1.0);            // older files: not measured
   d.split_backward_overhead = j.value("split_backward_overhead", 0.0);  // older files: not measured
+  d.oversubscribed_meeting = j.value("oversubscribed_meeting", 0.0);    // older files: not measured
   if (j.contains("oversubscribed_link")) d.oversubscribed_link = link_from(j.at("oversubscribed_link"));
   return d;
 }

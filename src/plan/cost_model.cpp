@@ -729,7 +729,9 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
     t.zero3_comm += k * parts[s].zero3_comm;
   }
   t.pipeline_idle = std::max(0.0, makespan - busy[critical]);
-  t.grad_sync = exposed + after_step;
+  // Note [Meetings of time-sliced ranks] (calibration.cpp): once a step.
+  const double meeting = time_sliced ? dev.oversubscribed_meeting : 0.0;
+  t.grad_sync = exposed + after_step + meeting;
   t.optimizer = optimizer;
   t.step = makespan + t.grad_sync + t.optimizer;
   est.step_seconds = t.step;

@@ -120,6 +120,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.concurrency_factor = 1.07;
   d.oversubscribed_link = {.bandwidth = 3.3e9, .latency = 91e-6, .call_latency = 420e-6};
   d.split_backward_overhead = 41e-6;
+  d.oversubscribed_meeting = 5.5e-3;
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -138,6 +139,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.oversubscribed_link.bandwidth, d.oversubscribed_link.bandwidth);
   EXPECT_EQ(back.oversubscribed_link.call_latency, d.oversubscribed_link.call_latency);
   EXPECT_EQ(back.split_backward_overhead, d.split_backward_overhead);
+  EXPECT_EQ(back.oversubscribed_meeting, d.oversubscribed_meeting);
   EXPECT_EQ(back.intra_node.call_latency, 0);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
@@ -226,6 +228,21 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   const ParallelPlan hsdp{.dp_replicate = 2, .dp_shard = 2, .zero_stage = 3, .global_batch = 48};
   EXPECT_NEAR(run(waits, zero3_4, 4).time.zero3_comm - run(sliced, zero3_4, 4).time.zero3_comm, 3e-3, 1e-9);
   EXPECT_NEAR(run(waits, hsdp, 4).time.zero3_comm - run(sliced, hsdp, 4).time.zero3_comm, 3e-3, 1e-9);
+  // Meeting after a step's compute (Note [Meetings of time-sliced ranks]):
+  // once a step, in the gradients' sync, to every plan whose ranks
+  // time-slice, whatever its collectives; nothing where each rank has a core
+  // or for one process.
+  DeviceSpec meets = sliced;
+  meets.oversubscribed_meeting = 6e-3;
+  ParallelPlan pp4{.pp = 4, .global_batch = 48};
+  pp4.pipeline = {.schedule = "1f1b", .micro_batches = 4};
+  for (const ParallelPlan& p : {ddp4, zero3_4, hsdp, pp4}) {
+    const PlanEstimate with = run(meets, p, 4), without = run(sliced, p, 4);
+    EXPECT_NEAR(with.time.grad_sync - without.time.grad_sync, 6e-3, 1e-9) << p.to_json();
+    EXPECT_NEAR(with.step_seconds - without.step_seconds, 6e-3, 1e-9) << p.to_json();
+  }
+  EXPECT_NEAR(run(meets, ddp2, 2).step_seconds, run(sliced, ddp2, 2).step_seconds, 1e-12);
+  EXPECT_NEAR(run(meets, single, 1).step_seconds, run(sliced, single, 1).step_seconds, 1e-12);
   // Without latencies what is left is the transport's work: every layer
   // gathered in forward and all but the last again in backward, every unit
   // reduce-scattered, the root gathered once (it stays gathered through

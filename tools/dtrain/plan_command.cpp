@@ -178,6 +178,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<double> fp32, bf16, bandwidth, overhead, cache_bandwidth, gemm_overhead, attention, materialized;
   std::vector<double> work_fitting, work_oversubscribed;  // time_sliced_work_seconds by ranks <= or > cores
   std::vector<double> work_alone;                         // alone_work_seconds of the runs with ranks <= cores
+  std::vector<double> meetings_oversubscribed;            // meeting_seconds of the runs with ranks > cores
   std::vector<nlohmann::json> after_compute;              // collectives after compute, every run
   std::vector<double> split_overhead;                     // per captured node, runs with ranks <= cores
   std::vector<double> layers_quotient;                    // layer pipelines' together / alone, runs with ranks <= cores
@@ -191,6 +192,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
           .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
     (n <= d.compute_units ? work_fitting : work_oversubscribed).push_back(r.at("time_sliced_work_seconds"));
     if (n <= d.compute_units && r.contains("alone_work_seconds")) work_alone.push_back(r.at("alone_work_seconds"));
+    if (n > d.compute_units && r.contains("meeting_seconds"))
+      meetings_oversubscribed.push_back(r.at("meeting_seconds"));
     if (n <= d.compute_units && r.contains("split_backward")) {
       const auto& sb = r.at("split_backward");
       split_overhead.push_back(
@@ -236,6 +239,9 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // cores over with no more (1 when the counts do not give both).
   if (!work_fitting.empty() && !work_oversubscribed.empty())
     d.oversubscription_factor = std::max(1.0, median(work_oversubscribed) / median(work_fitting));
+  // Note [Meetings of time-sliced ranks] (calibration.cpp): what all ranks
+  // meeting once after a step's compute costs when they time-slice the cores.
+  if (!meetings_oversubscribed.empty()) d.oversubscribed_meeting = median(meetings_oversubscribed);
   // Contention: a rank's CPU time for the same work with every rank of a
   // run with no more ranks than cores computing at once, over rank 0's alone.
   // Note [Concurrency of pipeline stages] (calibration.cpp): measured on
@@ -256,6 +262,9 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
     err << "dtrain plan --calibrate: concurrency_factor on the GPT-layer pipelines"
         << (work_alone.empty() ? " (1, none)" : " (the MLP piece's instead)") << why;
   if (split_overhead.empty()) err << "dtrain plan --calibrate: split_backward_overhead (0)" << why;
+  if (meetings_oversubscribed.empty())
+    err << "dtrain plan --calibrate: oversubscribed_meeting (0) not measured: no run with more than " << d.compute_units
+        << " processes (this host's cores) in --calibrate-ranks\n";
   // The node's link from the runs with no more ranks than cores; those with
   // more have their own (DeviceSpec::oversubscribed_link): time slicing
   // makes their collectives wait for peers switched out, which no single

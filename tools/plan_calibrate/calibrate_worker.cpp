@@ -233,6 +233,59 @@ double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = 
   return mean.item<float>() / static_cast<double>(alone ? 1 : group.size());
 }
 
+// Meetings of time-sliced ranks (Note [Meetings of time-sliced ranks] in
+// src/plan/calibration.cpp): the MLP piece of time_sliced_work_seconds, one
+// iteration (~13 ms of CPU here, ~26 ms of wall with two ranks a core)
+// standing for a step's compute. Rounds of two kinds in turn, in wall time:
+// kIterations iterations with a barrier after each ("lockstep"), and the
+// same with one barrier at the end ("free"); per round the difference over
+// the kIterations - 1 barriers more, the median over kRounds rounds (a drift
+// of the host's speed between rounds cancels), the ranks' mean. With a core
+// per rank a meeting costs what its barrier does; with more ranks than
+// cores 4 ranks of the GPT on 2 cores here (AMD EPYC 25/17, 2026-12-03) took
+// 5-8 ms more per step with a barrier per step than 4 independent runs, at
+// 2 to 12 sequences per step.
+double meeting_seconds(dtrain::dist::ProcessGroup& group) {
+  constexpr int kBlocks = 4, kIterations = 6, kRounds = 9;
+  constexpr std::int64_t kRows = 768, kWidth = 128, kInner = 512;
+  std::vector<at::Tensor> up, down;
+  for (int b = 0; b < kBlocks; ++b) {
+    up.push_back((at::randn({kInner, kWidth}) * 0.05).requires_grad_());
+    down.push_back((at::randn({kWidth, kInner}) * 0.05).requires_grad_());
+  }
+  const at::Tensor input = at::randn({kRows, kWidth});
+  auto once = [&] {
+    at::Tensor x = input;
+    for (int b = 0; b < kBlocks; ++b) {
+      const at::Tensor h = at::layer_norm(x, {kWidth});
+      x = x + dtrain::nn::linear(at::gelu(dtrain::nn::linear(h, up[b])), down[b]);
+    }
+    x.sum().backward();
+    for (int b = 0; b < kBlocks; ++b) {
+      up[b].mutable_grad() = at::Tensor();
+      down[b].mutable_grad() = at::Tensor();
+    }
+  };
+  auto round = [&](bool lockstep) {
+    group.barrier();
+    const auto start = Clock::now();
+    for (int i = 0; i < kIterations; ++i) {
+      once();
+      if (lockstep || i + 1 == kIterations) group.barrier();
+    }
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  once();  // warm-up
+  std::vector<double> extra;
+  for (int r = 0; r < kRounds; ++r) {
+    const double free = round(false);
+    extra.push_back((round(true) - free) / (kIterations - 1));
+  }
+  at::Tensor mean = at::full({1}, median_of(extra), at::kDouble);
+  group.all_reduce(mean).wait();
+  return std::max(0.0, mean.item<double>() / static_cast<double>(group.size()));
+}
+
 // One pre-LayerNorm transformer layer of the GPT example's size (width 128,
 // 4 heads, inner 512, no biases; dtrain::nn::linear's products and
 // dtrain::nn::causal_attention, as examples/gpt/model.h runs them), for the
@@ -592,6 +645,9 @@ int main(int argc, char** argv) {
     time_rates();
     result["alone_work_seconds"] = time_sliced_work_seconds(shm, /*alone=*/true);
     result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
+    // Only where the ranks time-slice the cores, the one regime that uses it.
+    if (shm.size() > dtrain::plan::find_device("cpu-here").compute_units)
+      result["meeting_seconds"] = meeting_seconds(shm);
     {
       const LayerPipelineTimes t = layer_pipeline_times(shm);
       result["split_backward"] = {{"whole_seconds", t.whole}, {"split_seconds", t.split}, {"captured", t.captured}};

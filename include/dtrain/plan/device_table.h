@@ -82,6 +82,15 @@ struct DeviceSpec {
   // `dtrain plan --calibrate` from its runs with more ranks than cores.
   // Bandwidth 0: none measured, intra_node serves.
   Link oversubscribed_link;
+  // Seconds a step costs a CPU host's time-sliced ranks (more on a node than
+  // compute_units) each time they all meet after a step's compute: the ranks
+  // arrive as their share of the cores let them, and once some wait, the
+  // cores do not stay full (Note [Meetings of time-sliced ranks] in
+  // calibration.cpp). Measured by `dtrain plan --calibrate` (lockstep against
+  // free-running rounds of one piece of training); the cost model charges it
+  // once per step of a plan whose ranks time-slice. 0: none (GPUs, a run
+  // with a core per rank, an uncalibrated host).
+  double oversubscribed_meeting = 0;
   // Seconds the pipeline executor's split backward (ZB's I and W, Note
   // [Weight backward from captured gradients] in split_backward.h) costs
   // beyond the same backward run whole, per node whose output gradient it
