@@ -181,6 +181,39 @@ double add_bandwidth(std::int64_t bytes) {
   return 12.0 * static_cast<double>(n) / s;
 }
 
+// The piece both measures below run: forward and backward of four MLP
+// blocks of the GPT example's size (768 tokens, width 128, inner 512: layer
+// norm, two products on nn::linear, GELU, residual) with autograd, fresh
+// allocations and set-to-none gradients, as training does.
+class MlpPiece {
+ public:
+  MlpPiece() : input_(at::randn({kRows, kWidth})) {
+    for (int b = 0; b < kBlocks; ++b) {
+      up_.push_back((at::randn({kInner, kWidth}) * 0.05).requires_grad_());
+      down_.push_back((at::randn({kWidth, kInner}) * 0.05).requires_grad_());
+    }
+    once();  // warm-up: first-touch pages, oneDNN's primitive cache
+  }
+  void once() {
+    at::Tensor x = input_;
+    for (int b = 0; b < kBlocks; ++b) {
+      const at::Tensor h = at::layer_norm(x, {kWidth});
+      x = x + dtrain::nn::linear(at::gelu(dtrain::nn::linear(h, up_[b])), down_[b]);
+    }
+    x.sum().backward();
+    for (int b = 0; b < kBlocks; ++b) {
+      up_[b].mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
+      down_[b].mutable_grad() = at::Tensor();
+    }
+  }
+
+ private:
+  static constexpr int kBlocks = 4;
+  static constexpr std::int64_t kRows = 768, kWidth = 128, kInner = 512;
+  at::Tensor input_;
+  std::vector<at::Tensor> up_, down_;
+};
+
 // Seconds of this thread's CPU time for a fixed piece of training: forward
 // and backward of four GPT-example-sized MLP blocks (768 tokens, width 128,
 // inner 512: layer norm, the two products on the kernel dtrain::nn::linear
@@ -201,32 +234,12 @@ double add_bandwidth(std::int64_t bytes) {
 // sets the ranks' time when all of them compute at once
 // (DeviceSpec::concurrency_factor).
 double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = false) {
-  constexpr int kBlocks = 4;
-  constexpr std::int64_t kRows = 768, kWidth = 128, kInner = 512;
-  std::vector<at::Tensor> up, down;
-  for (int b = 0; b < kBlocks; ++b) {
-    up.push_back((at::randn({kInner, kWidth}) * 0.05).requires_grad_());
-    down.push_back((at::randn({kWidth, kInner}) * 0.05).requires_grad_());
-  }
-  const at::Tensor input = at::randn({kRows, kWidth});
-  auto once = [&] {
-    at::Tensor x = input;
-    for (int b = 0; b < kBlocks; ++b) {
-      const at::Tensor h = at::layer_norm(x, {kWidth});
-      x = x + dtrain::nn::linear(at::gelu(dtrain::nn::linear(h, up[b])), down[b]);
-    }
-    x.sum().backward();
-    for (int b = 0; b < kBlocks; ++b) {
-      up[b].mutable_grad() = at::Tensor();  // as zero_grad(set_to_none)
-      down[b].mutable_grad() = at::Tensor();
-    }
-  };
-  once();  // warm-up: first-touch pages, oneDNN's primitive cache
+  MlpPiece piece;
   group.barrier();
   const bool runs = !alone || group.rank() == 0;
   const double start = thread_cpu_seconds();
   if (runs) {
-    for (int i = 0; i < 40; ++i) once();
+    for (int i = 0; i < 40; ++i) piece.once();
   }
   at::Tensor mean = at::full({1}, runs ? thread_cpu_seconds() - start : 0.0, at::kFloat);
   group.all_reduce(mean).wait();
@@ -246,36 +259,17 @@ double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = 
 // 5-8 ms more per step with a barrier per step than 4 independent runs, at
 // 2 to 12 sequences per step.
 double meeting_seconds(dtrain::dist::ProcessGroup& group) {
-  constexpr int kBlocks = 4, kIterations = 6, kRounds = 9;
-  constexpr std::int64_t kRows = 768, kWidth = 128, kInner = 512;
-  std::vector<at::Tensor> up, down;
-  for (int b = 0; b < kBlocks; ++b) {
-    up.push_back((at::randn({kInner, kWidth}) * 0.05).requires_grad_());
-    down.push_back((at::randn({kWidth, kInner}) * 0.05).requires_grad_());
-  }
-  const at::Tensor input = at::randn({kRows, kWidth});
-  auto once = [&] {
-    at::Tensor x = input;
-    for (int b = 0; b < kBlocks; ++b) {
-      const at::Tensor h = at::layer_norm(x, {kWidth});
-      x = x + dtrain::nn::linear(at::gelu(dtrain::nn::linear(h, up[b])), down[b]);
-    }
-    x.sum().backward();
-    for (int b = 0; b < kBlocks; ++b) {
-      up[b].mutable_grad() = at::Tensor();
-      down[b].mutable_grad() = at::Tensor();
-    }
-  };
+  constexpr int kIterations = 6, kRounds = 9;
+  MlpPiece piece;
   auto round = [&](bool lockstep) {
     group.barrier();
     const auto start = Clock::now();
     for (int i = 0; i < kIterations; ++i) {
-      once();
+      piece.once();
       if (lockstep || i + 1 == kIterations) group.barrier();
     }
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
-  once();  // warm-up
   std::vector<double> extra;
   for (int r = 0; r < kRounds; ++r) {
     const double free = round(false);
