@@ -729,11 +729,12 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
     t.zero3_comm += k * parts[s].zero3_comm;
   }
   t.pipeline_idle = std::max(0.0, makespan - busy[critical]);
-  // Note [Meetings of time-sliced ranks] (calibration.cpp): once a step.
-  const double meeting = time_sliced ? dev.oversubscribed_meeting : 0.0;
-  t.grad_sync = exposed + after_step + meeting;
+  t.grad_sync = exposed + after_step;
+  // Note [Meetings of time-sliced ranks] (calibration.cpp): once a step,
+  // whatever the plan's collectives.
+  t.meeting = time_sliced ? dev.oversubscribed_meeting : 0.0;
   t.optimizer = optimizer;
-  t.step = makespan + t.grad_sync + t.optimizer;
+  t.step = makespan + t.grad_sync + t.meeting + t.optimizer;
   est.step_seconds = t.step;
 
   const double step_tokens = static_cast<double>(plan.global_batch) * model.seq;
@@ -773,7 +774,7 @@ std::string PlanEstimate::to_json() const {
                  {"buffers", memory.buffers},         {"backward", memory.backward}};
   j["time"] = {{"compute", time.compute},     {"recompute", time.recompute},   {"tp_comm", time.tp_comm},
                {"cp_comm", time.cp_comm},     {"zero3_comm", time.zero3_comm}, {"pipeline_idle", time.pipeline_idle},
-               {"grad_sync", time.grad_sync}, {"optimizer", time.optimizer}};
+               {"grad_sync", time.grad_sync}, {"meeting", time.meeting},       {"optimizer", time.optimizer}};
   j["comm_bytes"] = comm_bytes;
   return j.dump();
 }

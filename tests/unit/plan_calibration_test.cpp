@@ -229,7 +229,7 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   EXPECT_NEAR(run(waits, zero3_4, 4).time.zero3_comm - run(sliced, zero3_4, 4).time.zero3_comm, 3e-3, 1e-9);
   EXPECT_NEAR(run(waits, hsdp, 4).time.zero3_comm - run(sliced, hsdp, 4).time.zero3_comm, 3e-3, 1e-9);
   // Meeting after a step's compute (Note [Meetings of time-sliced ranks]):
-  // once a step, in the gradients' sync, to every plan whose ranks
+  // once a step, beside the gradients' sync, to every plan whose ranks
   // time-slice, whatever its collectives; nothing where each rank has a core
   // or for one process.
   DeviceSpec meets = sliced;
@@ -238,7 +238,9 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   pp4.pipeline = {.schedule = "1f1b", .micro_batches = 4};
   for (const ParallelPlan& p : {ddp4, zero3_4, hsdp, pp4}) {
     const PlanEstimate with = run(meets, p, 4), without = run(sliced, p, 4);
-    EXPECT_NEAR(with.time.grad_sync - without.time.grad_sync, 6e-3, 1e-9) << p.to_json();
+    EXPECT_EQ(with.time.grad_sync, without.time.grad_sync) << p.to_json();
+    EXPECT_NEAR(with.time.meeting, 6e-3, 1e-12) << p.to_json();
+    EXPECT_EQ(without.time.meeting, 0) << p.to_json();
     EXPECT_NEAR(with.step_seconds - without.step_seconds, 6e-3, 1e-9) << p.to_json();
   }
   EXPECT_NEAR(run(meets, ddp2, 2).step_seconds, run(sliced, ddp2, 2).step_seconds, 1e-12);

@@ -95,7 +95,8 @@ void breakdown(const plan::PlanEstimate& e, std::ostream& out) {
       << " of " << plan::format_bytes(static_cast<double>(e.device_memory_bytes)) << "\n";
   out << std::fixed << std::setprecision(3) << "time (critical rank, s): compute " << t.compute << ", recompute "
       << t.recompute << ", tp " << t.tp_comm << ", cp " << t.cp_comm << ", zero3 " << t.zero3_comm << ", pipeline idle "
-      << t.pipeline_idle << ", grad sync " << t.grad_sync << ", optimizer " << t.optimizer << "\n";
+      << t.pipeline_idle << ", grad sync " << t.grad_sync << ", meeting " << t.meeting << ", optimizer " << t.optimizer
+      << "\n";
 }
 
 // Runs the calibration worker under `dtrain run` (this binary) on `ranks`
@@ -192,8 +193,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
           .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
     (n <= d.compute_units ? work_fitting : work_oversubscribed).push_back(r.at("time_sliced_work_seconds"));
     if (n <= d.compute_units && r.contains("alone_work_seconds")) work_alone.push_back(r.at("alone_work_seconds"));
-    if (n > d.compute_units && r.contains("meeting_seconds"))
-      meetings_oversubscribed.push_back(r.at("meeting_seconds"));
+    // The worker times it only where its ranks outnumber the cores.
+    if (r.contains("meeting_seconds")) meetings_oversubscribed.push_back(r.at("meeting_seconds"));
     if (n <= d.compute_units && r.contains("split_backward")) {
       const auto& sb = r.at("split_backward");
       split_overhead.push_back(

@@ -214,11 +214,8 @@ class MlpPiece {
   std::vector<at::Tensor> up_, down_;
 };
 
-// Seconds of this thread's CPU time for a fixed piece of training: forward
-// and backward of four GPT-example-sized MLP blocks (768 tokens, width 128,
-// inner 512: layer norm, the two products on the kernel dtrain::nn::linear
-// runs, GELU, residual), with autograd, fresh allocations and the weights'
-// gradients as in training, run long enough (~0.2 s here) to span many
+// Seconds of this thread's CPU time for a fixed piece of training (the
+// MlpPiece above), run long enough (~0.2 s here) to span many
 // scheduler time slices, and totalled rather than a median: on a host with
 // more ranks than cores each rank's thread is switched out and back in
 // every few ms, and what that costs it (caches, TLB and predictors refilled
@@ -253,11 +250,9 @@ double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = 
 // kIterations iterations with a barrier after each ("lockstep"), and the
 // same with one barrier at the end ("free"); per round the difference over
 // the kIterations - 1 barriers more, the median over kRounds rounds (a drift
-// of the host's speed between rounds cancels), the ranks' mean. With a core
-// per rank a meeting costs what its barrier does; with more ranks than
-// cores 4 ranks of the GPT on 2 cores here (AMD EPYC 25/17, 2026-12-03) took
-// 5-8 ms more per step with a barrier per step than 4 independent runs, at
-// 2 to 12 sequences per step.
+// of the host's speed between rounds cancels), the ranks' mean. Run only
+// with more ranks than cores: with a core per rank a meeting costs what its
+// barrier does, which the collectives' call latency already holds.
 double meeting_seconds(dtrain::dist::ProcessGroup& group) {
   constexpr int kIterations = 6, kRounds = 9;
   MlpPiece piece;

@@ -76,6 +76,7 @@ struct TimeBreakdown {       // seconds per step on the critical pipeline rank
   double zero3_comm = 0;     // ZeRO-3 gathers and reduce-scatters left after overlap
   double pipeline_idle = 0;  // bubble and point-to-point waits: makespan - busy
   double grad_sync = 0;      // DP / ZeRO-1/2 gradient reduction and parameter gather left after overlap
+  double meeting = 0;        // time-sliced CPU ranks meeting after the compute (DeviceSpec::oversubscribed_meeting)
   double optimizer = 0;      // the optimizer step (memory-bound)
   double step = 0;
 };
