@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "dtrain/error.h"
+#include "layer_cost.h"
 
 namespace dtrain::plan {
 
@@ -169,6 +170,57 @@ double split_backward_overhead(double whole_seconds, double split_seconds, int c
   return std::max(0.0, split_seconds - whole_seconds) / captured;
 }
 
+// Note [Element-wise passes on a calibrated host]
+// The roofline counts a layer's element-wise passes in bytes and streams
+// them at the calibrated cache bandwidth (a 3 MiB add), with eager
+// training's per-token rest on top (Note [Element-wise passes] in
+// layer_cost.cpp, fitted on the Intel 6/167 VM of session 21, 2026-11-29).
+// How fast a host runs the real kernels at the real shapes against that
+// add differs: on another VM of the same CPU model (2026-12-04, fp32
+// products calibrated at 198 GFLOP/s, the add at 32 GB/s) one GPT layer's
+// forward and backward measured 3.9, 7.7 and 14.3 ms at 6, 12 and 24
+// sequences where the model put 4.5, 8.9 and 17.7, and the GPT's norms,
+// GELU, residual adds and head reshapes alone (with autograd, the
+// products and attention left out) took 0.98, 1.6 and 3.6 ms against the
+// model's 1.6, 3.2 and 6.2 for its passes; the one-process GPT was
+// predicted 20 % slow in every table. So the calibration runs one layer as
+// the GPT example does (calibrate_worker.cpp: dtrain::nn::linear's
+// products, dtrain::nn::causal_attention) and the factor on the passes is
+// what makes the model's layer take that time: (measured - the model's
+// layer without passes) / its passes. What the products' in-training rate
+// misses from their calibrated one (cold operands) falls into the factor
+// too, so the layer's total is right at the calibrated micro-batch (12
+// sequences, between the one-process GPT's 24 and the pipelines' 6).
+double calibration_layer_seconds(const DeviceSpec& device, Attention attention, std::int64_t micro_batch) {
+  ModelSpec layer;
+  layer.layers = 1;
+  layer.hidden = 128;
+  layer.heads = layer.kv_heads = 4;
+  layer.ffn = 512;
+  layer.seq = 64;
+  layer.vocab = 65;
+  layer.dropout = false;
+  layer.biases = false;
+  layer.attention = attention;
+  layer.kernels = Kernels::kEager;
+  const detail::LayerShape shape{
+      .micro_batch = micro_batch, .bytes_per_element = 4, .peak_flops = device.fp32_flops, .overlap_comm = false};
+  const detail::PhaseTimes t = detail::layer_times(layer, shape, device);
+  return t.forward + t.backward_input + t.backward_weight;
+}
+
+double elementwise_factor(const DeviceSpec& device, Attention attention, std::int64_t micro_batch,
+                          double measured_seconds) {
+  if (!(measured_seconds > 0)) return 1.0;
+  DeviceSpec d = device;
+  d.elementwise_factor = 0.0;
+  const double without = calibration_layer_seconds(d, attention, micro_batch);
+  d.elementwise_factor = 1.0;
+  const double passes = calibration_layer_seconds(d, attention, micro_batch) - without;
+  DTRAIN_INTERNAL_ASSERT(passes > 0, "the calibration layer's element-wise passes cost " << passes << " s");
+  return std::clamp((measured_seconds - without) / passes, 0.25, 4.0);
+}
+
 namespace {
 
 nlohmann::json link_json(const Link& l) {
@@ -207,6 +259,7 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"concurrency_factor", d.concurrency_factor},
                    {"oversubscribed_link", link_json(d.oversubscribed_link)},
                    {"oversubscribed_meeting", d.oversubscribed_meeting},
+                   {"elementwise_factor", d.elementwise_factor},
                    {"split_backward_overhead", d.split_backward_overhead}};
   return j.dump(2);
 }
@@ -237,6 +290,7 @@ DeviceSpec device_from_json(const std::string& text) {
   d.concurrency_factor = j.value("concurrency_factor", 1.0);            // older files: not measured
   d.split_backward_overhead = j.value("split_backward_overhead", 0.0);  // older files: not measured
   d.oversubscribed_meeting = j.value("oversubscribed_meeting", 0.0);    // older files: not measured
+  d.elementwise_factor = j.value("elementwise_factor", 1.0);            // older files: not measured
   if (j.contains("oversubscribed_link")) d.oversubscribed_link = link_from(j.at("oversubscribed_link"));
   return d;
 }

@@ -145,7 +145,9 @@ PhaseTimes layer_times(const ModelSpec& m, const LayerShape& sh, const DeviceSpe
   // of tokens x h) or the MLP's activation function (tokens x ffn in and
   // out; gated, two halves in).
   const double ew_set = std::max(3 * replicated_tokens * h, (m.gated_mlp ? 3 : 2) * tokens * f / t) * e;
-  const double ew_fwd = roof.traffic(ew_bytes, ew_set) + kernels;
+  // A calibrated host's own rate for them (Note [Element-wise passes on a
+  // calibrated host] in calibration.cpp).
+  const double ew_fwd = dev.elementwise_factor * (roof.traffic(ew_bytes, ew_set) + kernels);
 
   PhaseTimes r;
   r.forward = gemms + attn_fwd + ew_fwd;

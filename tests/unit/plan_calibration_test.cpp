@@ -121,6 +121,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.oversubscribed_link = {.bandwidth = 3.3e9, .latency = 91e-6, .call_latency = 420e-6};
   d.split_backward_overhead = 41e-6;
   d.oversubscribed_meeting = 5.5e-3;
+  d.elementwise_factor = 0.61;
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -140,6 +141,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.oversubscribed_link.call_latency, d.oversubscribed_link.call_latency);
   EXPECT_EQ(back.split_backward_overhead, d.split_backward_overhead);
   EXPECT_EQ(back.oversubscribed_meeting, d.oversubscribed_meeting);
+  EXPECT_EQ(back.elementwise_factor, d.elementwise_factor);
   EXPECT_EQ(back.intra_node.call_latency, 0);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
@@ -148,6 +150,8 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   ASSERT_EQ(older.erase("split_backward_overhead"), 1U);
   EXPECT_EQ(device_from_json(older.dump()).split_backward_overhead, 0);
   EXPECT_EQ(device_from_json(older.dump()).fp32_flops, d.fp32_flops);
+  ASSERT_EQ(older.erase("elementwise_factor"), 1U);
+  EXPECT_EQ(device_from_json(older.dump()).elementwise_factor, 1.0);
   for (const DeviceSpec& gpu : device_table()) {
     if (gpu.compute_units == 0) {
       EXPECT_EQ(gpu.split_backward_overhead, 0) << gpu.name;
@@ -169,6 +173,46 @@ TEST(PlanCalibration, HostRanksShareItsCoresAndMemory) {
   EXPECT_NEAR(four.time.compute / two.time.compute, 2.0, 1e-9);
   EXPECT_EQ(two.device_memory_bytes, 4LL << 30);
   EXPECT_EQ(four.device_memory_bytes, 2LL << 30);
+}
+
+// Note [Element-wise passes on a calibrated host]: the factor is the one
+// that makes the model's calibration layer take the measured time; a layer
+// measured faster than the passes allow, or slower, clamps; no measure
+// leaves the count as it is. On a plan the factor scales each layer's
+// passes: the one-process GPT's step moves by the four layers' passes at
+// its micro-batch, nothing else.
+TEST(PlanCalibration, ElementWisePassesFromTheMeasuredLayer) {
+  DeviceSpec d = two_core_host();
+  d.fp32_flops = 198e9;
+  d.cache_bytes = 32LL << 20;
+  d.cache_bandwidth = 32e9;
+  d.attention_efficiency = 0.19;
+  for (const Attention a : {Attention::kFlash, Attention::kMaterialized}) {
+    DeviceSpec faster = d;
+    faster.elementwise_factor = 0.6;
+    const double measured = calibration_layer_seconds(faster, a, 12);
+    EXPECT_LT(measured, calibration_layer_seconds(d, a, 12));
+    EXPECT_NEAR(elementwise_factor(d, a, 12, measured), 0.6, 1e-9);
+    faster.elementwise_factor = 0.0;
+    EXPECT_EQ(elementwise_factor(d, a, 12, 0.5 * calibration_layer_seconds(faster, a, 12)), 0.25);
+    EXPECT_EQ(elementwise_factor(d, a, 12, 10 * calibration_layer_seconds(d, a, 12)), 4.0);
+    EXPECT_EQ(elementwise_factor(d, a, 12, 0.0), 1.0);
+  }
+  const auto model = bench_gpt_model();
+  auto step = [&](double factor, std::int64_t batch) {
+    DeviceSpec dev = d;
+    dev.elementwise_factor = factor;
+    return estimate({.global_batch = batch}, model, {.device = dev, .gpus = 1, .gpus_per_node = dev.gpus_per_node})
+        .step_seconds;
+  };
+  auto passes = [&](std::int64_t batch) {
+    DeviceSpec none = d;
+    none.elementwise_factor = 0.0;
+    return calibration_layer_seconds(d, Attention::kFlash, batch) -
+           calibration_layer_seconds(none, Attention::kFlash, batch);
+  };
+  for (const std::int64_t batch : {12, 24})
+    EXPECT_NEAR(step(1.0, batch) - step(0.6, batch), 4 * 0.4 * passes(batch), 1e-9) << batch;
 }
 
 // A CPU host's two calibrated terms (Note [Layer time]), each against what

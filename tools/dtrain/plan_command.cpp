@@ -183,6 +183,9 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<nlohmann::json> after_compute;              // collectives after compute, every run
   std::vector<double> split_overhead;                     // per captured node, runs with ranks <= cores
   std::vector<double> layers_quotient;                    // layer pipelines' together / alone, runs with ranks <= cores
+  std::vector<double> layer_seconds;                      // one GPT layer, the runs whose rates are taken
+  std::int64_t layer_micro_batch = 0;                     // ... on this many sequences
+  plan::Attention layer_attention = plan::Attention::kFlash;
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -217,6 +220,12 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
       gemm_overhead.push_back(r.at("gemm_overhead"));
       attention.push_back(r.at("attention_flops"));
       materialized.push_back(r.at("materialized_attention_flops"));
+      if (r.contains("layer")) {
+        layer_seconds.push_back(r.at("layer").at("seconds"));
+        layer_micro_batch = r.at("layer").at("micro_batch");
+        layer_attention =
+            r.at("layer").at("attention") == "materialized" ? plan::Attention::kMaterialized : plan::Attention::kFlash;
+      }
     }
     err << "dtrain plan --calibrate: " << n << " processes done\n";
   }
@@ -236,6 +245,10 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // cost model applies it to the peak at the plan's precision).
   d.attention_efficiency = median(attention) / d.fp32_flops;
   d.materialized_attention_efficiency = median(materialized) / d.fp32_flops;
+  // Note [Element-wise passes on a calibrated host] (calibration.cpp): the
+  // layer's element-wise passes at what this host's layer took.
+  if (!layer_seconds.empty())
+    d.elementwise_factor = plan::elementwise_factor(d, layer_attention, layer_micro_batch, median(layer_seconds));
   // Time slicing: a rank's CPU time for the same work with more ranks than
   // cores over with no more (1 when the counts do not give both).
   if (!work_fitting.empty() && !work_oversubscribed.empty())

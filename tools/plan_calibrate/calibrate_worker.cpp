@@ -11,7 +11,8 @@
 // loopback. Rank 0 writes one JSON object to --out: {"world", "fp32_flops",
 // "gemm_overhead", "bf16_flops", "attention_flops",
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
-// "kernel_overhead", "backward_kernel_overhead", "time_sliced_work_seconds",
+// "kernel_overhead", "backward_kernel_overhead", "layer": {micro_batch,
+// seconds, attention}, "time_sliced_work_seconds",
 // "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
 // collective_seconds, collectives, bytes}, "split_backward": {whole_seconds, split_seconds,
 // captured}, "layer_pipeline": {alone_seconds, together_seconds,
@@ -305,6 +306,21 @@ struct CalibrationLayerImpl : torch::nn::Module {
 };
 TORCH_MODULE(CalibrationLayer);
 
+// Thread CPU seconds of one CalibrationLayer's forward and backward (its
+// input's gradient too, as inside a stack) on `micro_batch` sequences of 64
+// tokens, with fresh allocations and set-to-none gradients as training runs
+// it; the median of 31 (Note [Element-wise passes on a calibrated host] in
+// src/plan/calibration.cpp).
+double layer_seconds(std::int64_t micro_batch) {
+  CalibrationLayer layer;
+  const at::Tensor x = at::randn({micro_batch, 64, CalibrationLayerImpl::kWidth}).requires_grad_();
+  return median_seconds(31, [&] {
+    layer->forward(x).sum().backward();
+    x.mutable_grad() = at::Tensor();
+    for (auto& p : layer->parameters()) p.mutable_grad() = at::Tensor();
+  });
+}
+
 // Pipelines of GPT example layers, as the executor runs them (Note [Split
 // backward cost] and Note [Concurrency of pipeline stages] in
 // src/plan/calibration.cpp): each rank a pipeline of its own (a group of
@@ -548,6 +564,11 @@ void measure_rates(nlohmann::json& result) {
   result["bf16_flops"] = bf16_flops / bf16_seconds;
   result["attention_flops"] = flash_attention_rate();
   result["materialized_attention_flops"] = materialized_attention_rate();
+  // One GPT layer whole, for the element-wise passes' factor; which
+  // attention it ran, so that the cost model counts the same.
+  result["layer"] = {{"micro_batch", 12},
+                     {"seconds", layer_seconds(12)},
+                     {"attention", dtrain::nn::attention_materializes_scores(64) ? "materialized" : "flash"}};
   {
     // Memory: operands of 3 x 64 MiB, past any last-level cache. Cache:
     // 3 x 1 MiB, one of the GPT example's activation-sized element-wise

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dtrain/plan/device_table.h"
+#include "dtrain/plan/model_spec.h"
 
 namespace dtrain::plan {
 
@@ -61,6 +62,18 @@ double collectives_after_compute_latency(int ranks, double seconds_per_collectiv
 // executor's split backward costs beyond the same backward whole, per node
 // whose gradient it captures: (I + W - B) / captured, 0 when none is left.
 double split_backward_overhead(double whole_seconds, double split_seconds, int captured);
+
+// Note [Element-wise passes on a calibrated host] (calibration.cpp): the
+// cost model's seconds for the forward and backward of the calibration's
+// layer (one GPT-example layer: width 128, 4 heads, inner 512, 64 tokens,
+// fp32, eager kernels, no biases or dropout; `attention` as the calibration
+// ran it) on `micro_batch` sequences on `device`, its elementwise_factor
+// included; and the elementwise_factor that makes that layer take
+// `measured_seconds` on `device` (its rates calibrated), clamped to
+// [0.25, 4], and 1 when `measured_seconds` is not positive.
+double calibration_layer_seconds(const DeviceSpec& device, Attention attention, std::int64_t micro_batch);
+double elementwise_factor(const DeviceSpec& device, Attention attention, std::int64_t micro_batch,
+                          double measured_seconds);
 
 // One device entry as JSON (every DeviceSpec field) and back; read_device_file
 // names the file and the field on a bad or missing one (ConfigError).

@@ -101,6 +101,14 @@ struct DeviceSpec {
   // GPU entries, whose host work runs ahead of the device's kernels; an
   // uncalibrated host).
   double split_backward_overhead = 0;
+  // Multiplies a layer's element-wise passes (norms, activations, residual
+  // adds and eager training's per-token rest, Note [Element-wise passes])
+  // on this device: what one GPT-example layer's forward and backward
+  // measured by `dtrain plan --calibrate`, less its modelled products and
+  // attention, over those passes as the roofline counts them (Note
+  // [Element-wise passes on a calibrated host] in calibration.cpp). 1: the
+  // count as it is (the built-in entries, an uncalibrated host).
+  double elementwise_factor = 1;
   // A CPU host's last-level cache (0: none modelled, as for the GPUs, whose
   // activations stream from HBM): an element-wise kernel whose operands fit
   // in a rank's share of `cache_bytes` streams at `cache_bandwidth`, not at
