@@ -178,12 +178,14 @@ double split_backward_overhead(double whole_seconds, double split_seconds, int c
 // How fast a host runs the real kernels at the real shapes against that
 // add differs: on another VM of the same CPU model (2026-12-04, fp32
 // products calibrated at 198 GFLOP/s, the add at 32 GB/s) one GPT layer's
-// forward and backward measured 3.9, 7.7 and 14.3 ms at 6, 12 and 24
-// sequences where the model put 4.5, 8.9 and 17.7, and the GPT's norms,
-// GELU, residual adds and head reshapes alone (with autograd, the
-// products and attention left out) took 0.98, 1.6 and 3.6 ms against the
-// model's 1.6, 3.2 and 6.2 for its passes; the one-process GPT was
-// predicted 20 % slow in every table. So the calibration runs one layer as
+// forward and backward (Python's torch, the same ATen kernels) measured
+// 3.9, 7.7 and 14.3 ms at 6, 12 and 24 sequences where the model put 4.5,
+// 8.9 and 17.7, and the GPT's norms, GELU, residual adds and head reshapes
+// alone (with autograd, the products and attention left out) took 0.98,
+// 1.6 and 3.6 ms against the model's 1.6, 3.2 and 6.2 for its passes; the
+// one-process GPT was predicted 20 % slow in every table. With the factor
+// (0.40-0.43 there, from dtrain's own layer) it came out -1.5 to -4.7 %
+// (docs/planner.md, Session 30). So the calibration runs one layer as
 // the GPT example does (calibrate_worker.cpp: dtrain::nn::linear's
 // products, dtrain::nn::causal_attention) and the factor on the passes is
 // what makes the model's layer take that time: (measured - the model's
