@@ -306,19 +306,26 @@ struct CalibrationLayerImpl : torch::nn::Module {
 };
 TORCH_MODULE(CalibrationLayer);
 
-// Thread CPU seconds of one CalibrationLayer's forward and backward (its
-// input's gradient too, as inside a stack) on `micro_batch` sequences of 64
-// tokens, with fresh allocations and set-to-none gradients as training runs
-// it; the median of 31 (Note [Element-wise passes on a calibrated host] in
-// src/plan/calibration.cpp).
+// Thread CPU seconds per layer of the forward and backward of a stack of
+// CalibrationLayers as deep as the GPT example (4), its input's gradient
+// too, on `micro_batch` sequences of 64 tokens, with fresh allocations and
+// set-to-none gradients as training runs it; the median of 15 steps (Note
+// [Element-wise passes on a calibrated host] in src/plan/calibration.cpp).
+// A stack, not one layer repeated: in training a layer's backward finds
+// its saved activations and weights after the other layers ran, not still
+// in the core's caches.
 double layer_seconds(std::int64_t micro_batch) {
-  CalibrationLayer layer;
+  constexpr int kLayers = 4;
+  torch::nn::Sequential stack;
+  for (int l = 0; l < kLayers; ++l) stack->push_back(CalibrationLayer());
   const at::Tensor x = at::randn({micro_batch, 64, CalibrationLayerImpl::kWidth}).requires_grad_();
-  return median_seconds(31, [&] {
-    layer->forward(x).sum().backward();
-    x.mutable_grad() = at::Tensor();
-    for (auto& p : layer->parameters()) p.mutable_grad() = at::Tensor();
-  });
+  return median_seconds(15,
+                        [&] {
+                          stack->forward(x).sum().backward();
+                          x.mutable_grad() = at::Tensor();
+                          for (auto& p : stack->parameters()) p.mutable_grad() = at::Tensor();
+                        }) /
+         kLayers;
 }
 
 // Pipelines of GPT example layers, as the executor runs them (Note [Split
