@@ -184,15 +184,17 @@ double split_backward_overhead(double whole_seconds, double split_seconds, int c
 // alone (with autograd, the products and attention left out) took 0.98,
 // 1.6 and 3.6 ms against the model's 1.6, 3.2 and 6.2 for its passes; the
 // one-process GPT was predicted 20 % slow in every table. With the factor
-// (0.40-0.43 there, from dtrain's own layer) it came out -1.5 to -4.7 %
-// (docs/planner.md, Session 30). So the calibration runs one layer as
-// the GPT example does (calibrate_worker.cpp: dtrain::nn::linear's
-// products, dtrain::nn::causal_attention) and the factor on the passes is
-// what makes the model's layer take that time: (measured - the model's
-// layer without passes) / its passes. What the products' in-training rate
-// misses from their calibrated one (cold operands) falls into the factor
-// too, so the layer's total is right at the calibrated micro-batch (12
-// sequences, between the one-process GPT's 24 and the pipelines' 6).
+// (0.39-0.45 there) it came out -4.7 to -5.1 %, every plan of three tables
+// within 15 % (docs/planner.md, Session 30). So the calibration runs the
+// GPT example's layers as it does (calibrate_worker.cpp: a stack of 4, so
+// that a layer's backward finds its operands as cold as in training;
+// dtrain::nn::linear's products, dtrain::nn::causal_attention) and the
+// factor on the passes is what makes the model's layer take that time per
+// layer: (measured - the model's layer without passes) / its passes. What
+// the products' in-training rate misses from their calibrated one (cold
+// operands) falls into the factor too, so the layer's total is right at the
+// calibrated micro-batch (12 sequences, between the one-process GPT's 24
+// and the pipelines' 6).
 double calibration_layer_seconds(const DeviceSpec& device, Attention attention, std::int64_t micro_batch) {
   ModelSpec layer;
   layer.layers = 1;
