@@ -196,17 +196,10 @@ double split_backward_overhead(double whole_seconds, double split_seconds, int c
 // calibrated micro-batch (12 sequences, between the one-process GPT's 24
 // and the pipelines' 6).
 double calibration_layer_seconds(const DeviceSpec& device, Attention attention, std::int64_t micro_batch) {
-  ModelSpec layer;
-  layer.layers = 1;
-  layer.hidden = 128;
-  layer.heads = layer.kv_heads = 4;
-  layer.ffn = 512;
-  layer.seq = 64;
-  layer.vocab = 65;
-  layer.dropout = false;
-  layer.biases = false;
+  // calibrate_worker.cpp's CalibrationLayer (the vocabulary is no part of a layer).
+  ModelSpec layer =
+      ModelSpec::parse("gpt:layers=1,hidden=128,heads=4,ffn=512,seq=64,vocab=64,kernels=eager,dropout=0,bias=0");
   layer.attention = attention;
-  layer.kernels = Kernels::kEager;
   const detail::LayerShape shape{
       .micro_batch = micro_batch, .bytes_per_element = 4, .peak_flops = device.fp32_flops, .overlap_comm = false};
   const detail::PhaseTimes t = detail::layer_times(layer, shape, device);

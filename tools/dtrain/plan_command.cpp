@@ -183,7 +183,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<nlohmann::json> after_compute;              // collectives after compute, every run
   std::vector<double> split_overhead;                     // per captured node, runs with ranks <= cores
   std::vector<double> layers_quotient;                    // layer pipelines' together / alone, runs with ranks <= cores
-  std::vector<double> layer_seconds;                      // one GPT layer, the runs whose rates are taken
+  std::vector<double> layer_seconds;                      // per GPT layer, the runs whose rates are taken
   std::int64_t layer_micro_batch = 0;                     // ... on this many sequences
   plan::Attention layer_attention = plan::Attention::kFlash;
   const auto start = std::chrono::steady_clock::now();

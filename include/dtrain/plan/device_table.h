@@ -103,9 +103,10 @@ struct DeviceSpec {
   double split_backward_overhead = 0;
   // Multiplies a layer's element-wise passes (norms, activations, residual
   // adds and eager training's per-token rest, Note [Element-wise passes])
-  // on this device: what one GPT-example layer's forward and backward
-  // measured by `dtrain plan --calibrate`, less its modelled products and
-  // attention, over those passes as the roofline counts them (Note
+  // on this device: what a GPT-example layer's forward and backward (per
+  // layer of a stack of 4) measured by `dtrain plan --calibrate`, less its
+  // modelled products and attention, over those passes as the roofline
+  // counts them (Note
   // [Element-wise passes on a calibrated host] in calibration.cpp). 1: the
   // count as it is (the built-in entries, an uncalibrated host).
   double elementwise_factor = 1;
