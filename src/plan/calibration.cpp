@@ -100,6 +100,16 @@ double collectives_after_compute_latency(int ranks, double seconds_per_collectiv
   return std::max(0.0, seconds_per_collective - ring);
 }
 
+double collectives_ahead_latency(const AfterComputeRun& run, const Link& sliced) {
+  DTRAIN_CHECK(run.ranks >= 2 && run.ahead_collectives >= 1 && sliced.bandwidth > 0, ConfigError,
+               "collectives issued ahead need 2+ ranks, 1+ collectives a round and a fitted link (got "
+                   << run.ranks << ", " << run.ahead_collectives << ", " << sliced.bandwidth << " B/s).",
+               "rerun the calibration with more ranks than cores");
+  const double k = run.ranks;
+  const double added = (run.ahead_wall_seconds - run.compute_wall_seconds) / run.ahead_collectives;
+  return std::max(0.0, added - (k - 1) / k * run.bytes / sliced.bandwidth);
+}
+
 // Note [Split backward cost]
 // The pipeline executor's split backward (ZB's I and W; Note [Weight
 // backward from captured gradients] in split_backward.h) costs more than the
@@ -256,6 +266,7 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"concurrency_factor", d.concurrency_factor},
                    {"oversubscribed_link", link_json(d.oversubscribed_link)},
                    {"oversubscribed_meeting", d.oversubscribed_meeting},
+                   {"oversubscribed_ahead_latency", d.oversubscribed_ahead_latency},
                    {"elementwise_factor", d.elementwise_factor},
                    {"split_backward_overhead", d.split_backward_overhead}};
   return j.dump(2);
@@ -288,6 +299,7 @@ DeviceSpec device_from_json(const std::string& text) {
   d.split_backward_overhead = j.value("split_backward_overhead", 0.0);  // older files: not measured
   d.oversubscribed_meeting = j.value("oversubscribed_meeting", 0.0);    // older files: not measured
   d.elementwise_factor = j.value("elementwise_factor", 1.0);            // older files: not measured
+  d.oversubscribed_ahead_latency = j.value("oversubscribed_ahead_latency", 0.0);  // older files: not measured
   if (j.contains("oversubscribed_link")) d.oversubscribed_link = link_from(j.at("oversubscribed_link"));
   return d;
 }

@@ -456,18 +456,34 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
         // backward (every reduction waited for); each other layer's gather
         // is issued a unit ahead and each reduce-scatter runs beside the rest
         // of backward, so they cost their transport's work (the bandwidth
-        // term; the cores are the ranks') and not the call's or the hops'
-        // latency. Backward gathers the layers but the last (which stays
-        // gathered from forward, and whose backward prefetches the next);
-        // the root stays gathered through backward.
-        // Measured (Intel Xeon 6/167, 4 ranks on 2 cores, 2026-11-28):
-        // ZeRO-3 on 4 ranks stepped as fast as DDP on 4 (54.8-58.6 against
-        // 57.4-59.4 ms in three tables), where every collective charged whole
-        // put it 13-27 % above its measure; DDP's and HSDP's waits at the end
-        // of backward stay charged whole (grad_sync).
-        const double layer_work = detail::gather_work_seconds(layer_params * e, shard, shard_link);
+        // term; the cores are the ranks') and not the hops' latency, and
+        // each what a collective issued ahead of compute adds on
+        // time-sliced ranks (DeviceSpec::oversubscribed_ahead_latency): a
+        // peer behind by more than the piece between issue and wait holds
+        // the waiter, and each wake-up costs the cores. Backward gathers the
+        // layers but the last (which stays gathered from forward, and whose
+        // backward prefetches the next); the root stays gathered through
+        // backward.
+        // Measured: on the Intel Xeon 6/167 VM of 2026-11-28 ZeRO-3 on 4
+        // ranks stepped as fast as DDP on 4 (54.8-58.6 against 57.4-59.4 ms
+        // in three tables), where every collective charged whole put it
+        // 13-27 % above its measure; on a Zen 4 VM (2026-12-03) and a faster
+        // Intel 6/167 VM (2026-12-04) it was 4-8 % and 1-6 % slower than DDP
+        // in nearly every table, where the model without the ahead term put
+        // it 1-3 ms faster (the optimizer's step on a quarter of the
+        // parameters). examples/gpt on 4 ranks (40 steps, three rounds
+        // in turn, 2026-12-04, Intel 6/167): four independent processes
+        // 35.5 ms a step, DDP 44-45, ZeRO-3 45-47.5, where the model's
+        // ZeRO-3 had 11 collectives issued ahead charged their work only;
+        // the calibration's ahead rounds read 0.38-0.41 ms per collective
+        // (the after-compute ones 0.69-0.81). DDP's and HSDP's waits at the
+        // end of backward stay charged whole (grad_sync).
+        const double ahead = dev.oversubscribed_ahead_latency;
+        const double layer_work = detail::gather_work_seconds(layer_params * e, shard, shard_link) + ahead;
+        const double scatters = n + (root > 0 ? 1 : 0);
         const double scatter_work = n * detail::gather_work_seconds(layer_params * bpp.grads, shard, shard_link) +
-                                    detail::gather_work_seconds(root / tp * bpp.grads, shard, shard_link);
+                                    detail::gather_work_seconds(root / tp * bpp.grads, shard, shard_link) +
+                                    scatters * ahead;
         fwd_exposed = detail::gather_seconds(root / tp * e, shard, shard_link) + unit + (n - 1) * layer_work;
         bwd_exposed = (n - 1) * layer_work + scatter_work + detail::gather_latency_seconds(shard, shard_link);
       }

@@ -86,6 +86,28 @@ TEST(PlanCalibration, CollectivesAfterComputePayWhatTheSynchronisedLinkDoesNotCh
   EXPECT_THROW(collectives_after_compute_latency(1, 1e-3, bytes, sync), ConfigError);
 }
 
+// Note [Collectives issued ahead on time-sliced ranks] (cost_model.cpp): per
+// all_gather issued ahead of compute, the rounds' wall beyond the compute
+// alone, less the time-sliced link's work for its bytes.
+TEST(PlanCalibration, CollectivesIssuedAheadPayWhatTheirWorkDoesNot) {
+  const Link sliced{.bandwidth = 3e9, .latency = 50e-6, .call_latency = 700e-6};
+  const double bytes = 16 << 10, work = 0.75 * bytes / sliced.bandwidth;  // 4 ranks
+  const AfterComputeRun run{.ranks = 4,
+                            .compute_wall_seconds = 0.035,
+                            .bytes = bytes,
+                            .ahead_wall_seconds = 0.035 + 8 * (work + 400e-6),
+                            .ahead_collectives = 8};
+  EXPECT_NEAR(collectives_ahead_latency(run, sliced), 400e-6, 1e-12);
+  // Faster than the compute alone (noise): nothing added, never less.
+  AfterComputeRun quick = run;
+  quick.ahead_wall_seconds = 0.034;
+  EXPECT_EQ(collectives_ahead_latency(quick, sliced), 0);
+  AfterComputeRun none = run;
+  none.ahead_collectives = 0;
+  EXPECT_THROW(collectives_ahead_latency(none, sliced), ConfigError);
+  EXPECT_THROW(collectives_ahead_latency(run, Link{}), ConfigError);
+}
+
 // Note [Collectives after compute]: with a core per rank the clocks' median
 // collective, with more ranks than cores the rounds' wall difference.
 TEST(PlanCalibration, CollectiveAddedSecondsTakesTheMeasureOfItsRegime) {
@@ -122,6 +144,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.split_backward_overhead = 41e-6;
   d.oversubscribed_meeting = 5.5e-3;
   d.elementwise_factor = 0.61;
+  d.oversubscribed_ahead_latency = 0.42e-3;
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -142,6 +165,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.split_backward_overhead, d.split_backward_overhead);
   EXPECT_EQ(back.oversubscribed_meeting, d.oversubscribed_meeting);
   EXPECT_EQ(back.elementwise_factor, d.elementwise_factor);
+  EXPECT_EQ(back.oversubscribed_ahead_latency, d.oversubscribed_ahead_latency);
   EXPECT_EQ(back.intra_node.call_latency, 0);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
@@ -152,6 +176,8 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(device_from_json(older.dump()).fp32_flops, d.fp32_flops);
   ASSERT_EQ(older.erase("elementwise_factor"), 1U);
   EXPECT_EQ(device_from_json(older.dump()).elementwise_factor, 1.0);
+  ASSERT_EQ(older.erase("oversubscribed_ahead_latency"), 1U);
+  EXPECT_EQ(device_from_json(older.dump()).oversubscribed_ahead_latency, 0);
   for (const DeviceSpec& gpu : device_table()) {
     if (gpu.compute_units == 0) {
       EXPECT_EQ(gpu.split_backward_overhead, 0) << gpu.name;
@@ -272,6 +298,23 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   const ParallelPlan hsdp{.dp_replicate = 2, .dp_shard = 2, .zero_stage = 3, .global_batch = 48};
   EXPECT_NEAR(run(waits, zero3_4, 4).time.zero3_comm - run(sliced, zero3_4, 4).time.zero3_comm, 3e-3, 1e-9);
   EXPECT_NEAR(run(waits, hsdp, 4).time.zero3_comm - run(sliced, hsdp, 4).time.zero3_comm, 3e-3, 1e-9);
+  // Each collective issued ahead of compute (Note [Collectives issued ahead
+  // on time-sliced ranks]) adds its measured cost: every layer's gather but
+  // the first in forward, every one but the last in backward, every unit's
+  // reduce-scatter (the root's too): 3 layers - 1; not DDP's, and nothing
+  // where each rank has a core.
+  DeviceSpec ahead = sliced;
+  ahead.oversubscribed_ahead_latency = 1e-3;
+  const double issued_ahead = 3.0 * model.layers - 1;
+  for (const ParallelPlan& p : {zero3_4, hsdp}) {
+    EXPECT_NEAR(run(ahead, p, 4).time.zero3_comm - run(sliced, p, 4).time.zero3_comm, issued_ahead * 1e-3, 1e-9)
+        << p.to_json();
+  }
+  EXPECT_EQ(run(ahead, ddp4, 4).step_seconds, run(sliced, ddp4, 4).step_seconds);
+  DeviceSpec ahead_fitting = d;
+  ahead_fitting.oversubscribed_ahead_latency = 1e-3;
+  const ParallelPlan zero3_two{.dp_shard = 2, .zero_stage = 3, .global_batch = 24};
+  EXPECT_EQ(run(ahead_fitting, zero3_two, 2).step_seconds, run(d, zero3_two, 2).step_seconds);
   // Meeting after a step's compute (Note [Meetings of time-sliced ranks]):
   // once a step, beside the gradients' sync, to every plan whose ranks
   // time-slice, whatever its collectives; nothing where each rank has a core

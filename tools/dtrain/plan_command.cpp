@@ -289,14 +289,16 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // Note [Collectives after compute] (calibration.cpp): the wait for a peer
   // not yet there (asleep, or switched out with more ranks than cores), once
   // per collective, beyond the synchronised fit; each link from its own runs.
-  std::vector<double> waits, sliced_waits;
+  std::vector<double> waits, sliced_waits, ahead;
   for (const auto& ac : after_compute) {
     const plan::AfterComputeRun run{.ranks = ac.at("ranks"),
                                     .collective_seconds = ac.at("collective_seconds"),
                                     .wall_seconds = ac.at("wall_seconds"),
                                     .compute_wall_seconds = ac.at("compute_wall_seconds"),
                                     .collectives = ac.at("collectives"),
-                                    .bytes = ac.at("bytes")};
+                                    .bytes = ac.at("bytes"),
+                                    .ahead_wall_seconds = ac.value("ahead_wall_seconds", 0.0),
+                                    .ahead_collectives = ac.value("ahead_collectives", 0)};
     // The measure by the run's regime (more ranks than cores or not); the
     // link it calibrates: the time-sliced one where such runs have their own.
     const bool sliced = run.ranks > d.compute_units && !shm_oversubscribed.empty();
@@ -304,9 +306,13 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
         .push_back(plan::collectives_after_compute_latency(run.ranks,
                                                            plan::collective_added_seconds(run, d.compute_units),
                                                            run.bytes, sliced ? d.oversubscribed_link : d.intra_node));
+    // Note [Collectives issued ahead on time-sliced ranks] (cost_model.cpp):
+    // from the time-sliced runs, on their own link.
+    if (sliced && run.ahead_collectives > 0) ahead.push_back(plan::collectives_ahead_latency(run, d.oversubscribed_link));
   }
   if (!waits.empty()) d.intra_node.call_latency = median(waits);
   if (!sliced_waits.empty()) d.oversubscribed_link.call_latency = median(sliced_waits);
+  if (!ahead.empty()) d.oversubscribed_ahead_latency = median(ahead);
   d.inter_node = plan::fit_ring_link(gloo);
   std::ostringstream what;
   what << "this host, calibrated: " << d.compute_units << " cores, " << std::setprecision(3) << d.fp32_flops / 1e9

@@ -14,7 +14,8 @@
 // "kernel_overhead", "backward_kernel_overhead", "layer": {micro_batch,
 // seconds, attention}, "time_sliced_work_seconds",
 // "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
-// collective_seconds, collectives, bytes}, "split_backward": {whole_seconds, split_seconds,
+// collective_seconds, collectives, bytes, and with more ranks than cores
+// ahead_wall_seconds, ahead_collectives}, "split_backward": {whole_seconds, split_seconds,
 // captured}, "layer_pipeline": {alone_seconds, together_seconds,
 // together_over_alone}, "samples": [{transport, op, ranks, bytes, seconds}]},
 // each figure the median of its repeats (time_sliced_work_seconds: a total,
@@ -466,8 +467,16 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
 //    barrier) to the last rank's return, less the ranks' mean piece: the
 //    ranks' skew, the collective and its wake-ups; the median over all of
 //    them.
+//  - `ahead_wall` (time-sliced runs only; 0 otherwise): the same compute
+//    with a 16 KiB all_gather issued before each piece and waited for after
+//    it, as ZeRO-3 prefetches a unit's gather a unit ahead and
+//    reduce-scatters beside the rest of backward (Note [Collectives issued
+//    ahead on time-sliced ranks] in src/plan/cost_model.cpp): the
+//    compute-only round's wall plus the median of the rounds' differences,
+//    `kPerRound` collectives a round, the round ended by a barrier as the
+//    compute-only round is.
 struct AfterCompute {
-  double wall = 0, compute_only = 0, per_collective = 0;
+  double wall = 0, compute_only = 0, per_collective = 0, ahead_wall = 0;
 };
 // With more ranks than cores the planner takes the rounds' difference, and
 // one round's difference scatters widely: 4 ranks on 2 cores (Intel Xeon
@@ -490,6 +499,19 @@ AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
   // Per collective: the start of its piece, the piece's end, the return.
   std::vector<double> starts, arrivals, returns;
   auto seconds = [](Clock::time_point t) { return std::chrono::duration<double>(t.time_since_epoch()).count(); };
+  const bool sliced = group.size() > cores;
+  at::Tensor gathered = at::ones({4096}), slice = at::ones({4096 / group.size()});  // 16 KiB gathered
+  auto ahead_round = [&] {
+    group.barrier();
+    const auto start = Clock::now();
+    for (int i = 0; i < kPerRound; ++i) {
+      auto handle = group.all_gather_into(gathered, slice);
+      work();
+      handle.wait();
+    }
+    group.barrier();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
   auto round = [&](bool collectives) {
     group.barrier();
     const auto start = Clock::now();
@@ -509,10 +531,11 @@ AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
   work();
-  std::vector<double> without, extra;
+  std::vector<double> without, extra, ahead;
   for (int r = 0; r < rounds; ++r) {
     without.push_back(round(false));
     extra.push_back(round(true) - without.back());
+    if (sliced) ahead.push_back(ahead_round() - without.back());
   }
   const double compute = median_of(without);
   const std::int64_t count = static_cast<std::int64_t>(arrivals.size());
@@ -526,12 +549,14 @@ AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
   // ranks' mean piece: what the collective added to the compute.
   const at::Tensor piece = clocks[1] - clocks[0];
   const at::Tensor cost = std::get<0>(clocks[2].max(0)) - std::get<0>(clocks[0].max(0)) - piece.mean(0);
-  at::Tensor both = at::tensor({compute + median_of(extra), compute}, at::kDouble);
+  at::Tensor both =
+      at::tensor({compute + median_of(extra), compute, sliced ? compute + median_of(ahead) : 0.0}, at::kDouble);
   group.all_reduce(both).wait();
   const double n = static_cast<double>(group.size());
   return {.wall = both[0].item<double>() / n,
           .compute_only = both[1].item<double>() / n,
-          .per_collective = median_of(std::vector<double>(cost.data_ptr<double>(), cost.data_ptr<double>() + count))};
+          .per_collective = median_of(std::vector<double>(cost.data_ptr<double>(), cost.data_ptr<double>() + count)),
+          .ahead_wall = both[2].item<double>() / n};
 }
 
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
@@ -682,6 +707,10 @@ int main(int argc, char** argv) {
                                  // the last all-reduce's wait is the compute-only round's final barrier's
                                  {"collectives", kPerRound - 1},
                                  {"bytes", 16 << 10}};
+      if (ac.ahead_wall > 0) {
+        result["after_compute"]["ahead_wall_seconds"] = ac.ahead_wall;
+        result["after_compute"]["ahead_collectives"] = kPerRound;
+      }
     }
     nlohmann::json samples = time_collectives(shm, "shared_memory");
     for (auto& s : time_collectives(gloo, "gloo")) samples.push_back(s);

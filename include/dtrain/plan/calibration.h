@@ -43,6 +43,11 @@ struct AfterComputeRun {
   double compute_wall_seconds = 0;
   int collectives = 0;
   double bytes = 0;
+  // Time-sliced runs only (0 otherwise): the median round's wall time with a
+  // `bytes` all_gather issued before each piece of compute and waited for
+  // after it, `ahead_collectives` a round.
+  double ahead_wall_seconds = 0;
+  int ahead_collectives = 0;
 };
 
 // Note [Collectives after compute] (calibration.cpp): the seconds a
@@ -57,6 +62,13 @@ double collective_added_seconds(const AfterComputeRun& run, int cores);
 // `synchronised` link charges for it (0 when none is left over).
 double collectives_after_compute_latency(int ranks, double seconds_per_collective, double bytes,
                                          const Link& synchronised);
+
+// Note [Collectives issued ahead on time-sliced ranks] (cost_model.cpp):
+// what each all_gather issued ahead of compute added to `run` (a run with
+// more ranks than cores) beyond the `sliced` link's transport work for its
+// bytes (0 when none is left over): DeviceSpec::oversubscribed_ahead_latency.
+// ConfigError without ahead rounds or a fitted link.
+double collectives_ahead_latency(const AfterComputeRun& run, const Link& sliced);
 
 // Note [Split backward cost] (calibration.cpp): the seconds the pipeline
 // executor's split backward costs beyond the same backward whole, per node

@@ -91,6 +91,16 @@ struct DeviceSpec {
   // once per step of a plan whose ranks time-slice. 0: none (GPUs, a run
   // with a core per rank, an uncalibrated host).
   double oversubscribed_meeting = 0;
+  // Seconds each collective issued ahead of compute and waited for after it
+  // (ZeRO-3's prefetched gathers, its reduce-scatters beside the rest of
+  // backward) adds to a step of a CPU host's time-sliced ranks beyond its
+  // transport's work: a peer behind by more than the piece between issue and
+  // wait holds the waiter, and the wake-ups cost the cores (Note [Collectives
+  // issued ahead on time-sliced ranks] in cost_model.cpp). Measured by
+  // `dtrain plan --calibrate` (rounds of compute with a 16 KiB all_gather
+  // issued before each piece against the same compute alone); 0: none
+  // (GPUs, a run with a core per rank, an uncalibrated host).
+  double oversubscribed_ahead_latency = 0;
   // Seconds the pipeline executor's split backward (ZB's I and W, Note
   // [Weight backward from captured gradients] in split_backward.h) costs
   // beyond the same backward run whole, per node whose output gradient it
