@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "dtrain/error.h"
+#include "dtrain/plan/cost_model.h"
 #include "layer_cost.h"
 
 namespace dtrain::plan {
@@ -98,6 +99,14 @@ double collectives_after_compute_latency(int ranks, double seconds_per_collectiv
   const double k = ranks;
   const double ring = 2 * (k - 1) * synchronised.latency + 2 * (k - 1) / k * bytes / synchronised.bandwidth;
   return std::max(0.0, seconds_per_collective - ring);
+}
+
+double optimizer_bandwidth(std::int64_t params, double seconds) {
+  DTRAIN_CHECK(params > 0 && seconds > 0, ConfigError,
+               "the optimizer phase's calibration needs parameters and a time (got " << params << ", " << seconds
+                                                                                      << " s).",
+               "calibrate again");
+  return kOptimizerBytesPerParam * static_cast<double>(params) / seconds;
 }
 
 double collectives_ahead_latency(const AfterComputeRun& run, const Link& sliced) {
@@ -267,6 +276,7 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"oversubscribed_link", link_json(d.oversubscribed_link)},
                    {"oversubscribed_meeting", d.oversubscribed_meeting},
                    {"oversubscribed_ahead_latency", d.oversubscribed_ahead_latency},
+                   {"optimizer_bandwidth", d.optimizer_bandwidth},
                    {"elementwise_factor", d.elementwise_factor},
                    {"split_backward_overhead", d.split_backward_overhead}};
   return j.dump(2);
@@ -300,6 +310,7 @@ DeviceSpec device_from_json(const std::string& text) {
   d.oversubscribed_meeting = j.value("oversubscribed_meeting", 0.0);    // older files: not measured
   d.elementwise_factor = j.value("elementwise_factor", 1.0);            // older files: not measured
   d.oversubscribed_ahead_latency = j.value("oversubscribed_ahead_latency", 0.0);  // older files: not measured
+  d.optimizer_bandwidth = j.value("optimizer_bandwidth", 0.0);                    // older files: not measured
   if (j.contains("oversubscribed_link")) d.oversubscribed_link = link_from(j.at("oversubscribed_link"));
   return d;
 }

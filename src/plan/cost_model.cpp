@@ -322,6 +322,7 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
       dev.fp8_flops *= share;
       dev.memory_bandwidth *= share;
       dev.cache_bandwidth *= share;
+      dev.optimizer_bandwidth *= share;
       dev.kernel_overhead /= share;  // a CPU's launches are its cores' work too
       dev.gemm_overhead /= share;
       dev.split_backward_overhead /= share;
@@ -335,6 +336,7 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
     dev.fp8_flops /= slowdown;
     dev.memory_bandwidth /= slowdown;
     dev.cache_bandwidth /= slowdown;
+    dev.optimizer_bandwidth /= slowdown;
     dev.kernel_overhead *= slowdown;
     dev.gemm_overhead *= slowdown;
     dev.split_backward_overhead *= slowdown;
@@ -726,14 +728,25 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
     exposed += passes * grad_bytes / dev.memory_bandwidth;
   }
   const double sharded_params = params / (plan.zero_stage >= 1 ? shard : 1);
+  // Note [Optimizer phase]
   // AdamW moves 28 bytes per local parameter (weight, gradient, two moments
   // read, three written back, fp32) and clipping by the global norm 12 more
   // (every gradient read for the norm, then scaled in place; Megatron,
   // torchtitan and the GPT example clip): the GPT example's optimizer phase
-  // measures 0.7-0.9 ms here, 28 bytes alone gave 0.5. From memory, not the
-  // cache: the step touches each parameter's state once, after forward and
-  // backward have streamed everything else through it.
-  const double optimizer = (28 + 12) * sharded_params / dev.memory_bandwidth;
+  // measures 0.7-0.9 ms here, 28 bytes alone gave 0.5. At the calibrated
+  // `optimizer_bandwidth` where there is one (the phase timed as training
+  // runs it), else from memory: the step touches each parameter's state
+  // once, after forward and backward have streamed everything else through
+  // it. On a faster Intel Xeon 6/167 VM (2026-12-04) the memory rate (a 192
+  // MiB add, 15-22 GB/s) put the GPT example's phase at 1.5-2.0 ms where
+  // bench_gpt_ops profiled 0.75 (fused AdamW 0.57 ms, the norms and the
+  // scaling ~0.2) and the calibration's stack times 0.93-1.05 (with the
+  // norm's read back and the step counts: 30-34 GB/s), its 13 MB of state
+  // still in the last-level cache. Over-charged so, the optimizer made
+  // ZeRO's sharded step look ~1 ms cheaper than DDP's on 2 ranks (measured
+  // within 1-2 %) and DDP on 4 time-sliced ranks ~3 ms slower than it ran.
+  const double optimizer_rate = dev.optimizer_bandwidth > 0 ? dev.optimizer_bandwidth : dev.memory_bandwidth;
+  const double optimizer = kOptimizerBytesPerParam * sharded_params / optimizer_rate;
 
   TimeBreakdown& t = est.time;
   for (int s = critical; s < stages; s += plan.pp) {

@@ -86,6 +86,34 @@ TEST(PlanCalibration, CollectivesAfterComputePayWhatTheSynchronisedLinkDoesNotCh
   EXPECT_THROW(collectives_after_compute_latency(1, 1e-3, bytes, sync), ConfigError);
 }
 
+// Note [Optimizer phase] (cost_model.cpp): kOptimizerBytesPerParam per local
+// parameter at the calibrated optimizer rate where there is one, else at the
+// memory's; a host's ranks share it as they share the memory's.
+TEST(PlanCalibration, OptimizerPhaseAtItsCalibratedRate) {
+  EXPECT_DOUBLE_EQ(optimizer_bandwidth(800'000, 1e-3), 40 * 800'000 / 1e-3);
+  EXPECT_THROW(optimizer_bandwidth(0, 1e-3), ConfigError);
+  EXPECT_THROW(optimizer_bandwidth(800'000, 0), ConfigError);
+  DeviceSpec d = find_device("cpu-here");
+  d.compute_units = 2;
+  d.memory_bandwidth = 16e9;
+  const auto model = ModelSpec::parse("gpt:layers=4,hidden=128,heads=4,seq=64,vocab=65");
+  auto optimizer = [&](const DeviceSpec& dev, ParallelPlan p, int ranks) {
+    p.precision = "fp32";
+    return estimate(p, model, {.device = dev, .gpus = ranks, .gpus_per_node = 8}).time.optimizer;
+  };
+  const double params = static_cast<double>(model.params());
+  const ParallelPlan single{.global_batch = 24}, ddp4{.dp_replicate = 4, .global_batch = 24},
+      zero2{.dp_shard = 2, .zero_stage = 2, .global_batch = 24};
+  EXPECT_NEAR(optimizer(d, single, 1), 40 * params / 16e9, 1e-12);
+  DeviceSpec fast = d;
+  fast.optimizer_bandwidth = 40e9;
+  EXPECT_NEAR(optimizer(fast, single, 1), 40 * params / 40e9, 1e-12);
+  EXPECT_NEAR(optimizer(fast, zero2, 2), 40 * params / 2 / 40e9, 1e-12);  // its shard's
+  // 4 ranks on 2 cores: half the rate each, as the memory's.
+  EXPECT_NEAR(optimizer(fast, ddp4, 4) / optimizer(fast, single, 1), 2, 1e-9);
+  EXPECT_NEAR(optimizer(d, ddp4, 4) / optimizer(d, single, 1), 2, 1e-9);
+}
+
 // Note [Collectives issued ahead on time-sliced ranks] (cost_model.cpp): per
 // all_gather issued ahead of compute, the rounds' wall beyond the compute
 // alone, less the time-sliced link's work for its bytes.
@@ -145,6 +173,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.oversubscribed_meeting = 5.5e-3;
   d.elementwise_factor = 0.61;
   d.oversubscribed_ahead_latency = 0.42e-3;
+  d.optimizer_bandwidth = 41e9;
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -166,6 +195,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.oversubscribed_meeting, d.oversubscribed_meeting);
   EXPECT_EQ(back.elementwise_factor, d.elementwise_factor);
   EXPECT_EQ(back.oversubscribed_ahead_latency, d.oversubscribed_ahead_latency);
+  EXPECT_EQ(back.optimizer_bandwidth, d.optimizer_bandwidth);
   EXPECT_EQ(back.intra_node.call_latency, 0);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
@@ -178,6 +208,8 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(device_from_json(older.dump()).elementwise_factor, 1.0);
   ASSERT_EQ(older.erase("oversubscribed_ahead_latency"), 1U);
   EXPECT_EQ(device_from_json(older.dump()).oversubscribed_ahead_latency, 0);
+  ASSERT_EQ(older.erase("optimizer_bandwidth"), 1U);
+  EXPECT_EQ(device_from_json(older.dump()).optimizer_bandwidth, 0);
   for (const DeviceSpec& gpu : device_table()) {
     if (gpu.compute_units == 0) {
       EXPECT_EQ(gpu.split_backward_overhead, 0) << gpu.name;

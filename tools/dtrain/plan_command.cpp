@@ -186,6 +186,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<double> layer_seconds;                      // per GPT layer, the runs whose rates are taken
   std::int64_t layer_micro_batch = 0;                     // ... on this many sequences
   plan::Attention layer_attention = plan::Attention::kFlash;
+  std::vector<double> optimizer_rates;  // Note [Optimizer phase] (cost_model.cpp)
   const auto start = std::chrono::steady_clock::now();
   for (const int n : counts) {
     const auto r = run_calibration(n, scratch.string());
@@ -226,6 +227,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
         layer_attention =
             r.at("layer").at("attention") == "materialized" ? plan::Attention::kMaterialized : plan::Attention::kFlash;
       }
+      if (r.contains("optimizer"))
+        optimizer_rates.push_back(plan::optimizer_bandwidth(r.at("optimizer").at("params"), r.at("optimizer").at("seconds")));
     }
     err << "dtrain plan --calibrate: " << n << " processes done\n";
   }
@@ -249,6 +252,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   // layer's element-wise passes at what this host's layer took.
   if (!layer_seconds.empty())
     d.elementwise_factor = plan::elementwise_factor(d, layer_attention, layer_micro_batch, median(layer_seconds));
+  // Note [Optimizer phase] (cost_model.cpp): clipping and AdamW as training runs them.
+  if (!optimizer_rates.empty()) d.optimizer_bandwidth = median(optimizer_rates);
   // Time slicing: a rank's CPU time for the same work with more ranks than
   // cores over with no more (1 when the counts do not give both).
   if (!work_fitting.empty() && !work_oversubscribed.empty())

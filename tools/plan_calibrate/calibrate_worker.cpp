@@ -12,7 +12,7 @@
 // "gemm_overhead", "bf16_flops", "attention_flops",
 // "materialized_attention_flops", "memory_bandwidth", "cache_bandwidth",
 // "kernel_overhead", "backward_kernel_overhead", "layer": {micro_batch,
-// seconds, attention}, "time_sliced_work_seconds",
+// seconds, attention}, "optimizer": {params, seconds}, "time_sliced_work_seconds",
 // "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
 // collective_seconds, collectives, bytes, and with more ranks than cores
 // ahead_wall_seconds, ahead_collectives}, "split_backward": {whole_seconds, split_seconds,
@@ -307,27 +307,65 @@ struct CalibrationLayerImpl : torch::nn::Module {
 };
 TORCH_MODULE(CalibrationLayer);
 
-// Thread CPU seconds per layer of the forward and backward of a stack of
-// CalibrationLayers as deep as the GPT example (4), its input's gradient
-// too, on `micro_batch` sequences of 64 tokens, with fresh allocations and
-// set-to-none gradients as training runs it; the median of 15 steps (Note
-// [Element-wise passes on a calibrated host] in src/plan/calibration.cpp).
-// A stack, not one layer repeated: in training a layer's backward finds
-// its saved activations and weights after the other layers ran, not still
-// in the core's caches.
-double layer_seconds(std::int64_t micro_batch) {
-  constexpr int kLayers = 4;
+// Thread CPU seconds of a stack of CalibrationLayers as deep as the GPT
+// example (4) training on `micro_batch` sequences of 64 tokens, as the
+// example trains (fresh allocations, set-to-none gradients), the median of
+// 15 steps each:
+//  - `layer`: per layer, forward and backward, its input's gradient too
+//    (Note [Element-wise passes on a calibrated host] in
+//    src/plan/calibration.cpp). A stack, not one layer repeated: in training
+//    a layer's backward finds its saved activations and weights after the
+//    other layers ran, not still in the core's caches.
+//  - `optimizer`: the optimizer phase after that backward over the stack's
+//    `params` parameters (~0.8 M, the GPT example's): clipping by the global
+//    norm with foreach kernels and one fused AdamW kernel, as
+//    examples/gpt/fused_adamw.h runs them (Note [Optimizer phase] in
+//    src/plan/cost_model.cpp).
+struct StackTimes {
+  double layer = 0, optimizer = 0;
+  std::int64_t params = 0;
+};
+StackTimes stack_times(std::int64_t micro_batch) {
+  constexpr int kLayers = 4, kSteps = 15;
   torch::nn::Sequential stack;
   for (int l = 0; l < kLayers; ++l) stack->push_back(CalibrationLayer());
   const at::Tensor x = at::randn({micro_batch, 64, CalibrationLayerImpl::kWidth}).requires_grad_();
   std::vector<at::Tensor> weights = stack->parameters();  // gathered once, outside the timed steps
-  return median_seconds(15,
-                        [&] {
-                          stack->forward(x).sum().backward();
-                          x.mutable_grad() = at::Tensor();
-                          for (auto& w : weights) w.mutable_grad() = at::Tensor();
-                        }) /
-         kLayers;
+  std::vector<at::Tensor> exp_avgs, exp_avg_sqs;
+  StackTimes out;
+  for (const auto& w : weights) {
+    exp_avgs.push_back(at::zeros_like(w));
+    exp_avg_sqs.push_back(at::zeros_like(w));
+    out.params += w.numel();
+  }
+  int step = 0;
+  auto optimize = [&] {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> grads, steps;
+    for (const auto& w : weights) grads.push_back(w.grad());
+    const at::Tensor norm = at::linalg_vector_norm(at::stack(at::_foreach_norm(grads, 2)), 2);
+    at::_foreach_mul_(grads, at::Scalar(std::min(1.0f / (norm.item<float>() + 1e-6f), 1.0f)));
+    ++step;
+    for (const auto& w : weights) steps.push_back(at::scalar_tensor(static_cast<double>(step), w.options()));
+    at::_fused_adamw_(weights, grads, exp_avgs, exp_avg_sqs, {}, steps, 1e-4, 0.9, 0.95, 0.1, 1e-8,
+                      /*amsgrad=*/false, /*maximize=*/false);
+  };
+  std::vector<double> layer, optimizer;
+  for (int i = 0; i <= kSteps; ++i) {  // the first a warm-up: first-touch pages, oneDNN's primitive cache
+    const double start = thread_cpu_seconds();
+    stack->forward(x).sum().backward();
+    const double backward = thread_cpu_seconds();
+    optimize();
+    const double stepped = thread_cpu_seconds();
+    x.mutable_grad() = at::Tensor();
+    for (auto& w : weights) w.mutable_grad() = at::Tensor();
+    if (i == 0) continue;
+    layer.push_back((backward - start + thread_cpu_seconds() - stepped) / kLayers);
+    optimizer.push_back(stepped - backward);
+  }
+  out.layer = median_of(layer);
+  out.optimizer = median_of(optimizer);
+  return out;
 }
 
 // Pipelines of GPT example layers, as the executor runs them (Note [Split
@@ -600,9 +638,12 @@ void measure_rates(nlohmann::json& result) {
   // One GPT layer whole, for the element-wise passes' factor; which
   // attention it ran, so that the cost model counts the same.
   constexpr std::int64_t kLayerMicroBatch = 12;
+  const StackTimes stack = stack_times(kLayerMicroBatch);
   result["layer"] = {{"micro_batch", kLayerMicroBatch},
-                     {"seconds", layer_seconds(kLayerMicroBatch)},
+                     {"seconds", stack.layer},
                      {"attention", dtrain::nn::attention_materializes_scores(64) ? "materialized" : "flash"}};
+  // The optimizer phase after that training's backward (Note [Optimizer phase]).
+  result["optimizer"] = {{"params", stack.params}, {"seconds", stack.optimizer}};
   {
     // Memory: operands of 3 x 64 MiB, past any last-level cache. Cache:
     // 3 x 1 MiB, one of the GPT example's activation-sized element-wise

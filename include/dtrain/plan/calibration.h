@@ -70,6 +70,11 @@ double collectives_after_compute_latency(int ranks, double seconds_per_collectiv
 // ConfigError without ahead rounds or a fitted link.
 double collectives_ahead_latency(const AfterComputeRun& run, const Link& sliced);
 
+// Note [Optimizer phase] (cost_model.cpp): the bytes/s at which the optimizer
+// phase moved kOptimizerBytesPerParam per parameter, `params` of them in
+// `seconds` (DeviceSpec::optimizer_bandwidth). ConfigError without both.
+double optimizer_bandwidth(std::int64_t params, double seconds);
+
 // Note [Split backward cost] (calibration.cpp): the seconds the pipeline
 // executor's split backward costs beyond the same backward whole, per node
 // whose gradient it captures: (I + W - B) / captured, 0 when none is left.

@@ -35,6 +35,12 @@ namespace dtrain::plan {
 // fp32 plans use 4 + 4 + 8 either way.
 enum class WeightLayout { kMegatron, kFp32Master };
 
+// Bytes the optimizer phase moves per local fp32 parameter: AdamW's 28
+// (weight, gradient, two moments read, three written back) and clipping by
+// the global norm's 12 (each gradient read for the norm, then scaled in
+// place); Note [Optimizer phase] in cost_model.cpp.
+inline constexpr double kOptimizerBytesPerParam = 28 + 12;
+
 struct CostOptions {
   WeightLayout weights = WeightLayout::kMegatron;
   std::int64_t ddp_bucket_bytes = 25LL << 20;  // DDP and ZeRO-1/2 gradient buckets

@@ -128,6 +128,14 @@ struct DeviceSpec {
   // streams ~3x faster than from DRAM; `dtrain plan --calibrate` measures both.
   std::int64_t cache_bytes = 0;
   double cache_bandwidth = 0;  // bytes/s per rank
+  // Bytes/s at which the optimizer phase moves its 40 bytes per local fp32
+  // parameter (AdamW's 28 and clipping's 12, Note [Optimizer phase] in
+  // cost_model.cpp), as a training step finds them after its backward:
+  // measured by `dtrain plan --calibrate` (clipping and fused AdamW over a
+  // GPT-sized stack of layers, after its forward and backward). 0: the
+  // state streams at memory_bandwidth (the built-in entries, an
+  // uncalibrated host).
+  double optimizer_bandwidth = 0;
 };
 
 // The built-in table: a100-40gb, a100-80gb, h100-80gb, h100-96gb, h200,
