@@ -179,6 +179,16 @@ double collectives_ahead_latency(const AfterComputeRun& run, const Link& sliced)
 // charges it once per step to a plan whose ranks time-slice (every such
 // plan's ranks meet at least once a step: the gradients' reduction, a
 // pipeline's flush, tp's and cp's collectives).
+// Ranks that each have a core meet at a cost too, smaller: they drift apart
+// over a step's compute by a virtual CPU's jitter. On the Intel Xeon 6/167
+// VM (2026-12-04) the 2-rank measure read 0.55-1.5 ms against a
+// call_latency of 0.15-0.24 after 2 ms pieces, and examples/gpt's DDP on 2
+// ranks stepped 2.9 ms slower than two independent processes at its batch
+// (33.2-33.8 against 30.4-30.7 ms, four rounds in turn) where the model
+// charged its gradients' sync 1.7. So the runs with a core per rank time it
+// too (21 rounds: the measure is small against their noise), and the cost
+// model charges it, less that call_latency (DeviceSpec::meeting), once per
+// step to a plan of two or more such ranks.
 double split_backward_overhead(double whole_seconds, double split_seconds, int captured) {
   // The worker asserts the executor's count itself: none here is dtrain's bug.
   DTRAIN_INTERNAL_ASSERT(captured >= 1, "the split backward's calibration counted " << captured << " captured nodes");
@@ -275,6 +285,7 @@ std::string device_to_json(const DeviceSpec& d) {
                    {"concurrency_factor", d.concurrency_factor},
                    {"oversubscribed_link", link_json(d.oversubscribed_link)},
                    {"oversubscribed_meeting", d.oversubscribed_meeting},
+                   {"meeting", d.meeting},
                    {"oversubscribed_ahead_latency", d.oversubscribed_ahead_latency},
                    {"optimizer_bandwidth", d.optimizer_bandwidth},
                    {"elementwise_factor", d.elementwise_factor},
@@ -308,6 +319,7 @@ DeviceSpec device_from_json(const std::string& text) {
   d.concurrency_factor = j.value("concurrency_factor", 1.0);            // older files: not measured
   d.split_backward_overhead = j.value("split_backward_overhead", 0.0);  // older files: not measured
   d.oversubscribed_meeting = j.value("oversubscribed_meeting", 0.0);    // older files: not measured
+  d.meeting = j.value("meeting", 0.0);                                  // older files: not measured
   d.elementwise_factor = j.value("elementwise_factor", 1.0);            // older files: not measured
   d.oversubscribed_ahead_latency = j.value("oversubscribed_ahead_latency", 0.0);  // older files: not measured
   d.optimizer_bandwidth = j.value("optimizer_bandwidth", 0.0);                    // older files: not measured

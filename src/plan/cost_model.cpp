@@ -760,8 +760,8 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
   t.pipeline_idle = std::max(0.0, makespan - busy[critical]);
   t.grad_sync = exposed + after_step;
   // Note [Meetings of time-sliced ranks] (calibration.cpp): once a step,
-  // whatever the plan's collectives.
-  t.meeting = time_sliced ? dev.oversubscribed_meeting : 0.0;
+  // whatever the plan's collectives; ranks with a core each meet too.
+  t.meeting = time_sliced ? dev.oversubscribed_meeting : local >= 2 ? dev.meeting : 0.0;
   t.optimizer = optimizer;
   t.step = makespan + t.grad_sync + t.meeting + t.optimizer;
   est.step_seconds = t.step;

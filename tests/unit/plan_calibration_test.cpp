@@ -364,6 +364,16 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   }
   EXPECT_NEAR(run(meets, ddp2, 2).step_seconds, run(sliced, ddp2, 2).step_seconds, 1e-12);
   EXPECT_NEAR(run(meets, single, 1).step_seconds, run(sliced, single, 1).step_seconds, 1e-12);
+  // Ranks with a core each meet at their own (smaller) cost, once a step;
+  // one process meets no one, time-sliced ranks pay theirs instead.
+  DeviceSpec drift = sliced;
+  drift.meeting = 1e-3;
+  for (const ParallelPlan& p : {ddp2, zero3_two}) {
+    EXPECT_NEAR(run(drift, p, 2).time.meeting, 1e-3, 1e-12) << p.to_json();
+    EXPECT_NEAR(run(drift, p, 2).step_seconds - run(sliced, p, 2).step_seconds, 1e-3, 1e-9) << p.to_json();
+  }
+  EXPECT_EQ(run(drift, single, 1).step_seconds, run(sliced, single, 1).step_seconds);
+  EXPECT_EQ(run(drift, ddp4, 4).step_seconds, run(sliced, ddp4, 4).step_seconds);
   // Without latencies what is left is the transport's work: every layer
   // gathered in forward and all but the last again in backward, every unit
   // reduce-scattered, the root gathered once (it stays gathered through

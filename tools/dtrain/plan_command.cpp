@@ -180,6 +180,7 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   std::vector<double> work_fitting, work_oversubscribed;  // time_sliced_work_seconds by ranks <= or > cores
   std::vector<double> work_alone;                         // alone_work_seconds of the runs with ranks <= cores
   std::vector<double> meetings_oversubscribed;            // meeting_seconds of the runs with ranks > cores
+  std::vector<double> meetings_fitting;                   // ... with 2 <= ranks <= cores
   std::vector<nlohmann::json> after_compute;              // collectives after compute, every run
   std::vector<double> split_overhead;                     // per captured node, runs with ranks <= cores
   std::vector<double> layers_quotient;                    // layer pipelines' together / alone, runs with ranks <= cores
@@ -197,8 +198,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
           .push_back({.op = s.at("op"), .ranks = s.at("ranks"), .bytes = s.at("bytes"), .seconds = s.at("seconds")});
     (n <= d.compute_units ? work_fitting : work_oversubscribed).push_back(r.at("time_sliced_work_seconds"));
     if (n <= d.compute_units && r.contains("alone_work_seconds")) work_alone.push_back(r.at("alone_work_seconds"));
-    // The worker times it only where its ranks outnumber the cores.
-    if (r.contains("meeting_seconds")) meetings_oversubscribed.push_back(r.at("meeting_seconds"));
+    if (r.contains("meeting_seconds") && n >= 2)
+      (n <= d.compute_units ? meetings_fitting : meetings_oversubscribed).push_back(r.at("meeting_seconds"));
     if (n <= d.compute_units && r.contains("split_backward")) {
       const auto& sb = r.at("split_backward");
       split_overhead.push_back(
@@ -318,6 +319,9 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
   if (!waits.empty()) d.intra_node.call_latency = median(waits);
   if (!sliced_waits.empty()) d.oversubscribed_link.call_latency = median(sliced_waits);
   if (!ahead.empty()) d.oversubscribed_ahead_latency = median(ahead);
+  // Note [Meetings of time-sliced ranks] (calibration.cpp): ranks with a
+  // core each, beyond the wait a collective after compute already pays.
+  if (!meetings_fitting.empty()) d.meeting = std::max(0.0, median(meetings_fitting) - d.intra_node.call_latency);
   d.inter_node = plan::fit_ring_link(gloo);
   std::ostringstream what;
   what << "this host, calibrated: " << d.compute_units << " cores, " << std::setprecision(3) << d.fp32_flops / 1e9

@@ -251,12 +251,14 @@ double time_sliced_work_seconds(dtrain::dist::ProcessGroup& group, bool alone = 
 // standing for a step's compute. Rounds of two kinds in turn, in wall time:
 // kIterations iterations with a barrier after each ("lockstep"), and the
 // same with one barrier at the end ("free"); per round the difference over
-// the kIterations - 1 barriers more, the median over kRounds rounds (a drift
-// of the host's speed between rounds cancels), the ranks' mean. Run only
-// with more ranks than cores: with a core per rank a meeting costs what its
-// barrier does, which the collectives' call latency already holds.
+// the kIterations - 1 barriers more, the median over the rounds (a drift
+// of the host's speed between rounds cancels), the ranks' mean. With a core
+// per rank the ranks drift apart less (a virtual CPU's jitter) and the
+// measure is smaller against the rounds' noise: more rounds there (0.55 and
+// 1.47 ms in two 2-rank runs of 9 rounds, Intel Xeon 6/167, 2026-12-04).
 double meeting_seconds(dtrain::dist::ProcessGroup& group) {
-  constexpr int kIterations = 6, kRounds = 9;
+  constexpr int kIterations = 6;
+  const int rounds = group.size() > dtrain::plan::find_device("cpu-here").compute_units ? 9 : 21;
   MlpPiece piece;
   auto round = [&](bool lockstep) {
     group.barrier();
@@ -268,7 +270,7 @@ double meeting_seconds(dtrain::dist::ProcessGroup& group) {
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
   std::vector<double> extra;
-  for (int r = 0; r < kRounds; ++r) {
+  for (int r = 0; r < rounds; ++r) {
     const double free = round(false);
     extra.push_back((round(true) - free) / (kIterations - 1));
   }
@@ -730,9 +732,7 @@ int main(int argc, char** argv) {
     time_rates();
     result["alone_work_seconds"] = time_sliced_work_seconds(shm, /*alone=*/true);
     result["time_sliced_work_seconds"] = time_sliced_work_seconds(shm);
-    // Only where the ranks time-slice the cores, the one regime that uses it.
-    if (shm.size() > dtrain::plan::find_device("cpu-here").compute_units)
-      result["meeting_seconds"] = meeting_seconds(shm);
+    if (shm.size() >= 2) result["meeting_seconds"] = meeting_seconds(shm);
     {
       const LayerPipelineTimes t = layer_pipeline_times(shm);
       result["split_backward"] = {{"whole_seconds", t.whole}, {"split_seconds", t.split}, {"captured", t.captured}};

@@ -91,6 +91,13 @@ struct DeviceSpec {
   // once per step of a plan whose ranks time-slice. 0: none (GPUs, a run
   // with a core per rank, an uncalibrated host).
   double oversubscribed_meeting = 0;
+  // The same for ranks that each have a core (no more on a node than
+  // compute_units, two or more): they drift apart over a step's compute (a
+  // virtual CPU's jitter, the host's other guests), so where they meet the
+  // first waits for the last; measured as oversubscribed_meeting is, less
+  // the `call_latency` the collective there already pays (Note [Meetings of
+  // time-sliced ranks]). 0: none (GPUs, an uncalibrated host).
+  double meeting = 0;
   // Seconds each collective issued ahead of compute and waited for after it
   // (ZeRO-3's prefetched gathers, its reduce-scatters beside the rest of
   // backward) adds to a step of a CPU host's time-sliced ranks beyond its
