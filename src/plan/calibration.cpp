@@ -102,10 +102,10 @@ double collectives_after_compute_latency(int ranks, double seconds_per_collectiv
 }
 
 double optimizer_bandwidth(std::int64_t params, double seconds) {
-  DTRAIN_CHECK(params > 0 && seconds > 0, ConfigError,
-               "the optimizer phase's calibration needs parameters and a time (got " << params << ", " << seconds
-                                                                                      << " s).",
-               "calibrate again");
+  DTRAIN_CHECK(
+      params > 0 && seconds > 0, ConfigError,
+      "the optimizer phase's calibration needs parameters and a time (got " << params << ", " << seconds << " s).",
+      "calibrate again");
   return kOptimizerBytesPerParam * static_cast<double>(params) / seconds;
 }
 
@@ -315,12 +315,12 @@ DeviceSpec device_from_json(const std::string& text) {
   d.materialized_attention_efficiency = j.value("materialized_attention_efficiency", 0.0);
   d.cache_bytes = j.value("cache_bytes", std::int64_t{0});  // older files: no cache modelled
   d.cache_bandwidth = j.value("cache_bandwidth", 0.0);
-  d.oversubscription_factor = j.value("oversubscription_factor", 1.0);  // older files: not measured
-  d.concurrency_factor = j.value("concurrency_factor", 1.0);            // older files: not measured
-  d.split_backward_overhead = j.value("split_backward_overhead", 0.0);  // older files: not measured
-  d.oversubscribed_meeting = j.value("oversubscribed_meeting", 0.0);    // older files: not measured
-  d.meeting = j.value("meeting", 0.0);                                  // older files: not measured
-  d.elementwise_factor = j.value("elementwise_factor", 1.0);            // older files: not measured
+  d.oversubscription_factor = j.value("oversubscription_factor", 1.0);            // older files: not measured
+  d.concurrency_factor = j.value("concurrency_factor", 1.0);                      // older files: not measured
+  d.split_backward_overhead = j.value("split_backward_overhead", 0.0);            // older files: not measured
+  d.oversubscribed_meeting = j.value("oversubscribed_meeting", 0.0);              // older files: not measured
+  d.meeting = j.value("meeting", 0.0);                                            // older files: not measured
+  d.elementwise_factor = j.value("elementwise_factor", 1.0);                      // older files: not measured
   d.oversubscribed_ahead_latency = j.value("oversubscribed_ahead_latency", 0.0);  // older files: not measured
   d.optimizer_bandwidth = j.value("optimizer_bandwidth", 0.0);                    // older files: not measured
   if (j.contains("oversubscribed_link")) d.oversubscribed_link = link_from(j.at("oversubscribed_link"));

@@ -740,8 +740,8 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
   // it. On a faster Intel Xeon 6/167 VM (2026-12-04) the memory rate (a 192
   // MiB add, 15-22 GB/s) put the GPT example's phase at 1.5-2.0 ms where
   // bench_gpt_ops profiled 0.75 (fused AdamW 0.57 ms, the norms and the
-  // scaling ~0.2) and the calibration's stack times 0.93-1.05 (with the
-  // norm's read back and the step counts: 30-34 GB/s), its 13 MB of state
+  // scaling ~0.2) and the calibration's stack times 0.93-1.3 (with the
+  // norm's read back and the step counts: 25-34 GB/s), its 13 MB of state
   // still in the last-level cache. Over-charged so, the optimizer made
   // ZeRO's sharded step look ~1 ms cheaper than DDP's on 2 ranks (measured
   // within 1-2 %) and DDP on 4 time-sliced ranks ~3 ms slower than it ran.

@@ -229,7 +229,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
             r.at("layer").at("attention") == "materialized" ? plan::Attention::kMaterialized : plan::Attention::kFlash;
       }
       if (r.contains("optimizer"))
-        optimizer_rates.push_back(plan::optimizer_bandwidth(r.at("optimizer").at("params"), r.at("optimizer").at("seconds")));
+        optimizer_rates.push_back(
+            plan::optimizer_bandwidth(r.at("optimizer").at("params"), r.at("optimizer").at("seconds")));
     }
     err << "dtrain plan --calibrate: " << n << " processes done\n";
   }
@@ -314,7 +315,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
                                                            run.bytes, sliced ? d.oversubscribed_link : d.intra_node));
     // Note [Collectives issued ahead on time-sliced ranks] (cost_model.cpp):
     // from the time-sliced runs, on their own link.
-    if (sliced && run.ahead_collectives > 0) ahead.push_back(plan::collectives_ahead_latency(run, d.oversubscribed_link));
+    if (sliced && run.ahead_collectives > 0)
+      ahead.push_back(plan::collectives_ahead_latency(run, d.oversubscribed_link));
   }
   if (!waits.empty()) d.intra_node.call_latency = median(waits);
   if (!sliced_waits.empty()) d.oversubscribed_link.call_latency = median(sliced_waits);
