@@ -181,8 +181,9 @@ double collectives_ahead_latency(const AfterComputeRun& run, const Link& sliced)
 // pipeline's flush, tp's and cp's collectives).
 // Ranks that each have a core meet at a cost too, smaller: they drift apart
 // over a step's compute by a virtual CPU's jitter. On the Intel Xeon 6/167
-// VM (2026-12-04) the 2-rank measure read 0.55-1.5 ms against a
-// call_latency of 0.15-0.24 after 2 ms pieces, and examples/gpt's DDP on 2
+// VM (2026-12-04) the 2-rank measure read 0.55-1.5 ms in two runs of 9
+// rounds and 1.5-1.9 in two of 21, against a call_latency of 0-0.24 ms
+// after 2 ms pieces, and examples/gpt's DDP on 2
 // ranks stepped 2.9 ms slower than two independent processes at its batch
 // (33.2-33.8 against 30.4-30.7 ms, four rounds in turn) where the model
 // charged its gradients' sync 1.7. So the runs with a core per rank time it

@@ -477,8 +477,8 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
         // in turn, 2026-12-04, Intel 6/167): four independent processes
         // 35.5 ms a step, DDP 44-45, ZeRO-3 45-47.5, where the model's
         // ZeRO-3 had 11 collectives issued ahead charged their work only;
-        // the calibration's ahead rounds read 0.38-0.41 ms per collective
-        // (the after-compute ones 0.69-0.81). DDP's and HSDP's waits at the
+        // the calibration's ahead rounds read 0.35-0.53 ms per collective in
+        // nine calibrations (the after-compute ones 0.69-0.81 in two). DDP's and HSDP's waits at the
         // end of backward stay charged whole (grad_sync).
         const double ahead = dev.oversubscribed_ahead_latency;
         const double layer_work = detail::gather_work_seconds(layer_params * e, shard, shard_link) + ahead;
