@@ -105,11 +105,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_until(predicate, timeout, what):
+def wait_until(predicate, timeout, what, procs=None):
+    """Polls `predicate` until it holds; TimeoutError after `timeout` s, and at
+    once (RuntimeError) when every process of `procs` (a dict) has exited
+    without it holding: a case whose workers could not start fails in
+    seconds, not after its timeout."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
             return
+        if procs and all(p.poll() is not None for p in procs.values()):
+            if predicate():
+                return
+            codes = ", ".join(str(p.returncode) for p in procs.values())
+            raise RuntimeError(f"{what}: its processes exited (codes {codes}) first")
         time.sleep(0.01)
     raise TimeoutError(what)
 
@@ -222,7 +231,8 @@ def run_case(name, args, kill=True):
     result = {"case": name}
     try:
         if kill:
-            wait_until(lambda: len(steps_of(paths[victim])) >= args.kill_at, 300, f"{name}: no step {args.kill_at}")
+            wait_until(lambda: len(steps_of(paths[victim])) >= args.kill_at, 300, f"{name}: no step {args.kill_at}",
+                       procs)
             victim_pid = steps_of(paths[victim])[-1]["pid"]
             t_kill_ms = int(time.time() * 1000)
             os.kill(victim_pid, signal.SIGKILL)
@@ -234,7 +244,7 @@ def run_case(name, args, kill=True):
 
         def done():
             return all(any(e["step"] == last for e in steps_of(path)) for path in paths)
-        wait_until(done, args.case_timeout, f"{name}: did not finish within {args.case_timeout} s")
+        wait_until(done, args.case_timeout, f"{name}: did not finish within {args.case_timeout} s", procs)
         if kill:
             result.update(analyse(paths, args.replicas, victim, victim_pid, t_kill_ms, args.replicas))
         else:
