@@ -116,7 +116,7 @@ double collectives_ahead_latency(const AfterComputeRun& run, const Link& sliced)
                "rerun the calibration with more ranks than cores");
   const double k = run.ranks;
   const double added = (run.ahead_wall_seconds - run.compute_wall_seconds) / run.ahead_collectives;
-  return std::max(0.0, added - (k - 1) / k * run.bytes / sliced.bandwidth);
+  return std::max(0.0, added - (k - 1) / k * run.ahead_bytes / sliced.bandwidth);
 }
 
 // Note [Split backward cost]

@@ -476,13 +476,16 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
         // parameters). examples/gpt on 4 ranks (40 steps, three rounds
         // in turn, 2026-12-04, Intel 6/167): four independent processes
         // 35.5 ms a step, DDP 44-45, ZeRO-3 45-47.5, where the model's
-        // ZeRO-3 had 11 collectives issued ahead charged their work only;
+        // ZeRO-3 had 10 collectives issued ahead charged their work only;
         // the calibration's ahead rounds read 0.35-0.53 ms per collective in
         // nine calibrations (the after-compute ones 0.69-0.81 in two). DDP's and HSDP's waits at the
         // end of backward stay charged whole (grad_sync).
         const double ahead = dev.oversubscribed_ahead_latency;
         const double layer_work = detail::gather_work_seconds(layer_params * e, shard, shard_link) + ahead;
-        const double scatters = n + (root > 0 ? 1 : 0);
+        // The root's reduce-scatter is not ahead of anything: its gradient
+        // (the embedding's) completes last and is waited for at once, the
+        // end-of-backward meeting below (ZeroEngine's order_).
+        const double scatters = n;
         const double scatter_work = n * detail::gather_work_seconds(layer_params * bpp.grads, shard, shard_link) +
                                     detail::gather_work_seconds(root / tp * bpp.grads, shard, shard_link) +
                                     scatters * ahead;
@@ -761,7 +764,7 @@ PlanEstimate detail::estimate(const ParallelPlan& plan, const ModelSpec& model, 
   t.grad_sync = exposed + after_step;
   // Note [Meetings of time-sliced ranks] (calibration.cpp): once a step,
   // whatever the plan's collectives; ranks with a core each meet too.
-  t.meeting = time_sliced ? dev.oversubscribed_meeting : local >= 2 ? dev.meeting : 0.0;
+  t.meeting = time_sliced ? dev.oversubscribed_meeting : local >= 2 && dev.compute_units > 0 ? dev.meeting : 0.0;
   t.optimizer = optimizer;
   t.step = makespan + t.grad_sync + t.meeting + t.optimizer;
   est.step_seconds = t.step;

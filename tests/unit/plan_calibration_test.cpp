@@ -122,9 +122,10 @@ TEST(PlanCalibration, CollectivesIssuedAheadPayWhatTheirWorkDoesNot) {
   const double bytes = 16 << 10, work = 0.75 * bytes / sliced.bandwidth;  // 4 ranks
   const AfterComputeRun run{.ranks = 4,
                             .compute_wall_seconds = 0.035,
-                            .bytes = bytes,
+                            .bytes = 4 * bytes,  // the after-compute all-reduce's: not these
                             .ahead_wall_seconds = 0.035 + 8 * (work + 400e-6),
-                            .ahead_collectives = 8};
+                            .ahead_collectives = 8,
+                            .ahead_bytes = bytes};
   EXPECT_NEAR(collectives_ahead_latency(run, sliced), 400e-6, 1e-12);
   // Faster than the compute alone (noise): nothing added, never less.
   AfterComputeRun quick = run;
@@ -174,6 +175,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   d.elementwise_factor = 0.61;
   d.oversubscribed_ahead_latency = 0.42e-3;
   d.optimizer_bandwidth = 41e9;
+  d.meeting = 0.7e-3;
   const std::string path = ::testing::TempDir() + "/plan_calibration_device.json";
   write_device_file(path, d);
   const DeviceSpec back = read_device_file(path);
@@ -196,6 +198,7 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(back.elementwise_factor, d.elementwise_factor);
   EXPECT_EQ(back.oversubscribed_ahead_latency, d.oversubscribed_ahead_latency);
   EXPECT_EQ(back.optimizer_bandwidth, d.optimizer_bandwidth);
+  EXPECT_EQ(back.meeting, d.meeting);
   EXPECT_EQ(back.intra_node.call_latency, 0);
   std::remove(path.c_str());
   EXPECT_THROW(read_device_file(path), ConfigError);
@@ -210,9 +213,14 @@ TEST(PlanCalibration, DeviceFileRoundTrips) {
   EXPECT_EQ(device_from_json(older.dump()).oversubscribed_ahead_latency, 0);
   ASSERT_EQ(older.erase("optimizer_bandwidth"), 1U);
   EXPECT_EQ(device_from_json(older.dump()).optimizer_bandwidth, 0);
+  ASSERT_EQ(older.erase("meeting"), 1U);
+  EXPECT_EQ(device_from_json(older.dump()).meeting, 0);
   for (const DeviceSpec& gpu : device_table()) {
     if (gpu.compute_units == 0) {
       EXPECT_EQ(gpu.split_backward_overhead, 0) << gpu.name;
+      EXPECT_EQ(gpu.meeting, 0) << gpu.name;
+      EXPECT_EQ(gpu.oversubscribed_ahead_latency, 0) << gpu.name;
+      EXPECT_EQ(gpu.optimizer_bandwidth, 0) << gpu.name;
     }
   }
 }
@@ -332,12 +340,12 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   EXPECT_NEAR(run(waits, hsdp, 4).time.zero3_comm - run(sliced, hsdp, 4).time.zero3_comm, 3e-3, 1e-9);
   // Each collective issued ahead of compute (Note [Collectives issued ahead
   // on time-sliced ranks]) adds its measured cost: every layer's gather but
-  // the first in forward, every one but the last in backward, every unit's
-  // reduce-scatter (the root's too): 3 layers - 1; not DDP's, and nothing
-  // where each rank has a core.
+  // the first in forward, every one but the last in backward, every layer's
+  // reduce-scatter (not the root's, waited for as backward ends): 3 layers -
+  // 2; not DDP's, and nothing where each rank has a core.
   DeviceSpec ahead = sliced;
   ahead.oversubscribed_ahead_latency = 1e-3;
-  const double issued_ahead = 3.0 * model.layers - 1;
+  const double issued_ahead = 3.0 * model.layers - 2;
   for (const ParallelPlan& p : {zero3_4, hsdp}) {
     EXPECT_NEAR(run(ahead, p, 4).time.zero3_comm - run(sliced, p, 4).time.zero3_comm, issued_ahead * 1e-3, 1e-9)
         << p.to_json();
@@ -374,6 +382,9 @@ TEST(PlanCalibration, TimeSlicingAndNoSpareCoreAddToTheStep) {
   }
   EXPECT_EQ(run(drift, single, 1).step_seconds, run(sliced, single, 1).step_seconds);
   EXPECT_EQ(run(drift, ddp4, 4).step_seconds, run(sliced, ddp4, 4).step_seconds);
+  DeviceSpec gpu = find_device("h100-80gb");  // a GPU's ranks: no CPU host's drift
+  gpu.meeting = 1e-3;
+  EXPECT_EQ(run(gpu, ddp2, 2).time.meeting, 0);
   // Without latencies what is left is the transport's work: every layer
   // gathered in forward and all but the last again in backward, every unit
   // reduce-scattered, the root gathered once (it stays gathered through

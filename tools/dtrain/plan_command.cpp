@@ -305,7 +305,8 @@ int calibrate(const PlanCommandOptions& o, std::ostream& out, std::ostream& err)
                                     .collectives = ac.at("collectives"),
                                     .bytes = ac.at("bytes"),
                                     .ahead_wall_seconds = ac.value("ahead_wall_seconds", 0.0),
-                                    .ahead_collectives = ac.value("ahead_collectives", 0)};
+                                    .ahead_collectives = ac.value("ahead_collectives", 0),
+                                    .ahead_bytes = ac.value("ahead_bytes", 0.0)};
     // The measure by the run's regime (more ranks than cores or not); the
     // link it calibrates: the time-sliced one where such runs have their own.
     const bool sliced = run.ranks > d.compute_units && !shm_oversubscribed.empty();

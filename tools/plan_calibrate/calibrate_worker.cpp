@@ -15,7 +15,7 @@
 // seconds, attention}, "optimizer": {params, seconds}, "time_sliced_work_seconds",
 // "alone_work_seconds", "after_compute": {wall_seconds, compute_wall_seconds,
 // collective_seconds, collectives, bytes, and with more ranks than cores
-// ahead_wall_seconds, ahead_collectives}, "split_backward": {whole_seconds, split_seconds,
+// ahead_wall_seconds, ahead_collectives, ahead_bytes}, "split_backward": {whole_seconds, split_seconds,
 // captured}, "layer_pipeline": {alone_seconds, together_seconds,
 // together_over_alone}, "samples": [{transport, op, ranks, bytes, seconds}]},
 // each figure the median of its repeats (time_sliced_work_seconds: a total,
@@ -517,6 +517,7 @@ LayerPipelineTimes layer_pipeline_times(dtrain::dist::ProcessGroup& world) {
 //    compute-only round is.
 struct AfterCompute {
   double wall = 0, compute_only = 0, per_collective = 0, ahead_wall = 0;
+  std::int64_t ahead_bytes = 0;  // what each ahead all_gather gathered
 };
 // With more ranks than cores the planner takes the rounds' difference, and
 // one round's difference scatters widely: 4 ranks on 2 cores (Intel Xeon
@@ -540,7 +541,9 @@ AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
   std::vector<double> starts, arrivals, returns;
   auto seconds = [](Clock::time_point t) { return std::chrono::duration<double>(t.time_since_epoch()).count(); };
   const bool sliced = group.size() > cores;
-  at::Tensor gathered = at::ones({4096}), slice = at::ones({4096 / group.size()});  // 16 KiB gathered
+  // ~16 KiB gathered, in equal slices whatever the ranks
+  const std::int64_t slice_elements = (4096 + group.size() - 1) / group.size();
+  at::Tensor slice = at::ones({slice_elements}), gathered = at::ones({slice_elements * group.size()});
   auto ahead_round = [&] {
     group.barrier();
     const auto start = Clock::now();
@@ -596,7 +599,8 @@ AfterCompute collectives_after_compute(dtrain::dist::ProcessGroup& group) {
   return {.wall = both[0].item<double>() / n,
           .compute_only = both[1].item<double>() / n,
           .per_collective = median_of(std::vector<double>(cost.data_ptr<double>(), cost.data_ptr<double>() + count)),
-          .ahead_wall = both[2].item<double>() / n};
+          .ahead_wall = both[2].item<double>() / n,
+          .ahead_bytes = gathered.numel() * static_cast<std::int64_t>(sizeof(float))};
 }
 
 // all_reduce and all_gather of 16 KiB .. 4 MiB over `group`, each the
@@ -606,7 +610,10 @@ nlohmann::json time_collectives(dtrain::dist::ProcessGroup& group, const char* t
   const std::int64_t world = group.size();
   for (const char* op : {"all_reduce", "all_gather"}) {
     for (const std::int64_t bytes : {16LL << 10, 256LL << 10, 4LL << 20}) {
-      at::Tensor full = at::ones({bytes / 4}), slice = at::ones({bytes / 4 / world});
+      // all_gather: equal slices of ~bytes gathered whatever the ranks (3 does not divide 4096).
+      const std::int64_t slice_elements = (bytes / 4 + world - 1) / world;
+      const bool gather = std::strcmp(op, "all_gather") == 0;
+      at::Tensor full = at::ones({gather ? slice_elements * world : bytes / 4}), slice = at::ones({slice_elements});
       const bool reduce = std::strcmp(op, "all_reduce") == 0;
       const int repeats = bytes <= (256 << 10) ? 30 : 10;
       std::vector<double> s;
@@ -621,8 +628,11 @@ nlohmann::json time_collectives(dtrain::dist::ProcessGroup& group, const char* t
         if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - start).count());
       }
       std::sort(s.begin(), s.end());
-      samples.push_back(
-          {{"transport", transport}, {"op", op}, {"ranks", world}, {"bytes", bytes}, {"seconds", s[s.size() / 2]}});
+      samples.push_back({{"transport", transport},
+                         {"op", op},
+                         {"ranks", world},
+                         {"bytes", full.numel() * 4},
+                         {"seconds", s[s.size() / 2]}});
     }
   }
   return samples;
@@ -751,6 +761,7 @@ int main(int argc, char** argv) {
       if (ac.ahead_wall > 0) {
         result["after_compute"]["ahead_wall_seconds"] = ac.ahead_wall;
         result["after_compute"]["ahead_collectives"] = kPerRound;
+        result["after_compute"]["ahead_bytes"] = ac.ahead_bytes;
       }
     }
     nlohmann::json samples = time_collectives(shm, "shared_memory");

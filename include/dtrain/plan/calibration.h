@@ -43,11 +43,12 @@ struct AfterComputeRun {
   double compute_wall_seconds = 0;
   int collectives = 0;
   double bytes = 0;
-  // Time-sliced runs only (0 otherwise): the median round's wall time with a
-  // `bytes` all_gather issued before each piece of compute and waited for
-  // after it, `ahead_collectives` a round.
+  // Time-sliced runs only (0 otherwise): the median round's wall time with an
+  // all_gather of `ahead_bytes` (gathered) issued before each piece of
+  // compute and waited for after it, `ahead_collectives` a round.
   double ahead_wall_seconds = 0;
   int ahead_collectives = 0;
+  double ahead_bytes = 0;
 };
 
 // Note [Collectives after compute] (calibration.cpp): the seconds a
