@@ -51,6 +51,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -69,6 +70,17 @@ namespace dtrain::ft {
 namespace {
 constexpr const char* kStepKey = "dtrain_ft/step";
 constexpr int kRecoveryTag = 27;
+
+// A tensor of `sizes` (contiguous) over `flat`'s storage from element
+// `offset` on: an alias, not an autograd view, so that optimizers' zero_grad
+// (detach_, then reset) may drop it as any gradient.
+at::Tensor alias_of(const at::Tensor& flat, std::int64_t offset, at::IntArrayRef sizes) {
+  std::vector<std::int64_t> strides(sizes.size(), 1);
+  for (std::size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * std::max<std::int64_t>(sizes[i], 1);
+  at::Tensor alias = at::empty({0}, flat.options());
+  alias.set_(flat.storage(), flat.storage_offset() + offset, sizes, strides);
+  return alias;
+}
 
 // Adds the wall time of its scope to a FaultTolerantTimes field.
 class Timed {
@@ -494,6 +506,20 @@ void FaultTolerantReplicas::finish_serving() {
   serving_ = {};
 }
 
+// Note [Gradients as views of the flat buffer]
+// The cross-replica mean runs on one flat buffer (kept across steps), so a
+// step copies the gradients in and, without gradients_as_buffer_views, the
+// mean back out: two passes over every gradient. With it, the second pass
+// goes: the gradients become views of the buffer (as DDP's
+// gradient_as_bucket_view; aliases of its storage, not autograd views,
+// which LibTorch's zero_grad could not detach_), which the optimizer reads. They cannot stay
+// views across steps for free: accumulating into a kept gradient is a pass
+// too (an add, and the zeroing before it), which is why the caller drops
+// them instead and backward hands fresh tensors that the next step copies
+// in. A view the caller did not drop is not written under it: the step
+// then takes a fresh buffer (the view keeps the old one alive), as after a
+// failed all-reduce, whose abandoned collective may still write the buffer
+// (flat_ is dropped there; the gradients are only replaced after success).
 void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensors) {
   finish_serving();
   settle_quorum();
@@ -513,11 +539,16 @@ void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensor
     // fresh pages from the kernel every step (their faults cost more than
     // the copy: ~1 ms for bench/ft's 4 MB). No collective holds it between
     // steps (one abandoned on a silent member may: flat_ is dropped then).
+    // A gradient that is still a view of it (gradients_as_buffer_views, its
+    // caller not having dropped it) keeps the old one, and the step gets a
+    // fresh one: cat_out may not read what it writes.
+    const bool aliased = flat_.defined() && std::any_of(tensors.begin(), tensors.end(),
+                                                        [this](const at::Tensor& t) { return t.is_alias_of(flat_); });
     if (!alike) {
       flat_ = at::cat(flat);
     } else {
-      if (!flat_.defined() || flat_.numel() != total || flat_.scalar_type() != tensors.front().scalar_type() ||
-          flat_.device() != tensors.front().device()) {
+      if (aliased || !flat_.defined() || flat_.numel() != total ||
+          flat_.scalar_type() != tensors.front().scalar_type() || flat_.device() != tensors.front().device()) {
         flat_ = at::empty({total}, tensors.front().options());
       }
       at::cat_out(flat_, flat);
@@ -532,7 +563,11 @@ void FaultTolerantReplicas::all_reduce_gradients(std::vector<at::Tensor>& tensor
     Timed unflatten_time(times_.unflatten_ms);
     std::int64_t offset = 0;
     for (auto& t : tensors) {
-      t.copy_(buffer.narrow(0, offset, t.numel()).view_as(t));
+      if (options_.gradients_as_buffer_views) {
+        t = alias_of(buffer, offset, t.sizes());
+      } else {
+        t.copy_(buffer.narrow(0, offset, t.numel()).view_as(t));
+      }
       offset += t.numel();
     }
   } catch (const std::exception& e) {

@@ -144,7 +144,8 @@ FaultTolerantStep::FaultTolerantStep(const TrainerFaultTolerance& options, Strat
                                .group_timeout = options_.group_timeout,
                                .max_steps = max_steps,
                                .overlap_quorum = true,
-                               .max_retries = options_.max_retries});
+                               .max_retries = options_.max_retries,
+                               .gradients_as_buffer_views = !group && strategy_.gradients_replaceable()});
 }
 
 FaultTolerantStep::~FaultTolerantStep() = default;
@@ -167,8 +168,18 @@ std::int64_t FaultTolerantStep::begin(std::int64_t committed) {
 }
 
 bool FaultTolerantStep::commit(std::int64_t step) {
-  auto grads = defined_gradients(strategy_);
+  std::vector<at::Tensor> params;
+  for (const auto& p : strategy_.parameters()) {
+    if (p.grad().defined()) params.push_back(p);
+  }
+  std::vector<at::Tensor> grads;
+  grads.reserve(params.size());
+  for (const auto& p : params) grads.push_back(p.grad());
   replicas_->all_reduce_gradients(grads);
+  // gradients_as_buffer_views: the mean's views (the same tensors otherwise).
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!grads[i].is_same(params[i].grad())) params[i].mutable_grad() = grads[i];
+  }
   if (!replicas_->should_commit()) return false;
   if (options_.on_commit) options_.on_commit(step, replicas_->quorum());
   return true;

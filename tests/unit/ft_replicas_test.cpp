@@ -705,5 +705,68 @@ TEST(FtReplicas, SourceThatDiesMidTransferLeavesTheReceiverUntouched) {
   EXPECT_TRUE(at::equal(final_w[survivor], at::full({kFloats}, static_cast<float>(kSteps))));
 }
 
+// FaultTolerantOptions::gradients_as_buffer_views (Note [Gradients as views
+// of the flat buffer]): two replicas, two gradients each. The mean comes back
+// as views of one buffer, equal to the copy path's mean bit for bit, and the
+// tensors passed in are left as they were (nothing is copied back). In the
+// last step a replica keeps its previous step's views and accumulates into
+// them (a caller that did not drop them): the step takes a fresh buffer, so
+// the kept views still hold what they held, and its mean is still right.
+TEST(FtReplicas, GradientsAsBufferViewsEqualTheCopiedMean) {
+  constexpr int kSteps = 3;
+  auto gradient = [](int replica, std::int64_t step, int which) {
+    return at::full({which == 0 ? 3 : 2, 2}, static_cast<float>((replica + 1) * (step + 2) + which) / 7.0f);
+  };
+  auto store = dist::Store::in_memory();
+  Lighthouse lighthouse(store, {.min_replicas = 2,
+                                .startup_replicas = 2,
+                                .heartbeat_timeout = milliseconds(1000),
+                                .join_timeout = milliseconds(5000),
+                                .scan_interval = milliseconds(10)});
+  std::vector<int> commits(2, 0);
+  testing::run_rank_threads(2, [&](int replica, dist::Store) {
+    LighthouseClient client(store, store, {.replica_id = replica, .commit_timeout = milliseconds(3000)});
+    at::Tensor w = at::zeros({1});
+    FaultTolerantReplicas replicas(
+        client, state_of(w),
+        {.group_timeout = milliseconds(5000), .max_steps = kSteps, .gradients_as_buffer_views = true});
+    std::vector<at::Tensor> kept;  // the last step's views
+    while (replicas.step() < kSteps) {
+      replicas.start_step();
+      const std::int64_t step = replicas.step();
+      std::vector<at::Tensor> given{gradient(replica, step, 0), gradient(replica, step, 1)};
+      std::vector<at::Tensor> grads = given;
+      at::Tensor kept_before;
+      if (step == kSteps - 1 && replica == 1) {
+        // Accumulated into the kept views: the same values as given.
+        for (int i = 0; i < 2; ++i) kept[i].zero_().add_(given[i]);
+        grads = kept;
+        kept_before = at::cat({kept[0].reshape({-1}), kept[1].reshape({-1})});
+      }
+      replicas.all_reduce_gradients(grads);
+      ASSERT_TRUE(replicas.should_commit()) << replicas.failure();
+      ++commits[replica];
+      for (int i = 0; i < 2; ++i) {
+        const at::Tensor mean = (gradient(0, step, i) + gradient(1, step, i)).div_(2);
+        EXPECT_TRUE(at::equal(grads[i], mean)) << "replica " << replica << ", step " << step << ", gradient " << i;
+        EXPECT_TRUE(grads[i].is_alias_of(grads[0])) << "one buffer holds every mean";
+        if (!kept_before.defined()) {
+          EXPECT_FALSE(grads[i].is_alias_of(given[i])) << "a view, not the tensor passed in";
+          EXPECT_TRUE(at::equal(given[i], gradient(replica, step, i))) << "nothing is copied back";
+        }
+      }
+      if (kept_before.defined()) {
+        EXPECT_FALSE(grads[0].is_alias_of(kept[0])) << "a kept view gets a fresh buffer";
+        EXPECT_TRUE(at::equal(at::cat({kept[0].reshape({-1}), kept[1].reshape({-1})}), kept_before))
+            << "the step wrote under a view the caller kept";
+      }
+      kept = grads;
+    }
+  });
+  EXPECT_EQ(commits[0], kSteps);
+  EXPECT_EQ(commits[1], kSteps);
+  lighthouse.check();
+}
+
 }  // namespace
 }  // namespace dtrain::ft

@@ -124,6 +124,17 @@ struct FaultTolerantOptions {
   // votes, so they give up at the same step; nothing of the aborted steps
   // is applied. Unset (the default): retry without limit.
   std::optional<int> max_retries;
+  // all_reduce_gradients() leaves the mean in its flat buffer and replaces
+  // each of `tensors` by the view of it there, instead of copying the mean
+  // back (one pass over the gradients less a step: Note [Gradients as views
+  // of the flat buffer] in src/ft/replicas.cpp). The caller makes those
+  // views its parameters' gradients and must drop them (zero_grad setting
+  // them to none, as LibTorch's optimizers do) before the next backward:
+  // the buffer is written again by the next step's all-reduce. For a caller
+  // whose gradients nothing else holds (the Trainer sets it for a replica
+  // group of one process without DDP or ZeRO, whose buckets and shards hold
+  // them).
+  bool gradients_as_buffer_views = false;
 };
 
 // Where this replica's calls spent their time, summed over its steps
@@ -155,7 +166,8 @@ class FaultTolerantReplicas {
   // does not answer.
   void start_step();
   // In place: the mean of `tensors` over the quorum's members (one flat
-  // all-reduce). Failures of the group and the all-reduce are recorded, not
+  // all-reduce); with gradients_as_buffer_views, `tensors` are replaced by
+  // views of the mean instead, once it succeeded. Failures of the group and the all-reduce are recorded, not
   // thrown (see should_commit). With overlap_quorum the step's quorum may be
   // read here, so the lighthouse's errors that start_step() throws
   // (TimeoutError, CommunicationError when no candidate is left,

@@ -103,6 +103,12 @@ class Strategy {
   // (accumulation's first k-1 micro-batches); nullptr when nothing syncs.
   virtual std::unique_ptr<Scope> no_sync() { return nullptr; }
   virtual void zero_grad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
+  // Whether the parameters' gradients may be replaced by other tensors
+  // between backward and the optimizer step: nothing of the strategy holds
+  // them (DDP's bucket views, ZeRO's shards and a pipeline's copies do) and
+  // zero_grad sets them to none. The fault-tolerant step then makes them
+  // views of the cross-replica mean (FaultTolerantOptions::gradients_as_buffer_views).
+  virtual bool gradients_replaceable() const { return false; }
   // How this rank's gradients combine into the global norm.
   virtual GradientSet gradients() { return GradientSet::replicated(module().parameters()); }
   // Clips by global norm (returns the norm before clipping); strategies with
@@ -151,6 +157,7 @@ class SingleDeviceStrategy : public Strategy {
  public:
   SingleDeviceStrategy(Holder module, c10::Device device) : module_(std::move(module)), device_(device) {}
   std::string name() const override { return "single"; }
+  bool gradients_replaceable() const override { return true; }
   torch::nn::Module& module() override { return *detail::as_module_ptr(module_); }
   c10::Device input_device() const override { return device_; }
   c10::Device output_device() const override { return device_; }
